@@ -1,0 +1,43 @@
+# Two commands on a fresh machine: `make demo` (the main job) and `make test`.
+# Each creates its virtual environment on first use.
+
+PYTHON   ?= python3
+PY312    ?= $(shell command -v python3.12 || echo /root/.pyenv/versions/3.12.1/bin/python3)
+VENV     ?= .venv
+VENV312  ?= .venv312
+# Pinned first: an unpinned torch would pull a multi-GB CUDA build.
+TORCH    ?= torch==2.13.0
+JAX011   ?= jax==0.11.2
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-core-jax011 bench gpu clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q "$(TORCH)"
+	$(VENV)/bin/pip install -q -e ".[test,bench]"
+	touch $@
+
+$(VENV312)/.installed: pyproject.toml
+	$(PY312) -m venv $(VENV312)
+	$(VENV312)/bin/pip install -q --upgrade pip
+	$(VENV312)/bin/pip install -q "$(JAX011)" -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/python -m jaxrope.demo
+
+# The full CPU suite: core + torch bridge, on the default JAX of this Python.
+test: $(VENV)/.installed
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+# The core suite on the JAX version the GPU machine runs (torch tests skip there).
+test-core-jax011: $(VENV312)/.installed
+	$(VENV312)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed
+	$(VENV)/bin/python -m bench.rope_bench --quick
+
+clean:
+	rm -rf $(VENV) $(VENV312) .pytest_cache .hypothesis

@@ -1,0 +1,29 @@
+"""jaxrope: rotary position embedding for LLM serving, in JAX and Pallas.
+
+The public API is the list below; every other module is an implementation detail.
+"""
+
+from jaxrope import positions
+from jaxrope.apply import apply_rope
+from jaxrope.backend import BACKENDS
+from jaxrope.config import RopeConfig
+from jaxrope.positions import PositionTable, Scheme, SlotMap
+from jaxrope.scaling import DynamicNTK, Linear, Llama3, LongRope, Proportional, Yarn
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "DynamicNTK",
+    "Linear",
+    "Llama3",
+    "LongRope",
+    "PositionTable",
+    "Proportional",
+    "RopeConfig",
+    "Scheme",
+    "SlotMap",
+    "Yarn",
+    "apply_rope",
+    "positions",
+]

@@ -1,0 +1,111 @@
+"""``apply_rope``: the public entry point; validates once, then runs the chosen kernel."""
+
+from __future__ import annotations
+
+import functools
+from typing import Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrope import backend as _backend
+from jaxrope.config import RopeConfig
+from jaxrope.frequencies import angle_tables
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+@functools.lru_cache(maxsize=256)
+def kernel_constants(cfg: RopeConfig) -> Tuple[np.ndarray, float]:
+    """float32 angle tables ``[3, R/2]`` and the attention factor the kernels use for ``cfg``.
+
+    Keyed by the whole (frozen) config, so two configs that differ in any field never
+    share an entry.
+    """
+    inv_freq, attention = cfg.serving_frequencies()
+    tables = angle_tables(inv_freq)
+    tables.setflags(write=False)
+    return tables, attention
+
+
+def _platform(x) -> str:
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+        return jax.default_backend()
+    devices = x.devices()
+    return next(iter(devices)).platform
+
+
+def validate(q, k, pos_ids, cfg: RopeConfig) -> None:
+    """The boundary checks of :func:`apply_rope` (shapes, dtypes, visible positions)."""
+    if not isinstance(cfg, RopeConfig):
+        raise TypeError(f"cfg must be a RopeConfig, got {type(cfg).__name__}")
+    for name, x in (("q", q), ("k", k)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+        if x.ndim != 3:
+            raise ValueError(f"{name}.shape={tuple(x.shape)} must be [T, H, D] (rank 3)")
+        if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name}.dtype={x.dtype} must be one of float32, float16, bfloat16")
+        if x.shape[2] != cfg.head_dim:
+            raise ValueError(f"{name}.shape[2]={x.shape[2]} must equal cfg.head_dim={cfg.head_dim}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k.shape[0]={k.shape[0]} must equal q.shape[0]={q.shape[0]} (tokens)")
+    if k.dtype != q.dtype:
+        raise ValueError(f"k.dtype={k.dtype} must equal q.dtype={q.dtype}")
+    if not hasattr(pos_ids, "shape") or not hasattr(pos_ids, "dtype"):
+        raise TypeError(f"pos_ids must be an integer array, got {type(pos_ids).__name__}")
+    if pos_ids.ndim != 1 or pos_ids.shape[0] != q.shape[0]:
+        raise ValueError(f"pos_ids.shape={tuple(pos_ids.shape)} must be [T] with T={q.shape[0]}")
+    if not jnp.issubdtype(pos_ids.dtype, jnp.integer):
+        raise ValueError(f"pos_ids.dtype={pos_ids.dtype} must be an integer type (int32)")
+    if isinstance(q, jax.Array) and isinstance(k, jax.Array) and not isinstance(
+            q, jax.core.Tracer) and not isinstance(k, jax.core.Tracer) and q.devices() != k.devices():
+        raise ValueError(f"q is on {q.devices()} but k is on {k.devices()}; put them on one device")
+    if not isinstance(pos_ids, jax.core.Tracer) and pos_ids.shape[0]:
+        values = np.asarray(pos_ids)
+        low, high = int(values.min()), int(values.max())
+        if low < 0 or high >= cfg.max_position:
+            raise ValueError(f"pos_ids must lie in [0, {cfg.max_position}) "
+                             f"(cfg.max_position), got values in [{low}, {high}]")
+
+
+def apply_rope(q, k, pos_ids, cfg: RopeConfig, backend: str = "auto"):
+    """Rotate queries and keys by their positions.
+
+    Args:
+      q: ``[T, Hq, D]`` float32, float16 or bfloat16, ``D == cfg.head_dim``.
+      k: ``[T, Hk, D]``, same dtype and ``T`` as ``q``.
+      pos_ids: int ``[T]``, the position of each token, in ``[0, cfg.max_position)``.
+        Checked when the values are visible (not traced under ``jit``); traced
+        positions are not checked, and values at or past ``2**24`` lose angle accuracy.
+      cfg: the :class:`RopeConfig`; static under ``jit``.
+      backend: "auto" (Pallas on GPU, XLA elsewhere), "pallas", "xla", or "interpret"
+        (the Pallas kernel body run by the Pallas interpreter, any platform).
+
+    Returns:
+      ``(q, k)`` rotated, same shapes and dtypes. Dims ``[cfg.rotary_dim, D)`` are
+      returned unchanged. Math is float32 with frequencies from float64; cos and sin
+      are multiplied by the variant's attention factor. Under ``jax.jit`` with ``q`` and
+      ``k`` donated the result reuses their buffers (in place); without donation XLA
+      first copies them, so the caller's arrays are never modified.
+
+    Raises:
+      TypeError: ``cfg`` is not a RopeConfig or an input is not an array.
+      ValueError: a shape, dtype, device or visible position is invalid.
+      NotImplementedError: ``backend="pallas"`` off GPU.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxrope as jr
+      >>> cfg = jr.RopeConfig(head_dim=64)
+      >>> q = jax.random.normal(jax.random.key(0), (5, 4, 64), jnp.bfloat16)
+      >>> k = jax.random.normal(jax.random.key(1), (5, 2, 64), jnp.bfloat16)
+      >>> q2, k2 = jr.apply_rope(q, k, jnp.arange(5, dtype=jnp.int32), cfg)
+      >>> q2.shape, k2.dtype
+      ((5, 4, 64), dtype(bfloat16))
+    """
+    validate(q, k, pos_ids, cfg)
+    impl = _backend.resolve(backend, _platform(q))
+    tables, attention = kernel_constants(cfg)
+    return impl(q, k, jnp.asarray(pos_ids, jnp.int32), jnp.asarray(tables),
+                rotary_dim=cfg.rotary_dim, interleave=cfg.interleave, attention_factor=attention)

@@ -1,0 +1,43 @@
+"""Which kernel runs RoPE: the one place that maps a backend name to an implementation.
+
+Every implementation has the signature of
+:func:`jaxrope.kernels.reference.rope_reference`. Adding a backend (e.g. Mosaic GPU)
+means one entry in ``_IMPLEMENTATIONS`` and, if it should win on some platform, one
+line in :func:`resolve`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+from jaxrope.kernels import pallas_triton, reference
+
+BACKENDS = ("auto", "pallas", "xla", "interpret")
+
+_IMPLEMENTATIONS = {
+    "xla": reference.rope_reference,
+    "pallas": pallas_triton.rope_pallas,
+    "interpret": functools.partial(pallas_triton.rope_pallas, interpret=True),
+}
+
+
+def resolve(backend: str, platform: str) -> Callable:
+    """The implementation for ``backend`` on ``platform`` ("cpu", "gpu", "cuda", ...).
+
+    "auto" is the Pallas kernel on GPU and XLA elsewhere.
+
+    Raises:
+      ValueError: unknown backend name.
+      NotImplementedError: "pallas" on a platform without a Pallas GPU lowering.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
+    on_gpu = platform in ("gpu", "cuda", "rocm")
+    if backend == "auto":
+        backend = "pallas" if platform in ("gpu", "cuda") else "xla"
+    if backend == "pallas" and not on_gpu:
+        raise NotImplementedError(
+            f"backend='pallas' needs a GPU, the arrays are on {platform!r}; use 'interpret' to "
+            "run the same kernel body on CPU, or 'xla'")
+    return _IMPLEMENTATIONS[backend]

@@ -1,0 +1,38 @@
+"""The XLA backend: RoPE in plain jnp, fused by XLA; also the kernels' test oracle on device.
+
+Same signature as every kernel in this package: ``(q, k, pos_ids, tables, *, rotary_dim,
+interleave, attention_factor) -> (q, k)``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxrope.kernels.angle import cos_sin
+
+
+def _rotate(x, cos, sin, rotary_dim: int, interleave: bool):
+    half = rotary_dim // 2
+    xr = x[..., :rotary_dim].astype(jnp.float32)
+    if interleave:
+        a, b = xr[..., 0::2], xr[..., 1::2]
+    else:
+        a, b = xr[..., :half], xr[..., half:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    ra, rb = a * cos - b * sin, b * cos + a * sin
+    if interleave:
+        rotated = jnp.stack([ra, rb], axis=-1).reshape(xr.shape)
+    else:
+        rotated = jnp.concatenate([ra, rb], axis=-1)
+    rotated = rotated.astype(x.dtype)
+    if rotary_dim == x.shape[-1]:
+        return rotated
+    return x.at[..., :rotary_dim].set(rotated)
+
+
+def rope_reference(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
+                   attention_factor: float):
+    """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` at ``pos_ids [T]``; tables ``[3, R/2]``."""
+    cos, sin = cos_sin(pos_ids.astype(jnp.int32), tables[0], tables[1], tables[2], attention_factor)
+    return (_rotate(q, cos, sin, rotary_dim, interleave),
+            _rotate(k, cos, sin, rotary_dim, interleave))
