@@ -1,0 +1,68 @@
+"""One table of named cases shared by the tests and the benchmarks.
+
+Each case is a layer shape plus a :class:`RopeConfig`: real model shapes, odd sizes
+(1, 17, 19 tokens; 3, 5 heads), head_dim 64/80/96/128/192/256, partial rotary and
+interleaved pairs, every scaling variant. Tests take the CPU-sized ``tokens``;
+benchmarks scale ``tokens`` up and keep the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Tuple
+
+from jaxrope.config import RopeConfig
+from jaxrope.scaling import DynamicNTK, Linear, Llama3, LongRope, Proportional, Yarn
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One layer's RoPE call: ``q [tokens, q_heads, D]``, ``k [tokens, k_heads, D]``."""
+
+    name: str
+    tokens: int
+    q_heads: int
+    k_heads: int
+    cfg: RopeConfig
+
+    @property
+    def head_dim(self) -> int:
+        return self.cfg.head_dim
+
+
+def _longrope(rotary_dim: int) -> LongRope:
+    half = rotary_dim // 2
+    return LongRope(short_factor=tuple(1.0 + 0.05 * i for i in range(half)),
+                    long_factor=tuple(1.0 + 1.3 * i for i in range(half)),
+                    original_max_position=4096)
+
+
+CASES: Tuple[Case, ...] = (
+    Case("llama3_8b", 17, 32, 8,
+         RopeConfig(head_dim=128, theta=500000.0, scaling=Llama3(), max_position=1 << 20)),
+    Case("qwen25_yarn", 19, 28, 4,
+         RopeConfig(head_dim=128, theta=1e6, max_position=131072,
+                    scaling=Yarn(factor=4.0, original_max_position=32768))),
+    Case("phi3_longrope", 5, 32, 32,
+         RopeConfig(head_dim=96, max_position=131072, scaling=_longrope(96))),
+    Case("deepseek_v2_rope", 3, 16, 1,
+         RopeConfig(head_dim=64, interleave=True, max_position=163840,
+                    scaling=Yarn(factor=40.0, original_max_position=4096, mscale=0.707,
+                                 mscale_all_dim=0.707))),
+    Case("neox_partial_quarter", 17, 8, 8, RopeConfig(head_dim=128, rotary_dim=32)),
+    Case("gptj_interleave", 19, 4, 4, RopeConfig(head_dim=256, rotary_dim=64, interleave=True)),
+    Case("gemma_proportional", 7, 8, 1,
+         RopeConfig(head_dim=256, theta=1e6,
+                    scaling=Proportional(factor=1.0, partial_rotary_factor=0.25))),
+    Case("linear_x4", 1, 5, 1, RopeConfig(head_dim=80, scaling=Linear(factor=4.0))),
+    Case("dynamic_ntk", 17, 3, 3,
+         RopeConfig(head_dim=192, max_position=16384,
+                    scaling=DynamicNTK(factor=2.0, original_max_position=4096))),
+    Case("default_d64", 1, 8, 1, RopeConfig(head_dim=64)),
+    Case("partial_half_d128", 19, 32, 8, RopeConfig(head_dim=128, rotary_dim=64)),
+    Case("interleave_d96_partial", 17, 5, 5,
+         RopeConfig(head_dim=96, rotary_dim=48, interleave=True)),
+    Case("head_dim_512", 3, 2, 1, RopeConfig(head_dim=512)),
+)
+
+BY_NAME = {case.name: case for case in CASES}
