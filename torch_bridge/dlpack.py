@@ -1,0 +1,219 @@
+"""Moving tensors between PyTorch and JAX through DLPack: zero copy, in place, stream-ordered.
+
+Three operations:
+
+- :func:`to_jax` imports a torch tensor as a JAX array over the same memory.
+- :func:`to_torch` exports a JAX array as a torch tensor over the same memory.
+- :class:`InPlace` runs a jitted JAX function whose outputs replace the contents of
+  torch tensors, with the inputs donated so that XLA can write the results into the
+  imported buffers themselves.
+
+Stream ordering on CUDA, with no host synchronisation: ``jax.dlpack.from_dlpack``
+passes JAX's stream for external ready events to ``tensor.__dlpack__(stream=...)``,
+and torch makes that stream wait for the work queued so far on torch's *current*
+stream; ``torch.from_dlpack`` passes torch's current stream to
+``array.__dlpack__(stream=...)`` and JAX makes it wait for the array's definition
+event. So a JAX computation between the two sees everything torch queued before, and
+whatever torch queues next on its current stream sees the computation's results.
+
+Zero copy for in-place writes depends on the runtime: XLA aliases an output onto a
+donated imported buffer where it can (the GPU runtime does for device buffers) and
+otherwise writes a fresh buffer. :class:`InPlace` checks which happened once per
+signature (by comparing buffer pointers; that first check may wait for the device)
+and, when the output is a fresh buffer, copies it back into the torch tensor with
+``Tensor.copy_`` on torch's current stream. The XLA CPU runtime never aliases an
+imported buffer, so on CPU every in-place call ends in that copy.
+
+Non-contiguous tensors cannot be imported (DLPack import needs compact strides) and
+imported buffers must meet XLA's alignment; with ``allow_copy=True`` such tensors
+are staged through a contiguous copy and written back (two extra copies), otherwise
+:class:`NotZeroCopyError` is raised.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Dict, Sequence, Tuple
+
+import jax
+import jax.dlpack
+import torch
+
+__all__ = ["InPlace", "NotZeroCopyError", "jax_device", "to_jax", "to_torch"]
+
+
+class NotZeroCopyError(ValueError):
+    """A tensor cannot be shared with JAX without a copy (strides or alignment)."""
+
+
+@functools.lru_cache(maxsize=None)
+def jax_device(device: torch.device) -> jax.Device:
+    """The JAX device that DLPack imports of tensors on ``device`` land on.
+
+    Example:
+      >>> jax_device(torch.device("cpu")).platform
+      'cpu'
+
+    Raises:
+      ValueError: JAX has no backend for the device (e.g. a CUDA tensor with a
+        CPU-only JAX).
+    """
+    probe = torch.zeros((1,), dtype=torch.int32, device=device)
+    try:
+        array = jax.dlpack.from_dlpack(probe)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ValueError(f"device={device} has no JAX backend here ({e}); install a JAX build "
+                         "for this device or use device='cpu'") from e
+    (dev,) = array.devices()
+    return dev
+
+
+def to_jax(tensor: torch.Tensor) -> jax.Array:
+    """A JAX array over ``tensor``'s memory (no copy), ordered after torch's current stream.
+
+    Args:
+      tensor: any shape; float32/float16/bfloat16/int32 (int64 is converted by JAX to
+        int32, which copies). Must be contiguous, not require grad, and meet XLA's
+        alignment.
+
+    Returns:
+      ``jax.Array`` of the same shape on :func:`jax_device` of ``tensor.device``.
+
+    Raises:
+      NotZeroCopyError: the tensor is non-contiguous or misaligned.
+      ValueError: the tensor requires grad.
+
+    Example:
+      >>> t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+      >>> x = to_jax(t)
+      >>> x.unsafe_buffer_pointer() == t.data_ptr(), x.shape
+      (True, (2, 3))
+    """
+    if tensor.requires_grad:
+        raise ValueError("tensor.requires_grad=True: DLPack cannot share a tensor that autograd "
+                         "tracks; run under torch.no_grad() or pass tensor.detach()")
+    if not tensor.is_contiguous():
+        raise NotZeroCopyError(f"tensor with shape={tuple(tensor.shape)} and "
+                               f"stride={tensor.stride()} is not contiguous; DLPack import needs "
+                               "compact strides")
+    try:
+        return jax.dlpack.from_dlpack(tensor, copy=False)
+    except ValueError as e:
+        if "aligned" in str(e):
+            raise NotZeroCopyError(f"tensor at data_ptr={tensor.data_ptr():#x} is not aligned "
+                                   f"as XLA requires: {e}") from e
+        raise
+
+
+def to_torch(array: jax.Array) -> torch.Tensor:
+    """A torch tensor over ``array``'s memory (no copy); torch's current stream waits for it.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> to_torch(jnp.arange(3, dtype=jnp.int32)).tolist()
+      [0, 1, 2]
+    """
+    return torch.from_dlpack(array)
+
+
+Signature = Tuple[Tuple[Tuple[int, ...], torch.dtype], ...]
+
+
+class InPlace:
+    """A JAX function applied to torch tensors in place: ``tensors[i] <- fn(*tensors, *args)[i]``.
+
+    Args:
+      fn: a JAX function whose first ``num_inplace`` arguments are the arrays to
+        rewrite and whose outputs are a tuple starting with ``num_inplace`` arrays of
+        the same shapes and dtypes (any further outputs are returned to the caller);
+        further arguments are JAX arrays.
+      num_inplace: how many leading arguments are rewritten (donated), ``>= 0``.
+      static_argnames: keyword arguments of ``fn`` that are static under ``jax.jit``.
+
+    Attributes:
+      aliased: ``{signature: bool}``, per ``(shape, dtype)`` signature of the
+        rewritten tensors: True when XLA wrote the outputs into the imported buffers
+        (zero copy), False when they were copied back.
+
+    Example:
+      >>> double = InPlace(lambda x: (x * 2,), 1)
+      >>> t = torch.ones(4)
+      >>> _ = double([t])
+      >>> t.tolist()
+      [2.0, 2.0, 2.0, 2.0]
+    """
+
+    def __init__(self, fn: Callable, num_inplace: int, *, static_argnames: Sequence[str] = ()):
+        if num_inplace < 0:
+            raise ValueError(f"{num_inplace=} must be >= 0")
+        self._jitted = jax.jit(fn, donate_argnums=tuple(range(num_inplace)),
+                               static_argnames=tuple(static_argnames))
+        self._num_inplace = num_inplace
+        self.aliased: Dict[Signature, bool] = {}
+
+    def __call__(self, tensors: Sequence[torch.Tensor], *args, allow_copy: bool = True,
+                 **static) -> Tuple[jax.Array, ...]:
+        """Rewrite ``tensors`` in place with ``fn(*tensors, *args, **static)``.
+
+        Args:
+          tensors: ``num_inplace`` torch tensors, rewritten in place (their
+            ``data_ptr`` never changes).
+          args: the remaining positional arguments of ``fn`` (JAX arrays).
+          allow_copy: stage non-contiguous or misaligned tensors through a contiguous
+            copy; False raises instead.
+          static: static keyword arguments of ``fn``.
+
+        Returns:
+          all of ``fn``'s outputs as JAX arrays (the first ``num_inplace`` hold the
+          values now in ``tensors``).
+
+        Raises:
+          NotZeroCopyError: ``allow_copy=False`` and a tensor cannot be imported as is.
+          ValueError: wrong number of tensors, or a tensor requires grad.
+        """
+        if len(tensors) != self._num_inplace:
+            raise ValueError(f"got {len(tensors)} tensors, expected {self._num_inplace}")
+        sources = [self._importable(t, allow_copy) for t in tensors]
+        arrays = []
+        for i, source in enumerate(sources):
+            try:
+                arrays.append(to_jax(source))
+            except NotZeroCopyError:
+                if not allow_copy:
+                    raise
+                source = sources[i] = _aligned_copy(source)
+                arrays.append(to_jax(source))
+        outputs = self._jitted(*arrays, *args, **static)
+        if not sources:
+            return outputs
+        signature = tuple((tuple(t.shape), t.dtype) for t in sources)
+        aliased = self.aliased.get(signature)
+        if aliased is None:
+            aliased = self.aliased[signature] = all(
+                out.unsafe_buffer_pointer() == source.data_ptr()
+                for out, source in zip(outputs, sources))
+        for tensor, source, out in zip(tensors, sources, outputs):
+            # Exporting also makes torch's current stream wait for the computation.
+            result = to_torch(out)
+            if not aliased:
+                source.copy_(result)
+            if source is not tensor:
+                tensor.copy_(source)
+        return outputs
+
+    @staticmethod
+    def _importable(tensor: torch.Tensor, allow_copy: bool) -> torch.Tensor:
+        if tensor.is_contiguous():
+            return tensor
+        if not allow_copy:
+            raise NotZeroCopyError(f"tensor with shape={tuple(tensor.shape)} and "
+                                   f"stride={tensor.stride()} is not contiguous; pass a contiguous "
+                                   "tensor or allow the staging copy")
+        return tensor.contiguous()
+
+
+def _aligned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    # torch's allocators return blocks aligned far beyond XLA's requirement.
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    copy.copy_(tensor)
+    return copy

@@ -1,0 +1,304 @@
+"""The engine-side records a position manager consumes and produces.
+
+These are the small types a serving engine hands to a resource each step. They are
+plain records with no behaviour beyond validation: the engine builds them, the
+manager reads them. Records that appear once per request and step (:class:`Segment`,
+:class:`KVView`, :class:`Fork`) are ``NamedTuple`` s, because a decode batch builds
+hundreds of them per step and tuples are the cheapest record Python has to create,
+unpack and compare.
+
+Vocabulary: a *stream* is one ``(request_id, label)`` pair (a request's text stream,
+its CFG branch, ...). A *plan label* names one position-id vector of a step, i.e.
+one attention call; several stream labels can be packed under one plan label
+(batched CFG).
+
+Example:
+  >>> from torch_bridge.engine_types import KVPlanOutput, KVView, PositionStep, Segment, StepContext
+  >>> step = PositionStep(segments=(Segment("r0", "text", 5), Segment("r1", "text", 1)))
+  >>> views = (KVView("r0", "text", 5), KVView("r1", "text", 1))
+  >>> ctx = StepContext(request_ids=("r0", "r1"), plan_results={"kv": {"attn": KVPlanOutput(views)}})
+  >>> step.num_tokens
+  6
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Hashable, Mapping, NamedTuple, Optional, Tuple, Union
+
+import torch
+
+__all__ = [
+    "AdmitOutcome",
+    "EngineInfo",
+    "Fork",
+    "GraphBucket",
+    "GraphSlot",
+    "KVPlanOutput",
+    "KVView",
+    "PositionStep",
+    "PublishedInfo",
+    "Resource",
+    "ResourceSpec",
+    "Segment",
+    "StepContext",
+]
+
+
+class Segment(NamedTuple):
+    """One request's addition to one stream in a step.
+
+    Attributes:
+      request_id: the request (``rid``).
+      label: the stream label, one of the manager's configured labels.
+      span: tokens the step adds to the stream, ``>= 0``; what :meth:`commit` advances
+        a SEQUENTIAL counter by.
+    """
+
+    request_id: Hashable
+    label: str
+    span: int
+
+
+class KVView(NamedTuple):
+    """One stream's tokens inside a plan label's layout, as the KV planner ordered them.
+
+    Attributes:
+      request_id: the request.
+      label: the stream label (which counter numbers these tokens).
+      to_compute: tokens of this view in the step, ``>= 0``.
+    """
+
+    request_id: Hashable
+    label: str
+    to_compute: int
+
+
+class Fork(NamedTuple):
+    """Copy one request's counter from ``from_label`` to ``to_label`` (a CFG branch starts)."""
+
+    request_id: Hashable
+    from_label: str
+    to_label: str
+
+
+@dataclasses.dataclass(frozen=True)
+class KVPlanOutput:
+    """What the KV planner decided for one plan label.
+
+    Attributes:
+      views: the ordered views; token ``t`` of the plan label's ``pos_ids`` belongs to
+        the view whose cumulative ``to_compute`` range holds ``t``.
+      pre_forks: counter copies applied before positions are planned.
+      post_forks: counter copies applied after the step is committed.
+
+    Example:
+      >>> out = KVPlanOutput(views=[KVView("r0", "cond", 3), KVView("r0", "uncond", 3)])
+      >>> out.num_tokens
+      6
+    """
+
+    views: Tuple[KVView, ...]
+    pre_forks: Tuple[Fork, ...] = ()
+    post_forks: Tuple[Fork, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("views", "pre_forks", "post_forks"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple):
+                object.__setattr__(self, name, tuple(value))
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of this plan label: the sum of ``to_compute``."""
+        return sum(v[2] for v in self.views)
+
+
+class GraphBucket(NamedTuple):
+    """A CUDA-graph shape bucket: the graph walk, batch size and padded token count."""
+
+    walk: Optional[str]
+    batch_size: int
+    num_tokens: int
+
+
+class GraphSlot(NamedTuple):
+    """A lease on one of a bucket's graph slots (the runner double-buffers with slots).
+
+    A step planned under a lease writes its position ids into the static buffer of
+    ``(bucket, slot, plan_label)``, ``[bucket.num_tokens]`` int32; tokens past the
+    live count keep whatever the buffer held (graph padding).
+    """
+
+    bucket: GraphBucket
+    slot: int
+
+
+PosIds = Union[None, torch.Tensor, Mapping[str, torch.Tensor]]
+Advance = Union[None, int, Mapping[Tuple[Hashable, str], int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionStep:
+    """What a step adds to each stream, plus optional explicit positions and advance.
+
+    Attributes:
+      segments: ordered :class:`Segment` s (a list is converted to a tuple).
+      pos_ids: explicit positions that win over the counters: ``{plan_label: int
+        tensor [n]}``, or one int tensor when the step has a single plan label. ``n``
+        is the plan label's live token count. int32 or int64, on the manager's device.
+      advance: explicit counter advance replacing the scheme's amount at commit: an
+        int for every stream of the step, or ``{(request_id, label): amount}`` for the
+        named streams (each must have a segment in the step; the others advance by
+        the scheme). Amounts are ``>= 0`` and apply once per stream.
+
+    Example:
+      >>> step = PositionStep([Segment("r0", "text", 4)], advance={("r0", "text"): 1})
+      >>> step.segments
+      (Segment(request_id='r0', label='text', span=4),)
+    """
+
+    segments: Tuple[Segment, ...]
+    pos_ids: PosIds = None
+    advance: Advance = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.segments, tuple):
+            object.__setattr__(self, "segments", tuple(self.segments))
+
+    @property
+    def num_tokens(self) -> int:
+        """The sum of the segments' spans."""
+        return sum(s[2] for s in self.segments)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """Everything about a step that is not the positions' own input.
+
+    Attributes:
+      request_ids: the step's requests, in batch order.
+      graph_walk: the engine's graph walk name, or None.
+      is_preplan: True when this step is planned while the previous one still runs
+        (the plan is staged, see ``RopeManager.plan``).
+      plan_results: other resources' plan results keyed by resource name; the
+        position manager reads ``{plan_label: KVPlanOutput}`` under its KV resource
+        name (``PositionConfig.kv_resource``).
+      graph_slot: the CUDA-graph slot lease, or None for an eager step.
+    """
+
+    request_ids: Tuple[Hashable, ...] = ()
+    graph_walk: Optional[str] = None
+    is_preplan: bool = False
+    plan_results: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    graph_slot: Optional[GraphSlot] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_ids, tuple):
+            object.__setattr__(self, "request_ids", tuple(self.request_ids))
+
+
+class AdmitOutcome(NamedTuple):
+    """Result of admitting a request's published state.
+
+    Attributes:
+      ok: the published state was taken on.
+      ready: the request can run now.
+      reason: why not, when ``ok`` or ``ready`` is False; else None.
+    """
+
+    ok: bool
+    ready: bool
+    reason: Optional[str] = None
+
+
+class PublishedInfo:
+    """Base of what a resource publishes about a request for another node.
+
+    Subclasses implement :meth:`clone` (an independent copy for deferred sending)
+    and :meth:`update` (merge a newer publication into this one).
+    """
+
+    def clone(self) -> "PublishedInfo":
+        raise NotImplementedError(f"{type(self).__name__}.clone")
+
+    def update(self, other: "PublishedInfo") -> None:
+        raise NotImplementedError(f"{type(self).__name__}.update")
+
+
+class Resource:
+    """Base of an engine resource: the hooks a runner calls, with neutral defaults.
+
+    Attributes:
+      name: the resource's name in ``StepContext.plan_results`` and ``depends_on``.
+      prefix_skip_safe: the resource handles a prefix served from the cache
+        (tokens skipped) correctly.
+    """
+
+    name: str = "resource"
+    prefix_skip_safe: bool = False
+
+    def depends_on(self) -> Tuple[str, ...]:
+        """Names of the resources whose plan results this one reads in ``plan``."""
+        return ()
+
+    @property
+    def supports_preplan(self) -> bool:
+        """Whether ``plan`` may be called for step N+1 while step N runs."""
+        return False
+
+    @property
+    def force_double_buffer(self) -> bool:
+        """Whether the runner must double-buffer this resource even off the preplan path."""
+        return False
+
+    def fingerprint(self) -> Optional[bytes]:
+        """What this resource adds to the prefix cache's root; None leaves it out."""
+        return None
+
+    def publish(self, request_id: Hashable) -> Optional[PublishedInfo]:
+        """What another node needs to continue ``request_id``; None if nothing."""
+        return None
+
+    def publish_snapshot_for_step(self, request_id: Hashable, node_name: Optional[str],
+                                  graph_walk: Optional[str]) -> Any:
+        """A record of what :meth:`publish` returns now; the default is the publication itself."""
+        return self.publish(request_id)
+
+    def publish_from_snapshot(self, request_id: Hashable, snapshot: Any,
+                              node_name: Optional[str], graph_walk: Optional[str]) -> Any:
+        """Finish a :meth:`publish_snapshot_for_step` record into the publication."""
+        return snapshot
+
+
+@dataclasses.dataclass(frozen=True)
+class ResourceSpec:
+    """How an engine declares a resource: its name, config and constructor options.
+
+    Attributes:
+      name: the resource's name (other resources find its plan results under it).
+      config: the resource's config (a ``PositionConfig`` for the position manager).
+      options: extra keyword arguments of the constructor (e.g. ``max_seq_len``).
+    """
+
+    name: str
+    config: Any
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineInfo:
+    """What the engine knows about the model and device when it builds resources.
+
+    Attributes:
+      device: the torch device the step runs on.
+      head_dim: the attention head size ``D``, or None to take it from the config.
+      dtype: the activation dtype.
+      max_seq_len: the longest sequence the engine serves, or None for the
+        resource's default.
+    """
+
+    device: Union[str, torch.device]
+    head_dim: Optional[int] = None
+    dtype: torch.dtype = torch.bfloat16
+    max_seq_len: Optional[int] = None

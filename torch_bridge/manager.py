@@ -1,0 +1,1054 @@
+"""``RopeManager``: the seed's position resource over the functional jaxrope core.
+
+State, and where it lives:
+
+- the counters: a :class:`jaxrope.PositionTable` on the device (the source of every
+  position id), changed only through the pure functions of :mod:`jaxrope.positions`
+  (jitted compositions in :mod:`torch_bridge._transitions`);
+- a host *shadow* of the same counters (numpy int64), updated by the same rules, so
+  that bounds checks and :meth:`~PositionManager.position` never read the device;
+- the slot map ``(request_id, label) -> slot`` (:class:`jaxrope.SlotMap`);
+- the current plan (the step being run) and at most one staged plan (the next step,
+  planned early: "preplan").
+
+Every public method validates first and changes state only once nothing can fail:
+a call that raises leaves every counter, slot and plan as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+
+import jax
+import numpy as np
+import torch
+
+from jaxrope import positions
+from jaxrope.config import RopeConfig
+from jaxrope.positions import PositionTable, Scheme, SlotMap
+from torch_bridge import _transitions as tr
+from torch_bridge.config import PositionConfig
+from torch_bridge.dlpack import InPlace, jax_device, to_jax, to_torch
+from torch_bridge.engine_types import (AdmitOutcome, EngineInfo, Fork, GraphSlot, KVPlanOutput,
+                                       PositionStep, PublishedInfo, Resource, ResourceSpec,
+                                       StepContext)
+from torch_bridge.rotate import (SUPPORTED_DTYPES, ConfigCache, JaxRotation, LaunchUnavailable,
+                                 resolve_launcher)
+
+__all__ = ["PositionManager", "PublishedPositionInfo", "RopeManager"]
+
+_FINGERPRINT_VERSION = b"jaxrope.positions/1"
+_INITIAL_SLOTS = 256
+
+
+@dataclasses.dataclass
+class PublishedPositionInfo(PublishedInfo):
+    """Where each of a request's streams has reached: ``{label: next position}``.
+
+    Example:
+      >>> a = PublishedPositionInfo({"text": 7})
+      >>> a.update(PublishedPositionInfo({"text": 5, "image": 2}))
+      >>> a.counters
+      {'text': 7, 'image': 2}
+    """
+
+    counters: Dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def clone(self) -> "PublishedPositionInfo":
+        """An independent copy (for deferred sending)."""
+        return PublishedPositionInfo(dict(self.counters))
+
+    def update(self, other: "PublishedPositionInfo") -> None:
+        """Merge ``other`` in: per label, the larger position wins (positions never go back).
+
+        Raises:
+          TypeError: ``other`` is not a PublishedPositionInfo.
+        """
+        if not isinstance(other, PublishedPositionInfo):
+            raise TypeError(f"other must be a PublishedPositionInfo, got {type(other).__name__}")
+        for label, position in other.counters.items():
+            mine = self.counters.get(label)
+            self.counters[label] = position if mine is None else max(mine, position)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CommitPlan:
+    """A step's commit, prepared at plan time: device meta and the host mirror."""
+
+    meta: np.ndarray
+    layout: tr.CommitLayout
+    slots: np.ndarray        # scheme-advanced segment slots (explicitly advanced ones removed)
+    spans: np.ndarray
+    adv_slots: np.ndarray
+    adv_amounts: np.ndarray
+    fork_src: np.ndarray
+    fork_dst: np.ndarray
+
+
+@dataclasses.dataclass(eq=False)
+class _Plan:
+    step: PositionStep
+    tensors: Dict[str, torch.Tensor]   # what plan() returned, per plan label
+    arrays: Dict[str, jax.Array]       # the same values as JAX arrays (for the JAX apply path)
+    limits: Dict[str, int]             # most q tokens apply_qk accepts, per plan label
+    commit: _CommitPlan
+    pre_forks: Tuple[Fork, ...]
+    post_forks: Tuple[Fork, ...]
+    views: Tuple[Any, ...]
+    dropped: set = dataclasses.field(default_factory=set)
+
+    def mentions(self, rid: Hashable) -> bool:
+        return any(rid == s[0] for s in self.step.segments) or any(
+            rid == v[0] for v in self.views) or any(
+            rid == f[0] for f in self.pre_forks + self.post_forks)
+
+
+class PositionManager(Resource):
+    """Per-(request, label) position counters and the position ids of each step.
+
+    Args:
+      config: a :class:`~torch_bridge.PositionConfig`.
+      device: the torch device position ids are produced on (``"cpu"``, ``"cuda:0"``).
+      max_seq_len: positions must stay in ``[0, max_seq_len)``; a counter may reach
+        ``max_seq_len`` (the stream is full).
+
+    Attributes:
+      name: the resource name ("position", or the spec's name under :meth:`build`).
+      config, device, max_seq_len: as given.
+
+    Raises:
+      ValueError: an invalid argument (named in the message).
+
+    Example:
+      >>> from torch_bridge import PositionConfig, PositionStep, Segment, StepContext
+      >>> mgr = PositionManager(PositionConfig(labels=("text",)), "cpu", max_seq_len=64)
+      >>> mgr.ingest_request("r0")
+      >>> step = PositionStep([Segment("r0", "text", 3)])
+      >>> mgr.plan(step, StepContext(("r0",)))["text"].tolist()
+      [0, 1, 2]
+      >>> mgr.commit(step, StepContext(("r0",)))
+      >>> mgr.position("r0", "text")
+      3
+    """
+
+    name: str = "position"
+    prefix_skip_safe: bool = True
+
+    def __init__(self, config: PositionConfig, device: Any, max_seq_len: int = 32768):
+        if not isinstance(config, PositionConfig):
+            raise ValueError(f"config must be a torch_bridge.PositionConfig, got {type(config).__name__}")
+        if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len <= 0:
+            raise ValueError(f"max_seq_len={max_seq_len!r} must be a positive int")
+        self.config = config
+        self.device = _torch_device(device)
+        self.max_seq_len = max_seq_len
+        self._jax_device = jax_device(self.device)
+        self._labels = config.labels
+        self._label_set = frozenset(config.labels)
+        self._plan_labels_seen = set(config.labels)
+        self._slot_map = SlotMap(_INITIAL_SLOTS)
+        self._table = jax.device_put(positions.init(_INITIAL_SLOTS), self._jax_device)
+        self._shadow = np.zeros(_INITIAL_SLOTS, np.int64)
+        self._slot_of: Dict[Tuple[Hashable, str], int] = {}
+        self._requests: Dict[Hashable, Tuple[int, ...]] = {}
+        self._current: Optional[_Plan] = None
+        self._staged: Optional[_Plan] = None
+        self._plan_calls: Dict[int, InPlace] = {}
+        self._graph_buffers: Dict[Tuple[GraphSlot, str], torch.Tensor] = {}
+
+    # ---------------------------------------------------------------- construction
+
+    @classmethod
+    def build(cls, spec: ResourceSpec, info: EngineInfo) -> "PositionManager":
+        """Construct from the engine's resource spec and engine info.
+
+        ``spec.config`` is the :class:`PositionConfig`, ``spec.options`` extra keyword
+        arguments of the constructor; ``info`` gives the device (and, for
+        :class:`RopeManager`, ``head_dim`` and ``dtype``); ``info.max_seq_len``
+        applies unless ``spec.options`` sets it.
+
+        Example:
+          >>> from torch_bridge import EngineInfo, PositionConfig, ResourceSpec
+          >>> mgr = PositionManager.build(ResourceSpec("pos", PositionConfig()), EngineInfo("cpu"))
+          >>> mgr.name
+          'pos'
+        """
+        if not isinstance(spec, ResourceSpec):
+            raise TypeError(f"spec must be a ResourceSpec, got {type(spec).__name__}")
+        if not isinstance(info, EngineInfo):
+            raise TypeError(f"info must be an EngineInfo, got {type(info).__name__}")
+        kwargs = cls._build_kwargs(info)
+        kwargs.update(spec.options)
+        manager = cls(spec.config, info.device, **kwargs)
+        manager.name = spec.name
+        return manager
+
+    @classmethod
+    def _build_kwargs(cls, info: EngineInfo) -> Dict[str, Any]:
+        return {} if info.max_seq_len is None else {"max_seq_len": info.max_seq_len}
+
+    # ---------------------------------------------------------------- resource hooks
+
+    def depends_on(self) -> Tuple[str, ...]:
+        """The KV resource whose plan result orders the tokens: ``(config.kv_resource,)``."""
+        return (self.config.kv_resource,)
+
+    @property
+    def supports_preplan(self) -> bool:
+        """True: ``plan`` with ``ctx.is_preplan`` stages step N+1 while step N runs."""
+        return True
+
+    @property
+    def force_double_buffer(self) -> bool:
+        """False: no host staging buffer is reused across steps.
+
+        Each plan uploads a fresh host array, and writes into graph buffers are
+        ordered on torch's stream after the work already queued on it (DLPack
+        import), so planning step N+1 cannot overwrite what step N still reads
+        unless the runner leases it the same graph slot.
+        """
+        return False
+
+    def fingerprint(self) -> bytes:
+        """SHA-256 over the scheme (and, for RopeManager, the rotary config).
+
+        Example:
+          >>> from torch_bridge import PositionConfig
+          >>> len(PositionManager(PositionConfig(), "cpu").fingerprint())
+          32
+        """
+        return hashlib.sha256(self._fingerprint_payload()).digest()
+
+    def _fingerprint_payload(self) -> bytes:
+        return b"|".join((_FINGERPRINT_VERSION, self.config.scheme.value.encode(),
+                          str(self.config.block_step).encode()))
+
+    # ---------------------------------------------------------------- requests
+
+    def ingest_request(self, rid: Hashable, overrides: Optional[Mapping[str, int]] = None) -> None:
+        """Give ``rid`` a counter per configured label; idempotent, never resets.
+
+        Args:
+          rid: the request id (hashable).
+          overrides: optional ``{label: position}`` start positions, taken as
+            ``counter = max(counter, position)`` so a repeated ingest moves nothing.
+
+        Raises:
+          ValueError: an override names an unknown label or a position outside
+            ``[0, max_seq_len]``.
+          TypeError: ``rid`` is not hashable.
+
+        Example:
+          >>> from torch_bridge import PositionConfig
+          >>> mgr = PositionManager(PositionConfig(), "cpu")
+          >>> mgr.ingest_request("r0", overrides={"text": 4}); mgr.ingest_request("r0")
+          >>> mgr.position("r0", "text")
+          4
+        """
+        hash(rid)
+        targets = self._positions_arg(overrides or {}, "overrides")
+        if rid not in self._requests:
+            slots = tuple(self._slot_map.acquire(rid, label) for label in self._labels)
+            for label, slot in zip(self._labels, slots):
+                self._slot_of[rid, label] = slot
+            self._requests[rid] = slots
+            self._grow()
+        if targets:
+            self._raise_to(rid, targets)
+
+    def remove_request(self, rid: Hashable) -> None:
+        """Forget ``rid`` and free its slots (their counters go back to 0); unknown ids are ignored.
+
+        A plan made before the removal still commits, without the removed request's
+        streams.
+        """
+        slots = self._requests.pop(rid, None)
+        if slots is None:
+            return
+        for label in self._labels:
+            del self._slot_of[rid, label]
+        for plan in (self._current, self._staged):
+            if plan is not None and plan.mentions(rid):
+                plan.dropped.add(rid)
+        freed = self._slot_map.release(rid)
+        self._reset_slots(freed)
+
+    def reset_request(self, rid: Hashable, free: bool = False) -> None:
+        """Set ``rid``'s counters to 0 (dummy requests of CUDA-graph capture); ``free`` also removes it.
+
+        Raises:
+          ValueError: ``rid`` was never ingested.
+        """
+        slots = self._request_slots(rid)
+        if free:
+            self.remove_request(rid)
+        else:
+            self._reset_slots(list(slots))
+
+    def position(self, rid: Hashable, label: str) -> int:
+        """The next position of stream ``(rid, label)`` (committed counters, no device read).
+
+        Raises:
+          ValueError: unknown request or label.
+        """
+        return int(self._shadow[self._slot(rid, label)])
+
+    # ---------------------------------------------------------------- plan / commit
+
+    def plan(self, step: PositionStep, ctx: StepContext) -> Dict[str, torch.Tensor]:
+        """Position ids of a step, one int32 vector per plan label, built on the device.
+
+        Plan labels and token order come from the KV plan output
+        ``ctx.plan_results[config.kv_resource]`` (``{plan_label: KVPlanOutput}``), or,
+        without one, from the segments (each stream label its own plan label).
+        The pre-forks are applied first; then view ``v`` with ``n`` tokens gets
+        ``counter + arange(n)`` (SEQUENTIAL) or ``n`` copies of ``counter`` (BLOCK).
+        Explicit ``step.pos_ids`` win for the labels they name.
+
+        Without a graph slot each vector is ``[n]`` for the plan label's ``n`` live
+        tokens. Under ``ctx.graph_slot`` it is the static buffer of ``(graph_slot,
+        plan_label)``, ``[bucket.num_tokens]``: the first ``n`` entries are written,
+        the rest keep their previous values.
+
+        ``ctx.is_preplan`` stages the plan (for step N+1 while step N runs): its
+        positions are computed from the counters as they will be once the current
+        plan commits (with its post-forks), its pre-forks reach the counters only
+        when it becomes current (at the current plan's commit, or at first use when
+        there is none), and :meth:`clear_preplan` drops it. A plan that is not a
+        preplan replaces the current plan and drops a staged one.
+
+        Returns:
+          ``{plan_label: torch.Tensor}`` int32 on ``device``.
+
+        Raises:
+          TypeError: ``step`` or ``ctx`` has the wrong type, or a view/segment is
+            not a 3-tuple.
+          ValueError: a request never ingested, an unknown label, a negative count,
+            explicit pos_ids of the wrong shape/dtype/device, more tokens than the
+            graph bucket holds, or positions past ``max_seq_len``.
+        """
+        if not isinstance(step, PositionStep):
+            raise TypeError(f"step must be a PositionStep, got {type(step).__name__}")
+        if not isinstance(ctx, StepContext):
+            raise TypeError(f"ctx must be a StepContext, got {type(ctx).__name__}")
+        groups, pre_forks, post_forks = self._views(step, ctx)
+        explicit = self._explicit_pos_ids(step.pos_ids, groups)
+        graph = ctx.graph_slot
+        if graph is not None and not isinstance(graph, GraphSlot):
+            raise TypeError(f"ctx.graph_slot must be a GraphSlot or None, got {type(graph).__name__}")
+
+        labels: List[Tuple[str, np.ndarray, np.ndarray, int]] = []
+        all_views: List[Any] = []
+        for plan_label, views in groups.items():
+            slots, counts = self._view_arrays(views, plan_label)
+            total = int(counts.sum())
+            if graph is not None and total > graph.bucket.num_tokens:
+                raise ValueError(f"plan label {plan_label!r} has {total} tokens, more than "
+                                 f"graph bucket num_tokens={graph.bucket.num_tokens}")
+            given = explicit.get(plan_label)
+            if given is not None and given.shape[0] != total:
+                raise ValueError(f"step.pos_ids[{plan_label!r}].shape={tuple(given.shape)} must be "
+                                 f"[{total}] (the plan label's tokens)")
+            labels.append((plan_label, slots, counts, total))
+            all_views.extend(views)
+        pre_src, pre_dst = self._fork_arrays(pre_forks, "pre_forks")
+        commit = self._commit_plan(step.segments, step.advance, post_forks)
+
+        pending = self._effective_commit(self._current) if ctx.is_preplan and self._current else None
+        shadow = self._shadow if pending is None else self._committed_shadow(pending)
+        if len(pre_src):
+            shadow = shadow.copy()
+            shadow[pre_dst] = shadow[pre_src]
+        for plan_label, slots, counts, _ in labels:
+            if plan_label not in explicit:
+                self._check_plan_bounds(shadow, slots, counts, plan_label, groups[plan_label])
+
+        # Nothing below raises on valid input: state changes start here.
+        table = self._table if pending is None else self._device_commit(self._table, pending)
+        tensors, arrays, limits, table = self._run_plan(table, labels, pre_src, pre_dst, explicit,
+                                                        graph)
+        self._plan_labels_seen.update(groups)
+        plan = _Plan(step=step, tensors=tensors, arrays=arrays, limits=limits, commit=commit,
+                     pre_forks=pre_forks, post_forks=post_forks, views=tuple(all_views))
+        if ctx.is_preplan:
+            self._staged = plan
+        else:
+            self._table, self._shadow = table, shadow
+            self._current, self._staged = plan, None
+        return dict(tensors)
+
+    def commit(self, step: PositionStep, ctx: StepContext) -> None:
+        """Advance the counters by what the planned step consumed, then apply its post-forks.
+
+        SEQUENTIAL adds each segment's span, BLOCK adds ``block_step`` per non-empty
+        segment, and ``step.advance`` replaces either for the streams it covers.
+        ``step`` must carry the segments (and advance) of the current plan (a staged
+        plan becomes current when there is none). A staged plan becomes current
+        after the commit.
+
+        Raises:
+          ValueError: no plan to commit, segments or advance differing from the
+            plan's, or a counter that would pass ``max_seq_len``.
+        """
+        if not isinstance(step, PositionStep):
+            raise TypeError(f"step must be a PositionStep, got {type(step).__name__}")
+        plan, staged_first = self._current, False
+        if plan is None:
+            plan, staged_first = self._staged, True
+        if plan is None:
+            raise ValueError("commit without a plan: call plan(step, ctx) for this step first")
+        planned = plan.step
+        if step is not planned and (step.segments != planned.segments or
+                                    step.advance != planned.advance):
+            raise ValueError(f"commit's segments/advance do not match the plan's "
+                             f"({len(step.segments)} segments vs {len(planned.segments)} planned); "
+                             "commit the step that was planned")
+        commit = self._effective_commit(plan)
+        table, shadow = self._table, self._shadow
+        if staged_first:
+            table, shadow = self._promotion(plan) or (table, shadow)
+        shadow = self._committed_shadow(commit, shadow)
+        self._check_commit_bounds(shadow, commit)
+
+        self._table, self._shadow = self._device_commit(table, commit), shadow
+        self._current = None
+        if staged_first:
+            self._staged = None
+        elif self._staged is not None:
+            self._current, self._staged = self._staged, None
+            self._apply_promotion(self._current)
+
+    def clear_preplan(self) -> None:
+        """Drop the staged plan. Its forks never reached the counters, so nothing else changes."""
+        self._staged = None
+
+    def pos_ids(self, label: str) -> Optional[torch.Tensor]:
+        """The current plan's position ids for plan label ``label``, or None if it has none.
+
+        A staged plan becomes current here when there is no current one.
+
+        Raises:
+          ValueError: ``label`` is neither a configured label nor a plan label seen
+            in any plan.
+        """
+        if label not in self._plan_labels_seen:
+            raise ValueError(f"label={label!r} is unknown: not a configured label "
+                             f"{list(self._labels)} nor a plan label of any plan")
+        plan = self._active_plan()
+        return None if plan is None else plan.tensors.get(label)
+
+    # ---------------------------------------------------------------- publish / admit
+
+    def publish(self, request_id: Hashable) -> Optional[PublishedPositionInfo]:
+        """``{label: next position}`` of every stream of the request; None for an unknown request."""
+        slots = self._requests.get(request_id)
+        if slots is None:
+            return None
+        return PublishedPositionInfo(dict(zip(self._labels, self._shadow[list(slots)].tolist())))
+
+    def publish_snapshot_for_step(self, request_id: Hashable, node_name: Optional[str],
+                                  graph_walk: Optional[str]) -> Optional[Tuple[int, ...]]:
+        """A cheap record of what :meth:`publish` returns now: the counters as a tuple of ints.
+
+        Returns None for an unknown request. Later counter changes do not alter it.
+
+        Example:
+          >>> from torch_bridge import PositionConfig
+          >>> mgr = PositionManager(PositionConfig(), "cpu"); mgr.ingest_request("r0")
+          >>> snap = mgr.publish_snapshot_for_step("r0", None, None)
+          >>> mgr.apply_cached_prefix("r0", None, None, None, {"text": 9})
+          >>> mgr.publish_from_snapshot("r0", snap, None, None).counters
+          {'text': 0}
+        """
+        slots = self._requests.get(request_id)
+        if slots is None:
+            return None
+        return tuple(self._shadow[list(slots)].tolist())
+
+    def publish_from_snapshot(self, request_id: Hashable, snapshot: Optional[Tuple[int, ...]],
+                              node_name: Optional[str],
+                              graph_walk: Optional[str]) -> Optional[PublishedPositionInfo]:
+        """The :class:`PublishedPositionInfo` that :meth:`publish` returned when ``snapshot`` was taken.
+
+        Raises:
+          TypeError: ``snapshot`` is not a record from :meth:`publish_snapshot_for_step`.
+        """
+        if snapshot is None:
+            return None
+        if not isinstance(snapshot, tuple) or len(snapshot) != len(self._labels):
+            raise TypeError(f"snapshot={snapshot!r} must be a tuple of {len(self._labels)} ints "
+                            "from publish_snapshot_for_step")
+        return PublishedPositionInfo(dict(zip(self._labels, snapshot)))
+
+    def admit_retrieve(self, rid: Hashable, node_name: Optional[str], graph_walk: Optional[str],
+                       published: Optional[PublishedPositionInfo]) -> AdmitOutcome:
+        """Take on published counters: per label ``counter = max(counter, published)``.
+
+        Monotonic, so a stale echo of this node's own publication never rewinds a
+        stream. ``node_name`` and ``graph_walk`` do not change positions (a stream is
+        ``(rid, label)``).
+
+        Returns:
+          ``AdmitOutcome(True, True)`` when taken on (or nothing was published);
+          ``ok=False`` with a reason, and no change, for an unknown request or label or
+          a position outside ``[0, max_seq_len]``.
+
+        Raises:
+          TypeError: ``published`` is not a PublishedPositionInfo (or None).
+        """
+        if published is None:
+            return AdmitOutcome(True, True)
+        if not isinstance(published, PublishedPositionInfo):
+            raise TypeError(f"published must be a PublishedPositionInfo or None, got "
+                            f"{type(published).__name__}")
+        if rid not in self._requests:
+            return AdmitOutcome(False, False, f"request_id={rid!r} was never ingested")
+        try:
+            targets = self._positions_arg(published.counters, "published.counters")
+        except ValueError as e:
+            return AdmitOutcome(False, False, str(e))
+        self._raise_to(rid, targets)
+        return AdmitOutcome(True, True)
+
+    def apply_cached_prefix(self, rid: Hashable, node_name: Optional[str],
+                            graph_walk: Optional[str], inputs: Any,
+                            prefix: Optional[Mapping[str, int]]) -> None:
+        """Move streams past what the prefix cache holds: ``counter = max(counter, cached)``.
+
+        Args:
+          prefix: ``{label: cached tokens}`` of this walk (None: nothing cached). The
+            value is absolute, so repeating the probe moves nothing.
+          inputs, node_name, graph_walk: the walk's context; positions do not use them.
+
+        Raises:
+          ValueError: unknown request or label, or a length outside ``[0, max_seq_len]``.
+        """
+        self._request_slots(rid)
+        targets = self._positions_arg(prefix or {}, "prefix")
+        if targets:
+            self._raise_to(rid, targets)
+
+    # ---------------------------------------------------------------- inspection
+
+    @property
+    def table(self) -> PositionTable:
+        """The committed counters as a :class:`jaxrope.PositionTable` (int32 ``[capacity]``)."""
+        return self._table
+
+    @property
+    def labels(self) -> Tuple[str, ...]:
+        """The configured stream labels."""
+        return self._labels
+
+    def requests(self) -> List[Hashable]:
+        """The ingested request ids."""
+        return list(self._requests)
+
+    # ---------------------------------------------------------------- internals
+
+    def _grow(self) -> None:
+        capacity = self._slot_map.capacity
+        if capacity > self._table.capacity:
+            self._table = positions.grow(self._table, capacity)
+            self._shadow = np.pad(self._shadow, (0, capacity - self._shadow.shape[0]))
+
+    def _request_slots(self, rid: Hashable) -> Tuple[int, ...]:
+        slots = self._requests.get(rid)
+        if slots is None:
+            raise ValueError(f"request_id={rid!r} was never ingested (call ingest_request first)")
+        return slots
+
+    def _slot(self, rid: Hashable, label: str) -> int:
+        slot = self._slot_of.get((rid, label))
+        if slot is None:
+            self._request_slots(rid)
+            raise ValueError(f"label={label!r} is not one of the configured labels {list(self._labels)}")
+        return slot
+
+    def _slots(self, rids: Sequence[Hashable], labels: Sequence[str]) -> List[int]:
+        try:
+            return list(map(self._slot_of.__getitem__, zip(rids, labels)))
+        except (KeyError, TypeError):
+            for rid, label in zip(rids, labels):
+                self._slot(rid, label)
+            raise
+
+    def _positions_arg(self, values: Mapping[str, int], name: str) -> Dict[int, int]:
+        if not isinstance(values, Mapping):
+            raise ValueError(f"{name}={values!r} must be a mapping {{label: position}}")
+        out = {}
+        for label, position in values.items():
+            if label not in self._label_set:
+                raise ValueError(f"{name} names label={label!r}, not one of {list(self._labels)}")
+            if (not isinstance(position, (int, np.integer)) or isinstance(position, bool)
+                    or not 0 <= position <= self.max_seq_len):
+                raise ValueError(f"{name}[{label!r}]={position!r} must be an int in "
+                                 f"[0, {self.max_seq_len}] (max_seq_len)")
+            out[self._labels.index(label)] = int(position)
+        return out
+
+    def _raise_to(self, rid: Hashable, targets: Dict[int, int]) -> None:
+        request = self._requests[rid]
+        slots = [request[i] for i in targets]
+        values = list(targets.values())
+        size = tr.bucket(len(slots))
+        meta: List[int] = []
+        tr.pad_into(meta, slots, size)
+        tr.zero_into(meta, values, size)
+        self._table = tr.raise_fn(self._table, tr.as_meta(meta))
+        self._shadow[slots] = np.maximum(self._shadow[slots], values)
+
+    def _reset_slots(self, slots: List[int]) -> None:
+        if not slots:
+            return
+        meta: List[int] = []
+        tr.pad_into(meta, slots, tr.bucket(len(slots)))
+        self._table = tr.reset_fn(self._table, tr.as_meta(meta))
+        self._shadow[slots] = 0
+
+    def _views(self, step: PositionStep, ctx: StepContext):
+        """``({plan_label: views}, pre_forks, post_forks)`` of a step."""
+        kv = ctx.plan_results.get(self.config.kv_resource)
+        if kv is None:
+            groups: Dict[str, List[Any]] = {}
+            for segment in step.segments:
+                groups.setdefault(_label_of(segment), []).append(segment)
+            return groups, (), ()
+        if not isinstance(kv, Mapping):
+            raise TypeError(f"ctx.plan_results[{self.config.kv_resource!r}] must be a mapping "
+                            f"{{plan_label: KVPlanOutput}}, got {type(kv).__name__}")
+        groups, pre, post = {}, [], []
+        for plan_label, output in kv.items():
+            if not isinstance(output, KVPlanOutput):
+                raise TypeError(f"ctx.plan_results[{self.config.kv_resource!r}][{plan_label!r}] "
+                                f"must be a KVPlanOutput, got {type(output).__name__}")
+            groups[plan_label] = output.views
+            pre.extend(output.pre_forks)
+            post.extend(output.post_forks)
+        return groups, tuple(pre), tuple(post)
+
+    def _view_arrays(self, views: Sequence[Any], plan_label: str) -> Tuple[np.ndarray, np.ndarray]:
+        if not views:
+            return np.zeros((0,), np.int64), np.zeros((0,), np.int64)
+        try:
+            rids, labels, counts = zip(*views)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"the views of plan label {plan_label!r} must be "
+                            f"(request_id, label, to_compute) tuples: {e}") from e
+        slots = np.array(self._slots(rids, labels), np.int64)
+        counts = _counts_array(counts, f"to_compute of plan label {plan_label!r}")
+        return slots, counts
+
+    def _fork_arrays(self, forks: Sequence[Fork], name: str) -> Tuple[np.ndarray, np.ndarray]:
+        if not forks:
+            return np.zeros((0,), np.int64), np.zeros((0,), np.int64)
+        try:
+            rids, sources, targets = zip(*forks)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{name} must be (request_id, from_label, to_label) tuples: {e}") from e
+        return (np.array(self._slots(rids, sources), np.int64),
+                np.array(self._slots(rids, targets), np.int64))
+
+    def _commit_plan(self, segments: Sequence[Any], advance: Any,
+                     post_forks: Sequence[Fork]) -> _CommitPlan:
+        if segments:
+            try:
+                rids, labels, spans = zip(*segments)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"step.segments must be (request_id, label, span) tuples: {e}") from e
+            slots = self._slots(rids, labels)
+            spans = _counts_array(spans, "segment span")
+        else:
+            slots, spans = [], np.zeros((0,), np.int64)
+        adv_slots: List[int] = []
+        adv_amounts: List[int] = []
+        if advance is None:
+            pass
+        elif isinstance(advance, Mapping):
+            present = set(slots)
+            for stream, amount in advance.items():
+                if not isinstance(stream, tuple) or len(stream) != 2:
+                    raise ValueError(f"step.advance key {stream!r} must be (request_id, label)")
+                slot = self._slot(*stream)
+                if slot not in present:
+                    raise ValueError(f"step.advance names stream {stream!r}, which has no segment "
+                                     "in the step")
+                adv_slots.append(slot)
+                adv_amounts.append(_amount(amount, f"step.advance[{stream!r}]"))
+            advanced = set(adv_slots)
+            keep = [i for i, slot in enumerate(slots) if slot not in advanced]
+            slots = [slots[i] for i in keep]
+            spans = spans[keep]
+        else:
+            amount = _amount(advance, "step.advance")
+            adv_slots = list(dict.fromkeys(slots))
+            adv_amounts = [amount] * len(adv_slots)
+            slots, spans = [], np.zeros((0,), np.int64)
+        fork_src, fork_dst = self._fork_arrays(post_forks, "post_forks")
+        layout = (tr.bucket(len(slots)), tr.bucket(len(adv_slots)), tr.bucket(len(fork_src)))
+        meta: List[int] = []
+        tr.pad_into(meta, slots, layout[0])
+        tr.zero_into(meta, spans.tolist(), layout[0])
+        tr.pad_into(meta, adv_slots, layout[1])
+        tr.zero_into(meta, adv_amounts, layout[1])
+        tr.pad_into(meta, fork_src.tolist(), layout[2])
+        tr.pad_into(meta, fork_dst.tolist(), layout[2])
+        return _CommitPlan(meta=tr.as_meta(meta), layout=layout, slots=np.asarray(slots, np.int64),
+                           spans=spans, adv_slots=np.asarray(adv_slots, np.int64),
+                           adv_amounts=np.asarray(adv_amounts, np.int64), fork_src=fork_src,
+                           fork_dst=fork_dst)
+
+    def _effective_commit(self, plan: _Plan) -> _CommitPlan:
+        """The plan's commit without the streams of requests removed since it was made."""
+        if not plan.dropped:
+            return plan.commit
+        advance = plan.step.advance
+        if isinstance(advance, Mapping):
+            advance = {s: a for s, a in advance.items() if s[0] not in plan.dropped}
+        return self._commit_plan(_without(plan.step.segments, plan.dropped), advance,
+                                 _without(plan.post_forks, plan.dropped))
+
+    def _committed_shadow(self, commit: _CommitPlan, shadow: Optional[np.ndarray] = None) -> np.ndarray:
+        """The host counters after ``commit`` (same rules as :func:`_transitions.commit_fn`)."""
+        new = (self._shadow if shadow is None else shadow).copy()
+        if self.config.scheme is Scheme.BLOCK:
+            amounts = np.where(commit.spans > 0, self.config.block_step, 0)
+        else:
+            amounts = commit.spans
+        np.add.at(new, commit.slots, amounts)
+        np.add.at(new, commit.adv_slots, commit.adv_amounts)
+        if len(commit.fork_src):
+            new[commit.fork_dst] = new[commit.fork_src]
+        return new
+
+    def _device_commit(self, table: PositionTable, commit: _CommitPlan) -> PositionTable:
+        return tr.commit_fn(table, commit.meta, layout=commit.layout, scheme=self.config.scheme,
+                            block_step=self.config.block_step)
+
+    def _check_plan_bounds(self, shadow: np.ndarray, slots: np.ndarray, counts: np.ndarray,
+                           plan_label: str, views: Sequence[Any]) -> None:
+        if not len(slots):
+            return
+        base = shadow[slots]
+        if self.config.scheme is Scheme.SEQUENTIAL:
+            bad = base + counts > self.max_seq_len
+        else:
+            bad = (counts > 0) & (base >= self.max_seq_len)
+        if bad.any():
+            i = int(np.argmax(bad))
+            rid, label = views[i][0], views[i][1]
+            raise ValueError(f"stream ({rid!r}, {label!r}) of plan label {plan_label!r} at position "
+                             f"{int(base[i])} with {int(counts[i])} tokens passes "
+                             f"max_seq_len={self.max_seq_len}")
+
+    def _check_commit_bounds(self, shadow: np.ndarray, commit: _CommitPlan) -> None:
+        touched = np.concatenate([commit.slots, commit.adv_slots])
+        if len(touched) and shadow[touched].max() > self.max_seq_len:
+            slot = int(touched[np.argmax(shadow[touched])])
+            raise ValueError(f"commit would move slot {slot} to {int(shadow[slot])}, past "
+                             f"max_seq_len={self.max_seq_len}")
+
+    def _explicit_pos_ids(self, given: Any, groups: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
+        if given is None:
+            return {}
+        if isinstance(given, torch.Tensor):
+            if len(groups) != 1:
+                raise ValueError(f"step.pos_ids is one tensor but the step has {len(groups)} plan "
+                                 f"labels {list(groups)}; pass {{plan_label: tensor}}")
+            given = {next(iter(groups)): given}
+        if not isinstance(given, Mapping):
+            raise TypeError(f"step.pos_ids must be None, a tensor or {{plan_label: tensor}}, got "
+                            f"{type(given).__name__}")
+        out = {}
+        for plan_label, tensor in given.items():
+            where = f"step.pos_ids[{plan_label!r}]"
+            if plan_label not in groups:
+                raise ValueError(f"{where}: not a plan label of the step ({list(groups)})")
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{where} must be a torch.Tensor, got {type(tensor).__name__}")
+            if tensor.ndim != 1 or tensor.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"{where} has shape={tuple(tensor.shape)} dtype={tensor.dtype}; "
+                                 "expected int32 or int64 [n]")
+            if tensor.device != self.device:
+                raise ValueError(f"{where} is on {tensor.device}, expected {self.device}")
+            out[plan_label] = tensor.to(torch.int32).contiguous()
+        return out
+
+    def _plan_call(self, num_outs: int) -> InPlace:
+        call = self._plan_calls.get(num_outs)
+        if call is None:
+            call = self._plan_calls[num_outs] = InPlace(
+                tr.plan_fn, num_outs, static_argnames=("layout", "num_outs", "scheme"))
+        return call
+
+    def _graph_buffer(self, graph: GraphSlot, plan_label: str) -> torch.Tensor:
+        key = (graph, plan_label)
+        buffer = self._graph_buffers.get(key)
+        if buffer is None:
+            buffer = self._graph_buffers[key] = torch.zeros(
+                (graph.bucket.num_tokens,), dtype=torch.int32, device=self.device)
+        return buffer
+
+    def _run_plan(self, table, labels, pre_src, pre_dst, explicit, graph):
+        forks = tr.bucket(len(pre_src))
+        meta: List[int] = []
+        tr.pad_into(meta, pre_src.tolist(), forks)
+        tr.pad_into(meta, pre_dst.tolist(), forks)
+        layout_labels, outs, computed = [], [], []
+        tensors: Dict[str, torch.Tensor] = {}
+        arrays: Dict[str, jax.Array] = {}
+        limits: Dict[str, int] = {}
+        for plan_label, slots, counts, total in labels:
+            buffer = None if graph is None else self._graph_buffer(graph, plan_label)
+            limits[plan_label] = total if buffer is None else buffer.shape[0]
+            given = explicit.get(plan_label)
+            if given is not None:
+                if buffer is None:
+                    tensors[plan_label] = given
+                else:
+                    buffer[:total].copy_(given)
+                    tensors[plan_label] = buffer
+                arrays[plan_label] = to_jax(tensors[plan_label])
+                continue
+            views = tr.bucket(len(slots))
+            tr.pad_into(meta, slots.tolist(), views)
+            tr.zero_into(meta, counts.tolist(), views)
+            if buffer is None:
+                layout_labels.append((views, tr.bucket(total), -1))
+            else:
+                layout_labels.append((views, buffer.shape[0], len(outs)))
+                outs.append(buffer)
+            computed.append((plan_label, total, buffer))
+        if computed or forks:
+            results = self._plan_call(len(outs))(
+                outs, table, tr.as_meta(meta), layout=(forks, tuple(layout_labels)),
+                num_outs=len(outs), scheme=self.config.scheme)
+            table = results[len(outs)]
+            fresh = iter(results[len(outs) + 1:])
+            written = iter(results[:len(outs)])
+            for plan_label, total, buffer in computed:
+                if buffer is None:
+                    array = next(fresh)
+                    tensors[plan_label] = to_torch(array)[:total]
+                else:
+                    array = next(written)
+                    tensors[plan_label] = buffer
+                arrays[plan_label] = array
+        return tensors, arrays, limits, table
+
+    def _promotion(self, plan: _Plan) -> Optional[Tuple[PositionTable, np.ndarray]]:
+        """The table and shadow once the staged ``plan``'s pre-forks apply (None: no forks)."""
+        forks = _without(plan.pre_forks, plan.dropped) if plan.dropped else plan.pre_forks
+        if not forks:
+            return None
+        src, dst = self._fork_arrays(forks, "pre_forks")
+        size = tr.bucket(len(src))
+        meta: List[int] = []
+        tr.pad_into(meta, src.tolist(), size)
+        tr.pad_into(meta, dst.tolist(), size)
+        shadow = self._shadow.copy()
+        shadow[dst] = shadow[src]
+        return tr.fork_fn(self._table, tr.as_meta(meta)), shadow
+
+    def _apply_promotion(self, plan: _Plan) -> None:
+        promoted = self._promotion(plan)
+        if promoted is not None:
+            self._table, self._shadow = promoted
+
+    def _active_plan(self) -> Optional[_Plan]:
+        if self._current is None and self._staged is not None:
+            self._current, self._staged = self._staged, None
+            self._apply_promotion(self._current)
+        return self._current
+
+
+class RopeManager(PositionManager):
+    """Rotary position embedding on top of :class:`PositionManager`: ``apply_qk`` in place.
+
+    Args:
+      config: a :class:`~torch_bridge.PositionConfig`; ``config.rope`` None builds
+        ``RopeConfig(head_dim=head_dim, max_position=max(max_seq_len, 131072))``.
+      device: the torch device of q, k and the position ids.
+      max_seq_len: positions stay below it; at most ``config.rope.max_position``.
+      head_dim: ``D``; must equal ``config.rope.head_dim`` when both are given.
+      dtype: the engine's activation dtype (float32, float16 or bfloat16), kept for
+        the seed's signature. q and k are rotated in their own dtype (the seed cast
+        to this dtype; float32 inputs here stay float32).
+      launcher: the fast path ``apply_qk`` tries first: "auto" (the Triton launcher
+        on CUDA when available), "jax" (always the JAX path), or an object with
+        ``rotate_(q, k, pos_ids, cfg)`` (see :class:`torch_bridge.rotate.Launcher`).
+      backend: the jaxrope backend of the JAX path ("auto", "pallas", "xla", "interpret").
+      allow_copy: let the JAX path stage non-contiguous or misaligned q/k through a
+        contiguous copy (written back in place); False raises instead.
+
+    Attributes:
+      launcher: the resolved launcher, or None; assignable.
+      rope: the base :class:`jaxrope.RopeConfig`.
+
+    Raises:
+      ValueError: an invalid argument (named in the message).
+
+    Example:
+      >>> import torch, jaxrope as jr
+      >>> from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext
+      >>> mgr = RopeManager(PositionConfig(rope=jr.RopeConfig(head_dim=8)), "cpu")
+      >>> mgr.ingest_request("r0")
+      >>> step, ctx = PositionStep([Segment("r0", "text", 3)]), StepContext(("r0",))
+      >>> _ = mgr.plan(step, ctx)
+      >>> q, k = torch.randn(3, 4, 8), torch.randn(3, 2, 8)
+      >>> q2, k2 = mgr.apply_qk(q, k, "text")
+      >>> q2 is q
+      True
+      >>> mgr.commit(step, ctx)
+    """
+
+    def __init__(self, config: PositionConfig, device: Any, max_seq_len: int = 32768,
+                 head_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16, *,
+                 launcher: Any = "auto", backend: str = "auto", allow_copy: bool = True):
+        super().__init__(config, device, max_seq_len)
+        rope = config.rope
+        if rope is None:
+            if head_dim is None:
+                raise ValueError("head_dim is required when config.rope is None")
+            rope = RopeConfig(head_dim=head_dim, max_position=max(max_seq_len, 131072))
+        elif head_dim is not None and head_dim != rope.head_dim:
+            raise ValueError(f"{head_dim=} must equal config.rope.head_dim={rope.head_dim}")
+        if max_seq_len > rope.max_position:
+            raise ValueError(f"{max_seq_len=} must be <= config.rope.max_position={rope.max_position}")
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{dtype=} must be one of {list(SUPPORTED_DTYPES)}")
+        self.rope = rope
+        self.head_dim = rope.head_dim
+        self.dtype = dtype
+        self.allow_copy = allow_copy
+        self.launcher = resolve_launcher(launcher, self.device)
+        self._configs = ConfigCache(rope)
+        self._jax = JaxRotation(self._jax_device, backend)
+
+    @classmethod
+    def _build_kwargs(cls, info: EngineInfo) -> Dict[str, Any]:
+        return {**super()._build_kwargs(info), "head_dim": info.head_dim, "dtype": info.dtype}
+
+    def _fingerprint_payload(self) -> bytes:
+        return super()._fingerprint_payload() + b"|" + self.rope.fingerprint()
+
+    def apply_qk(self, q: torch.Tensor, k: torch.Tensor, label: str,
+                 rotary_dim: Optional[int] = None, interleave: Optional[bool] = None,
+                 rope_scale: Optional[float] = None, rope_theta: Optional[float] = None,
+                 rope_dtype: Optional[torch.dtype] = None,
+                 **llama31: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q`` and ``k`` in place at the planned positions of plan label ``label``.
+
+        Args:
+          q: ``[T, Hq, D]`` or ``[T, Hq * D]``, float32/float16/bfloat16, on ``device``.
+          k: ``[T, Hk, D]`` or ``[T, Hk * D]``, same dtype, device and ``T``.
+          label: a plan label of the current plan; token ``t`` gets ``pos_ids(label)[t]``.
+            ``T`` may be less than the planned tokens (the first ``T`` are used).
+          rotary_dim, interleave, rope_scale, rope_theta, low_freq_factor,
+            high_freq_factor, old_context_len: per-call overrides with FlashInfer's
+            meaning (see :class:`torch_bridge.rotate.ConfigCache`).
+          rope_dtype: accepted for the seed's signature; the math is float32 (from
+            float64 frequencies) whatever it says, and q/k keep their dtype.
+
+        Returns:
+          ``(q, k)``: the same tensors, rotated. Dims ``[rotary_dim, D)`` are untouched.
+
+        Ordering: on CUDA the rotation runs after the work queued on torch's current
+        stream and before whatever is queued next on it; there is no host sync.
+        Zero copy: the launcher works on the tensors themselves; the JAX path
+        imports them through DLPack and writes into them (see
+        :mod:`torch_bridge.dlpack`; on CPU it copies the result back).
+
+        Raises:
+          ValueError: no positions planned for ``label`` (or it is unknown), q/k of the
+            wrong rank, head size, dtype, device or token count (more tokens than
+            planned), or an invalid override.
+          TypeError: q or k not a tensor, or an unknown keyword argument.
+        """
+        plan = self._active_plan()
+        if plan is None or label not in plan.tensors:
+            if label not in self._plan_labels_seen:
+                raise ValueError(f"label={label!r} is unknown: not a configured label "
+                                 f"{list(self._labels)} nor a plan label of any plan")
+            raise ValueError(f"no positions planned for label={label!r}: call plan() for this step")
+        q3, k3 = self._heads(q, "q"), self._heads(k, "k")
+        if q.dtype != k.dtype:
+            raise ValueError(f"k.dtype={k.dtype} must equal q.dtype={q.dtype}")
+        tokens = q3.shape[0]
+        if k3.shape[0] != tokens:
+            raise ValueError(f"k.shape[0]={k3.shape[0]} must equal q.shape[0]={tokens} (tokens)")
+        if tokens > plan.limits[label]:
+            raise ValueError(f"q has {tokens} tokens but plan label {label!r} has "
+                             f"{plan.limits[label]} planned positions")
+        if rope_dtype is not None and not isinstance(rope_dtype, torch.dtype):
+            raise ValueError(f"{rope_dtype=} must be a torch.dtype or None")
+        cfg = self._configs.get(rotary_dim, interleave, rope_scale, rope_theta, **llama31)
+        if tokens == 0:
+            return q, k
+        if self.launcher is not None:
+            try:
+                self.launcher.rotate_(q3, k3, plan.tensors[label][:tokens], cfg)
+                return q, k
+            except LaunchUnavailable:
+                pass
+        self._jax(q3, k3, plan.arrays[label], cfg, allow_copy=self.allow_copy)
+        return q, k
+
+    def _heads(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.device != self.device:
+            raise ValueError(f"{name} is on {x.device}, expected {self.device} (the manager's device)")
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name}.dtype={x.dtype} must be one of {list(SUPPORTED_DTYPES)}")
+        if x.ndim == 2:
+            if x.shape[1] % self.head_dim:
+                raise ValueError(f"{name}.shape={tuple(x.shape)}: {x.shape[1]} is not a multiple of "
+                                 f"head_dim={self.head_dim}")
+            try:
+                return x.view(x.shape[0], x.shape[1] // self.head_dim, self.head_dim)
+            except RuntimeError as e:
+                raise ValueError(f"{name}.shape={tuple(x.shape)} with stride={x.stride()} cannot be "
+                                 f"viewed as [T, H, {self.head_dim}]: {e}") from e
+        if x.ndim != 3 or x.shape[2] != self.head_dim:
+            raise ValueError(f"{name}.shape={tuple(x.shape)} must be [T, H, {self.head_dim}] or "
+                             f"[T, H * {self.head_dim}]")
+        return x
+
+
+def _torch_device(device: Any) -> torch.device:
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError) as e:
+        raise ValueError(f"device={device!r} is not a torch device: {e}") from e
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _label_of(segment: Any) -> str:
+    try:
+        return segment[1]
+    except (TypeError, IndexError) as e:
+        raise TypeError(f"step.segments must be (request_id, label, span) tuples, got {segment!r}") from e
+
+
+def _counts_array(values: Sequence[Any], name: str) -> np.ndarray:
+    array = np.asarray(values)
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be ints, got {values[:4]!r}...")
+    if len(array) and array.min() < 0:
+        raise ValueError(f"{name} must be >= 0, got {int(array.min())}")
+    return array.astype(np.int64, copy=False)
+
+
+def _amount(value: Any, name: str) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name}={value!r} must be an int >= 0")
+    return int(value)
+
+
+def _without(records: Sequence[Any], rids: set) -> Tuple[Any, ...]:
+    return tuple(r for r in records if r[0] not in rids)

@@ -1,0 +1,189 @@
+"""How ``RopeManager.apply_qk`` rotates torch tensors: per-call configs, a fast launcher, JAX.
+
+``apply_qk`` takes the seed's per-call overrides (FlashInfer's parameters); :class:`ConfigCache`
+maps them onto a :class:`jaxrope.RopeConfig`. The rotation itself first asks an optional
+*launcher* (an object with ``rotate_(q, k, pos_ids, cfg)`` that works on torch tensors
+directly, e.g. :class:`torch_bridge.triton_launch.TritonLauncher`) and, when there is
+none or it declines by raising ``LaunchUnavailable``, runs :class:`JaxRotation`: the
+jaxrope kernel through DLPack (see :mod:`torch_bridge.dlpack`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional, Protocol, Tuple
+
+import jax
+import torch
+
+from jaxrope import backend as _backend
+from jaxrope.apply import kernel_constants
+from jaxrope.config import RopeConfig
+from jaxrope.scaling import Linear, Llama3
+from torch_bridge.dlpack import InPlace
+from torch_bridge.triton_launch import LaunchUnavailable
+
+__all__ = ["ConfigCache", "JaxRotation", "Launcher", "LaunchUnavailable", "resolve_launcher"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# FlashInfer's llama31 defaults, used for the llama31 parameters a call leaves out.
+_LLAMA31_DEFAULTS = {"rope_scale": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "old_context_len": 8192}
+LLAMA31_PARAMS = ("low_freq_factor", "high_freq_factor", "old_context_len")
+
+
+class Launcher(Protocol):
+    """A fast path that rotates torch tensors itself, on torch's current stream.
+
+    ``rotate_(q, k, pos_ids, cfg)``: ``q [T, Hq, D]``, ``k [T, Hk, D]`` (validated by
+    the manager: same dtype and device, ``D == cfg.head_dim``), ``pos_ids`` int32
+    ``[T]`` on the same device; rotates q and k in place. Raises ``LaunchUnavailable``
+    to decline (the manager then runs the JAX path); any other exception propagates.
+    """
+
+    def rotate_(self, q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor,
+                cfg: RopeConfig) -> None: ...
+
+
+def resolve_launcher(launcher: Any, device: torch.device) -> Optional[Launcher]:
+    """The launcher for ``RopeManager(launcher=...)``.
+
+    ``"jax"`` -> None (always the JAX path). ``"auto"`` -> a
+    :class:`~torch_bridge.triton_launch.TritonLauncher` on a CUDA device when Triton
+    is usable, else None. An object with a ``rotate_`` method is used as given.
+
+    Raises:
+      ValueError: any other value.
+    """
+    if isinstance(launcher, str):
+        if launcher == "jax":
+            return None
+        if launcher == "auto":
+            if device.type != "cuda":
+                return None
+            from torch_bridge.triton_launch import TritonLauncher
+            try:
+                return TritonLauncher()
+            except LaunchUnavailable:
+                return None
+    elif callable(getattr(launcher, "rotate_", None)):
+        return launcher
+    raise ValueError(f"launcher={launcher!r} must be 'auto', 'jax' or an object with "
+                     "rotate_(q, k, pos_ids, cfg)")
+
+
+class ConfigCache:
+    """Per-call overrides -> :class:`RopeConfig`, cached by every override value.
+
+    Mapping (FlashInfer's meaning of each parameter):
+
+    - ``rotary_dim``, ``interleave``, ``rope_theta`` replace the base config's
+      ``rotary_dim``, ``interleave``, ``theta``.
+    - ``rope_scale`` alone replaces the scaling with ``Linear(rope_scale)`` (FlashInfer
+      divides positions by it); ``rope_scale=1`` means no scaling.
+    - any llama31 parameter (``low_freq_factor``, ``high_freq_factor``,
+      ``old_context_len``) replaces the scaling with
+      ``Llama3(factor=rope_scale, low_freq_factor, high_freq_factor,
+      original_max_position=old_context_len)``, FlashInfer's defaults (8, 1, 4, 8192)
+      for the ones left out.
+    - no override keeps the base config as is.
+
+    Example:
+      >>> cache = ConfigCache(RopeConfig(head_dim=64))
+      >>> cache.get(rope_scale=4.0).scaling
+      Linear(factor=4.0)
+    """
+
+    def __init__(self, base: RopeConfig):
+        self.base = base
+        self._configs: Dict[Tuple, RopeConfig] = {}
+
+    def get(self, rotary_dim: Optional[int] = None, interleave: Optional[bool] = None,
+            rope_scale: Optional[float] = None, rope_theta: Optional[float] = None,
+            **llama31: Any) -> RopeConfig:
+        """The config for these overrides.
+
+        Raises:
+          TypeError: an unknown keyword argument.
+          ValueError: an override the config rejects (naming the field).
+        """
+        key = (rotary_dim, interleave, rope_scale, rope_theta, tuple(sorted(llama31.items())))
+        cfg = self._configs.get(key)
+        if cfg is None:
+            cfg = self._configs[key] = self._build(rotary_dim, interleave, rope_scale, rope_theta,
+                                                   llama31)
+        return cfg
+
+    def _build(self, rotary_dim, interleave, rope_scale, rope_theta, llama31) -> RopeConfig:
+        unknown = sorted(set(llama31) - set(LLAMA31_PARAMS))
+        if unknown:
+            raise TypeError(f"apply_qk got unexpected keyword arguments {unknown}; the llama31 "
+                            f"parameters are {list(LLAMA31_PARAMS)}")
+        changes: Dict[str, Any] = {}
+        if rotary_dim is not None:
+            changes["rotary_dim"] = rotary_dim
+        if interleave is not None:
+            changes["interleave"] = interleave
+        if rope_theta is not None:
+            changes["theta"] = rope_theta
+        if llama31:
+            params = {**_LLAMA31_DEFAULTS, **llama31}
+            if rope_scale is not None:
+                params["rope_scale"] = rope_scale
+            changes["scaling"] = Llama3(factor=params["rope_scale"],
+                                        low_freq_factor=params["low_freq_factor"],
+                                        high_freq_factor=params["high_freq_factor"],
+                                        original_max_position=params["old_context_len"])
+        elif rope_scale is not None:
+            if isinstance(rope_scale, bool) or not isinstance(rope_scale, (int, float)) or rope_scale <= 0:
+                raise ValueError(f"{rope_scale=} must be a number > 0")
+            changes["scaling"] = None if rope_scale == 1 else Linear(factor=float(rope_scale))
+        if not changes:
+            return self.base
+        return dataclasses.replace(self.base, **changes)
+
+
+def _rotate(q, k, pos_ids, tables, *, impl, rotary_dim: int, interleave: bool,
+            attention_factor: float):
+    return impl(q, k, pos_ids[:q.shape[0]], tables, rotary_dim=rotary_dim,
+                interleave=interleave, attention_factor=attention_factor)
+
+
+class JaxRotation:
+    """The JAX path: the jaxrope kernel on DLPack imports of q and k, written in place.
+
+    Args:
+      device: the JAX device the tensors live on.
+      backend: the jaxrope backend ("auto": Pallas on GPU, XLA elsewhere).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> rot = JaxRotation(jax.devices("cpu")[0])
+      >>> q, k = torch.randn(3, 2, 8), torch.randn(3, 1, 8)
+      >>> rot(q, k, jnp.arange(3, dtype=jnp.int32), RopeConfig(head_dim=8))
+    """
+
+    def __init__(self, device: jax.Device, backend: str = "auto"):
+        self.device = device
+        self.impl = _backend.resolve(backend, device.platform)
+        self.call = InPlace(_rotate, 2, static_argnames=("impl", "rotary_dim", "interleave",
+                                                         "attention_factor"))
+        self._tables: Dict[RopeConfig, Tuple[jax.Array, float]] = {}
+
+    def constants(self, cfg: RopeConfig) -> Tuple[jax.Array, float]:
+        """Angle tables on the device and the attention factor, cached per config."""
+        entry = self._tables.get(cfg)
+        if entry is None:
+            tables, attention = kernel_constants(cfg)
+            entry = self._tables[cfg] = (jax.device_put(tables, self.device), attention)
+        return entry
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, pos_ids: jax.Array, cfg: RopeConfig,
+                 allow_copy: bool = True) -> None:
+        """Rotate ``q [T, Hq, D]``, ``k [T, Hk, D]`` in place at ``pos_ids[:T]`` (int32 ``[>= T]``)."""
+        tables, attention = self.constants(cfg)
+        self.call([q, k], pos_ids, tables, allow_copy=allow_copy, impl=self.impl,
+                  rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
+                  attention_factor=attention)
+
