@@ -25,11 +25,18 @@ def _frac(x):
     return x - jnp.floor(x)
 
 
-def cos_sin(pos, turns_hi, turns_mid, turns_lo, attention_factor: float):
+def _sin_cos_exact(angle):
+    return jnp.sin(angle), jnp.cos(angle)
+
+
+def cos_sin(pos, turns_hi, turns_mid, turns_lo, attention_factor: float,
+            sin_cos=_sin_cos_exact):
     """float32 ``cos, sin`` of shape ``pos.shape + turns.shape``, times ``attention_factor``.
 
     ``pos``: int32 positions in ``[0, 2**24)``, any shape ``[...]``; ``turns_*``: float32
     ``[R/2]`` (or broadcastable), the hi/mid/lo parts of ``inv_freq / (2*pi)``.
+    ``sin_cos``: the float32 sine and cosine of an angle in ``[-pi, pi]``; a GPU kernel
+    passes the hardware approximations (absolute error ~1e-6 there).
     """
     pos = pos[..., None]
     p_lo = pos & _LOW_MASK
@@ -38,4 +45,5 @@ def cos_sin(pos, turns_hi, turns_mid, turns_lo, attention_factor: float):
     turns = (_frac(p_hi * turns_hi) + _frac(p_hi * turns_mid) + _frac(p_lo * turns_hi)
              + (p_lo * turns_mid + (p_hi + p_lo) * turns_lo))
     angle = (turns - jnp.floor(turns + 0.5)) * jnp.float32(2 * math.pi)
-    return jnp.cos(angle) * attention_factor, jnp.sin(angle) * attention_factor
+    sin, cos = sin_cos(angle)
+    return cos * attention_factor, sin * attention_factor

@@ -1,18 +1,27 @@
 """The Pallas GPU kernel (Triton lowering): q and k rotated in one launch, in place.
 
 Grid: ``(token blocks, head groups)``. A program computes cos/sin once for its
-``block_tokens`` tokens and reuses them for ``heads_per_program`` heads of q or of k
-(head groups ``[0, q_groups)`` are q's, the rest k's). Only the rotated dims are read
-and written: with q and k aliased to the outputs, dims past ``rotary_dim`` are never
-touched.
+``block_tokens`` tokens and rotates ``heads_per_program`` heads of q or of k with them
+(head groups ``[0, q_groups)`` are q's, the rest k's): one load per half of a
+``[block_tokens, heads_per_program, lanes]`` block, so all of a program's reads are in
+flight before its first write. Only the rotated dims are read and written: with q and k
+aliased to the outputs, dims past ``rotary_dim`` are never touched.
 
-Layouts, chosen so every load is a plain (or last-axis integer-indexed) slice that
-both Triton and the Pallas interpreter support, with masks covering any size:
-- NeoX halves: q viewed as ``[T, Hq*D]``; a head's halves start at ``h*D`` and
-  ``h*D + R/2``.
-- interleaved pairs: q viewed as ``[T, Hq*D/2, 2]``; element 0 / 1 of the last axis
-  are the pair.
-Every block is padded to powers of two (Triton needs them) and masked.
+Layouts:
+- NeoX halves: q as ``[T, Hq, D]``; the halves are dims ``[0, R/2)`` and ``[R/2, R)``.
+- interleaved pairs: q viewed as ``[T, Hq, D/2, 2]``; the pair is the last axis.
+Blocks are padded to powers of two (Triton needs them) and masked; ``lanes`` is
+``R/2`` rounded up. Slices that may run past the last axis get a traced start, since
+their masked lanes are never dereferenced but a static out-of-range slice is rejected
+at trace time.
+
+The token count is read from a one-element array rather than baked in, so the compiled
+kernel depends on T only through the grid: the torch bridge compiles it once per head
+layout and launches it for any T (``torch_bridge.triton_launch``).
+
+On the GPU, sine and cosine use the hardware approximations (``sin.approx.f32``): the
+angle is already reduced to ``[-pi, pi]``, where their absolute error (~1e-6) is far
+below what a bf16 or fp16 output can show and near float32 rounding of the products.
 """
 
 from __future__ import annotations
@@ -22,11 +31,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxrope.kernels.angle import cos_sin
+
+# Grid programs wanted before the heuristic stops growing blocks: two per SM of an H100/H200.
+_MIN_PROGRAMS = 264
+# Elements of one half-block (per program) that keep 16-byte accesses at 4 warps.
+_HALF_BLOCK_ELEMENTS = 4096
 
 
 def _next_pow2(n: int) -> int:
@@ -44,23 +57,36 @@ class BlockConfig:
 
 
 def block_config(num_tokens: int, q_heads: int, k_heads: int, lanes: int) -> BlockConfig:
-    """The one heuristic for launch shapes (measured on H200, see bench/RESULTS.md).
+    """The one heuristic for launch shapes.
 
-    - A program's tile is ``block_tokens x lanes`` per half; about 2k elements keeps
-      16-byte accesses per thread with 4 warps and few registers.
-    - Fewer tokens than that per program at small T, so that the grid still spans the
-      132 SMs: decode batches need parallelism across heads, not tokens.
-    - Up to 8 heads per program amortise the cos/sin of a token block.
+    - Up to 8 heads per program share one cos/sin computation.
+    - Tokens per program fill a half-block of ~4k elements (16 KB read per program in
+      bf16), enough bytes in flight per SM at the HBM limit.
+    - Small T (decode) shrinks the blocks, tokens first, until the grid has two
+      programs per SM: parallelism comes from heads when tokens are few.
+    - Warps: one 16-byte vector per thread per 8 elements, at most 4 vectors per thread.
     """
-    block_tokens = max(1, min(_next_pow2(num_tokens), 2048 // lanes, 32))
-    heads = max(q_heads, k_heads)
-    heads_per_program = min(8, _next_pow2(heads))
-    token_blocks = -(-num_tokens // block_tokens)
-    while heads_per_program > 1 and token_blocks * (
-            -(-q_heads // heads_per_program) + -(-k_heads // heads_per_program)) < 264:
+    heads_per_program = min(8, _next_pow2(max(q_heads, k_heads)))
+    block_tokens = max(1, min(_next_pow2(num_tokens),
+                              _HALF_BLOCK_ELEMENTS // (heads_per_program * lanes)))
+
+    def programs(bt: int, hpp: int) -> int:
+        return -(-num_tokens // bt) * (-(-q_heads // hpp) + -(-k_heads // hpp))
+
+    while block_tokens > 1 and programs(block_tokens, heads_per_program) < _MIN_PROGRAMS:
+        block_tokens //= 2
+    while heads_per_program > 1 and programs(block_tokens, heads_per_program) < _MIN_PROGRAMS:
         heads_per_program //= 2
-    num_warps = 4 if block_tokens * lanes >= 512 else 2 if block_tokens * lanes >= 128 else 1
+    elements = block_tokens * heads_per_program * lanes
+    num_warps = max(1, min(4, elements // (32 * 32)))
     return BlockConfig(block_tokens, heads_per_program, num_warps)
+
+
+def _sin_cos_approx(angle):
+    return tuple(plgpu.elementwise_inline_asm(
+        f"{op}.approx.f32 $0, $1;", args=[angle], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(angle.shape, jnp.float32)])[0]
+        for op in ("sin", "cos"))
 
 
 def _index(i: int):
@@ -69,33 +95,40 @@ def _index(i: int):
     return jnp.int32(i)
 
 
-def _rope_kernel(pos_ref, tables_ref, q_ref, k_ref, q_out_ref, k_out_ref, *, num_tokens: int,
+def _rope_kernel(count_ref, pos_ref, tables_ref, q_ref, k_ref, q_out_ref, k_out_ref, *,
                  q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interleave: bool,
                  attention_factor: float, lanes: int, block_tokens: int,
-                 heads_per_program: int, q_groups: int):
+                 heads_per_program: int, q_groups: int, approx_trig: bool):
     t0 = pl.program_id(0) * block_tokens
     group = pl.program_id(1)
+    traced_zero = 0 * group
     tokens = pl.ds(t0, block_tokens)
-    token_ok = t0 + jnp.arange(block_tokens) < num_tokens
+    token_ok = t0 + jnp.arange(block_tokens) < count_ref[0]
     pos = plgpu.load(pos_ref.at[tokens], mask=token_ok, other=0)
     cos, sin = cos_sin(pos, *(plgpu.load(tables_ref.at[_index(i)]) for i in range(3)),
-                       attention_factor)
-    mask = token_ok[:, None] & (jnp.arange(lanes) < rotary_dim // 2)[None, :]
+                       attention_factor,
+                       **({"sin_cos": _sin_cos_approx} if approx_trig else {}))
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    half = rotary_dim // 2
+    lane_ok = (jnp.arange(lanes) < half)[None, None, :]
+    width = head_dim // 2 if interleave else head_dim
+    a_start = traced_zero if lanes > width else 0
+    b_start = traced_zero + half if half + lanes > width else half
 
     def rotate(x_ref, o_ref, first_head, num_heads):
-        for i in range(heads_per_program):
-            head = first_head + i
-            head_mask = mask & (head < num_heads)
-            if interleave:
-                cols = pl.ds(head * (head_dim // 2), lanes)
-                a_at, b_at = (tokens, cols, _index(0)), (tokens, cols, _index(1))
-            else:
-                a_at = (tokens, pl.ds(head * head_dim, lanes))
-                b_at = (tokens, pl.ds(head * head_dim + rotary_dim // 2, lanes))
-            a = plgpu.load(x_ref.at[a_at], mask=head_mask, other=0).astype(jnp.float32)
-            b = plgpu.load(x_ref.at[b_at], mask=head_mask, other=0).astype(jnp.float32)
-            plgpu.store(o_ref.at[a_at], (a * cos - b * sin).astype(o_ref.dtype), mask=head_mask)
-            plgpu.store(o_ref.at[b_at], (b * cos + a * sin).astype(o_ref.dtype), mask=head_mask)
+        heads = pl.ds(first_head, heads_per_program)
+        head_ok = (first_head + jnp.arange(heads_per_program) < num_heads)[None, :, None]
+        mask = token_ok[:, None, None] & head_ok & lane_ok
+        if interleave:
+            cols = pl.ds(a_start, lanes)
+            a_at, b_at = (tokens, heads, cols, _index(0)), (tokens, heads, cols, _index(1))
+        else:
+            a_at = (tokens, heads, pl.ds(a_start, lanes))
+            b_at = (tokens, heads, pl.ds(b_start, lanes))
+        a = plgpu.load(x_ref.at[a_at], mask=mask, other=0).astype(jnp.float32)
+        b = plgpu.load(x_ref.at[b_at], mask=mask, other=0).astype(jnp.float32)
+        plgpu.store(o_ref.at[a_at], (a * cos - b * sin).astype(o_ref.dtype), mask=mask)
+        plgpu.store(o_ref.at[b_at], (b * cos + a * sin).astype(o_ref.dtype), mask=mask)
 
     @pl.when(group < q_groups)
     def _():
@@ -108,7 +141,7 @@ def _rope_kernel(pos_ref, tables_ref, q_ref, k_ref, q_out_ref, k_out_ref, *, num
 
 def _view(x, interleave: bool):
     t, h, d = x.shape
-    return x.reshape(t, h * d // 2, 2) if interleave else x.reshape(t, h * d)
+    return x.reshape(t, h, d // 2, 2) if interleave else x
 
 
 def rope_pallas(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
@@ -130,18 +163,18 @@ def rope_pallas(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
     q_groups = -(-q_heads // cfg.heads_per_program)
     grid = (-(-num_tokens // cfg.block_tokens), q_groups + -(-k_heads // cfg.heads_per_program))
     kernel = functools.partial(
-        _rope_kernel, num_tokens=num_tokens, q_heads=q_heads, k_heads=k_heads,
+        _rope_kernel, q_heads=q_heads, k_heads=k_heads,
         head_dim=head_dim, rotary_dim=rotary_dim, interleave=interleave,
         attention_factor=attention_factor, lanes=lanes, block_tokens=cfg.block_tokens,
-        heads_per_program=cfg.heads_per_program, q_groups=q_groups)
+        heads_per_program=cfg.heads_per_program, q_groups=q_groups, approx_trig=not interpret)
     qv, kv = _view(q, interleave), _view(k, interleave)
     q_out, k_out = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct(qv.shape, qv.dtype), jax.ShapeDtypeStruct(kv.shape, kv.dtype)),
         grid=grid,
-        input_output_aliases={2: 0, 3: 1},
+        input_output_aliases={3: 0, 4: 1},
         interpret=interpret,
         name="jaxrope_rope",
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    )(pos_ids, tables, qv, kv)
+    )(jnp.full((1,), num_tokens, jnp.int32), pos_ids, tables, qv, kv)
     return q_out.reshape(q.shape), k_out.reshape(k.shape)

@@ -1,0 +1,1 @@
+"""Benchmarks and GPU checks of jaxrope."""

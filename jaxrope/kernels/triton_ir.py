@@ -1,0 +1,109 @@
+"""Export the Pallas RoPE kernel as Triton IR, for launching outside JAX dispatch.
+
+A PyTorch engine calling RoPE through JAX pays for a DLPack import (~90 us) and a jitted
+call (~40 us) per layer. The kernel itself is a Triton kernel: Pallas lowers it to a
+Triton MLIR module and hands XLA the bytecode. This module captures that module's text
+while JAX lowers the kernel, so ``torch_bridge.triton_launch`` can compile it with
+Triton and launch it on torch's stream.
+
+This relies on private JAX API (``jax._src.pallas.triton``), checked against JAX
+0.11.2 and 0.10.2: ``pallas_call_registration`` calls
+``lowering.lower_jaxpr_to_triton_module(...)``, whose result has ``.module`` (an MLIR
+module) and ``.grid``. Everything private is touched here and nowhere else; any
+failure raises :class:`TritonExportError` and callers fall back to the JAX path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Tuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxrope.kernels import pallas_triton
+
+_CAPTURE_LOCK = threading.Lock()
+
+
+class TritonExportError(RuntimeError):
+    """The running JAX does not expose the Pallas Triton lowering this module expects."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonKernel:
+    """A Pallas kernel as Triton IR, plus what a launch needs.
+
+    ``ttir`` takes pointer arguments in ``pallas_call`` operand order: inputs
+    ``(count, pos_ids, tables, q, k)`` then outputs ``(q, k)``.
+    """
+
+    ttir: str
+    num_warps: int
+    num_stages: int
+    block_tokens: int
+    heads_per_program: int
+    q_groups: int
+    k_groups: int
+    lanes: int
+
+    def grid(self, num_tokens: int) -> Tuple[int, int, int]:
+        return (-(-num_tokens // self.block_tokens), self.q_groups + self.k_groups, 1)
+
+
+def export(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interleave: bool,
+           attention_factor: float, dtype, block: pallas_triton.BlockConfig) -> TritonKernel:
+    """Lower the kernel for one head layout and launch shape and return its Triton IR.
+
+    The IR does not depend on the token count (read at run time from the ``count``
+    operand), so one export serves every T.
+
+    Raises:
+      TritonExportError: no GPU, or JAX's private lowering API changed.
+    """
+    try:
+        from jax._src.pallas.triton import pallas_call_registration as registration
+    except ImportError as e:  # pragma: no cover - depends on the installed JAX
+        raise TritonExportError(f"JAX {jax.__version__} has no Pallas Triton lowering: {e}") from e
+    lowering = getattr(registration, "lowering", None)
+    original = getattr(lowering, "lower_jaxpr_to_triton_module", None)
+    if original is None:
+        raise TritonExportError(f"JAX {jax.__version__}: Pallas Triton lowering entry point moved")
+
+    # Any T works (the IR reads the count at run time) as long as the grid has two token
+    # blocks: Pallas folds program_id of a size-1 grid axis to the constant 0.
+    tokens = 2 * block.block_tokens
+    lanes = 1 << max(0, (rotary_dim // 2 - 1).bit_length())
+    captured = []
+
+    def spy(*args, **kwargs):
+        result = original(*args, **kwargs)
+        captured.append(result.module.operation.get_asm())
+        return result
+
+    def kernel_call(q, k, pos_ids, tables):
+        return pallas_triton.rope_pallas(q, k, pos_ids, tables, rotary_dim=rotary_dim,
+                                         interleave=interleave,
+                                         attention_factor=attention_factor, config=block)
+
+    args = (jax.ShapeDtypeStruct((tokens, q_heads, head_dim), dtype),
+            jax.ShapeDtypeStruct((tokens, k_heads, head_dim), dtype),
+            jax.ShapeDtypeStruct((tokens,), jnp.int32),
+            jax.ShapeDtypeStruct((3, rotary_dim // 2), jnp.float32))
+    with _CAPTURE_LOCK:
+        lowering.lower_jaxpr_to_triton_module = spy
+        try:
+            # A fresh closure per export: jit's caches must not skip the lowering.
+            jax.jit(lambda *a: kernel_call(*a)).trace(*args).lower(lowering_platforms=("cuda",))
+        except Exception as e:
+            raise TritonExportError(f"lowering the Pallas kernel failed: {e}") from e
+        finally:
+            lowering.lower_jaxpr_to_triton_module = original
+    if len(captured) != 1:
+        raise TritonExportError(f"expected one Triton module, captured {len(captured)}")
+    return TritonKernel(ttir=captured[0], num_warps=block.num_warps, num_stages=block.num_stages,
+                        block_tokens=block.block_tokens,
+                        heads_per_program=block.heads_per_program,
+                        q_groups=-(-q_heads // block.heads_per_program),
+                        k_groups=-(-k_heads // block.heads_per_program), lanes=lanes)
