@@ -119,8 +119,8 @@ class RopeConfig:
     def fingerprint(self) -> bytes:
         """SHA-256 of a canonical description; equal configs give equal bytes everywhere.
 
-        Floats are written with ``float.hex`` so no printing or numpy version can
-        change the bytes.
+        Numbers are written by value with ``float.hex`` (40 and 40.0 alike), so no
+        printing or numpy version can change the bytes.
         """
         payload = json.dumps([_FINGERPRINT_VERSION, _canonical(self)], sort_keys=True,
                              separators=(",", ":"))
@@ -148,10 +148,12 @@ class RopeConfig:
 
 
 def _canonical(value: Any) -> Any:
-    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+    if isinstance(value, bool) or value is None or isinstance(value, str):
         return value
-    if isinstance(value, float):
-        return float.hex(value)
+    if isinstance(value, (int, float)):
+        # By value: from_hf passes JSON ints (Yarn factor 40) where a user writes 40.0,
+        # and the two configs compare equal, so their bytes must too.
+        return float.hex(float(value))
     if isinstance(value, tuple):
         return [_canonical(v) for v in value]
     if dataclasses.is_dataclass(value):
@@ -226,6 +228,9 @@ def _from_hf(cls, config: Mapping[str, Any], max_position: Optional[int]) -> Rop
         rotary_dim = config["rotary_dim"]
     elif partial is not None:
         rotary_dim = int(head_dim * partial)
+        if rotary_dim <= 0 or rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor={partial!r} gives rotary_dim={rotary_dim} "
+                             f"for {head_dim=}; it must give a positive even rotary_dim")
     else:
         rotary_dim = head_dim
     interleave = deepseek or gptj
