@@ -96,12 +96,12 @@ class _Plan:
     commit: _CommitPlan
     pre_forks: Tuple[Fork, ...]
     post_forks: Tuple[Fork, ...]
-    views: Tuple[Any, ...]
+    groups: Mapping[str, Sequence[Any]]   # plan label -> views
     dropped: set = dataclasses.field(default_factory=set)
 
     def mentions(self, rid: Hashable) -> bool:
         return any(rid == s[0] for s in self.step.segments) or any(
-            rid == v[0] for v in self.views) or any(
+            rid == v[0] for views in self.groups.values() for v in views) or any(
             rid == f[0] for f in self.pre_forks + self.post_forks)
 
 
@@ -153,6 +153,7 @@ class PositionManager(Resource):
         self._shadow = np.zeros(_INITIAL_SLOTS, np.int64)
         self._slot_of: Dict[Tuple[Hashable, str], int] = {}
         self._requests: Dict[Hashable, Tuple[int, ...]] = {}
+        self._pending: Optional[_CommitPlan] = None
         self._current: Optional[_Plan] = None
         self._staged: Optional[_Plan] = None
         self._plan_calls: Dict[int, InPlace] = {}
@@ -340,9 +341,8 @@ class PositionManager(Resource):
             raise TypeError(f"ctx.graph_slot must be a GraphSlot or None, got {type(graph).__name__}")
 
         labels: List[Tuple[str, np.ndarray, np.ndarray, int]] = []
-        all_views: List[Any] = []
         for plan_label, views in groups.items():
-            slots, counts = self._view_arrays(views, plan_label)
+            slots, counts = self._stream_arrays(views, f"the views of plan label {plan_label!r}")
             total = int(counts.sum())
             if graph is not None and total > graph.bucket.num_tokens:
                 raise ValueError(f"plan label {plan_label!r} has {total} tokens, more than "
@@ -352,12 +352,20 @@ class PositionManager(Resource):
                 raise ValueError(f"step.pos_ids[{plan_label!r}].shape={tuple(given.shape)} must be "
                                  f"[{total}] (the plan label's tokens)")
             labels.append((plan_label, slots, counts, total))
-            all_views.extend(views)
         pre_src, pre_dst = self._fork_arrays(pre_forks, "pre_forks")
-        commit = self._commit_plan(step.segments, step.advance, post_forks)
+        # A decode step's segments usually are its views (same streams, same counts):
+        # reuse their arrays instead of looking the streams up twice.
+        segments = step.segments
+        reuse = None
+        if len(groups) == 1:
+            (views,) = groups.values()
+            if len(views) == len(segments) and tuple(views) == segments:
+                reuse = labels[0][1], labels[0][2]
+        commit = self._commit_plan(segments, step.advance, post_forks, reuse)
 
-        pending = self._effective_commit(self._current) if ctx.is_preplan and self._current else None
-        shadow = self._shadow if pending is None else self._committed_shadow(pending)
+        speculative = (self._effective_commit(self._current)
+                       if ctx.is_preplan and self._current is not None else None)
+        shadow = self._shadow if speculative is None else self._committed_shadow(speculative)
         if len(pre_src):
             shadow = shadow.copy()
             shadow[pre_dst] = shadow[pre_src]
@@ -366,16 +374,15 @@ class PositionManager(Resource):
                 self._check_plan_bounds(shadow, slots, counts, plan_label, groups[plan_label])
 
         # Nothing below raises on valid input: state changes start here.
-        table = self._table if pending is None else self._device_commit(self._table, pending)
-        tensors, arrays, limits, table = self._run_plan(table, labels, pre_src, pre_dst, explicit,
-                                                        graph)
+        tensors, arrays, limits = self._run_plan(labels, pre_src, pre_dst, explicit, graph,
+                                                 speculative, ctx.is_preplan)
         self._plan_labels_seen.update(groups)
         plan = _Plan(step=step, tensors=tensors, arrays=arrays, limits=limits, commit=commit,
-                     pre_forks=pre_forks, post_forks=post_forks, views=tuple(all_views))
+                     pre_forks=pre_forks, post_forks=post_forks, groups=groups)
         if ctx.is_preplan:
             self._staged = plan
         else:
-            self._table, self._shadow = table, shadow
+            self._shadow = shadow
             self._current, self._staged = plan, None
         return dict(tensors)
 
@@ -406,13 +413,18 @@ class PositionManager(Resource):
                              f"({len(step.segments)} segments vs {len(planned.segments)} planned); "
                              "commit the step that was planned")
         commit = self._effective_commit(plan)
-        table, shadow = self._table, self._shadow
-        if staged_first:
-            table, shadow = self._promotion(plan) or (table, shadow)
+        forks = self._promotion_forks(plan) if staged_first else None
+        shadow = self._shadow
+        if forks is not None:
+            shadow = shadow.copy()
+            shadow[forks[1]] = shadow[forks[0]]
         shadow = self._committed_shadow(commit, shadow)
         self._check_commit_bounds(shadow, commit)
 
-        self._table, self._shadow = self._device_commit(table, commit), shadow
+        if forks is not None:
+            self._device_fork(*forks)
+        self._defer(commit)
+        self._shadow = shadow
         self._current = None
         if staged_first:
             self._staged = None
@@ -535,7 +547,7 @@ class PositionManager(Resource):
     @property
     def table(self) -> PositionTable:
         """The committed counters as a :class:`jaxrope.PositionTable` (int32 ``[capacity]``)."""
-        return self._table
+        return self._device_table()
 
     @property
     def labels(self) -> Tuple[str, ...]:
@@ -546,12 +558,73 @@ class PositionManager(Resource):
         """The ingested request ids."""
         return list(self._requests)
 
+    def state_snapshot(self) -> Dict[str, Any]:
+        """A deep copy of every piece of mutable state, for tests and debugging; changes nothing.
+
+        Two snapshots compare equal with ``==`` exactly when the manager is in the same
+        state: arrays are copied out as tuples of ints, plans are compared by identity
+        plus their contents (a plan's positions and the requests dropped from it).
+
+        Returns:
+          ``{"counters": {(rid, label): int}`` (host shadow), ``"table"``: device counters
+          with any deferred commit applied, ``"shadow"``: all host counters (free slots
+          included), ``"requests"``: ``{rid: slots}``, ``"slot_map"``: capacity, live,
+          peak and free list, ``"current"`` / ``"staged"``: the plans (or None),
+          ``"graph_buffers"``: ``{(graph_slot, plan_label): values}``,
+          ``"plan_labels"``: every label ``apply_qk`` / ``pos_ids`` accept``}``.
+
+        Example:
+          >>> from torch_bridge import PositionConfig
+          >>> mgr = PositionManager(PositionConfig(), "cpu"); mgr.ingest_request("r0")
+          >>> before = mgr.state_snapshot()
+          >>> mgr.ingest_request("r0")
+          >>> mgr.state_snapshot() == before, before["counters"]
+          (True, {('r0', 'text'): 0})
+        """
+        table = self._table
+        if self._pending is not None:
+            table = tr.commit_fn(table, self._pending.meta, layout=self._pending.layout,
+                                 scheme=self.config.scheme, block_step=self.config.block_step)
+        slot_map = self._slot_map
+        return {
+            "counters": {stream: int(self._shadow[slot]) for stream, slot in self._slot_of.items()},
+            "table": tuple(np.asarray(table.counters).tolist()),
+            "shadow": tuple(self._shadow.tolist()),
+            "requests": dict(self._requests),
+            "slot_map": {"capacity": slot_map.capacity, "live": len(slot_map),
+                         "peak": slot_map.peak, "free": tuple(slot_map._free)},
+            "current": _plan_state(self._current),
+            "staged": _plan_state(self._staged),
+            "graph_buffers": {key: tuple(buffer.tolist())
+                              for key, buffer in self._graph_buffers.items()},
+            "plan_labels": frozenset(self._plan_labels_seen),
+        }
+
     # ---------------------------------------------------------------- internals
+
+    def _device_table(self) -> PositionTable:
+        """The device table with the deferred commit applied."""
+        if self._pending is not None:
+            self._table = tr.commit_fn(self._table, self._pending.meta, layout=self._pending.layout,
+                                       scheme=self.config.scheme, block_step=self.config.block_step)
+            self._pending = None
+        return self._table
+
+    def _defer(self, commit: _CommitPlan) -> None:
+        # The device update of a commit waits for the next plan, which applies it in
+        # the same call as its own positions (one dispatch per step instead of two).
+        self._device_table()
+        self._pending = commit
+
+    def _device_fork(self, src: np.ndarray, dst: np.ndarray) -> None:
+        size = tr.bucket(len(src))
+        meta = np.concatenate([tr.padded(src, size), tr.padded(dst, size)])
+        self._table = tr.fork_fn(self._device_table(), meta)
 
     def _grow(self) -> None:
         capacity = self._slot_map.capacity
         if capacity > self._table.capacity:
-            self._table = positions.grow(self._table, capacity)
+            self._table = positions.grow(self._device_table(), capacity)
             self._shadow = np.pad(self._shadow, (0, capacity - self._shadow.shape[0]))
 
     def _request_slots(self, rid: Hashable) -> Tuple[int, ...]:
@@ -567,9 +640,10 @@ class PositionManager(Resource):
             raise ValueError(f"label={label!r} is not one of the configured labels {list(self._labels)}")
         return slot
 
-    def _slots(self, rids: Sequence[Hashable], labels: Sequence[str]) -> List[int]:
+    def _slots(self, rids: Sequence[Hashable], labels: Sequence[str]) -> np.ndarray:
         try:
-            return list(map(self._slot_of.__getitem__, zip(rids, labels)))
+            return np.fromiter(map(self._slot_of.__getitem__, zip(rids, labels)), np.int32,
+                               len(rids))
         except (KeyError, TypeError):
             for rid, label in zip(rids, labels):
                 self._slot(rid, label)
@@ -594,18 +668,14 @@ class PositionManager(Resource):
         slots = [request[i] for i in targets]
         values = list(targets.values())
         size = tr.bucket(len(slots))
-        meta: List[int] = []
-        tr.pad_into(meta, slots, size)
-        tr.zero_into(meta, values, size)
-        self._table = tr.raise_fn(self._table, tr.as_meta(meta))
+        meta = np.concatenate([tr.padded(slots, size), tr.padded(values, size, 0)])
+        self._table = tr.raise_fn(self._device_table(), meta)
         self._shadow[slots] = np.maximum(self._shadow[slots], values)
 
     def _reset_slots(self, slots: List[int]) -> None:
         if not slots:
             return
-        meta: List[int] = []
-        tr.pad_into(meta, slots, tr.bucket(len(slots)))
-        self._table = tr.reset_fn(self._table, tr.as_meta(meta))
+        self._table = tr.reset_fn(self._device_table(), tr.padded(slots, tr.bucket(len(slots))))
         self._shadow[slots] = 0
 
     def _views(self, step: PositionStep, ctx: StepContext):
@@ -629,17 +699,15 @@ class PositionManager(Resource):
             post.extend(output.post_forks)
         return groups, tuple(pre), tuple(post)
 
-    def _view_arrays(self, views: Sequence[Any], plan_label: str) -> Tuple[np.ndarray, np.ndarray]:
-        if not views:
+    def _stream_arrays(self, records: Sequence[Any], what: str) -> Tuple[np.ndarray, np.ndarray]:
+        """Slots and token counts of ``(request_id, label, count)`` records (views, segments)."""
+        if not records:
             return np.zeros((0,), np.int64), np.zeros((0,), np.int64)
         try:
-            rids, labels, counts = zip(*views)
+            rids, labels, counts = zip(*records)
         except (TypeError, ValueError) as e:
-            raise TypeError(f"the views of plan label {plan_label!r} must be "
-                            f"(request_id, label, to_compute) tuples: {e}") from e
-        slots = np.array(self._slots(rids, labels), np.int64)
-        counts = _counts_array(counts, f"to_compute of plan label {plan_label!r}")
-        return slots, counts
+            raise TypeError(f"{what} must be (request_id, label, count) tuples: {e}") from e
+        return self._slots(rids, labels), _counts_array(counts, f"the counts of {what}")
 
     def _fork_arrays(self, forks: Sequence[Fork], name: str) -> Tuple[np.ndarray, np.ndarray]:
         if not forks:
@@ -648,26 +716,18 @@ class PositionManager(Resource):
             rids, sources, targets = zip(*forks)
         except (TypeError, ValueError) as e:
             raise TypeError(f"{name} must be (request_id, from_label, to_label) tuples: {e}") from e
-        return (np.array(self._slots(rids, sources), np.int64),
-                np.array(self._slots(rids, targets), np.int64))
+        return self._slots(rids, sources), self._slots(rids, targets)
 
-    def _commit_plan(self, segments: Sequence[Any], advance: Any,
-                     post_forks: Sequence[Fork]) -> _CommitPlan:
-        if segments:
-            try:
-                rids, labels, spans = zip(*segments)
-            except (TypeError, ValueError) as e:
-                raise TypeError(f"step.segments must be (request_id, label, span) tuples: {e}") from e
-            slots = self._slots(rids, labels)
-            spans = _counts_array(spans, "segment span")
-        else:
-            slots, spans = [], np.zeros((0,), np.int64)
+    def _commit_plan(self, segments: Sequence[Any], advance: Any, post_forks: Sequence[Fork],
+                     arrays: Optional[Tuple[np.ndarray, np.ndarray]] = None) -> _CommitPlan:
+        """A step's commit; ``arrays`` are the segments' (slots, spans) when already known."""
+        slots, spans = arrays or self._stream_arrays(segments, "step.segments")
         adv_slots: List[int] = []
         adv_amounts: List[int] = []
         if advance is None:
             pass
         elif isinstance(advance, Mapping):
-            present = set(slots)
+            present = set(slots.tolist())
             for stream, amount in advance.items():
                 if not isinstance(stream, tuple) or len(stream) != 2:
                     raise ValueError(f"step.advance key {stream!r} must be (request_id, label)")
@@ -677,25 +737,16 @@ class PositionManager(Resource):
                                      "in the step")
                 adv_slots.append(slot)
                 adv_amounts.append(_amount(amount, f"step.advance[{stream!r}]"))
-            advanced = set(adv_slots)
-            keep = [i for i, slot in enumerate(slots) if slot not in advanced]
-            slots = [slots[i] for i in keep]
-            spans = spans[keep]
+            keep = ~np.isin(slots, adv_slots)
+            slots, spans = slots[keep], spans[keep]
         else:
             amount = _amount(advance, "step.advance")
-            adv_slots = list(dict.fromkeys(slots))
+            adv_slots = list(dict.fromkeys(slots.tolist()))
             adv_amounts = [amount] * len(adv_slots)
-            slots, spans = [], np.zeros((0,), np.int64)
+            slots, spans = np.zeros((0,), np.int64), np.zeros((0,), np.int64)
         fork_src, fork_dst = self._fork_arrays(post_forks, "post_forks")
-        layout = (tr.bucket(len(slots)), tr.bucket(len(adv_slots)), tr.bucket(len(fork_src)))
-        meta: List[int] = []
-        tr.pad_into(meta, slots, layout[0])
-        tr.zero_into(meta, spans.tolist(), layout[0])
-        tr.pad_into(meta, adv_slots, layout[1])
-        tr.zero_into(meta, adv_amounts, layout[1])
-        tr.pad_into(meta, fork_src.tolist(), layout[2])
-        tr.pad_into(meta, fork_dst.tolist(), layout[2])
-        return _CommitPlan(meta=tr.as_meta(meta), layout=layout, slots=np.asarray(slots, np.int64),
+        layout, meta = tr.commit_meta(slots, spans, adv_slots, adv_amounts, fork_src, fork_dst)
+        return _CommitPlan(meta=meta, layout=layout, slots=slots,
                            spans=spans, adv_slots=np.asarray(adv_slots, np.int64),
                            adv_amounts=np.asarray(adv_amounts, np.int64), fork_src=fork_src,
                            fork_dst=fork_dst)
@@ -722,10 +773,6 @@ class PositionManager(Resource):
         if len(commit.fork_src):
             new[commit.fork_dst] = new[commit.fork_src]
         return new
-
-    def _device_commit(self, table: PositionTable, commit: _CommitPlan) -> PositionTable:
-        return tr.commit_fn(table, commit.meta, layout=commit.layout, scheme=self.config.scheme,
-                            block_step=self.config.block_step)
 
     def _check_plan_bounds(self, shadow: np.ndarray, slots: np.ndarray, counts: np.ndarray,
                            plan_label: str, views: Sequence[Any]) -> None:
@@ -780,7 +827,9 @@ class PositionManager(Resource):
         call = self._plan_calls.get(num_outs)
         if call is None:
             call = self._plan_calls[num_outs] = InPlace(
-                tr.plan_fn, num_outs, static_argnames=("layout", "num_outs", "scheme"))
+                tr.plan_fn, num_outs, static_argnames=("real", "speculative", "forks", "labels",
+                                                       "num_outs", "preplan", "scheme",
+                                                       "block_step"))
         return call
 
     def _graph_buffer(self, graph: GraphSlot, plan_label: str) -> torch.Tensor:
@@ -791,11 +840,14 @@ class PositionManager(Resource):
                 (graph.bucket.num_tokens,), dtype=torch.int32, device=self.device)
         return buffer
 
-    def _run_plan(self, table, labels, pre_src, pre_dst, explicit, graph):
+    def _run_plan(self, labels, pre_src, pre_dst, explicit, graph, speculative, preplan):
+        """Dispatch the deferred commit, the speculative one and the positions in one call."""
+        real = self._pending
         forks = tr.bucket(len(pre_src))
-        meta: List[int] = []
-        tr.pad_into(meta, pre_src.tolist(), forks)
-        tr.pad_into(meta, pre_dst.tolist(), forks)
+        meta = [real.meta] if real is not None else []
+        if speculative is not None:
+            meta.append(speculative.meta)
+        meta += [(pre_src, forks, tr.PAD), (pre_dst, forks, tr.PAD)]
         layout_labels, outs, computed = [], [], []
         tensors: Dict[str, torch.Tensor] = {}
         arrays: Dict[str, jax.Array] = {}
@@ -813,49 +865,43 @@ class PositionManager(Resource):
                 arrays[plan_label] = to_jax(tensors[plan_label])
                 continue
             views = tr.bucket(len(slots))
-            tr.pad_into(meta, slots.tolist(), views)
-            tr.zero_into(meta, counts.tolist(), views)
+            meta += [(slots, views, tr.PAD), (counts, views, 0)]
             if buffer is None:
                 layout_labels.append((views, tr.bucket(total), -1))
             else:
                 layout_labels.append((views, buffer.shape[0], len(outs)))
                 outs.append(buffer)
             computed.append((plan_label, total, buffer))
-        if computed or forks:
-            results = self._plan_call(len(outs))(
-                outs, table, tr.as_meta(meta), layout=(forks, tuple(layout_labels)),
-                num_outs=len(outs), scheme=self.config.scheme)
-            table = results[len(outs)]
-            fresh = iter(results[len(outs) + 1:])
-            written = iter(results[:len(outs)])
-            for plan_label, total, buffer in computed:
-                if buffer is None:
-                    array = next(fresh)
-                    tensors[plan_label] = to_torch(array)[:total]
-                else:
-                    array = next(written)
-                    tensors[plan_label] = buffer
-                arrays[plan_label] = array
-        return tensors, arrays, limits, table
+        if not (computed or forks or real is not None):
+            return tensors, arrays, limits
+        results = self._plan_call(len(outs))(
+            outs, self._table, tr.pack(meta), real=None if real is None else real.layout,
+            speculative=None if speculative is None else speculative.layout, forks=forks,
+            labels=tuple(layout_labels), num_outs=len(outs), preplan=preplan,
+            scheme=self.config.scheme, block_step=self.config.block_step)
+        self._table, self._pending = results[len(outs)], None
+        fresh = iter(results[len(outs) + 1:])
+        written = iter(results[:len(outs)])
+        for plan_label, total, buffer in computed:
+            if buffer is None:
+                array = next(fresh)
+                tensors[plan_label] = to_torch(array)[:total]
+            else:
+                array = next(written)
+                tensors[plan_label] = buffer
+            arrays[plan_label] = array
+        return tensors, arrays, limits
 
-    def _promotion(self, plan: _Plan) -> Optional[Tuple[PositionTable, np.ndarray]]:
-        """The table and shadow once the staged ``plan``'s pre-forks apply (None: no forks)."""
+    def _promotion_forks(self, plan: _Plan) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        """Slots ``(src, dst)`` of a staged plan's pre-forks, applied when it becomes current."""
         forks = _without(plan.pre_forks, plan.dropped) if plan.dropped else plan.pre_forks
-        if not forks:
-            return None
-        src, dst = self._fork_arrays(forks, "pre_forks")
-        size = tr.bucket(len(src))
-        meta: List[int] = []
-        tr.pad_into(meta, src.tolist(), size)
-        tr.pad_into(meta, dst.tolist(), size)
-        shadow = self._shadow.copy()
-        shadow[dst] = shadow[src]
-        return tr.fork_fn(self._table, tr.as_meta(meta)), shadow
+        return self._fork_arrays(forks, "pre_forks") if forks else None
 
     def _apply_promotion(self, plan: _Plan) -> None:
-        promoted = self._promotion(plan)
-        if promoted is not None:
-            self._table, self._shadow = promoted
+        forks = self._promotion_forks(plan)
+        if forks is not None:
+            self._shadow[forks[1]] = self._shadow[forks[0]]
+            self._device_fork(*forks)
 
     def _active_plan(self) -> Optional[_Plan]:
         if self._current is None and self._staged is not None:
@@ -966,6 +1012,8 @@ class RopeManager(PositionManager):
             wrong rank, head size, dtype, device or token count (more tokens than
             planned), or an invalid override.
           TypeError: q or k not a tensor, or an unknown keyword argument.
+          RuntimeError: called under CUDA-graph capture without a launcher that
+            accepts the call.
         """
         plan = self._active_plan()
         if plan is None or label not in plan.tensors:
@@ -993,6 +1041,10 @@ class RopeManager(PositionManager):
                 return q, k
             except LaunchUnavailable:
                 pass
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("apply_qk under CUDA-graph capture needs the launcher: the JAX path "
+                               "runs on JAX's stream, which the capture cannot record, and the "
+                               f"launcher is {'off' if self.launcher is None else 'declining'}")
         self._jax(q3, k3, plan.arrays[label], cfg, allow_copy=self.allow_copy)
         return q, k
 
@@ -1052,3 +1104,10 @@ def _amount(value: Any, name: str) -> int:
 
 def _without(records: Sequence[Any], rids: set) -> Tuple[Any, ...]:
     return tuple(r for r in records if r[0] not in rids)
+
+
+def _plan_state(plan: Optional[_Plan]) -> Optional[Dict[str, Any]]:
+    if plan is None:
+        return None
+    return {"plan": plan, "dropped": frozenset(plan.dropped),
+            "positions": {label: tuple(t.tolist()) for label, t in plan.tensors.items()}}

@@ -1,0 +1,200 @@
+"""Host time of RopeManager.plan + commit, and wall time of apply_qk per call.
+
+    python -m bench.bridge_bench [--quick] [--device cpu|cuda] [--iters N] [--out FILE.json]
+
+Cases:
+
+- ``decode``: 256 requests x 1 token, one plan label (``--quick``: 32 requests);
+- ``prefill``: 8 requests x 2048-token chunks, one plan label (``--quick``: 8 x 128).
+
+Each runs as ``eager`` (plan(N), commit(N)) and ``preplan`` (plan(N+1, is_preplan)
+while N is current, then commit(N): the pipelined runner's order). Host time is the
+``time.perf_counter`` span of each call, with no device synchronisation inside it:
+what the Python thread spends before it can queue the next step. On CPU, JAX runs
+small computations inline, so there the host time includes the device work. Every 16
+steps the counters are reset and the device drained, outside the timed spans. The
+step objects are built before timing (the engine's cost, not the manager's).
+
+``apply_qk``: q ``[T, 32, 128]``, k ``[T, 8, 128]`` bf16 on GPU (``--quick`` or CPU:
+``[T, 8, 128]``, ``[T, 2, 128]`` float32), T in (64, 16384) (CPU: 64, 1024); M calls,
+one device sync, over M: dispatch included. Per launcher: "auto" (Triton on CUDA when
+available) and "jax" (the DLPack path).
+
+Prints a table and writes every number (median, p10, p90 in microseconds) plus the
+environment to ``--out`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from typing import Dict, List
+
+import jax
+import numpy as np
+import torch
+
+import jaxrope as jr
+from torch_bridge import (KVPlanOutput, KVView, PositionConfig, PositionStep, RopeManager, Segment,
+                          StepContext)
+
+TARGET_US = 100.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _stats(samples_s: List[float]) -> Dict[str, float]:
+    us = np.asarray(samples_s) * 1e6
+    return {"median_us": float(np.median(us)), "p10_us": float(np.percentile(us, 10)),
+            "p90_us": float(np.percentile(us, 90)), "n": int(len(us))}
+
+
+def _manager(device: torch.device, launcher: str = "jax") -> RopeManager:
+    rope = jr.RopeConfig(head_dim=128, theta=5e5, max_position=1 << 20)
+    return RopeManager(PositionConfig(rope=rope), device, max_seq_len=1 << 20, launcher=launcher)
+
+
+def _steps(rids: List[str], span: int, count: int):
+    out = []
+    for _ in range(count):
+        step = PositionStep(tuple(Segment(rid, "text", span) for rid in rids))
+        views = tuple(KVView(rid, "text", span) for rid in rids)
+        out.append((step, StepContext(tuple(rids), plan_results={"kv": {"attn": KVPlanOutput(views)}})))
+    return out
+
+
+def bench_plan_commit(device: torch.device, requests: int, span: int, iters: int,
+                      preplan: bool) -> Dict[str, Dict[str, float]]:
+    mgr = _manager(device)
+    rids = [f"r{i}" for i in range(requests)]
+    for rid in rids:
+        mgr.ingest_request(rid)
+    steps = _steps(rids, span, iters + 32)
+    plan_s, commit_s = [], []
+    if preplan:
+        pre = StepContext(steps[0][1].request_ids, is_preplan=True, plan_results=steps[0][1].plan_results)
+        mgr.plan(*steps[0])
+        for i in range(1, len(steps)):
+            if i % 16 == 0:
+                mgr.commit(*steps[i - 1])
+                for rid in rids:
+                    mgr.reset_request(rid)
+                jax.block_until_ready(mgr.table.counters)
+                _sync(device)
+                mgr.plan(*steps[i])
+                continue
+            t0 = time.perf_counter()
+            mgr.plan(steps[i][0], pre)
+            t1 = time.perf_counter()
+            mgr.commit(*steps[i - 1])
+            t2 = time.perf_counter()
+            if i > 32:
+                plan_s.append(t1 - t0)
+                commit_s.append(t2 - t1)
+    else:
+        for i, (step, ctx) in enumerate(steps):
+            if i % 16 == 0:
+                for rid in rids:
+                    mgr.reset_request(rid)
+                jax.block_until_ready(mgr.table.counters)
+                _sync(device)
+            t0 = time.perf_counter()
+            mgr.plan(step, ctx)
+            t1 = time.perf_counter()
+            mgr.commit(step, ctx)
+            t2 = time.perf_counter()
+            if i >= 32:
+                plan_s.append(t1 - t0)
+                commit_s.append(t2 - t1)
+    total = [p + c for p, c in zip(plan_s, commit_s)]
+    return {"plan": _stats(plan_s), "commit": _stats(commit_s), "plan+commit": _stats(total)}
+
+
+def bench_apply(device: torch.device, tokens: int, q_heads: int, k_heads: int, dtype: torch.dtype,
+                launcher: str, calls: int) -> Dict[str, float]:
+    mgr = _manager(device, launcher)
+    mgr.ingest_request("r")
+    step = PositionStep((Segment("r", "text", tokens),))
+    mgr.plan(step, StepContext(("r",)))
+    gen = torch.Generator(device=device).manual_seed(int(time.time()))
+    q = torch.randn(tokens, q_heads, 128, device=device, generator=gen).to(dtype)
+    k = torch.randn(tokens, k_heads, 128, device=device, generator=gen).to(dtype)
+    for _ in range(5):
+        mgr.apply_qk(q, k, "text")
+    _sync(device)
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            mgr.apply_qk(q, k, "text")
+        _sync(device)
+        samples.append((time.perf_counter() - t0) / calls)
+    out = _stats(samples)
+    out["launcher"] = type(mgr.launcher).__name__ if mgr.launcher is not None else "jax"
+    return out
+
+
+def main(argv=None) -> Dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (CI, CPU)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--iters", type=int, default=200, help="timed steps per case")
+    parser.add_argument("--out", help="write the results as JSON to this file")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    small = args.quick or not on_gpu
+
+    cases = {"decode": (32 if args.quick else 256, 1),
+             "prefill": (8, 128 if args.quick else 2048)}
+    results: Dict = {"plan_commit": {}, "apply_qk": {}}
+    rows = []
+    for name, (requests, span) in cases.items():
+        for mode in ("eager", "preplan"):
+            r = bench_plan_commit(device, requests, span, args.iters, mode == "preplan")
+            key = f"{name}[{requests}x{span}]/{mode}"
+            results["plan_commit"][key] = r
+            rows.append((key, r["plan"]["median_us"], r["commit"]["median_us"],
+                         r["plan+commit"]["median_us"], r["plan+commit"]["p90_us"]))
+
+    q_heads, k_heads = (8, 2) if small else (32, 8)
+    dtype = torch.float32 if not on_gpu else torch.bfloat16
+    apply_rows = []
+    for tokens in ((64, 1024) if small else (64, 16384)):
+        for launcher in (("auto", "jax") if on_gpu else ("jax",)):
+            calls = 20 if tokens > 4096 or not on_gpu else 100
+            r = bench_apply(device, tokens, q_heads, k_heads, dtype, launcher, calls)
+            key = f"T={tokens} Hq={q_heads} Hk={k_heads} {str(dtype).replace('torch.', '')}/{launcher}"
+            results["apply_qk"][key] = r
+            apply_rows.append((key, r["launcher"], r["median_us"], r["p90_us"]))
+
+    print(f"plan + commit host time on {device} (target <= {TARGET_US:.0f} us each on the H200)")
+    print(f"{'case':34s} {'plan us':>9s} {'commit us':>10s} {'sum us':>9s} {'sum p90':>9s}")
+    for key, p, c, s, s90 in rows:
+        print(f"{key:34s} {p:9.1f} {c:10.1f} {s:9.1f} {s90:9.1f}")
+    print(f"\napply_qk wall time per call on {device}")
+    print(f"{'case':44s} {'path':>14s} {'median us':>10s} {'p90 us':>9s}")
+    for key, path, med, p90 in apply_rows:
+        print(f"{key:44s} {path:>14s} {med:10.1f} {p90:9.1f}")
+
+    results["environment"] = {
+        "device": str(device), "device_name": torch.cuda.get_device_name(device) if on_gpu else platform.processor(),
+        "python": platform.python_version(), "jax": jax.__version__, "torch": torch.__version__,
+        "jax_devices": [str(d) for d in jax.devices()], "quick": args.quick, "iters": args.iters,
+        "cpu_count": __import__("os").cpu_count(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"\nwrote {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""RopeManager on the GPU: in place, zero copy, stream-ordered, no host sync.
+
+Run on the device machine (``JAXROPE_GPU_TESTS=1``, ``-m gpu``); each test skips with
+the reason when torch has no CUDA device or JAX no GPU backend. Every test runs both
+apply paths: the launcher (Triton on torch's stream, when available) and the JAX
+DLPack path.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import jax  # noqa: E402
+
+import jaxrope as jr  # noqa: E402
+from tests import oracle  # noqa: E402
+from torch_bridge import (GraphBucket, GraphSlot, PositionConfig, PositionStep,  # noqa: E402
+                          RopeManager, Segment, StepContext)
+
+pytestmark = pytest.mark.gpu
+
+HEAD_DIM = 128
+# bf16 output rounding (half an ulp at |x| up to ~4) plus the kernels' angle error.
+BF16_ATOL = 4 * 2.0 ** -8
+
+
+@pytest.fixture(scope="module")
+def device():
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    try:
+        jax.devices("gpu")
+    except RuntimeError as e:
+        pytest.skip(f"JAX has no GPU backend ({e}); run with JAXROPE_GPU_TESTS=1 and jax[cuda]")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.fixture(params=["jax", "auto"])
+def launcher(request, device):
+    if request.param == "auto":
+        probe = RopeManager(PositionConfig(rope=jr.RopeConfig(head_dim=HEAD_DIM)), device)
+        if probe.launcher is None:
+            pytest.skip("no fast launcher here (Triton unavailable)")
+    return request.param
+
+
+def make(device, launcher, **kwargs):
+    rope = jr.RopeConfig(head_dim=HEAD_DIM, theta=5e5, max_position=1 << 20)
+    return RopeManager(PositionConfig(rope=rope), device, max_seq_len=1 << 20, launcher=launcher,
+                       **kwargs)
+
+
+def planned(mgr, spans, offset=0, graph=None):
+    rids = [f"r{i}" for i in range(len(spans))]
+    for rid in rids:
+        mgr.ingest_request(rid)
+        mgr.apply_cached_prefix(rid, None, None, None, {"text": offset + random.randrange(1 << 16)})
+    step = PositionStep([Segment(rid, "text", n) for rid, n in zip(rids, spans)])
+    ctx = StepContext(tuple(rids), graph_slot=graph)
+    pos = mgr.plan(step, ctx)["text"]
+    return step, ctx, pos
+
+
+def rand_qk(device, tokens, dtype=torch.bfloat16, q_heads=32, k_heads=8):
+    gen = torch.Generator(device=device).manual_seed(random.randrange(2**31))
+    q = torch.randn(tokens, q_heads, HEAD_DIM, device=device, generator=gen).to(dtype)
+    k = torch.randn(tokens, k_heads, HEAD_DIM, device=device, generator=gen).to(dtype)
+    return q, k
+
+
+def expected(x, pos, cfg):
+    inv_freq, attention = oracle.serving_frequencies(cfg)
+    return oracle.rope_oracle(x.float().cpu().numpy(), pos.cpu().numpy(), inv_freq, attention,
+                              cfg.rotary_dim, cfg.interleave)
+
+
+def test_apply_qk_is_in_place_and_zero_copy(device, launcher):
+    mgr = make(device, launcher)
+    step, ctx, pos = planned(mgr, [1, 7, 33, 64])
+    q, k = rand_qk(device, pos.shape[0])
+    want_q, want_k = expected(q, pos, mgr.rope), expected(k, pos, mgr.rope)
+    q_ptr, k_ptr = q.data_ptr(), k.data_ptr()
+    out_q, out_k = mgr.apply_qk(q, k, "text")
+    torch.cuda.synchronize()
+    assert out_q is q and q.data_ptr() == q_ptr and k.data_ptr() == k_ptr
+    np.testing.assert_allclose(q.float().cpu().numpy(), want_q, rtol=0, atol=BF16_ATOL)
+    np.testing.assert_allclose(k.float().cpu().numpy(), want_k, rtol=0, atol=BF16_ATOL)
+    if launcher == "jax":
+        # XLA wrote into the imported buffers: no copy back.
+        assert mgr._jax.call.aliased and all(mgr._jax.call.aliased.values()), mgr._jax.call.aliased
+    mgr.commit(step, ctx)
+
+
+def test_float32_is_rotated_in_float32(device, launcher):
+    mgr = make(device, launcher)
+    _, _, pos = planned(mgr, [19, 5], offset=1 << 19)
+    q, k = rand_qk(device, pos.shape[0], dtype=torch.float32)
+    want = expected(q, pos, mgr.rope)
+    mgr.apply_qk(q, k, "text")
+    assert q.dtype == torch.float32
+    assert oracle.relative_error(q.cpu().numpy(), want) < 1e-5
+
+
+def test_side_stream_producer_and_consumer_are_ordered(device, launcher):
+    mgr = make(device, launcher)
+    _, _, pos = planned(mgr, [256, 256])
+    q, k = rand_qk(device, pos.shape[0])
+    new_q, new_k = rand_qk(device, pos.shape[0])
+    want_q, want_k = expected(new_q, pos, mgr.rope), expected(new_k, pos, mgr.rope)
+    mgr.apply_qk(q.clone(), k.clone(), "text")  # compile outside the race
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # the producer is late: ~50 ms of spinning first
+        q.copy_(new_q)
+        k.copy_(new_k)
+        mgr.apply_qk(q, k, "text")
+        seen_q, seen_k = q.clone(), k.clone()  # the consumer reads right after
+    torch.cuda.synchronize()
+    np.testing.assert_allclose(seen_q.float().cpu().numpy(), want_q, rtol=0, atol=BF16_ATOL)
+    np.testing.assert_allclose(seen_k.float().cpu().numpy(), want_k, rtol=0, atol=BF16_ATOL)
+
+
+def test_plan_apply_commit_do_not_wait_for_the_device(device, launcher):
+    mgr = make(device, launcher)
+    step, ctx, pos = planned(mgr, [3] * 64)
+    q, k = rand_qk(device, pos.shape[0])
+    for _ in range(3):  # compile and check aliasing before timing
+        mgr.apply_qk(q, k, "text")
+        mgr.commit(step, ctx)
+        mgr.plan(step, ctx)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~100 ms of queued GPU work ahead of us
+    start = time.perf_counter()
+    for _ in range(3):
+        mgr.apply_qk(q, k, "text")
+        mgr.commit(step, ctx)
+        mgr.plan(step, ctx)
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    assert host < 0.04, f"the host waited {host * 1e3:.1f} ms: something synchronised"
+
+
+def test_graph_buffers_are_static_and_keep_their_tail(device, launcher):
+    mgr = make(device, launcher)
+    graph = GraphSlot(GraphBucket("decode", 4, 8), 0)
+    step, ctx, pos = planned(mgr, [2, 2, 2], graph=graph)
+    assert pos.device == device and pos.shape == (8,)
+    pos[6:] = torch.tensor([11, 12], dtype=torch.int32, device=device)
+    live = pos[:6].clone()
+    mgr.commit(step, ctx)
+    again = mgr.plan(PositionStep(step.segments[:1]),
+                     StepContext(ctx.request_ids[:1], graph_slot=graph))["text"]
+    torch.cuda.synchronize()
+    buf = mgr.pos_ids("text")
+    assert again.data_ptr() == pos.data_ptr() and buf.data_ptr() == pos.data_ptr()
+    assert buf[:2].tolist() == (live[:2] + 2).tolist()
+    assert buf[2:6].tolist() == live[2:6].tolist() and buf[6:].tolist() == [11, 12]
+    q, k = rand_qk(device, 8)
+    want = expected(q, buf, mgr.rope)
+    mgr.apply_qk(q, k, "text")
+    np.testing.assert_allclose(q.float().cpu().numpy(), want, rtol=0, atol=BF16_ATOL)
+
+
+def test_non_contiguous_q_takes_the_documented_copy_path(device, launcher):
+    mgr = make(device, launcher)
+    _, _, pos = planned(mgr, [17])
+    qkv = torch.randn(17, 32 + 8 + 8, HEAD_DIM, device=device).to(torch.bfloat16)
+    q, k = qkv[:, :32], qkv[:, 32:40]
+    v = qkv[:, 40:].clone()
+    want = expected(q, pos, mgr.rope)
+    mgr.apply_qk(q, k, "text")
+    np.testing.assert_allclose(qkv[:, :32].float().cpu().numpy(), want, rtol=0, atol=BF16_ATOL)
+    assert torch.equal(qkv[:, 40:], v)
