@@ -11,6 +11,10 @@ State, and where it lives:
 - the current plan (the step being run) and at most one staged plan (the next step,
   planned early: "preplan").
 
+The device side of a commit is deferred: the next ``plan`` applies it in the same
+jitted call that computes the new positions, so a step costs one dispatch. Anything
+else that reads or changes the device table applies a deferred commit first.
+
 Every public method validates first and changes state only once nothing can fail:
 a call that raises leaves every counter, slot and plan as it was.
 """
