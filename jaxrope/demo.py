@@ -1,0 +1,47 @@
+"""``python -m jaxrope.demo``: the serving demo (needs torch; importing this module does not).
+
+Usage::
+
+  python -m jaxrope.demo [--model {llama3.1,qwen2.5-yarn,phi3-longrope,deepseek-v2}]
+                         [--steps N] [--device {auto,cpu,cuda}] [--seed S]
+
+The demo drives the PyTorch facade, so its implementation lives in
+:mod:`torch_bridge.demo` (see there for the trace and the checks); this entry point
+loads it only when run, which keeps ``import jaxrope`` free of torch. Without torch
+it prints the install command and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Optional, Sequence
+
+__all__ = ["main"]
+
+INSTALL_HINT = ("jaxrope.demo drives the PyTorch facade (torch_bridge) and needs torch: "
+                "pip install -e '.[torch]' from a clone (CPU-only: pip install torch "
+                "--index-url https://download.pytorch.org/whl/cpu), or run `make demo`, "
+                "which installs it")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the demo with ``argv`` (default: the command line); returns the exit status.
+
+    0: every check passed; 1: a mismatch; 2: torch is missing or the arguments are invalid.
+    """
+    try:
+        demo = importlib.import_module("torch_bridge.demo")
+    except ModuleNotFoundError as e:
+        if e.name != "torch" and not (e.name or "").startswith("torch."):
+            raise
+        print(f"{INSTALL_HINT}\n({e})", file=sys.stderr)
+        return 2
+    try:
+        return demo.main(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

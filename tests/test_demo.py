@@ -1,0 +1,163 @@
+"""The demo (``python -m jaxrope.demo``) passes on every model, and its checks can fail.
+
+The demo runs in process with the minimum ``--steps`` (every feature of the trace
+happens within it) and a fresh seed; the faults are injected either through the
+demo's own ``--inject-fault`` or by patching the manager into a buggy one.
+"""
+
+from __future__ import annotations
+
+import doctest
+import os
+import pathlib
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+
+from jaxrope import demo as entry
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_importing_jaxrope_and_its_demo_entry_does_not_import_torch():
+    result = _python("import sys, jaxrope, jaxrope.demo, jaxrope.models\n"
+                     "assert 'torch' not in sys.modules, 'torch imported'\n"
+                     "assert 'torch_bridge' not in sys.modules, 'torch_bridge imported'")
+    assert result.returncode == 0, result.stderr
+
+
+def test_without_torch_the_entry_names_the_install_command_and_exits_2():
+    result = _python("import sys\nsys.modules['torch'] = None\n"
+                     "from jaxrope.demo import main\nsys.exit(main([]))")
+    assert result.returncode == 2, result.stderr
+    assert "pip install -e '.[torch]'" in result.stderr and "make demo" in result.stderr
+
+
+try:
+    from torch_bridge import AdmitOutcome, RopeManager
+    from torch_bridge import demo
+except ModuleNotFoundError as e:  # the core's test leg runs without torch
+    if e.name != "torch":
+        raise
+    demo = None
+
+needs_torch = pytest.mark.skipif(demo is None,
+                                 reason="torch is not installed (the demo drives torch_bridge)")
+# The --model choices, spelled out so that the parametrization exists without torch.
+MODEL_CHOICES = ("deepseek-v2", "llama3.1", "phi3-longrope", "qwen2.5-yarn")
+
+
+def run_demo(capsys, *args: str):
+    status = entry.main(["--device", "cpu", "--seed", str(random.randrange(2**31)), *args])
+    return status, capsys.readouterr().out
+
+
+def rows(out: str):
+    """``{(step, node): events}`` of the step table."""
+    table = {}
+    for line in out.splitlines():
+        match = re.match(r"\s*(\d+) (main|prefill)\s+\d+\s+\d+\s+\S+\s+\S+  (.*)$", line)
+        if match:
+            table[int(match[1]), match[2]] = match[3]
+    return table
+
+
+@needs_torch
+def test_model_choices_are_the_demos():
+    assert sorted(demo.MODELS) == list(MODEL_CHOICES)
+
+
+@needs_torch
+@pytest.mark.parametrize("model", MODEL_CHOICES)
+def test_demo_passes_every_feature_of_the_trace_on_each_model(capsys, model):
+    status, out = run_demo(capsys, "--model", model, "--steps", str(demo.MIN_STEPS))
+    assert status == 0, out
+    assert demo.MODELS[model] in out.splitlines()[0]
+    verdict = out.splitlines()[-1]
+    assert verdict.startswith("verdict: PASS — 9 steps on 2 nodes, 5 requests"), verdict
+    error = float(re.search(r"max error (\S+)", verdict)[1])
+    assert 0 < error <= demo.TOLERANCE
+    table = rows(out)
+    scripted = [(s, "main") for s in range(demo.MIN_STEPS)] + [(2, "prefill"), (3, "prefill")]
+    assert sorted(table) == sorted(scripted)
+    assert "prefix hit r3: 32 cached" in table[3, "main"]
+    assert "publish rD @27" in table[3, "prefill"]
+    assert "admit rD @27" in table[4, "main"] and "fork r2 main->cfg +6" in table[4, "main"]
+    assert "graph slot0 6/8" in table[5, "main"] and "graph slot1 6/8" in table[6, "main"]
+    assert "stale admit rD @27: stays 29" in table[6, "main"]
+    assert "FAIL" not in out
+
+
+@needs_torch
+def test_the_default_run_passes_and_keeps_admitting_requests(capsys):
+    status, out = run_demo(capsys)
+    assert status == 0, out
+    assert "Llama-3.1-8B" in out.splitlines()[0]
+    requests = int(re.search(r"(\d+) requests", out.splitlines()[-1])[1])
+    assert requests > len(demo.TRACE)
+    assert re.search(r"graph slot\d \d/8 tail=\[[1-9]", out), "no replay with a nonzero old tail"
+
+
+@needs_torch
+def test_an_off_by_one_prefix_probe_fails_the_run(capsys):
+    status, out = run_demo(capsys, "--steps", str(demo.MIN_STEPS), "--inject-fault")
+    assert status == 1
+    table = rows(out)
+    assert "FAULT: probe claims 33" in table[3, "main"]
+    assert "r3/main attention error" in table[3, "main"]
+    assert "r3/main counter 41 != KV length 40" in table[3, "main"]
+    assert out.splitlines()[-1].startswith("verdict: FAIL")
+    assert "first at step 3 (main): r3/main attention error" in out.splitlines()[-1]
+
+
+@needs_torch
+def test_an_admit_that_rewinds_fails_the_run(capsys, monkeypatch):
+    def rewinding_admit(self, rid, node_name, graph_walk, published):
+        self.reset_request(rid)
+        self.apply_cached_prefix(rid, node_name, graph_walk, None, published.counters)
+        return AdmitOutcome(True, True)
+
+    monkeypatch.setattr(RopeManager, "admit_retrieve", rewinding_admit)
+    status, out = run_demo(capsys, "--steps", str(demo.MIN_STEPS))
+    assert status == 1
+    assert "stale admit moved rD from 29 to 27" in rows(out)[6, "main"]
+
+
+@needs_torch
+def test_a_graph_plan_that_overwrites_the_padding_fails_the_run(capsys, monkeypatch):
+    plan = RopeManager.plan
+    calls = []
+
+    def clobbering_plan(self, step, ctx):
+        out = plan(self, step, ctx)
+        calls.append(step)
+        if ctx.graph_slot is not None:
+            for buffer in out.values():
+                buffer[step.num_tokens:] = -len(calls)
+        return out
+
+    monkeypatch.setattr(RopeManager, "plan", clobbering_plan)
+    status, out = run_demo(capsys, "--steps", "9")
+    assert status == 1
+    assert "graph tail changed" in out
+
+
+@needs_torch
+def test_too_few_steps_are_rejected_with_status_2(capsys):
+    assert entry.main(["--steps", str(demo.MIN_STEPS - 1)]) == 2
+    assert f"must be >= {demo.MIN_STEPS}" in capsys.readouterr().err
+
+
+@needs_torch
+def test_docstring_example_runs():
+    result = doctest.testmod(demo)
+    assert result.attempted > 0 and result.failed == 0
