@@ -1,0 +1,92 @@
+"""Every code block of README.md is executed or checked, so the README cannot rot.
+
+- ``python`` blocks run as written (the PyTorch one skips when torch is missing).
+- ``bash`` blocks: ``make X`` must be a real target (``make -n X``), ``bash S`` must be a
+  syntactically valid script (``bash -n S``), and the ``pip download`` line must name
+  the wheels ``bench/gpu_suite.sh`` installs (it needs the network, so it only runs
+  with ``JAXROPE_NETWORK_TESTS=1``).
+- the ``text`` layout block must name files that exist.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README, re.S)
+
+
+def _blocks(lang):
+    return [code for block_lang, code in BLOCKS if block_lang == lang]
+
+
+def test_readme_has_the_two_setup_commands_first():
+    first_bash = _blocks("bash")[0].split()
+    assert first_bash == ["make", "demo", "make", "test"]
+
+
+@pytest.mark.parametrize("index", range(len(_blocks("python"))))
+def test_python_block_runs(index):
+    code = _blocks("python")[index]
+    if "import torch" in code:
+        pytest.importorskip("torch")
+    namespace = {"__name__": f"readme_block_{index}"}
+    exec(compile(code, f"README.md python block {index}", "exec"), namespace)
+
+
+def _bash_lines():
+    for code in _blocks("bash"):
+        for line in code.splitlines():
+            if line.strip():
+                yield line.strip()
+
+
+@pytest.mark.parametrize("line", list(_bash_lines()))
+def test_bash_line_is_valid(line, tmp_path):
+    words = shlex.split(line)
+    if words[0] == "make":
+        result = subprocess.run(["make", "-n", *words[1:]], cwd=ROOT, capture_output=True,
+                                text=True)
+        assert result.returncode == 0, result.stderr
+    elif words[0] == "bash":
+        script = ROOT / words[1]
+        assert script.is_file(), script
+        result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+    elif words[:4] == ["python3", "-m", "pip", "download"]:
+        suite = (ROOT / "bench" / "gpu_suite.sh").read_text()
+        assert "flashinfer-python==0.5.3" in words and "apache-tvm-ffi<0.2" in words
+        assert ".whl" in suite
+        if os.environ.get("JAXROPE_NETWORK_TESTS") != "1":
+            pytest.skip("downloads wheels; set JAXROPE_NETWORK_TESTS=1 to run it")
+        dest = words.index("-d") + 1
+        words[dest] = str(tmp_path)
+        result = subprocess.run([sys.executable, *words[1:]], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        names = sorted(p.name for p in tmp_path.iterdir())
+        assert any(n.startswith("flashinfer_python-0.5.3") for n in names), names
+    else:
+        pytest.fail(f"README bash line not covered by this test: {line!r}")
+
+
+def test_layout_block_names_existing_files():
+    (layout,) = _blocks("text")
+    for line in layout.splitlines():
+        top = line.split()[0] if line and not line.startswith(" ") else None
+        if top:
+            assert (ROOT / top).exists(), top
+    kernels = re.search(r"kernels/ \(([^)]*)\)", layout).group(1)
+    for name in kernels.replace("\n", " ").split(","):
+        assert (ROOT / "jaxrope" / "kernels" / f"{name.strip()}.py").is_file(), name
+    core = layout.split("functional core (no torch):")[1].split("kernels/")[0]
+    for name in re.findall(r"\b([a-z_]+)\b", core):
+        if name in ("apply", "backend", "config", "scaling", "frequencies", "positions"):
+            assert (ROOT / "jaxrope" / f"{name}.py").is_file(), name
