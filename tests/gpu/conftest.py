@@ -1,0 +1,22 @@
+"""GPU suite fixtures: FlashInfer or a skip that names what is missing.
+
+These tests run on the device machine with ``bash bench/gpu_suite.sh <logdir>``, which
+installs FlashInfer from the wheels in ``.whl/`` and sets ``JAXROPE_GPU_TESTS=1``;
+elsewhere (CI, laptops) the ``gpu`` marker deselects them, and run by hand without a GPU
+or FlashInfer they skip with the reason.
+"""
+
+import os
+
+import pytest
+
+# JAX and torch share the GPU: JAX must not take 75% of its memory up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+from tests import flashinfer_parity as fp  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def flashinfer():
+    """The ``flashinfer`` module (0.5.x) with torch on a CUDA GPU and JAX on the GPU."""
+    return fp.require_flashinfer()
