@@ -29,6 +29,9 @@ from jaxrope.config import RopeConfig
 from jaxrope.kernels import pallas_triton, triton_ir
 
 _ALIGN = 32
+# Launch records kept (one per distinct shape, config and device); past this the cache
+# starts over rather than grow with every token count an engine ever uses.
+_MAX_LAUNCHES = 4096
 _TORCH_TO_JAX_DTYPE = {torch.float32: "float32", torch.float16: "float16",
                        torch.bfloat16: "bfloat16"}
 
@@ -80,6 +83,7 @@ class TritonLauncher:
         self._kernels: Dict[Tuple, object] = {}
         self._tables: Dict[Tuple[RopeConfig, torch.device], torch.Tensor] = {}
         self._counts: Dict[torch.device, _CountTable] = {}
+        self._launches: Dict[Tuple, _Launch] = {}
         self._workdir = tempfile.mkdtemp(prefix="jaxrope_ttir_")
 
     def _compiled(self, key: Tuple, export_kwargs: dict):
@@ -104,6 +108,24 @@ class TritonLauncher:
             tables = self._tables[key] = tables.to(device)
         return tables
 
+    def _prepare(self, q: torch.Tensor, k: torch.Tensor, cfg: RopeConfig,
+                 block: Optional[pallas_triton.BlockConfig]) -> "_Launch":
+        num_tokens, q_heads, head_dim = q.shape
+        k_heads = k.shape[1]
+        lanes = 1 << max(0, (cfg.rotary_dim // 2 - 1).bit_length())
+        block = block or pallas_triton.block_config(num_tokens, q_heads, k_heads, lanes)
+        _, attention = kernel_constants(cfg)
+        compiled, exported = self._compiled((q_heads, k_heads, head_dim, cfg, q.dtype, block), dict(
+            q_heads=q_heads, k_heads=k_heads, head_dim=head_dim, rotary_dim=cfg.rotary_dim,
+            interleave=cfg.interleave, attention_factor=attention,
+            dtype=_TORCH_TO_JAX_DTYPE[q.dtype], block=block))
+        tables = self._device_tables(cfg, q.device, lanes)
+        counts = self._counts.get(q.device)
+        if counts is None:
+            counts = self._counts[q.device] = _CountTable(q.device)
+        return _Launch(compiled, exported.grid(num_tokens), q.device,
+                       (counts.pointer(num_tokens), tables.data_ptr()))
+
     def rotate_(self, q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor,
                 cfg: RopeConfig, block: Optional[pallas_triton.BlockConfig] = None) -> None:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place at ``pos_ids[:T]``.
@@ -115,27 +137,50 @@ class TritonLauncher:
         Raises:
           LaunchUnavailable: a tensor breaks the kernel's layout assumptions.
         """
-        num_tokens, q_heads, head_dim = q.shape
-        if num_tokens == 0:
+        if q.shape[0] == 0:
             return
         for name, t in (("q", q), ("k", k), ("pos_ids", pos_ids)):
             if not t.is_contiguous() or t.data_ptr() % _ALIGN:
                 raise LaunchUnavailable(f"{name} must be contiguous and {_ALIGN}-byte aligned")
-        k_heads = k.shape[1]
-        lanes = 1 << max(0, (cfg.rotary_dim // 2 - 1).bit_length())
-        block = block or pallas_triton.block_config(num_tokens, q_heads, k_heads, lanes)
-        _, attention = kernel_constants(cfg)
-        key = (q_heads, k_heads, head_dim, cfg, q.dtype, block)
-        with self._lock:
-            compiled, exported = self._compiled(key, dict(
-                q_heads=q_heads, k_heads=k_heads, head_dim=head_dim, rotary_dim=cfg.rotary_dim,
-                interleave=cfg.interleave, attention_factor=attention,
-                dtype=_TORCH_TO_JAX_DTYPE[q.dtype], block=block))
-            tables = self._device_tables(cfg, q.device, lanes)
-            counts = self._counts.get(q.device)
-            if counts is None:
-                counts = self._counts[q.device] = _CountTable(q.device)
-            count_ptr = counts.pointer(num_tokens)
-        compiled[exported.grid(num_tokens)](
-            count_ptr, pos_ids.data_ptr(), tables.data_ptr(), q.data_ptr(), k.data_ptr(),
-            q.data_ptr(), k.data_ptr())
+        # Everything but the three pointers is fixed by this key, so a repeated shape
+        # costs one dict lookup before the launch.
+        key = (q.shape, k.shape[1], q.dtype, q.device, cfg, block)
+        launch = self._launches.get(key)
+        if launch is None:
+            with self._lock:
+                if len(self._launches) >= _MAX_LAUNCHES:
+                    self._launches.clear()
+                launch = self._launches[key] = self._prepare(q, k, cfg, block)
+        launch(pos_ids.data_ptr(), q.data_ptr(), k.data_ptr())
+
+
+class _Launch:
+    """One compiled kernel bound to a grid, a count pointer and a tables pointer.
+
+    Calls Triton's C launcher directly (``CompiledKernel.run``) with torch's current
+    raw stream, skipping the per-call closure and metadata of ``compiled[grid](...)``;
+    a Triton without those attributes gets the public ``compiled[grid]`` runner.
+    """
+
+    def __init__(self, compiled, grid: Tuple[int, int, int], device: torch.device,
+                 constant_pointers: Tuple[int, int]):
+        self._runner = compiled[grid]  # also loads the module onto the device
+        self._grid = grid
+        self._device_index = device.index if device.index is not None else torch.cuda.current_device()
+        self._count_ptr, self._tables_ptr = constant_pointers
+        try:
+            self._run = compiled.run
+            self._function = compiled.function
+            self._packed = compiled.packed_metadata
+            self._raw_stream = torch._C._cuda_getCurrentRawStream
+        except AttributeError:
+            self._run = None
+
+    def __call__(self, pos_ptr: int, q_ptr: int, k_ptr: int) -> None:
+        args = (self._count_ptr, pos_ptr, self._tables_ptr, q_ptr, k_ptr, q_ptr, k_ptr)
+        if self._run is None:
+            self._runner(*args)
+            return
+        gx, gy, gz = self._grid
+        self._run(gx, gy, gz, self._raw_stream(self._device_index), self._function, self._packed,
+                  None, None, None, *args)

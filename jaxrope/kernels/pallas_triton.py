@@ -8,8 +8,9 @@ flight before its first write. Only the rotated dims are read and written: with 
 aliased to the outputs, dims past ``rotary_dim`` are never touched.
 
 Layouts:
-- NeoX halves: q as ``[T, Hq, D]``; the halves are dims ``[0, R/2)`` and ``[R/2, R)``.
-- interleaved pairs: q viewed as ``[T, Hq, D/2, 2]``; the pair is the last axis.
+- NeoX halves: two loads per block, dims ``[0, R/2)`` and ``[R/2, R)``.
+- interleaved pairs: one contiguous load of dims ``[0, R)``, split into even and odd
+  elements in registers (a reshape to ``[..., R/2, 2]``), joined back for the store.
 Blocks are padded to powers of two (Triton needs them) and masked; ``lanes`` is
 ``R/2`` rounded up. Slices that may run past the last axis get a traced start, since
 their masked lanes are never dereferenced but a static out-of-range slice is rejected
@@ -110,21 +111,32 @@ def _rope_kernel(count_ref, pos_ref, tables_ref, q_ref, k_ref, q_out_ref, k_out_
                        **({"sin_cos": _sin_cos_approx} if approx_trig else {}))
     cos, sin = cos[:, None, :], sin[:, None, :]
     half = rotary_dim // 2
-    lane_ok = (jnp.arange(lanes) < half)[None, None, :]
-    width = head_dim // 2 if interleave else head_dim
-    a_start = traced_zero if lanes > width else 0
-    b_start = traced_zero + half if half + lanes > width else half
+    if interleave:
+        # Pairs are adjacent: load the rotary span contiguously (16-byte accesses) and
+        # split even/odd elements in registers; strided loads were 15x slower.
+        span = 2 * lanes
+        lane_ok = (jnp.arange(span) < rotary_dim)[None, None, :]
+        start = traced_zero if span > head_dim else 0
+    else:
+        lane_ok = (jnp.arange(lanes) < half)[None, None, :]
+        a_start = traced_zero if lanes > head_dim else 0
+        b_start = traced_zero + half if half + lanes > head_dim else half
 
     def rotate(x_ref, o_ref, first_head, num_heads):
         heads = pl.ds(first_head, heads_per_program)
         head_ok = (first_head + jnp.arange(heads_per_program) < num_heads)[None, :, None]
         mask = token_ok[:, None, None] & head_ok & lane_ok
         if interleave:
-            cols = pl.ds(a_start, lanes)
-            a_at, b_at = (tokens, heads, cols, _index(0)), (tokens, heads, cols, _index(1))
-        else:
-            a_at = (tokens, heads, pl.ds(a_start, lanes))
-            b_at = (tokens, heads, pl.ds(b_start, lanes))
+            at = (tokens, heads, pl.ds(start, span))
+            x = plgpu.load(x_ref.at[at], mask=mask, other=0).astype(jnp.float32)
+            pairs = x.reshape(block_tokens, heads_per_program, lanes, 2)
+            a, b = (p.reshape(block_tokens, heads_per_program, lanes)
+                    for p in jnp.split(pairs, 2, axis=-1))
+            rotated = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1)
+            plgpu.store(o_ref.at[at], rotated.reshape(x.shape).astype(o_ref.dtype), mask=mask)
+            return
+        a_at = (tokens, heads, pl.ds(a_start, lanes))
+        b_at = (tokens, heads, pl.ds(b_start, lanes))
         a = plgpu.load(x_ref.at[a_at], mask=mask, other=0).astype(jnp.float32)
         b = plgpu.load(x_ref.at[b_at], mask=mask, other=0).astype(jnp.float32)
         plgpu.store(o_ref.at[a_at], (a * cos - b * sin).astype(o_ref.dtype), mask=mask)
@@ -137,11 +149,6 @@ def _rope_kernel(count_ref, pos_ref, tables_ref, q_ref, k_ref, q_out_ref, k_out_
     @pl.when(group >= q_groups)
     def _():
         rotate(k_ref, k_out_ref, (group - q_groups) * heads_per_program, k_heads)
-
-
-def _view(x, interleave: bool):
-    t, h, d = x.shape
-    return x.reshape(t, h, d // 2, 2) if interleave else x
 
 
 def rope_pallas(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
@@ -167,14 +174,13 @@ def rope_pallas(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
         head_dim=head_dim, rotary_dim=rotary_dim, interleave=interleave,
         attention_factor=attention_factor, lanes=lanes, block_tokens=cfg.block_tokens,
         heads_per_program=cfg.heads_per_program, q_groups=q_groups, approx_trig=not interpret)
-    qv, kv = _view(q, interleave), _view(k, interleave)
     q_out, k_out = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct(qv.shape, qv.dtype), jax.ShapeDtypeStruct(kv.shape, kv.dtype)),
+        out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype)),
         grid=grid,
         input_output_aliases={3: 0, 4: 1},
         interpret=interpret,
         name="jaxrope_rope",
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    )(jnp.full((1,), num_tokens, jnp.int32), pos_ids, tables, qv, kv)
-    return q_out.reshape(q.shape), k_out.reshape(k.shape)
+    )(jnp.full((1,), num_tokens, jnp.int32), pos_ids, tables, q, k)
+    return q_out, k_out
