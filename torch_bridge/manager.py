@@ -45,6 +45,8 @@ __all__ = ["PositionManager", "PublishedPositionInfo", "RopeManager"]
 
 _FINGERPRINT_VERSION = b"jaxrope.positions/1"
 _INITIAL_SLOTS = 256
+# Counters are int32 on the device.
+_MAX_SEQ_LEN = int(np.iinfo(np.int32).max)
 
 
 @dataclasses.dataclass
@@ -143,8 +145,10 @@ class PositionManager(Resource):
     def __init__(self, config: PositionConfig, device: Any, max_seq_len: int = 32768):
         if not isinstance(config, PositionConfig):
             raise ValueError(f"config must be a torch_bridge.PositionConfig, got {type(config).__name__}")
-        if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len <= 0:
-            raise ValueError(f"max_seq_len={max_seq_len!r} must be a positive int")
+        if (not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool)
+                or not 0 < max_seq_len <= _MAX_SEQ_LEN):
+            raise ValueError(f"max_seq_len={max_seq_len!r} must be a positive int <= {_MAX_SEQ_LEN} "
+                             "(counters are int32)")
         self.config = config
         self.device = _torch_device(device)
         self.max_seq_len = max_seq_len
@@ -252,7 +256,7 @@ class PositionManager(Resource):
           >>> mgr.position("r0", "text")
           4
         """
-        hash(rid)
+        _check_hashable(rid, "rid")
         targets = self._positions_arg(overrides or {}, "overrides")
         if rid not in self._requests:
             slots = tuple(self._slot_map.acquire(rid, label) for label in self._labels)
@@ -268,7 +272,11 @@ class PositionManager(Resource):
 
         A plan made before the removal still commits, without the removed request's
         streams.
+
+        Raises:
+          TypeError: ``rid`` is not hashable.
         """
+        _check_hashable(rid, "rid")
         slots = self._requests.pop(rid, None)
         if slots is None:
             return
@@ -285,7 +293,10 @@ class PositionManager(Resource):
 
         Raises:
           ValueError: ``rid`` was never ingested.
+          TypeError: ``free`` is not a bool.
         """
+        if not isinstance(free, bool):
+            raise TypeError(f"free={free!r} must be a bool")
         slots = self._request_slots(rid)
         if free:
             self.remove_request(rid)
@@ -331,8 +342,10 @@ class PositionManager(Resource):
           TypeError: ``step`` or ``ctx`` has the wrong type, or a view/segment is
             not a 3-tuple.
           ValueError: a request never ingested, an unknown label, a negative count,
-            explicit pos_ids of the wrong shape/dtype/device, more tokens than the
-            graph bucket holds, or positions past ``max_seq_len``.
+            a stream with two views in one plan label, two forks into one stream from
+            different sources, explicit pos_ids of the wrong shape/dtype/device or
+            outside ``[0, max_seq_len)`` (checked with one host read), more tokens than
+            the graph bucket holds, or positions past ``max_seq_len``.
         """
         if not isinstance(step, PositionStep):
             raise TypeError(f"step must be a PositionStep, got {type(step).__name__}")
@@ -347,6 +360,8 @@ class PositionManager(Resource):
         labels: List[Tuple[str, np.ndarray, np.ndarray, int]] = []
         for plan_label, views in groups.items():
             slots, counts = self._stream_arrays(views, f"the views of plan label {plan_label!r}")
+            if len(set(slots.tolist())) != len(slots):
+                _reject_repeated_stream(slots, views, plan_label)
             total = int(counts.sum())
             if graph is not None and total > graph.bucket.num_tokens:
                 raise ValueError(f"plan label {plan_label!r} has {total} tokens, more than "
@@ -400,11 +415,14 @@ class PositionManager(Resource):
         after the commit.
 
         Raises:
+          TypeError: ``step`` or ``ctx`` has the wrong type.
           ValueError: no plan to commit, segments or advance differing from the
             plan's, or a counter that would pass ``max_seq_len``.
         """
         if not isinstance(step, PositionStep):
             raise TypeError(f"step must be a PositionStep, got {type(step).__name__}")
+        if not isinstance(ctx, StepContext):
+            raise TypeError(f"ctx must be a StepContext, got {type(ctx).__name__}")
         plan, staged_first = self._current, False
         if plan is None:
             plan, staged_first = self._staged, True
@@ -449,6 +467,7 @@ class PositionManager(Resource):
           ValueError: ``label`` is neither a configured label nor a plan label seen
             in any plan.
         """
+        _check_hashable(label, "label")
         if label not in self._plan_labels_seen:
             raise ValueError(f"label={label!r} is unknown: not a configured label "
                              f"{list(self._labels)} nor a plan label of any plan")
@@ -459,6 +478,7 @@ class PositionManager(Resource):
 
     def publish(self, request_id: Hashable) -> Optional[PublishedPositionInfo]:
         """``{label: next position}`` of every stream of the request; None for an unknown request."""
+        _check_hashable(request_id, "request_id")
         slots = self._requests.get(request_id)
         if slots is None:
             return None
@@ -493,7 +513,9 @@ class PositionManager(Resource):
         """
         if snapshot is None:
             return None
-        if not isinstance(snapshot, tuple) or len(snapshot) != len(self._labels):
+        if (not isinstance(snapshot, tuple) or len(snapshot) != len(self._labels)
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                           for v in snapshot)):
             raise TypeError(f"snapshot={snapshot!r} must be a tuple of {len(self._labels)} ints "
                             "from publish_snapshot_for_step")
         return PublishedPositionInfo(dict(zip(self._labels, snapshot)))
@@ -519,6 +541,7 @@ class PositionManager(Resource):
         if not isinstance(published, PublishedPositionInfo):
             raise TypeError(f"published must be a PublishedPositionInfo or None, got "
                             f"{type(published).__name__}")
+        _check_hashable(rid, "rid")
         if rid not in self._requests:
             return AdmitOutcome(False, False, f"request_id={rid!r} was never ingested")
         try:
@@ -632,12 +655,15 @@ class PositionManager(Resource):
             self._shadow = np.pad(self._shadow, (0, capacity - self._shadow.shape[0]))
 
     def _request_slots(self, rid: Hashable) -> Tuple[int, ...]:
+        _check_hashable(rid, "rid")
         slots = self._requests.get(rid)
         if slots is None:
             raise ValueError(f"request_id={rid!r} was never ingested (call ingest_request first)")
         return slots
 
     def _slot(self, rid: Hashable, label: str) -> int:
+        _check_hashable(rid, "rid")
+        _check_hashable(label, "label")
         slot = self._slot_of.get((rid, label))
         if slot is None:
             self._request_slots(rid)
@@ -720,7 +746,10 @@ class PositionManager(Resource):
             rids, sources, targets = zip(*forks)
         except (TypeError, ValueError) as e:
             raise TypeError(f"{name} must be (request_id, from_label, to_label) tuples: {e}") from e
-        return self._slots(rids, sources), self._slots(rids, targets)
+        src, dst = self._slots(rids, sources), self._slots(rids, targets)
+        if len(set(dst.tolist())) != len(dst):
+            _reject_conflicting_forks(src, dst, forks, name)
+        return src, dst
 
     def _commit_plan(self, segments: Sequence[Any], advance: Any, post_forks: Sequence[Fork],
                      arrays: Optional[Tuple[np.ndarray, np.ndarray]] = None) -> _CommitPlan:
@@ -795,7 +824,9 @@ class PositionManager(Resource):
                              f"max_seq_len={self.max_seq_len}")
 
     def _check_commit_bounds(self, shadow: np.ndarray, commit: _CommitPlan) -> None:
-        touched = np.concatenate([commit.slots, commit.adv_slots])
+        # Post-fork targets too: a fork can carry an overflowing counter to a stream
+        # whose own advance did not overflow, after the source was overwritten.
+        touched = np.concatenate([commit.slots, commit.adv_slots, commit.fork_dst])
         if len(touched) and shadow[touched].max() > self.max_seq_len:
             slot = int(touched[np.argmax(shadow[touched])])
             raise ValueError(f"commit would move slot {slot} to {int(shadow[slot])}, past "
@@ -824,6 +855,12 @@ class PositionManager(Resource):
                                  "expected int32 or int64 [n]")
             if tensor.device != self.device:
                 raise ValueError(f"{where} is on {tensor.device}, expected {self.device}")
+            if tensor.numel():
+                # One host read: an out-of-range explicit position would rotate silently.
+                low, high = torch.stack(torch.aminmax(tensor)).tolist()
+                if low < 0 or high >= self.max_seq_len:
+                    raise ValueError(f"{where} has values in [{low}, {high}]; positions must lie in "
+                                     f"[0, {self.max_seq_len}) (max_seq_len)")
             out[plan_label] = tensor.to(torch.int32).contiguous()
         return out
 
@@ -969,6 +1006,8 @@ class RopeManager(PositionManager):
             raise ValueError(f"{max_seq_len=} must be <= config.rope.max_position={rope.max_position}")
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{dtype=} must be one of {list(SUPPORTED_DTYPES)}")
+        if not isinstance(allow_copy, bool):
+            raise ValueError(f"{allow_copy=} must be a bool")
         self.rope = rope
         self.head_dim = rope.head_dim
         self.dtype = dtype
@@ -1019,7 +1058,9 @@ class RopeManager(PositionManager):
           RuntimeError: called under CUDA-graph capture without a launcher that
             accepts the call.
         """
-        plan = self._active_plan()
+        _check_hashable(label, "label")
+        # Peek: a staged plan becomes current (its pre-forks apply) only once the call is valid.
+        plan = self._current if self._current is not None else self._staged
         if plan is None or label not in plan.tensors:
             if label not in self._plan_labels_seen:
                 raise ValueError(f"label={label!r} is unknown: not a configured label "
@@ -1037,6 +1078,7 @@ class RopeManager(PositionManager):
         if rope_dtype is not None and not isinstance(rope_dtype, torch.dtype):
             raise ValueError(f"{rope_dtype=} must be a torch.dtype or None")
         cfg = self._configs.get(rotary_dim, interleave, rope_scale, rope_theta, **llama31)
+        self._active_plan()
         if tokens == 0:
             return q, k
         if self.launcher is not None:
@@ -1059,6 +1101,9 @@ class RopeManager(PositionManager):
             raise ValueError(f"{name} is on {x.device}, expected {self.device} (the manager's device)")
         if x.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{name}.dtype={x.dtype} must be one of {list(SUPPORTED_DTYPES)}")
+        if x.requires_grad:
+            raise ValueError(f"{name}.requires_grad=True: apply_qk rotates in place; run under "
+                             "torch.no_grad() on tensors autograd does not track")
         if x.ndim == 2:
             if x.shape[1] % self.head_dim:
                 raise ValueError(f"{name}.shape={tuple(x.shape)}: {x.shape[1]} is not a multiple of "
@@ -1079,16 +1124,22 @@ def _torch_device(device: Any) -> torch.device:
         device = torch.device(device)
     except (TypeError, RuntimeError) as e:
         raise ValueError(f"device={device!r} is not a torch device: {e}") from e
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise ValueError(f"device={str(device)!r}: no such CUDA device ({count} visible)")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
 def _label_of(segment: Any) -> str:
     try:
-        return segment[1]
+        label = segment[1]
     except (TypeError, IndexError) as e:
         raise TypeError(f"step.segments must be (request_id, label, span) tuples, got {segment!r}") from e
+    _check_hashable(label, "label")
+    return label
 
 
 def _counts_array(values: Sequence[Any], name: str) -> np.ndarray:
@@ -1104,6 +1155,32 @@ def _amount(value: Any, name: str) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{name}={value!r} must be an int >= 0")
     return int(value)
+
+
+def _check_hashable(value: Any, name: str) -> None:
+    try:
+        hash(value)
+    except TypeError as e:
+        raise TypeError(f"{name}={value!r} must be hashable: {e}") from e
+
+
+def _reject_repeated_stream(slots: np.ndarray, views: Sequence[Any], plan_label: str) -> None:
+    _, first = np.unique(slots, return_index=True)
+    i = min(set(range(len(slots))) - set(first.tolist()))
+    raise ValueError(f"stream ({views[i][0]!r}, {views[i][1]!r}) has more than one view in plan "
+                     f"label {plan_label!r}; its positions would overlap: give each stream one view "
+                     "per plan label")
+
+
+def _reject_conflicting_forks(src: np.ndarray, dst: np.ndarray, forks: Sequence[Any],
+                              name: str) -> None:
+    # The same fork listed twice (e.g. by two plan labels) is harmless; two sources for
+    # one target are not: the device scatter would pick either.
+    source_of: Dict[int, int] = {}
+    for i, (s, d) in enumerate(zip(src.tolist(), dst.tolist())):
+        if source_of.setdefault(d, s) != s:
+            rid, _, label = forks[i]
+            raise ValueError(f"{name} copy two different counters into stream ({rid!r}, {label!r})")
 
 
 def _without(records: Sequence[Any], rids: set) -> Tuple[Any, ...]:

@@ -1,0 +1,460 @@
+"""RopeManager driven by random operation sequences, checked against a plain-Python model.
+
+Hypothesis' ``RuleBasedStateMachine`` runs ingest / plan / preplan / commit / publish /
+snapshot / admit / apply_cached_prefix / fork / clear_preplan / reset / remove /
+apply_qk, plus deliberately bad calls, over four requests and two labels, with a small
+``max_seq_len`` so that the bounds are hit often. The model (dicts of ints and lists)
+restates the rules of ``RopeManager`` independently:
+
+- plan: pre-forks first (applied to the counters now, or when a staged plan becomes
+  current); SEQUENTIAL views get ``counter + arange(n)``, BLOCK views ``n`` copies;
+  a preplan is numbered from the counters as they will be after the current commit;
+- commit: spans (or block_step, or the explicit advance), then post-forks; the staged
+  plan becomes current (its pre-forks apply);
+- admit / cached prefix / ingest overrides: ``max``; removal drops the request from
+  plans made earlier; reset zeroes.
+
+After every rule the manager must agree with the model on every counter (``position``,
+``publish``, host shadow and device table), on the positions of the current and
+staged plans, and hold no counter past ``max_seq_len``, no slot beyond its live
+requests and no non-zero free slot. A call the model predicts to fail must raise
+``ValueError`` and leave ``state_snapshot()`` as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+torch = pytest.importorskip("torch")
+
+import jaxrope as jr  # noqa: E402
+from jaxrope.positions import Scheme  # noqa: E402
+
+from tests import oracle  # noqa: E402
+from torch_bridge import (Fork, KVPlanOutput, KVView, PositionConfig, PositionStep,  # noqa: E402
+                          PublishedPositionInfo, RopeManager, Segment, StepContext)
+
+RIDS = ("r0", "r1", "r2", "r3")
+LABELS = ("cond", "uncond")
+MAX_SEQ_LEN = 40
+HEAD_DIM = 8
+Stream = Tuple[str, str]
+# Positions given to ingest / admit / prefix: mostly well inside the range, sometimes at
+# or just past max_seq_len.
+# True nine times in ten (hypothesis favours small integers, so no integers(0, 9) here).
+MOSTLY = st.sampled_from((True,) * 9 + (False,))
+POSITIONS = st.one_of(st.integers(0, 12), st.integers(MAX_SEQ_LEN - 2, MAX_SEQ_LEN + 2))
+
+
+@dataclasses.dataclass
+class ModelPlan:
+    segments: List[Tuple[str, str, int]]
+    advance: Any
+    views: Dict[str, List[Tuple[str, str, int]]]
+    pre_forks: List[Tuple[str, str, str]]
+    post_forks: List[Tuple[str, str, str]]
+    positions: Dict[str, List[int]]
+    step: PositionStep
+    ctx: StepContext
+    dropped: set = dataclasses.field(default_factory=set)
+
+
+def fork_counters(counters, forks, dropped=()):
+    """Copy counters along ``forks``, all sources read before any target is written."""
+    live = [f for f in forks if f[0] not in dropped]
+    values = [counters[rid][src] for rid, src, _ in live]
+    for (rid, _, dst), value in zip(live, values):
+        counters[rid][dst] = value
+
+
+class Model:
+    def __init__(self, scheme: Scheme, block_step: int):
+        self.scheme, self.block_step = scheme, block_step
+        self.counters: Dict[str, Dict[str, int]] = {}
+        self.current: Optional[ModelPlan] = None
+        self.staged: Optional[ModelPlan] = None
+
+    def committed(self, plan: ModelPlan, counters) -> Tuple[dict, List[Stream]]:
+        """Counters after ``plan``'s commit, and the streams whose bound is checked."""
+        new = copy.deepcopy(counters)
+        segments = [s for s in plan.segments if s[0] not in plan.dropped]
+        touched: List[Stream] = []
+        advance = plan.advance
+        if isinstance(advance, int):
+            for stream in dict.fromkeys((rid, label) for rid, label, _ in segments):
+                new[stream[0]][stream[1]] += advance
+                touched.append(stream)
+        else:
+            named = {} if advance is None else {s: a for s, a in advance.items()
+                                                if s[0] not in plan.dropped}
+            for rid, label, span in segments:
+                if (rid, label) in named:
+                    continue
+                step = span if self.scheme is Scheme.SEQUENTIAL else (self.block_step if span else 0)
+                new[rid][label] += step
+                touched.append((rid, label))
+            for (rid, label), amount in named.items():
+                new[rid][label] += amount
+                touched.append((rid, label))
+        fork_counters(new, plan.post_forks, plan.dropped)
+        touched += [(rid, dst) for rid, _, dst in plan.post_forks if rid not in plan.dropped]
+        return new, touched
+
+    def positions(self, views, counters) -> Optional[Dict[str, List[int]]]:
+        """Each plan label's positions, or None when a view passes max_seq_len."""
+        out = {}
+        for plan_label, records in views.items():
+            out[plan_label] = []
+            for rid, label, n in records:
+                base = counters[rid][label]
+                if self.scheme is Scheme.SEQUENTIAL:
+                    if base + n > MAX_SEQ_LEN:
+                        return None
+                    out[plan_label] += list(range(base, base + n))
+                else:
+                    if n and base >= MAX_SEQ_LEN:
+                        return None
+                    out[plan_label] += [base] * n
+        return out
+
+    def promote(self) -> None:
+        """A staged plan becomes current when there is none (its pre-forks apply now)."""
+        if self.current is None and self.staged is not None:
+            self.current, self.staged = self.staged, None
+            fork_counters(self.counters, self.current.pre_forks, self.current.dropped)
+
+
+@st.composite
+def step_specs(draw, live: List[str]):
+    """(segments, views, pre_forks, post_forks, advance): mostly valid, sometimes not."""
+    pool = list(live) if live and draw(MOSTLY) else list(RIDS)
+    streams = draw(st.lists(st.tuples(st.sampled_from(pool), st.sampled_from(LABELS)),
+                            min_size=1, max_size=4, unique=True))
+    segments = [(rid, label, draw(st.integers(0, 5))) for rid, label in streams]
+    layout = draw(st.sampled_from(["segments", "packed", "per_label"]))
+    if layout == "segments":
+        views = None
+    elif layout == "packed":
+        views = {"cfg": draw(st.permutations(segments))}
+    else:
+        views = {f"attn_{label}": [s for s in segments if s[1] == label] for label in LABELS}
+    forks: Dict[str, List[Tuple[str, str, str]]] = {"pre": [], "post": []}
+    if views is not None:
+        for kind in ("pre", "post"):
+            for rid in draw(st.lists(st.sampled_from(pool), max_size=2, unique=True)):
+                # One direction, or a swap (both read before either is written).
+                pairs = draw(st.sampled_from([[LABELS], [LABELS[::-1]], [LABELS, LABELS[::-1]]]))
+                forks[kind] += [(rid, src, dst) for src, dst in pairs]
+    # Explicit advances: small, or large enough to pass max_seq_len at commit.
+    amounts = st.one_of(st.integers(0, 3), st.integers(MAX_SEQ_LEN // 2, MAX_SEQ_LEN + 2))
+    advance = draw(st.one_of(st.none(), st.none(), amounts,
+                             st.dictionaries(st.sampled_from(streams), amounts, max_size=2)))
+    return segments, views, forks["pre"], forks["post"], advance
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    scheme = Scheme.SEQUENTIAL
+    block_step = 1
+
+    def __init__(self):
+        super().__init__()
+        rope = jr.RopeConfig(head_dim=HEAD_DIM, theta=1e4, max_position=1024)
+        config = PositionConfig(rope=rope, labels=LABELS, scheme=self.scheme,
+                                block_step=self.block_step)
+        self.mgr = RopeManager(config, "cpu", max_seq_len=MAX_SEQ_LEN, launcher="jax")
+        self.model = Model(self.scheme, self.block_step)
+        self.snapshots: List[Tuple[str, Any, Dict[str, int]]] = []
+
+    # -------------------------------------------------------------- helpers
+
+    def live(self) -> List[str]:
+        return sorted(self.model.counters)
+
+    def pick(self, data) -> str:
+        """Mostly a live request; sometimes any id (removed or never ingested)."""
+        live = self.live()
+        if live and data.draw(MOSTLY):
+            return data.draw(st.sampled_from(live))
+        return data.draw(st.sampled_from(RIDS))
+
+    def expect_failure(self, call, *args, error=ValueError, **kwargs) -> None:
+        before = self.mgr.state_snapshot()
+        with pytest.raises(error):
+            call(*args, **kwargs)
+        assert self.mgr.state_snapshot() == before
+
+    def _plan(self, spec, preplan: bool) -> None:
+        segments, views, pre_forks, post_forks, advance = spec
+        model = self.model
+        step = PositionStep([Segment(*s) for s in segments], advance=advance)
+        kv = None if views is None else {
+            label: KVPlanOutput([KVView(*v) for v in records],
+                                pre_forks=[Fork(*f) for f in pre_forks] if i == 0 else (),
+                                post_forks=[Fork(*f) for f in post_forks] if i == 0 else ())
+            for i, (label, records) in enumerate(views.items())}
+        ctx = StepContext(tuple(dict.fromkeys(s[0] for s in segments)), is_preplan=preplan,
+                          plan_results={} if kv is None else {"kv": kv})
+        if views is None:
+            views = {}
+            for s in segments:
+                views.setdefault(s[1], []).append(s)
+        mentioned = ({s[0] for s in segments} | {f[0] for f in pre_forks + post_forks}
+                     | {v[0] for records in views.values() for v in records})
+        valid = mentioned <= set(model.counters)
+        for forks in (pre_forks, post_forks):
+            targets = {}
+            valid &= all(targets.setdefault((rid, dst), src) == src for rid, src, dst in forks)
+        plan = ModelPlan(segments, advance, views, pre_forks, post_forks, {}, step, ctx)
+        if valid:
+            if preplan and model.current is not None:
+                base, _ = model.committed(model.current, model.counters)
+            else:
+                base = copy.deepcopy(model.counters)
+            fork_counters(base, pre_forks)
+            positions = model.positions(views, base)
+            valid = positions is not None
+        if not valid:
+            self.expect_failure(self.mgr.plan, step, ctx)
+            return
+        got = self.mgr.plan(step, ctx)
+        assert {label: t.tolist() for label, t in got.items()} == positions
+        plan.positions = positions
+        if preplan:
+            model.staged = plan
+        else:
+            model.counters = base
+            model.current, model.staged = plan, None
+
+    # -------------------------------------------------------------- rules
+
+    @initialize()
+    def ingest_two(self):
+        for rid in RIDS[:2]:
+            self.ingest(rid, {})
+
+    @rule(rid=st.sampled_from(RIDS),
+          overrides=st.dictionaries(st.sampled_from(LABELS), POSITIONS, max_size=2))
+    def ingest(self, rid, overrides):
+        if any(v > MAX_SEQ_LEN for v in overrides.values()):
+            self.expect_failure(self.mgr.ingest_request, rid, overrides)
+            return
+        self.mgr.ingest_request(rid, overrides)
+        counters = self.model.counters.setdefault(rid, {label: 0 for label in LABELS})
+        for label, value in overrides.items():
+            counters[label] = max(counters[label], value)
+
+    @rule(data=st.data())
+    def plan(self, data):
+        self._plan(data.draw(step_specs(self.live())), preplan=False)
+
+    @rule(data=st.data())
+    def run_step(self, data):
+        """The serving path: plan a step and commit it at once."""
+        before = self.model.current
+        self._plan(data.draw(step_specs(self.live())), preplan=False)
+        if self.model.current is not before:
+            self.commit()
+
+    @rule(data=st.data())
+    def preplan(self, data):
+        self._plan(data.draw(step_specs(self.live())), preplan=True)
+
+    @rule(data=st.data())
+    def fork(self, data):
+        """A CFG branch starts: uncond takes cond's counter, then runs n tokens."""
+        rid = self.pick(data)
+        n = data.draw(st.integers(1, 3))
+        post = [(rid, "uncond", "cond")] if data.draw(st.booleans()) else []
+        view = [(rid, "uncond", n)]
+        spec = (view, {"cfg": view}, [(rid, "cond", "uncond")], post, None)
+        self._plan(spec, preplan=data.draw(st.booleans()))
+
+    @precondition(lambda self: self.model.current is not None or self.model.staged is not None)
+    @rule()
+    def commit(self):
+        model = self.model
+        plan, staged_first = model.current, False
+        if plan is None:
+            plan, staged_first = model.staged, True
+        counters = copy.deepcopy(model.counters)
+        if staged_first:
+            fork_counters(counters, plan.pre_forks, plan.dropped)
+        new, touched = model.committed(plan, counters)
+        if any(new[rid][label] > MAX_SEQ_LEN for rid, label in touched):
+            self.expect_failure(self.mgr.commit, plan.step, plan.ctx)
+            return
+        self.mgr.commit(plan.step, plan.ctx)
+        model.counters = new
+        model.current = None
+        if staged_first:
+            model.staged = None
+        else:
+            model.promote()
+
+    @rule()
+    def clear_preplan(self):
+        self.mgr.clear_preplan()
+        self.model.staged = None
+
+    @rule(rid=st.sampled_from(RIDS))
+    def publish(self, rid):
+        info = self.mgr.publish(rid)
+        expected = self.model.counters.get(rid)
+        assert (info is None) if expected is None else (info.counters == expected)
+
+    @rule(rid=st.sampled_from(RIDS))
+    def snapshot(self, rid):
+        record = self.mgr.publish_snapshot_for_step(rid, "node", "walk")
+        expected = self.model.counters.get(rid)
+        assert (record is None) == (expected is None)
+        if record is not None:
+            self.snapshots.append((rid, record, dict(expected)))
+
+    @rule(data=st.data())
+    def publish_from_snapshot(self, data):
+        if not self.snapshots:
+            return
+        rid, record, expected = data.draw(st.sampled_from(self.snapshots))
+        assert self.mgr.publish_from_snapshot(rid, record, "node", "walk").counters == expected
+
+    @rule(data=st.data(), published=st.dictionaries(st.sampled_from(LABELS), POSITIONS, max_size=2))
+    def admit(self, data, published):
+        rid = self.pick(data)
+        before = self.mgr.state_snapshot()
+        outcome = self.mgr.admit_retrieve(rid, "node", "walk", PublishedPositionInfo(published))
+        valid = rid in self.model.counters and all(v <= MAX_SEQ_LEN for v in published.values())
+        assert outcome.ok == valid and outcome.ready == valid
+        if not valid:
+            assert self.mgr.state_snapshot() == before
+            return
+        for label, value in published.items():
+            self.model.counters[rid][label] = max(self.model.counters[rid][label], value)
+
+    @rule(data=st.data(), prefix=st.dictionaries(st.sampled_from(LABELS), POSITIONS, max_size=2))
+    def apply_cached_prefix(self, data, prefix):
+        rid = self.pick(data)
+        if rid not in self.model.counters or any(v > MAX_SEQ_LEN for v in prefix.values()):
+            self.expect_failure(self.mgr.apply_cached_prefix, rid, "node", "walk", None, prefix)
+            return
+        self.mgr.apply_cached_prefix(rid, "node", "walk", None, prefix)
+        for label, value in prefix.items():
+            self.model.counters[rid][label] = max(self.model.counters[rid][label], value)
+
+    @rule(data=st.data(), free=st.booleans())
+    def reset(self, data, free):
+        rid = self.pick(data)
+        if rid not in self.model.counters:
+            self.expect_failure(self.mgr.reset_request, rid, free)
+            return
+        self.mgr.reset_request(rid, free)
+        if free:
+            self._forget(rid)
+        else:
+            self.model.counters[rid] = {label: 0 for label in LABELS}
+
+    @rule(data=st.data())
+    def remove(self, data):
+        rid = self.pick(data)
+        self.mgr.remove_request(rid)
+        self._forget(rid)
+
+    def _forget(self, rid):
+        self.model.counters.pop(rid, None)
+        for plan in (self.model.current, self.model.staged):
+            if plan is not None:
+                plan.dropped.add(rid)
+
+    @rule(data=st.data())
+    def apply_qk(self, data):
+        """Rotate q, k at the current plan's positions (a staged plan becomes current first)."""
+        model = self.model
+        plan = model.current if model.current is not None else model.staged
+        labels = sorted(self.mgr.state_snapshot()["plan_labels"])
+        if plan is not None and plan.positions and data.draw(MOSTLY):
+            labels = sorted(plan.positions)
+        label = data.draw(st.sampled_from(labels))
+        if plan is None or label not in plan.positions:
+            ones = torch.ones(1, 1, HEAD_DIM)
+            self.expect_failure(self.mgr.apply_qk, ones, ones.clone(), label)
+            return
+        model.promote()
+        positions = plan.positions[label]
+        tokens = data.draw(st.integers(0, len(positions)))
+        seed = data.draw(st.integers(0, 2**31 - 1))
+        gen = torch.Generator().manual_seed(seed)
+        q = torch.randn(tokens, 2, HEAD_DIM, generator=gen) + 0.5
+        k = torch.randn(tokens, 1, HEAD_DIM, generator=gen) + 0.5
+        inv_freq, attention = oracle.serving_frequencies(self.mgr.rope)
+        want = [oracle.rope_oracle(x.numpy(), np.asarray(positions[:tokens], np.int64), inv_freq,
+                                   attention, HEAD_DIM, False) for x in (q, k)]
+        assert self.mgr.pos_ids(label).tolist() == positions
+        self.mgr.apply_qk(q, k, label)
+        np.testing.assert_allclose(q.numpy(), want[0], rtol=0, atol=2e-5)
+        np.testing.assert_allclose(k.numpy(), want[1], rtol=0, atol=2e-5)
+
+    @rule(data=st.data())
+    def bad_call(self, data):
+        """A call that must fail, between valid ones: nothing may move."""
+        mgr = self.mgr
+        live = self.live()
+        rid = data.draw(st.sampled_from(live)) if live else "r0"
+        calls = [
+            lambda: mgr.plan(PositionStep([Segment("ghost", "cond", 1)]), StepContext()),
+            lambda: mgr.plan(PositionStep([Segment(rid, "cond", -1)]), StepContext()),
+            lambda: mgr.plan(PositionStep([Segment(rid, "cond", 1), Segment(rid, "cond", 1)]),
+                             StepContext()),
+            lambda: mgr.plan(PositionStep([Segment(rid, "cond", 1)],
+                                          pos_ids=torch.tensor([MAX_SEQ_LEN])), StepContext()),
+            lambda: mgr.apply_cached_prefix(rid, None, None, None, {"cond": -1}),
+            lambda: mgr.ingest_request(rid, {"image": 1}),
+            lambda: mgr.position(rid, "image"),
+            lambda: mgr.commit(PositionStep([Segment(rid, "uncond", 99)]), StepContext()),
+            lambda: mgr.reset_request("ghost"),
+        ]
+        self.expect_failure(data.draw(st.sampled_from(calls)))
+
+    # -------------------------------------------------------------- invariants
+
+    @invariant()
+    def agrees_with_the_model(self):
+        mgr, model = self.mgr, self.model
+        state = mgr.state_snapshot()
+        assert set(mgr.requests()) == set(model.counters)
+        expected = {(rid, label): value for rid, counters in model.counters.items()
+                    for label, value in counters.items()}
+        assert state["counters"] == expected
+        for rid, counters in model.counters.items():
+            assert mgr.publish(rid).counters == counters
+            assert {label: mgr.position(rid, label) for label in LABELS} == counters
+        assert state["table"] == state["shadow"]
+        live_slots = {slot for slots in state["requests"].values() for slot in slots}
+        assert all(v == 0 for slot, v in enumerate(state["shadow"]) if slot not in live_slots)
+        assert max(state["shadow"]) <= MAX_SEQ_LEN
+        assert state["slot_map"]["live"] == len(LABELS) * len(model.counters)
+        for name in ("current", "staged"):
+            plan, got = getattr(model, name), state[name]
+            assert (plan is None) == (got is None), name
+            if plan is not None:
+                assert got["positions"] == {k: tuple(v) for k, v in plan.positions.items()}
+
+
+class BlockManagerMachine(ManagerMachine):
+    scheme = Scheme.BLOCK
+    block_step = 3
+
+
+_FAST = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+TestManagerMatchesTheModel = ManagerMachine.TestCase
+TestManagerMatchesTheModel.settings = settings(max_examples=100, stateful_step_count=50, **_FAST)
+
+TestBlockManagerMatchesTheModel = BlockManagerMachine.TestCase
+TestBlockManagerMatchesTheModel.settings = settings(max_examples=40, stateful_step_count=40, **_FAST)
