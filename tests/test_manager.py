@@ -658,7 +658,8 @@ def test_a_launcher_is_asked_first_with_the_planned_positions():
     q, k = qk(2)
     doubled = q * 2
     mgr.apply_qk(q, k, "text", rope_theta=2e4)
-    assert launcher.calls == [((2, 3, HEAD_DIM), (2, 2, HEAD_DIM), [0, 1],
+    # The launcher gets all planned positions and uses the first q.shape[0] of them.
+    assert launcher.calls == [((2, 3, HEAD_DIM), (2, 2, HEAD_DIM), [0, 1, 2],
                                dataclasses.replace(mgr.rope, theta=2e4))]
     assert torch.equal(q, doubled)
 

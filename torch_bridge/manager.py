@@ -1083,7 +1083,9 @@ class RopeManager(PositionManager):
             return q, k
         if self.launcher is not None:
             try:
-                self.launcher.rotate_(q3, k3, plan.tensors[label][:tokens], cfg)
+                # The launcher reads the first ``tokens`` positions; no slice (a view per
+                # call costs microseconds on the hot path).
+                self.launcher.rotate_(q3, k3, plan.tensors[label], cfg)
                 return q, k
             except LaunchUnavailable:
                 pass

@@ -38,7 +38,8 @@ class Launcher(Protocol):
 
     ``rotate_(q, k, pos_ids, cfg)``: ``q [T, Hq, D]``, ``k [T, Hk, D]`` (validated by
     the manager: same dtype and device, ``D == cfg.head_dim``), ``pos_ids`` int32
-    ``[T]`` on the same device; rotates q and k in place. Raises ``LaunchUnavailable``
+    ``[N >= T]`` on the same device, of which the first ``T`` are used; rotates q and
+    k in place. Raises ``LaunchUnavailable``
     to decline (the manager then runs the JAX path); any other exception propagates.
     """
 
