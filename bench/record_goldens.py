@@ -128,12 +128,7 @@ def _environment(fake: bool) -> dict:
 def record(out: pathlib.Path, fake: bool) -> int:
     records = []
     for case in GOLDEN_CASES:
-        rng = np.random.default_rng(case.seed)
-        batch = fp.ragged_batch(rng, case.batch_size, case.lengths, case.bases)
-        q, k = fp.random_inputs(rng, case, len(batch.pos_ids))
-        cache = None
-        if case.api == "cos_sin_cache":
-            cache = fp.cos_sin_cache(case.cfg, batch.pos_ids, dense=case.dense_cache)
+        batch, q, k, cache = fp.case_inputs(case)
         if fake:
             q_out, k_out = _fake_flashinfer(case, q, k, batch)
         else:

@@ -687,3 +687,14 @@ def golden_meta() -> Dict[str, object]:
 def golden_record(name: str) -> Recorded:
     golden_meta()
     return _golden()[1][name]
+
+
+def case_inputs(case: "Case"):
+    """``(batch, q, k, cos_sin_cache or None)`` of a case, from its own seed."""
+    rng = np.random.default_rng(case.seed)
+    batch = ragged_batch(rng, case.batch_size, case.lengths, case.bases)
+    q, k = random_inputs(rng, case, len(batch.pos_ids))
+    cache = None
+    if case.api == "cos_sin_cache":
+        cache = cos_sin_cache(case.cfg, batch.pos_ids, dense=case.dense_cache)
+    return batch, q, k, cache

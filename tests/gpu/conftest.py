@@ -16,6 +16,20 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 from tests import flashinfer_parity as fp  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def device():
+    """torch's current CUDA device, once both torch and JAX see a GPU; else a skip."""
+    import jax
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    try:
+        jax.devices("gpu")
+    except RuntimeError as e:
+        pytest.skip(f"JAX has no GPU backend ({e}); run with JAXROPE_GPU_TESTS=1 and jax[cuda]")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 @pytest.fixture(scope="session")
 def flashinfer():
     """The ``flashinfer`` module (0.5.x) with torch on a CUDA GPU and JAX on the GPU."""

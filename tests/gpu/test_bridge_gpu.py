@@ -16,7 +16,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import jax  # noqa: E402
 
 import jaxrope as jr  # noqa: E402
 from tests import oracle  # noqa: E402
@@ -28,17 +27,6 @@ pytestmark = pytest.mark.gpu
 HEAD_DIM = 128
 # bf16 output rounding (half an ulp at |x| up to ~4) plus the kernels' angle error.
 BF16_ATOL = 4 * 2.0 ** -8
-
-
-@pytest.fixture(scope="module")
-def device():
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA device")
-    try:
-        jax.devices("gpu")
-    except RuntimeError as e:
-        pytest.skip(f"JAX has no GPU backend ({e}); run with JAXROPE_GPU_TESTS=1 and jax[cuda]")
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 @pytest.fixture(params=["jax", "auto"])

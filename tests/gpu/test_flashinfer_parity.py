@@ -124,19 +124,9 @@ def test_the_cases_cover_the_issue_matrix():
     assert len({c.name for c in CASES}) == len(CASES)
 
 
-def _inputs(case: fp.Case):
-    rng = np.random.default_rng(case.seed)
-    batch = fp.ragged_batch(rng, case.batch_size, case.lengths, case.bases)
-    q, k = fp.random_inputs(rng, case, len(batch.pos_ids))
-    cache = None
-    if case.api == "cos_sin_cache":
-        cache = fp.cos_sin_cache(case.cfg, batch.pos_ids, dense=case.dense_cache)
-    return batch, q, k, cache
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_jaxrope_matches_flashinfer(case, flashinfer, record_property):
-    batch, q, k, cache = _inputs(case)
+    batch, q, k, cache = fp.case_inputs(case)
     flashinfer_out = fp.run_flashinfer(case.api, case.cfg, q, k, batch, cache)
     ours = {b: fp.run_jaxrope(case.cfg, q, k, batch.pos_ids, b) for b in BACKENDS}
     r = case.cfg.rotary_dim

@@ -17,7 +17,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import jax  # noqa: E402
 
 import jaxrope as jr  # noqa: E402
 from tests import oracle  # noqa: E402
@@ -34,17 +33,6 @@ WARMUP = 200
 MEMORY_TOLERANCE = 1 << 20     # bytes of device memory growth allowed over the CALLS
 RACE_ITERATIONS = 40
 LOAD_SIZE = 4096               # each float32 [4096, 4096] matmul keeps the GPU busy for ms
-
-
-@pytest.fixture(scope="module")
-def device():
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA device")
-    try:
-        jax.devices("gpu")
-    except RuntimeError as e:
-        pytest.skip(f"JAX has no GPU backend ({e}); run with JAXROPE_GPU_TESTS=1 and jax[cuda]")
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 @pytest.fixture(params=["jax", "auto"])
