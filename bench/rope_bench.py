@@ -90,7 +90,7 @@ import numpy as np  # noqa: E402
 from jaxrope import RopeConfig, apply_rope  # noqa: E402
 from jaxrope.apply import kernel_constants  # noqa: E402
 from jaxrope.cases import BY_NAME  # noqa: E402
-from jaxrope.kernels.pallas_triton import BlockConfig, rope_pallas  # noqa: E402
+from jaxrope.kernels.pallas_triton import BlockConfig, lanes_for, rope_pallas  # noqa: E402
 from jaxrope.scaling import Llama3  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -120,7 +120,7 @@ class BlockGrid:
     num_warps: Tuple[int, ...]
 
     def configs(self, tokens: int, q_heads: int, k_heads: int, rotary_dim: int) -> List[BlockConfig]:
-        lanes = _next_pow2(rotary_dim // 2)
+        lanes = lanes_for(rotary_dim)
         out = []
         for bt in self.block_tokens:
             for hp in self.heads_per_program:

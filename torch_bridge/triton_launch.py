@@ -37,7 +37,19 @@ _TORCH_TO_JAX_DTYPE = {torch.float32: "float32", torch.float16: "float16",
 
 
 class LaunchUnavailable(RuntimeError):
-    """The fast path cannot run here (no CUDA, no Triton, or an unexpected JAX); use JAX."""
+    """The fast path cannot run here (no CUDA, no Triton, or an unexpected JAX); use JAX.
+
+    A ``RuntimeError``. A :class:`torch_bridge.rotate.Launcher` raises it from
+    ``rotate_`` to decline a call; ``RopeManager(launcher="auto")`` catches it from
+    the Triton launcher's constructor and falls back to the JAX path.
+
+    Example:
+      >>> issubclass(LaunchUnavailable, RuntimeError)
+      True
+      >>> from torch_bridge.rotate import resolve_launcher
+      >>> resolve_launcher("auto", torch.device("cpu")) is None  # no fast path on CPU
+      True
+    """
 
 
 class _CountTable:
@@ -68,7 +80,7 @@ class TritonLauncher:
 
     Example:
       >>> launcher = TritonLauncher()              # doctest: +SKIP
-      >>> launcher.rotate_(q, k, pos_ids, cfg)     # doctest: +SKIP  (q, k rotated in place)
+      >>> launcher.rotate_(q, k, pos_ids, cfg)     # q, k rotated in place  # doctest: +SKIP
     """
 
     def __init__(self):
@@ -112,7 +124,7 @@ class TritonLauncher:
                  block: Optional[pallas_triton.BlockConfig]) -> "_Launch":
         num_tokens, q_heads, head_dim = q.shape
         k_heads = k.shape[1]
-        lanes = 1 << max(0, (cfg.rotary_dim // 2 - 1).bit_length())
+        lanes = pallas_triton.lanes_for(cfg.rotary_dim)
         block = block or pallas_triton.block_config(num_tokens, q_heads, k_heads, lanes)
         _, attention = kernel_constants(cfg)
         compiled, exported = self._compiled((q_heads, k_heads, head_dim, cfg, q.dtype, block), dict(

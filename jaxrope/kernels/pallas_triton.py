@@ -47,6 +47,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def lanes_for(rotary_dim: int) -> int:
+    """Width of a half-block: ``rotary_dim // 2`` rounded up to a power of two."""
+    return _next_pow2(rotary_dim // 2)
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
     """Launch shape of one call; the only tuning knobs of the kernel."""
@@ -164,7 +169,7 @@ def rope_pallas(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
     k_heads = k.shape[1]
     if num_tokens == 0:
         return q, k
-    lanes = _next_pow2(rotary_dim // 2)
+    lanes = lanes_for(rotary_dim)
     tables = jnp.pad(tables, ((0, 0), (0, lanes - tables.shape[1])))
     cfg = config or block_config(num_tokens, q_heads, k_heads, lanes)
     q_groups = -(-q_heads // cfg.heads_per_program)

@@ -74,7 +74,7 @@ def export(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interl
     # Any T works (the IR reads the count at run time) as long as the grid has two token
     # blocks: Pallas folds program_id of a size-1 grid axis to the constant 0.
     tokens = 2 * block.block_tokens
-    lanes = 1 << max(0, (rotary_dim // 2 - 1).bit_length())
+    lanes = pallas_triton.lanes_for(rotary_dim)
     captured = []
 
     def spy(*args, **kwargs):
