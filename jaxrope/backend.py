@@ -4,6 +4,18 @@ Every implementation has the signature of
 :func:`jaxrope.kernels.reference.rope_reference`. Adding a backend (e.g. Mosaic GPU)
 means one entry in ``_IMPLEMENTATIONS`` and, if it should win on some platform, one
 line in :func:`resolve`.
+
+``BACKENDS`` is the tuple of names ``apply_rope(..., backend=...)`` accepts: "auto"
+(Pallas on GPU, XLA elsewhere), "pallas" (the Pallas kernel, GPU only), "xla" (the
+reference implementation) and "interpret" (the Pallas kernel body run by the Pallas
+interpreter, for CPU tests).
+
+Example:
+  >>> import jaxrope as jr
+  >>> jr.BACKENDS
+  ('auto', 'pallas', 'xla', 'interpret')
+  >>> resolve("auto", "cpu") is resolve("xla", "cpu")
+  True
 """
 
 from __future__ import annotations
@@ -30,6 +42,10 @@ def resolve(backend: str, platform: str) -> Callable:
     Raises:
       ValueError: unknown backend name.
       NotImplementedError: "pallas" on a platform without a Pallas GPU lowering.
+
+    Example:
+      >>> resolve("xla", "cpu").__name__
+      'rope_reference'
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")

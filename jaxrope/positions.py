@@ -10,6 +10,21 @@ see :func:`pad_slots`), which reads as zero and whose writes are dropped.
 
 The map from (request_id, label) to slot is host-side state and lives in
 :class:`SlotMap`, outside the pytree.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from jaxrope import positions
+  >>> table = positions.init(4)
+  >>> slots = jnp.array([2, 0], jnp.int32)  # two streams, 3 and 2 tokens this step
+  >>> counts = jnp.array([3, 2], jnp.int32)
+  >>> positions.plan(table, slots, counts, jnp.full((6,), -1, jnp.int32)).tolist()
+  [0, 1, 2, 0, 1, -1]
+  >>> table = positions.commit(table, slots, counts)
+  >>> table.counters.tolist()
+  [2, 0, 3, 0]
+  >>> padded = positions.pad_slots([2, 0], 4, table.capacity)  # padding slot is 4
+  >>> padded.tolist(), positions.read(table, jnp.asarray(padded)).tolist()
+  ([2, 0, 4, 4], [3, 2, 0, 0])
 """
 
 from __future__ import annotations
@@ -29,6 +44,17 @@ class Scheme(enum.Enum):
     SEQUENTIAL: ``counter + arange(n)``, and commit adds the span.
     BLOCK: all ``n`` tokens share ``counter``, and commit adds ``block_step`` for a
     non-empty segment (block diffusion, parallel decoding of one block).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxrope import positions
+      >>> table = positions.PositionTable(jnp.array([5], jnp.int32))
+      >>> args = (table, jnp.array([0], jnp.int32), jnp.array([3], jnp.int32),
+      ...         jnp.zeros((3,), jnp.int32))
+      >>> positions.plan(*args, scheme=positions.Scheme.BLOCK).tolist()
+      [5, 5, 5]
+      >>> positions.plan(*args, scheme=positions.Scheme("sequential")).tolist()
+      [5, 6, 7]
     """
 
     SEQUENTIAL = "sequential"
@@ -38,12 +64,24 @@ class Scheme(enum.Enum):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PositionTable:
-    """Next position of every slot: ``counters`` int32 ``[capacity]``."""
+    """Next position of every slot: ``counters`` int32 ``[capacity]``.
+
+    A JAX pytree (one leaf, ``counters``), so it passes through ``jax.jit``; build it
+    with :func:`init` (all zeros) and change it only through the pure transitions,
+    which return a new table.
+
+    Example:
+      >>> from jaxrope import positions
+      >>> table = positions.init(3)
+      >>> table.capacity, table.counters.dtype, table.counters.tolist()
+      (3, dtype('int32'), [0, 0, 0])
+    """
 
     counters: jax.Array
 
     @property
     def capacity(self) -> int:
+        """Number of slots, ``counters.shape[0]``; also the padding slot's index."""
         return self.counters.shape[0]
 
 
@@ -159,6 +197,25 @@ class SlotMap:
 
     Slots are reused after :meth:`release`; when none is free the capacity doubles
     and the caller grows its table to :attr:`capacity` (:func:`grow`).
+
+    Args:
+      capacity: initial number of slots, a positive int (default 64).
+
+    Attributes:
+      capacity: current number of slots (doubles when a new stream finds none free).
+      peak: the most slots ever in use at once.
+
+    Raises:
+      ValueError: ``capacity`` is not a positive int.
+
+    Example:
+      >>> slots = SlotMap(capacity=2)
+      >>> slots.acquire("r0", "text"), slots.acquire("r0", "image"), slots.acquire("r1", "text")
+      (0, 1, 2)
+      >>> slots.capacity, slots.find("r1", "text"), slots.requests()
+      (4, 2, ['r0', 'r1'])
+      >>> slots.release("r0"), len(slots), slots.peak
+      ([0, 1], 1, 3)
     """
 
     def __init__(self, capacity: int = 64):
@@ -197,6 +254,7 @@ class SlotMap:
         return dict(self._by_rid.get(rid, {}))
 
     def requests(self) -> List[Hashable]:
+        """Request ids holding at least one slot, in order of their first :meth:`acquire`."""
         return list(self._by_rid)
 
     def release(self, rid: Hashable) -> List[int]:

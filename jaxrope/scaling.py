@@ -4,6 +4,15 @@ Each variant is plain data; the arithmetic that turns it into inverse frequencie
 lives in :mod:`jaxrope.frequencies`. Field names follow HF transformers' rope
 parameters, with ``original_max_position_embeddings`` shortened to
 ``original_max_position``.
+
+Every variant validates its fields at construction and raises ``ValueError`` naming
+the field. A variant only takes effect through :class:`jaxrope.RopeConfig`, whose
+``frequencies()`` returns float64 ``inv_freq [R/2]`` and the attention factor.
+
+Example:
+  >>> import jaxrope as jr
+  >>> jr.Llama3() == jr.Llama3(factor=8.0), hash(jr.Linear(2.0)) == hash(jr.Linear(2.0))
+  (True, True)
 """
 
 from __future__ import annotations
@@ -31,7 +40,20 @@ def _check_int(owner: str, **values: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Linear:
-    """Position interpolation: every inverse frequency is divided by ``factor``."""
+    """Position interpolation: every inverse frequency is divided by ``factor``.
+
+    Args:
+      factor: the divisor, a finite number > 0 (no default).
+
+    Raises:
+      ValueError: ``factor`` is not a finite number > 0.
+
+    Example:
+      >>> import jaxrope as jr
+      >>> cfg = jr.RopeConfig(head_dim=4, theta=100.0, scaling=jr.Linear(2.0))
+      >>> cfg.frequencies()[0].tolist()  # unscaled: [1.0, 0.1]
+      [0.5, 0.05]
+    """
 
     factor: float
 
@@ -46,6 +68,23 @@ class DynamicNTK:
     ``original_max_position`` is the length the model was trained at (HF's
     ``max_position_embeddings``). The frequencies depend on the sequence length;
     kernels fix it at :attr:`RopeConfig.max_position` (see ``frequencies``).
+
+    Args:
+      factor: finite number > 0.
+      original_max_position: positive int; at or below this length the frequencies
+        are the unscaled ones.
+
+    Raises:
+      ValueError: naming the field, for a non-positive or non-finite value.
+
+    Example:
+      >>> import jaxrope as jr
+      >>> cfg = jr.RopeConfig(head_dim=4, theta=100.0, max_position=8192,
+      ...                     scaling=jr.DynamicNTK(factor=2.0, original_max_position=4096))
+      >>> cfg.frequencies(seq_len=4096)[0].tolist()
+      [1.0, 0.1]
+      >>> [round(f, 4) for f in cfg.serving_frequencies()[0].tolist()]  # at max_position
+      [1.0, 0.0333]
     """
 
     factor: float
@@ -58,7 +97,23 @@ class DynamicNTK:
 
 @dataclasses.dataclass(frozen=True)
 class Llama3:
-    """Llama 3.1: low frequencies divided by ``factor``, high ones kept, a smooth band between."""
+    """Llama 3.1: low frequencies divided by ``factor``, high ones kept, a smooth band between.
+
+    Defaults are Llama 3.1's: ``factor=8.0``, ``low_freq_factor=1.0``,
+    ``high_freq_factor=4.0``, ``original_max_position=8192``. Wavelengths above
+    ``original_max_position / low_freq_factor`` are scaled, those below
+    ``original_max_position / high_freq_factor`` are kept.
+
+    Raises:
+      ValueError: naming the field, for a non-positive value or
+        ``high_freq_factor <= low_freq_factor``.
+
+    Example:
+      >>> import jaxrope as jr
+      >>> cfg = jr.RopeConfig(head_dim=4, theta=1e8, scaling=jr.Llama3())
+      >>> cfg.frequencies()[0].tolist()  # unscaled: [1.0, 0.0001]
+      [1.0, 1.25e-05]
+    """
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
@@ -81,6 +136,24 @@ class Yarn:
     ``attention_factor`` None means derived: ``get_mscale(factor, mscale) /
     get_mscale(factor, mscale_all_dim)`` when both are set, else
     ``0.1 * ln(factor) + 1`` (1 for factor <= 1), exactly as HF does.
+
+    Args:
+      factor: finite number > 0.
+      original_max_position: positive int, the pre-training length.
+      beta_fast, beta_slow: the ramp bounds in rotations (defaults 32.0 and 1.0).
+      mscale, mscale_all_dim: DeepSeek's attention-factor terms (default None).
+      attention_factor: explicit attention factor, or None (default) to derive it.
+      truncate: floor/ceil the ramp's dimension bounds to ints, HF's default (default True).
+
+    Raises:
+      ValueError: naming the field, for a non-positive value or a non-bool ``truncate``.
+
+    Example:
+      >>> import jaxrope as jr
+      >>> cfg = jr.RopeConfig(head_dim=4, theta=100.0, scaling=jr.Yarn(4.0, 4096))
+      >>> inv_freq, attention = cfg.frequencies()
+      >>> inv_freq.tolist(), round(attention, 4)  # attention = 0.1 * ln(4) + 1
+      ([1.0, 0.1], 1.1386)
     """
 
     factor: float
@@ -108,6 +181,25 @@ class LongRope:
     The long factors apply when the sequence length exceeds
     ``original_max_position``. ``factor`` None means HF's default
     ``max_position / original_max_position`` (used only for the attention factor).
+
+    Args:
+      short_factor, long_factor: ``R/2`` positive divisors each (any sequence;
+        stored as tuples of floats).
+      original_max_position: positive int.
+      attention_factor: explicit attention factor, or None (default) to derive it.
+      factor: None (default) or a number > 0, see above.
+
+    Raises:
+      ValueError: naming the field, for a non-sequence or a non-positive entry.
+
+    Example:
+      >>> import jaxrope as jr
+      >>> cfg = jr.RopeConfig(head_dim=4, theta=100.0, max_position=8192,
+      ...                     scaling=jr.LongRope((1.0, 2.0), (4.0, 8.0), 4096))
+      >>> cfg.frequencies(seq_len=4096)[0].tolist()  # short factors
+      [1.0, 0.05]
+      >>> cfg.serving_frequencies()[0].tolist()  # long factors, at max_position
+      [0.25, 0.0125]
     """
 
     short_factor: Tuple[float, ...]
@@ -136,6 +228,22 @@ class Proportional:
     The first ``int(partial_rotary_factor * rotary_dim // 2)`` pairs rotate at
     ``theta ** (-2i / rotary_dim)``; the other pairs get frequency zero (cos 1,
     sin 0: left as they are). All frequencies are divided by ``factor``.
+
+    Args:
+      factor: divisor of every frequency, > 0 (default 1.0).
+      partial_rotary_factor: fraction of the pairs that rotate, in ``(0, 1]``
+        (default 1.0).
+
+    Raises:
+      ValueError: naming the field, for a non-positive value or
+        ``partial_rotary_factor > 1``.
+
+    Example:
+      >>> import jaxrope as jr
+      >>> cfg = jr.RopeConfig(head_dim=4, theta=100.0,
+      ...                     scaling=jr.Proportional(partial_rotary_factor=0.5))
+      >>> cfg.frequencies()[0].tolist()  # the second pair does not rotate
+      [1.0, 0.0]
     """
 
     factor: float = 1.0

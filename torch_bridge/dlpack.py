@@ -43,7 +43,18 @@ __all__ = ["InPlace", "NotZeroCopyError", "jax_device", "to_jax", "to_torch"]
 
 
 class NotZeroCopyError(ValueError):
-    """A tensor cannot be shared with JAX without a copy (strides or alignment)."""
+    """A tensor cannot be shared with JAX without a copy (strides or alignment).
+
+    A ``ValueError``; raised by :func:`to_jax`, and by :class:`InPlace` calls with
+    ``allow_copy=False``.
+
+    Example:
+      >>> try:
+      ...     to_jax(torch.zeros(2, 3).T)
+      ... except NotZeroCopyError as e:
+      ...     print(str(e).split(";")[0])
+      tensor with shape=(3, 2) and stride=(1, 3) is not contiguous
+    """
 
 
 @functools.lru_cache(maxsize=None)

@@ -53,6 +53,11 @@ class Segment(NamedTuple):
       label: the stream label, one of the manager's configured labels.
       span: tokens the step adds to the stream, ``>= 0``; what :meth:`commit` advances
         a SEQUENTIAL counter by.
+
+    Example:
+      >>> seg = Segment("r0", "text", 3)
+      >>> seg.span, seg == ("r0", "text", 3)
+      (3, True)
     """
 
     request_id: Hashable
@@ -67,6 +72,10 @@ class KVView(NamedTuple):
       request_id: the request.
       label: the stream label (which counter numbers these tokens).
       to_compute: tokens of this view in the step, ``>= 0``.
+
+    Example:
+      >>> KVPlanOutput([KVView("r0", "text", 4), KVView("r1", "text", 1)]).num_tokens
+      5
     """
 
     request_id: Hashable
@@ -75,7 +84,19 @@ class KVView(NamedTuple):
 
 
 class Fork(NamedTuple):
-    """Copy one request's counter from ``from_label`` to ``to_label`` (a CFG branch starts)."""
+    """Copy one request's counter from ``from_label`` to ``to_label`` (a CFG branch starts).
+
+    Example (the unconditional branch starts where the conditional one is):
+      >>> from torch_bridge import PositionConfig, PositionManager
+      >>> mgr = PositionManager(PositionConfig(labels=("cond", "uncond")), "cpu")
+      >>> mgr.ingest_request("r0", overrides={"cond": 4})
+      >>> views = (KVView("r0", "cond", 1), KVView("r0", "uncond", 1))
+      >>> kv = KVPlanOutput(views, pre_forks=[Fork("r0", "cond", "uncond")])
+      >>> ctx = StepContext(("r0",), plan_results={"kv": {"attn": kv}})
+      >>> step = PositionStep([Segment("r0", "cond", 1), Segment("r0", "uncond", 1)])
+      >>> mgr.plan(step, ctx)["attn"].tolist()
+      [4, 4]
+    """
 
     request_id: Hashable
     from_label: str
@@ -115,7 +136,17 @@ class KVPlanOutput:
 
 
 class GraphBucket(NamedTuple):
-    """A CUDA-graph shape bucket: the graph walk, batch size and padded token count."""
+    """A CUDA-graph shape bucket: the graph walk, batch size and padded token count.
+
+    Attributes:
+      walk: the graph walk name, or None.
+      batch_size: requests per step in this bucket.
+      num_tokens: the padded token count; position buffers are int32 ``[num_tokens]``.
+
+    Example (planning into a bucket's buffers: see :class:`GraphSlot`):
+      >>> GraphBucket(walk=None, batch_size=1, num_tokens=4).num_tokens
+      4
+    """
 
     walk: Optional[str]
     batch_size: int
@@ -128,6 +159,15 @@ class GraphSlot(NamedTuple):
     A step planned under a lease writes its position ids into the static buffer of
     ``(bucket, slot, plan_label)``, ``[bucket.num_tokens]`` int32; tokens past the
     live count keep whatever the buffer held (graph padding).
+
+    Example:
+      >>> from torch_bridge import PositionConfig, PositionManager
+      >>> mgr = PositionManager(PositionConfig(), "cpu"); mgr.ingest_request("r0")
+      >>> lease = GraphSlot(GraphBucket(None, batch_size=1, num_tokens=4), slot=0)
+      >>> ctx = StepContext(("r0",), graph_slot=lease)
+      >>> buf = mgr.plan(PositionStep([Segment("r0", "text", 2)]), ctx)["text"]
+      >>> buf.dtype, buf.tolist()  # 2 live tokens, then the buffer's padding
+      (torch.int32, [0, 1, 0, 0])
     """
 
     bucket: GraphBucket
@@ -185,6 +225,11 @@ class StepContext:
         position manager reads ``{plan_label: KVPlanOutput}`` under its KV resource
         name (``PositionConfig.kv_resource``).
       graph_slot: the CUDA-graph slot lease, or None for an eager step.
+
+    Example:
+      >>> ctx = StepContext(request_ids=["r0", "r1"])
+      >>> ctx.request_ids, ctx.is_preplan, ctx.graph_slot
+      (('r0', 'r1'), False, None)
     """
 
     request_ids: Tuple[Hashable, ...] = ()
@@ -204,7 +249,13 @@ class AdmitOutcome(NamedTuple):
     Attributes:
       ok: the published state was taken on.
       ready: the request can run now.
-      reason: why not, when ``ok`` or ``ready`` is False; else None.
+      reason: why not, when ``ok`` or ``ready`` is False; else None (default).
+
+    Example:
+      >>> from torch_bridge import PositionConfig, PositionManager, PublishedPositionInfo
+      >>> mgr = PositionManager(PositionConfig(), "cpu")
+      >>> mgr.admit_retrieve("r9", None, None, PublishedPositionInfo({"text": 5}))
+      AdmitOutcome(ok=False, ready=False, reason="request_id='r9' was never ingested")
     """
 
     ok: bool
@@ -217,12 +268,29 @@ class PublishedInfo:
 
     Subclasses implement :meth:`clone` (an independent copy for deferred sending)
     and :meth:`update` (merge a newer publication into this one).
+
+    Example (the position manager's subclass):
+      >>> from torch_bridge import PublishedPositionInfo
+      >>> a = PublishedPositionInfo({"text": 3})
+      >>> b = a.clone(); b.update(PublishedPositionInfo({"text": 8}))
+      >>> a.counters, b.counters
+      ({'text': 3}, {'text': 8})
     """
 
     def clone(self) -> "PublishedInfo":
+        """An independent copy, safe to send later while this one keeps changing.
+
+        Raises:
+          NotImplementedError: on the base class; subclasses override it.
+        """
         raise NotImplementedError(f"{type(self).__name__}.clone")
 
     def update(self, other: "PublishedInfo") -> None:
+        """Merge ``other``, a newer publication of the same request, into this one in place.
+
+        Raises:
+          NotImplementedError: on the base class; subclasses override it.
+        """
         raise NotImplementedError(f"{type(self).__name__}.update")
 
 
@@ -233,6 +301,11 @@ class Resource:
       name: the resource's name in ``StepContext.plan_results`` and ``depends_on``.
       prefix_skip_safe: the resource handles a prefix served from the cache
         (tokens skipped) correctly.
+
+    Example (the neutral defaults a subclass overrides):
+      >>> r = Resource()
+      >>> r.name, r.depends_on(), r.supports_preplan, r.fingerprint(), r.publish("r0")
+      ('resource', (), False, None, None)
     """
 
     name: str = "resource"
@@ -278,7 +351,14 @@ class ResourceSpec:
     Attributes:
       name: the resource's name (other resources find its plan results under it).
       config: the resource's config (a ``PositionConfig`` for the position manager).
-      options: extra keyword arguments of the constructor (e.g. ``max_seq_len``).
+      options: extra keyword arguments of the constructor (e.g. ``max_seq_len``),
+        default empty.
+
+    Example:
+      >>> from torch_bridge import PositionConfig, PositionManager
+      >>> spec = ResourceSpec("pos", PositionConfig(), {"max_seq_len": 128})
+      >>> PositionManager.build(spec, EngineInfo("cpu")).max_seq_len
+      128
     """
 
     name: str
@@ -296,6 +376,14 @@ class EngineInfo:
       dtype: the activation dtype.
       max_seq_len: the longest sequence the engine serves, or None for the
         resource's default.
+
+    Example:
+      >>> import torch
+      >>> from torch_bridge import PositionConfig, ResourceSpec, RopeManager
+      >>> info = EngineInfo("cpu", head_dim=64, dtype=torch.float16, max_seq_len=256)
+      >>> mgr = RopeManager.build(ResourceSpec("rope", PositionConfig()), info)
+      >>> mgr.rope.head_dim, mgr.dtype, mgr.max_seq_len
+      (64, torch.float16, 256)
     """
 
     device: Union[str, torch.device]

@@ -41,10 +41,36 @@ class Launcher(Protocol):
     ``[N >= T]`` on the same device, of which the first ``T`` are used; rotates q and
     k in place. Raises ``LaunchUnavailable``
     to decline (the manager then runs the JAX path); any other exception propagates.
+
+    Example (a launcher that always declines, so the JAX path rotates):
+      >>> import jaxrope as jr
+      >>> from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext
+      >>> class Declining:
+      ...     calls = 0
+      ...     def rotate_(self, q, k, pos_ids, cfg):
+      ...         Declining.calls += 1
+      ...         raise LaunchUnavailable("no compiled kernel for this shape")
+      >>> mgr = RopeManager(PositionConfig(rope=jr.RopeConfig(head_dim=8)), "cpu",
+      ...                   launcher=Declining())
+      >>> mgr.ingest_request("r0")
+      >>> step, ctx = PositionStep([Segment("r0", "text", 2)]), StepContext(("r0",))
+      >>> _ = mgr.plan(step, ctx)
+      >>> q, k = torch.ones(2, 1, 8), torch.ones(2, 1, 8)
+      >>> _ = mgr.apply_qk(q, k, "text")
+      >>> Declining.calls, q[0, 0].tolist()  # position 0 rotates by angle 0
+      (1, [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
     """
 
     def rotate_(self, q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor,
-                cfg: RopeConfig) -> None: ...
+                cfg: RopeConfig) -> None:
+        """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place at ``pos_ids[:T]`` under ``cfg``.
+
+        ``pos_ids`` is int32 ``[N >= T]`` on q's device; q and k share dtype (float32,
+        float16 or bfloat16) and device, and ``D == cfg.head_dim``.
+
+        Raises:
+          LaunchUnavailable: to decline this call; the manager then runs the JAX path.
+        """
 
 
 def resolve_launcher(launcher: Any, device: torch.device) -> Optional[Launcher]:
