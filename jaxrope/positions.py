@@ -61,6 +61,15 @@ class Scheme(enum.Enum):
     BLOCK = "block"
 
 
+def _scheme(scheme) -> Scheme:
+    """``scheme`` as a :class:`Scheme` (also from its value, e.g. ``"block"``)."""
+    try:
+        return Scheme(scheme)
+    except ValueError:
+        raise ValueError(f"scheme={scheme!r} must be one of "
+                         f"{[s.value for s in Scheme]} (a Scheme)") from None
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PositionTable:
@@ -140,7 +149,7 @@ def plan(table: PositionTable, slots: jax.Array, counts: jax.Array, out: jax.Arr
                                                  mode="drop")
     view = jax.lax.cummax(marks, axis=0)
     base = read(table, slots)[view]
-    if scheme is Scheme.SEQUENTIAL:
+    if _scheme(scheme) is Scheme.SEQUENTIAL:
         base = base + token - starts[view]
     live = token < ends[-1] if counts.shape[0] else jnp.zeros_like(token, bool)
     return jnp.where(live, base, out.astype(jnp.int32))
@@ -154,7 +163,7 @@ def commit(table: PositionTable, slots: jax.Array, spans: jax.Array, *,
     Several segments of one stream add up.
     """
     spans = spans.astype(jnp.int32)
-    if scheme is Scheme.BLOCK:
+    if _scheme(scheme) is Scheme.BLOCK:
         spans = jnp.where(spans > 0, jnp.int32(block_step), 0)
     return advance(table, slots, spans)
 

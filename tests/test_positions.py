@@ -357,3 +357,20 @@ def test_a_growing_slot_map_and_its_table_stay_in_step(ops):
     held = {slot_map.find(rid, label) for rid, label in model}
     free = [i for i in range(table.capacity) if i not in held]
     assert not np.asarray(table.counters)[free].any()
+
+
+def test_scheme_by_value_matches_the_enum_and_an_unknown_scheme_is_refused():
+    table = positions.raise_to(positions.init(4), jnp.array([0], jnp.int32),
+                               jnp.array([7], jnp.int32))
+    slots, counts = jnp.array([0], jnp.int32), jnp.array([3], jnp.int32)
+    out = jnp.full((4,), -1, jnp.int32)
+    for scheme in Scheme:
+        assert (positions.plan(table, slots, counts, out, scheme=scheme.value).tolist()
+                == positions.plan(table, slots, counts, out, scheme=scheme).tolist())
+        assert (positions.commit(table, slots, counts, scheme=scheme.value, block_step=2)
+                .counters.tolist() == positions.commit(table, slots, counts, scheme=scheme,
+                                                       block_step=2).counters.tolist())
+    with pytest.raises(ValueError, match="scheme='seq'"):
+        positions.plan(table, slots, counts, out, scheme="seq")
+    with pytest.raises(ValueError, match="scheme='blocks'"):
+        positions.commit(table, slots, counts, scheme="blocks")
