@@ -2,7 +2,9 @@
 # Each creates its virtual environment on first use.
 
 PYTHON   ?= python3
-PY312    ?= $(shell command -v python3.12 || echo /root/.pyenv/versions/3.12.1/bin/python3)
+# A real 3.12 interpreter: pyenv's shim for python3.12 exists but fails when 3.12 is not
+# the active version, so look for an installed 3.12 first.
+PY312    ?= $(firstword $(wildcard /root/.pyenv/versions/3.12*/bin/python3) $(shell command -v python3.12))
 VENV     ?= .venv
 VENV312  ?= .venv312
 # Pinned first: an unpinned torch would pull a multi-GB CUDA build.
