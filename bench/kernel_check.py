@@ -26,25 +26,14 @@ from jaxrope.apply import kernel_constants
 from jaxrope.cases import CASES
 from jaxrope.kernels import pallas_triton
 from jaxrope.scaling import Llama3, Yarn
+from tests.oracle import relative_error, rope_oracle
 
 
 def oracle(x, pos, cfg):
-    inv, att = cfg.serving_frequencies()
-    x = np.asarray(x, np.float64).copy()
-    r = cfg.rotary_dim
-    ang = pos[:, None].astype(np.float64) * inv[None]
-    c, s = (np.cos(ang) * att)[:, None], (np.sin(ang) * att)[:, None]
-    if cfg.interleave:
-        a, b = x[..., 0:r:2].copy(), x[..., 1:r:2].copy()
-        x[..., 0:r:2], x[..., 1:r:2] = a * c - b * s, b * c + a * s
-    else:
-        a, b = x[..., :r // 2].copy(), x[..., r // 2:r].copy()
-        x[..., :r // 2], x[..., r // 2:r] = a * c - b * s, b * c + a * s
-    return x
-
-
-def rel(a, b):
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-30))
+    """float64 rotation of ``x`` at ``pos`` with the frequencies the kernels use."""
+    inv_freq, attention = cfg.serving_frequencies()
+    return rope_oracle(np.asarray(x, np.float64), pos, inv_freq, attention, cfg.rotary_dim,
+                       cfg.interleave)
 
 
 def check_cases(rng, report):
@@ -58,8 +47,8 @@ def check_cases(rng, report):
                 k = jnp.asarray(rng.standard_normal((tokens, case.k_heads, cfg.head_dim)), dtype)
                 pos = rng.integers(0, cfg.max_position, tokens).astype(np.int32)
                 q2, k2 = apply_rope(q, k, jnp.asarray(pos), cfg, backend="pallas")
-                err = max(rel(q2.astype(jnp.float32), oracle(q.astype(jnp.float32), pos, cfg)),
-                          rel(k2.astype(jnp.float32), oracle(k.astype(jnp.float32), pos, cfg)))
+                err = max(relative_error(out.astype(jnp.float32), oracle(x.astype(jnp.float32), pos, cfg))
+                          for out, x in ((q2, q), (k2, k)))
                 tail_same = bool(jnp.all(q2[..., cfg.rotary_dim:] == q[..., cfg.rotary_dim:]))
                 rows.append(dict(case=case.name, dtype=jnp.dtype(dtype).name, tokens=tokens,
                                  rel_err=err, tail_untouched=tail_same))
@@ -231,7 +220,7 @@ def triton_fast_path(rng, report):
             ptr = q.data_ptr()
             launcher.rotate_(q, k, pos, cfg)
             torch.cuda.synchronize()
-            err = rel(q.float().cpu().numpy(), ref_q)
+            err = relative_error(q.float().cpu().numpy(), ref_q)
             out.setdefault("errors", []).append((case.name, tokens, err, q.data_ptr() == ptr))
     worst = max(e[2] for e in out["errors"])
     print(f"triton fast path: worst bf16 rel err {worst:.2e} over {len(out['errors'])} runs")
@@ -270,7 +259,7 @@ def triton_fast_path(rng, report):
     graph.replay()
     torch.cuda.synchronize()
     expect = oracle(q0.float().cpu().numpy(), pos.cpu().numpy(), cfg)
-    out["graph_replay_rel_err"] = rel(q.float().cpu().numpy(), expect)
+    out["graph_replay_rel_err"] = relative_error(q.float().cpu().numpy(), expect)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph100 = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph100):
