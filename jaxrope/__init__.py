@@ -3,7 +3,7 @@
 The public API is the list below; every other module is an implementation detail.
 """
 
-from jaxrope import positions
+from jaxrope import cases, models, positions
 from jaxrope.apply import apply_rope
 from jaxrope.backend import BACKENDS
 from jaxrope.config import RopeConfig
@@ -25,5 +25,7 @@ __all__ = [
     "SlotMap",
     "Yarn",
     "apply_rope",
+    "cases",
+    "models",
     "positions",
 ]

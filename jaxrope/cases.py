@@ -1,9 +1,15 @@
 """One table of named cases shared by the tests and the benchmarks.
 
 Each case is a layer shape plus a :class:`RopeConfig`: real model shapes, odd sizes
-(1, 17, 19 tokens; 3, 5 heads), head_dim 64/80/96/128/192/256, partial rotary and
+(1, 17, 19 tokens; 3, 5 heads), head_dim 64/80/96/128/192/256/512, partial rotary and
 interleaved pairs, every scaling variant. Tests take the CPU-sized ``tokens``;
 benchmarks scale ``tokens`` up and keep the rest.
+
+Example:
+  >>> from jaxrope.cases import BY_NAME
+  >>> case = BY_NAME["llama3_8b"]
+  >>> case.tokens, case.q_heads, case.k_heads, case.head_dim
+  (17, 32, 8, 128)
 """
 
 from __future__ import annotations

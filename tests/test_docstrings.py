@@ -22,7 +22,7 @@ PACKAGES = ("jaxrope", "torch_bridge")
 # docstring documents them (with an example).
 CONSTANT_HOMES = {("jaxrope", "BACKENDS"): "jaxrope.backend"}
 
-DOCTESTED_HERE = ("jaxrope.scaling", "jaxrope.positions", "jaxrope.backend",
+DOCTESTED_HERE = ("jaxrope.scaling", "jaxrope.positions", "jaxrope.backend", "jaxrope.cases",
                   "torch_bridge.triton_launch")
 DOCTESTED_ELSEWHERE = ("jaxrope.config", "jaxrope.apply", "jaxrope.models",  # test_config.py
                        "torch_bridge.config", "torch_bridge.dlpack",  # test_manager.py
