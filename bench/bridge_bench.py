@@ -7,8 +7,10 @@ Cases:
 - ``decode``: 256 requests x 1 token, one plan label (``--quick``: 32 requests);
 - ``prefill``: 8 requests x 2048-token chunks, one plan label (``--quick``: 8 x 128).
 
-Each runs as ``eager`` (plan(N), commit(N)) and ``preplan`` (plan(N+1, is_preplan)
-while N is current, then commit(N): the pipelined runner's order). Host time is the
+Each runs with each counter store (on CUDA: ``TritonCounters``, the default, and
+``JaxCounters``; on CPU: ``JaxCounters``), as ``eager`` (plan(N), commit(N)) and
+``preplan`` (plan(N+1, is_preplan) while N is current, then commit(N): the pipelined
+runner's order). Host time is the
 ``time.perf_counter`` span of each call, with no device synchronisation inside it:
 what the Python thread spends before it can queue the next step. On CPU, JAX runs
 small computations inline, so there the host time includes the device work. Every 16
@@ -27,6 +29,7 @@ environment to ``--out`` as JSON.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import time
@@ -54,9 +57,10 @@ def _stats(samples_s: List[float]) -> Dict[str, float]:
             "p90_us": float(np.percentile(us, 90)), "n": int(len(us))}
 
 
-def _manager(device: torch.device, launcher: str = "jax") -> RopeManager:
+def _manager(device: torch.device, launcher: str = "jax", counters: str = "auto") -> RopeManager:
     rope = jr.RopeConfig(head_dim=128, theta=5e5, max_position=1 << 20)
-    return RopeManager(PositionConfig(rope=rope), device, max_seq_len=1 << 20, launcher=launcher)
+    return RopeManager(PositionConfig(rope=rope), device, max_seq_len=1 << 20, launcher=launcher,
+                       counters=counters)
 
 
 def _steps(rids: List[str], span: int, count: int):
@@ -69,8 +73,8 @@ def _steps(rids: List[str], span: int, count: int):
 
 
 def bench_plan_commit(device: torch.device, requests: int, span: int, iters: int,
-                      preplan: bool) -> Dict[str, Dict[str, float]]:
-    mgr = _manager(device)
+                      preplan: bool, counters: str = "auto") -> Dict[str, Dict[str, float]]:
+    mgr = _manager(device, counters=counters)
     rids = [f"r{i}" for i in range(requests)]
     for rid in rids:
         mgr.ingest_request(rid)
@@ -112,7 +116,8 @@ def bench_plan_commit(device: torch.device, requests: int, span: int, iters: int
                 plan_s.append(t1 - t0)
                 commit_s.append(t2 - t1)
     total = [p + c for p, c in zip(plan_s, commit_s)]
-    return {"plan": _stats(plan_s), "commit": _stats(commit_s), "plan+commit": _stats(total)}
+    return {"plan": _stats(plan_s), "commit": _stats(commit_s), "plan+commit": _stats(total),
+            "store": type(mgr._store).__name__}
 
 
 def bench_apply(device: torch.device, tokens: int, q_heads: int, k_heads: int, dtype: torch.dtype,
@@ -154,10 +159,12 @@ def main(argv=None) -> Dict:
              "prefill": (8, 128 if args.quick else 2048)}
     results: Dict = {"plan_commit": {}, "apply_qk": {}}
     rows = []
+    # On CUDA both counter stores: "auto" (the Triton kernel) and "jax" (jitted transitions).
     for name, (requests, span) in cases.items():
-        for mode in ("eager", "preplan"):
-            r = bench_plan_commit(device, requests, span, args.iters, mode == "preplan")
-            key = f"{name}[{requests}x{span}]/{mode}"
+        for mode, store in itertools.product(("eager", "preplan"),
+                                             ("auto", "jax") if on_gpu else ("jax",)):
+            r = bench_plan_commit(device, requests, span, args.iters, mode == "preplan", store)
+            key = f"{name}[{requests}x{span}]/{mode}/{r['store']}"
             results["plan_commit"][key] = r
             rows.append((key, r["plan"]["median_us"], r["commit"]["median_us"],
                          r["plan+commit"]["median_us"], r["plan+commit"]["p90_us"]))
@@ -174,9 +181,9 @@ def main(argv=None) -> Dict:
             apply_rows.append((key, r["launcher"], r["median_us"], r["p90_us"]))
 
     print(f"plan + commit host time on {device} (target <= {TARGET_US:.0f} us each on the H200)")
-    print(f"{'case':34s} {'plan us':>9s} {'commit us':>10s} {'sum us':>9s} {'sum p90':>9s}")
+    print(f"{'case':48s} {'plan us':>9s} {'commit us':>10s} {'sum us':>9s} {'sum p90':>9s}")
     for key, p, c, s, s90 in rows:
-        print(f"{key:34s} {p:9.1f} {c:10.1f} {s:9.1f} {s90:9.1f}")
+        print(f"{key:48s} {p:9.1f} {c:10.1f} {s:9.1f} {s90:9.1f}")
     print(f"\napply_qk wall time per call on {device}")
     print(f"{'case':44s} {'path':>14s} {'median us':>10s} {'p90 us':>9s}")
     for key, path, med, p90 in apply_rows:

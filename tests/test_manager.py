@@ -232,7 +232,7 @@ def test_steps_within_a_bucket_reuse_compiled_functions():
 
 
 def _cache_sizes(mgr):
-    return (sum(call._jitted._cache_size() for call in mgr._plan_calls.values()),
+    return (mgr._store.compiled_plans(),
             _transitions.commit_fn._cache_size())
 
 

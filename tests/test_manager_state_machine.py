@@ -163,13 +163,17 @@ def step_specs(draw, live: List[str]):
 class ManagerMachine(RuleBasedStateMachine):
     scheme = Scheme.SEQUENTIAL
     block_step = 1
+    counters = "jax"
+    device = "cpu"
 
     def __init__(self):
         super().__init__()
         rope = jr.RopeConfig(head_dim=HEAD_DIM, theta=1e4, max_position=1024)
         config = PositionConfig(rope=rope, labels=LABELS, scheme=self.scheme,
                                 block_step=self.block_step)
-        self.mgr = RopeManager(config, "cpu", max_seq_len=MAX_SEQ_LEN, launcher="jax")
+        self.mgr = RopeManager(config, self.device, max_seq_len=MAX_SEQ_LEN,
+                               launcher="jax" if self.device == "cpu" else "auto",
+                               counters=self.counters)
         self.model = Model(self.scheme, self.block_step)
         self.snapshots: List[Tuple[str, Any, Dict[str, int]]] = []
 
@@ -382,7 +386,7 @@ class ManagerMachine(RuleBasedStateMachine):
             labels = sorted(plan.positions)
         label = data.draw(st.sampled_from(labels))
         if plan is None or label not in plan.positions:
-            ones = torch.ones(1, 1, HEAD_DIM)
+            ones = torch.ones(1, 1, HEAD_DIM, device=self.device)
             self.expect_failure(self.mgr.apply_qk, ones, ones.clone(), label)
             return
         model.promote()
@@ -390,15 +394,15 @@ class ManagerMachine(RuleBasedStateMachine):
         tokens = data.draw(st.integers(0, len(positions)))
         seed = data.draw(st.integers(0, 2**31 - 1))
         gen = torch.Generator().manual_seed(seed)
-        q = torch.randn(tokens, 2, HEAD_DIM, generator=gen) + 0.5
-        k = torch.randn(tokens, 1, HEAD_DIM, generator=gen) + 0.5
+        q = (torch.randn(tokens, 2, HEAD_DIM, generator=gen) + 0.5).to(self.device)
+        k = (torch.randn(tokens, 1, HEAD_DIM, generator=gen) + 0.5).to(self.device)
         inv_freq, attention = oracle.serving_frequencies(self.mgr.rope)
-        want = [oracle.rope_oracle(x.numpy(), np.asarray(positions[:tokens], np.int64), inv_freq,
+        want = [oracle.rope_oracle(x.cpu().numpy(), np.asarray(positions[:tokens], np.int64), inv_freq,
                                    attention, HEAD_DIM, False) for x in (q, k)]
         assert self.mgr.pos_ids(label).tolist() == positions
         self.mgr.apply_qk(q, k, label)
-        np.testing.assert_allclose(q.numpy(), want[0], rtol=0, atol=2e-5)
-        np.testing.assert_allclose(k.numpy(), want[1], rtol=0, atol=2e-5)
+        np.testing.assert_allclose(q.cpu().numpy(), want[0], rtol=0, atol=2e-5)
+        np.testing.assert_allclose(k.cpu().numpy(), want[1], rtol=0, atol=2e-5)
 
     @rule(data=st.data())
     def bad_call(self, data):
@@ -412,7 +416,8 @@ class ManagerMachine(RuleBasedStateMachine):
             lambda: mgr.plan(PositionStep([Segment(rid, "cond", 1), Segment(rid, "cond", 1)]),
                              StepContext()),
             lambda: mgr.plan(PositionStep([Segment(rid, "cond", 1)],
-                                          pos_ids=torch.tensor([MAX_SEQ_LEN])), StepContext()),
+                                          pos_ids=torch.tensor([MAX_SEQ_LEN], device=self.device)),
+                             StepContext()),
             lambda: mgr.apply_cached_prefix(rid, None, None, None, {"cond": -1}),
             lambda: mgr.ingest_request(rid, {"image": 1}),
             lambda: mgr.position(rid, "image"),
@@ -458,3 +463,21 @@ TestManagerMatchesTheModel.settings = settings(max_examples=100, stateful_step_c
 
 TestBlockManagerMatchesTheModel = BlockManagerMachine.TestCase
 TestBlockManagerMatchesTheModel.settings = settings(max_examples=40, stateful_step_count=40, **_FAST)
+
+
+# The Triton counter store, its kernel run by Triton's interpreter: the same machine,
+# fewer examples (an interpreted launch takes tens of milliseconds).
+class TritonManagerMachine(ManagerMachine):
+    counters = "triton"
+
+
+class TritonBlockManagerMachine(BlockManagerMachine):
+    counters = "triton"
+
+
+TestTritonManagerMatchesTheModel = TritonManagerMachine.TestCase
+TestTritonManagerMatchesTheModel.settings = settings(max_examples=12, stateful_step_count=30,
+                                                     **_FAST)
+TestTritonBlockManagerMatchesTheModel = TritonBlockManagerMachine.TestCase
+TestTritonBlockManagerMatchesTheModel.settings = settings(max_examples=6, stateful_step_count=30,
+                                                          **_FAST)

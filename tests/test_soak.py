@@ -53,7 +53,7 @@ def rss_bytes() -> int:
 
 def compiled(mgr: RopeManager) -> int:
     """Executables compiled so far for the manager's steps, commits, resets and rotations."""
-    return (sum(call._jitted._cache_size() for call in mgr._plan_calls.values())
+    return (mgr._store.compiled_plans()
             + mgr._jax.call._jitted._cache_size()
             + sum(fn._cache_size() for fn in (_transitions.commit_fn, _transitions.fork_fn,
                                               _transitions.raise_fn, _transitions.reset_fn)))

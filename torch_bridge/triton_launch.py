@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -120,23 +120,42 @@ class TritonLauncher:
             tables = self._tables[key] = tables.to(device)
         return tables
 
-    def _prepare(self, q: torch.Tensor, k: torch.Tensor, cfg: RopeConfig,
+    def _prepare(self, q_shape: Tuple[int, int, int], k_heads: int, dtype: torch.dtype,
+                 device: torch.device, cfg: RopeConfig,
                  block: Optional[pallas_triton.BlockConfig]) -> "_Launch":
-        num_tokens, q_heads, head_dim = q.shape
-        k_heads = k.shape[1]
+        num_tokens, q_heads, head_dim = q_shape
         lanes = pallas_triton.lanes_for(cfg.rotary_dim)
         block = block or pallas_triton.block_config(num_tokens, q_heads, k_heads, lanes)
         _, attention = kernel_constants(cfg)
-        compiled, exported = self._compiled((q_heads, k_heads, head_dim, cfg, q.dtype, block), dict(
+        compiled, exported = self._compiled((q_heads, k_heads, head_dim, cfg, dtype, block), dict(
             q_heads=q_heads, k_heads=k_heads, head_dim=head_dim, rotary_dim=cfg.rotary_dim,
             interleave=cfg.interleave, attention_factor=attention,
-            dtype=_TORCH_TO_JAX_DTYPE[q.dtype], block=block))
-        tables = self._device_tables(cfg, q.device, lanes)
-        counts = self._counts.get(q.device)
+            dtype=_TORCH_TO_JAX_DTYPE[dtype], block=block))
+        tables = self._device_tables(cfg, device, lanes)
+        counts = self._counts.get(device)
         if counts is None:
-            counts = self._counts[q.device] = _CountTable(q.device)
-        return _Launch(compiled, exported.grid(num_tokens), q.device,
+            counts = self._counts[device] = _CountTable(device)
+        return _Launch(compiled, exported.grid(num_tokens), device,
                        (counts.pointer(num_tokens), tables.data_ptr()))
+
+    def bind(self, q: torch.Tensor, k: torch.Tensor, cfg: RopeConfig) -> Callable[..., bool]:
+        """A launch for every later call with q and k shaped as these: ``run(q, k, pos_ids) -> bool``.
+
+        ``q``/``k`` may be ``[T, H, D]`` or ``[T, H * D]`` (same memory layout); the
+        caller has validated shapes, dtypes and devices once for this signature. Per
+        call ``run`` checks only contiguity and 32-byte alignment and returns False
+        (launching nothing) when they fail, so the caller can take its slow path.
+        """
+        launch = self._launch_for(q, k, cfg, None)
+
+        def run(q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor) -> bool:
+            q_ptr, k_ptr, pos_ptr = q.data_ptr(), k.data_ptr(), pos_ids.data_ptr()
+            if (q_ptr | k_ptr | pos_ptr) % _ALIGN or not (q.is_contiguous() and k.is_contiguous()):
+                return False
+            launch(pos_ptr, q_ptr, k_ptr)
+            return True
+
+        return run
 
     def rotate_(self, q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor,
                 cfg: RopeConfig, block: Optional[pallas_triton.BlockConfig] = None) -> None:
@@ -154,16 +173,24 @@ class TritonLauncher:
         for name, t in (("q", q), ("k", k), ("pos_ids", pos_ids)):
             if not t.is_contiguous() or t.data_ptr() % _ALIGN:
                 raise LaunchUnavailable(f"{name} must be contiguous and {_ALIGN}-byte aligned")
+        self._launch_for(q, k, cfg, block)(pos_ids.data_ptr(), q.data_ptr(), k.data_ptr())
+
+    def _launch_for(self, q: torch.Tensor, k: torch.Tensor, cfg: RopeConfig,
+                    block: Optional[pallas_triton.BlockConfig]) -> "_Launch":
+        head_dim = cfg.head_dim
+        q_shape = (q.shape[0], q.numel() // max(1, q.shape[0] * head_dim), head_dim)
+        k_heads = k.numel() // max(1, k.shape[0] * head_dim)
         # Everything but the three pointers is fixed by this key, so a repeated shape
         # costs one dict lookup before the launch.
-        key = (q.shape, k.shape[1], q.dtype, q.device, cfg, block)
+        key = (q_shape, k_heads, q.dtype, q.device, cfg, block)
         launch = self._launches.get(key)
         if launch is None:
             with self._lock:
                 if len(self._launches) >= _MAX_LAUNCHES:
                     self._launches.clear()
-                launch = self._launches[key] = self._prepare(q, k, cfg, block)
-        launch(pos_ids.data_ptr(), q.data_ptr(), k.data_ptr())
+                launch = self._launches[key] = self._prepare(q_shape, k_heads, q.dtype, q.device,
+                                                             cfg, block)
+        return launch
 
 
 class _Launch:

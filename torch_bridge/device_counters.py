@@ -1,0 +1,289 @@
+"""The manager's counters on a CUDA device, changed by Triton launches on torch's stream.
+
+Through JAX, a step's ``plan`` costs a host-to-device transfer, a jitted dispatch and a
+DLPack export: 600-950 us of host time on the H200's host against a budget of 100 us.
+This module does the same transitions (those of :mod:`jaxrope.positions`, in the order
+of :func:`torch_bridge._transitions.plan_fn`) in one single-program Triton kernel:
+
+1. copy the step's int32 *meta* (slots, amounts, forks, views) from pinned host memory
+   to the device: the host writes it into a ring buffer and launches, no copy call;
+2. *real* ops on the counters: adds (commit spans and explicit advance), forks, maxes
+   (admit, cached prefix) and zero-sets (reset), each phase complete before the next;
+3. optionally copy the counters to a scratch table and run *speculative* adds and forks
+   there (a preplan numbers its tokens as if the current plan had committed, without
+   committing it), then the pre-forks;
+4. the positions of one plan label: token ``t`` finds its view by binary search over the
+   views' start offsets and gets ``counter[slot] + t - start`` (SEQUENTIAL) or
+   ``counter[slot]`` (BLOCK); tokens past the label's count keep the output's values.
+
+Padding slots (any value ``>= capacity``, e.g. ``_transitions.PAD``) read as 0 and
+their writes are dropped, as in the core. The kernel body is plain Triton, so on CPU it
+runs in Triton's interpreter (the tests compare it with :mod:`jaxrope.positions`).
+
+The host never waits for the device: a meta chunk in the ring is reused only after an
+event recorded when the ring last moved past it has completed (a full ring lap later).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+
+__all__ = ["CounterOps", "DeviceCounters", "KernelUnavailable"]
+
+_BLOCK = 1024
+_NUM_WARPS = 4
+# Above this many tokens the positions are written by a separate many-program launch:
+# one program walks tokens at ~1k per iteration, which would lengthen the step.
+_SINGLE_PROGRAM_TOKENS = 8192
+_PLAN_PROGRAMS_TOKENS = 4 * _BLOCK
+_RING_INTS = 1 << 18
+_ALIGN_INTS = 8  # 32 bytes: every pointer handed to the kernel stays 16-byte aligned
+
+
+class KernelUnavailable(RuntimeError):
+    """Triton (or its interpreter) cannot run the counter kernel here."""
+
+
+def _empty() -> np.ndarray:
+    return np.zeros((0,), np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class CounterOps:
+    """One transition's host-side arrays (int32 or int64 numpy, slots may be padding).
+
+    Applied in field order: ``counter[add_slots] += add_amounts`` (repeated slots add
+    up), forks ``counter[fork_dst] = counter[fork_src]`` (all sources read first),
+    ``counter[max_slots] = max(counter, max_values)``, ``counter[zero_slots] = 0``.
+    """
+
+    add_slots: np.ndarray = dataclasses.field(default_factory=_empty)
+    add_amounts: np.ndarray = dataclasses.field(default_factory=_empty)
+    fork_src: np.ndarray = dataclasses.field(default_factory=_empty)
+    fork_dst: np.ndarray = dataclasses.field(default_factory=_empty)
+    max_slots: np.ndarray = dataclasses.field(default_factory=_empty)
+    max_values: np.ndarray = dataclasses.field(default_factory=_empty)
+    zero_slots: np.ndarray = dataclasses.field(default_factory=_empty)
+
+    def __bool__(self) -> bool:
+        return bool(len(self.add_slots) or len(self.fork_src) or len(self.max_slots)
+                    or len(self.zero_slots))
+
+
+_NO_OPS = CounterOps()
+
+
+_INT_ARGS = ("n_meta", "capacity", "tmp_offset", "r_add", "r_fork", "r_max", "r_zero",
+             "copy_work", "w_add", "w_fork", "p_fork", "views_offset", "n_views", "n_tokens",
+             "search_steps")
+
+
+def _compile(interpret: bool):
+    try:
+        import triton
+        from triton.runtime.interpreter import InterpretedFunction
+
+        from torch_bridge._counter_kernel import step_kernel
+    except ImportError as e:
+        raise KernelUnavailable(f"Triton is not installed: {e}") from e
+    if interpret:
+        return InterpretedFunction(step_kernel)
+    return triton.jit(step_kernel, do_not_specialize=list(_INT_ARGS))
+
+
+class _Ring:
+    """Pinned int32 host memory handed out in order and reused a lap later.
+
+    When the ring moves to its other half, an event is recorded on every stream that
+    launched from the half it leaves; before a half is written again the host waits
+    for its events, which in steady state completed long ago.
+    """
+
+    def __init__(self, ints: int, pinned: bool):
+        self.buffer = torch.empty((ints,), dtype=torch.int32, pin_memory=pinned)
+        self.array = self.buffer.numpy()
+        self.base = self.buffer.data_ptr()
+        self.half = ints // 2
+        self.offset = 0
+        self.current = 0
+        self.pinned = pinned
+        self.events: List[List[torch.cuda.Event]] = [[], []]
+        self.streams: set = set()  # raw CUDA streams launched from since the last switch
+
+    def take(self, size: int) -> int:
+        """Offset (in ints) of ``size`` ints to write, ``size <= half``."""
+        size = -(-size // _ALIGN_INTS) * _ALIGN_INTS
+        start = self.offset
+        if start + size > (self.current + 1) * self.half:
+            self._enter(1 - self.current)
+            start = self.current * self.half
+        self.offset = start + size
+        return start
+
+    def _enter(self, half: int) -> None:
+        self.current = half
+        if not self.pinned:
+            return
+        events = []
+        for raw in self.streams:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.ExternalStream(raw))
+            events.append(event)
+        self.events[1 - half], self.streams = events, set()
+        for event in self.events[half]:
+            event.synchronize()
+
+
+class DeviceCounters:
+    """int32 counters ``[capacity]`` on a torch device, and the step kernel that changes them.
+
+    Args:
+      device: a CUDA device (compiled kernel), or CPU (Triton's interpreter, for tests).
+      capacity: the number of slots (grown with :meth:`grow`).
+      sequential: the numbering scheme (True: SEQUENTIAL, False: BLOCK).
+
+    Raises:
+      KernelUnavailable: no Triton.
+
+    Example:
+      >>> counters = DeviceCounters(torch.device("cpu"), 4)   # doctest: +SKIP
+      >>> out = torch.full((5,), -1, dtype=torch.int32)          # doctest: +SKIP
+      >>> counters.step(CounterOps(np.array([1]), np.array([7])), labels=[
+      ...     (np.array([1, 0]), np.array([3, 1]), out)])         # doctest: +SKIP
+      >>> out.tolist()                                            # doctest: +SKIP
+      [7, 8, 9, 0, -1]
+    """
+
+    def __init__(self, device: torch.device, capacity: int, sequential: bool = True):
+        self.device = device
+        self.sequential = sequential
+        self._interpret = device.type != "cuda"
+        self._kernel = _compile(self._interpret)
+        self._compiled: Dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self.counters = torch.zeros((capacity,), dtype=torch.int32, device=device)
+        self._scratch = torch.zeros((capacity,), dtype=torch.int32, device=device)
+        self._dmeta = torch.zeros((_RING_INTS,), dtype=torch.int32, device=device)
+        self._rings = [_Ring(_RING_INTS, pinned=not self._interpret)]
+        if not self._interpret:
+            self._raw_stream = torch._C._cuda_getCurrentRawStream
+            self._device_index = device.index if device.index is not None else torch.cuda.current_device()
+
+    @property
+    def capacity(self) -> int:
+        return self.counters.shape[0]
+
+    def grow(self, capacity: int) -> None:
+        """Keep the counters, add zeroed slots up to ``capacity`` (stream-ordered copy)."""
+        if capacity <= self.capacity:
+            return
+        counters = torch.zeros((capacity,), dtype=torch.int32, device=self.device)
+        counters[:self.capacity].copy_(self.counters)
+        self.counters = counters
+        self._scratch = torch.zeros((capacity,), dtype=torch.int32, device=self.device)
+
+    def step(self, real: CounterOps = _NO_OPS, *, speculative: CounterOps = _NO_OPS,
+             pre_forks: Tuple[np.ndarray, np.ndarray] = (_empty(), _empty()), preplan: bool = False,
+             labels: Sequence[Tuple[np.ndarray, np.ndarray, torch.Tensor]] = ()) -> None:
+        """Apply ``real`` to the counters, then write each label's positions.
+
+        Args:
+          real: ops applied to the counters.
+          speculative: adds and forks applied, with the pre-forks, to a scratch copy
+            (``preplan``) or to the counters (otherwise, where it must be empty).
+          pre_forks: ``(src, dst)`` slots, applied after ``speculative``.
+          preplan: plan from the scratch copy; the counters keep only ``real``.
+          labels: ``(slots [V], counts [V], out)`` per plan label, views in token
+            order; ``out[:sum(counts)]`` gets the positions, the rest is untouched.
+        """
+        first = True
+        for index in range(max(1, len(labels))):
+            slots, counts, out = labels[index] if labels else (_empty(), _empty(), None)
+            ops = real if first else _NO_OPS
+            spec = speculative if first else _NO_OPS
+            pre = pre_forks if first else (_empty(), _empty())
+            self._launch(ops, spec, pre, preplan, first and preplan, slots, counts, out)
+            first = False
+
+    def _launch(self, real: CounterOps, spec: CounterOps, pre, preplan: bool, copy_work: bool,
+                slots: np.ndarray, counts: np.ndarray, out: Optional[torch.Tensor]) -> None:
+        tokens = int(counts.sum()) if len(counts) else 0
+        starts = np.cumsum(counts) - counts if len(counts) else counts
+        pieces = [real.add_slots, real.add_amounts, real.fork_src, real.fork_dst,
+                  real.max_slots, real.max_values, real.zero_slots,
+                  spec.add_slots, spec.add_amounts, spec.fork_src, spec.fork_dst,
+                  pre[0], pre[1], slots, starts]
+        n_meta = sum(len(p) for p in pieces)
+        forks = max(len(real.fork_src), len(spec.fork_src), len(pre[0]))
+        work = self._scratch if preplan else self.counters
+        if out is None:
+            out = self.counters  # never written: no tokens
+        split = tokens > _SINGLE_PROGRAM_TOKENS
+        stream = 0 if self._interpret else self._raw_stream(self._device_index)
+        meta_offset = self._write_meta(pieces, n_meta, stream)
+        ring = self._rings[-1]
+        self._grow_dmeta(n_meta + forks)
+        args = [self.counters, work, ring, self._dmeta, out]
+        ints = dict(n_meta=n_meta, capacity=self.capacity, tmp_offset=n_meta,
+                    r_add=len(real.add_slots), r_fork=len(real.fork_src), r_max=len(real.max_slots),
+                    r_zero=len(real.zero_slots), copy_work=int(copy_work), w_add=len(spec.add_slots),
+                    w_fork=len(spec.fork_src), p_fork=len(pre[0]),
+                    views_offset=n_meta - 2 * len(slots), n_views=len(slots),
+                    n_tokens=0 if split else tokens,
+                    search_steps=max(0, int(len(slots) - 1).bit_length()))
+        self._run(1, args, meta_offset, ints, stream)
+        if split:
+            # The first launch copied the meta to the device and ran every op; this one
+            # only reads: counters, view slots and starts at the same dmeta offsets.
+            ints = dict(ints, n_meta=0, r_add=0, r_fork=0, r_max=0, r_zero=0, copy_work=0,
+                        w_add=0, w_fork=0, p_fork=0, n_tokens=tokens)
+            programs = min(-(-tokens // _BLOCK), 132 * 4)
+            self._run(programs, args, meta_offset, ints, stream)
+
+    def _write_meta(self, pieces: Sequence[np.ndarray], n_meta: int, stream: int) -> int:
+        ring = self._rings[-1]
+        if n_meta > ring.half:
+            ring = _Ring(2 * (-(-n_meta // _ALIGN_INTS) * _ALIGN_INTS), pinned=not self._interpret)
+            self._rings.append(ring)  # older rings stay alive: in-flight kernels read them
+        offset = ring.take(max(n_meta, 1))
+        at = offset
+        for piece in pieces:
+            ring.array[at:at + len(piece)] = piece
+            at += len(piece)
+        if not self._interpret:
+            ring.streams.add(stream)
+        return offset
+
+    def _grow_dmeta(self, ints: int) -> None:
+        if ints > self._dmeta.shape[0]:
+            self._dmeta = torch.zeros((1 << (ints - 1).bit_length(),), dtype=torch.int32,
+                                      device=self.device)
+
+    def _run(self, programs: int, args: List[Any], meta_offset: int, ints: Dict[str, int],
+             stream: int) -> None:
+        counters, work, ring, dmeta, out = args
+        values = [ints[name] for name in _INT_ARGS]
+        if self._interpret:
+            meta = ring.buffer[meta_offset:]
+            self._kernel[(programs,)](counters, work, meta, dmeta, out, *values,
+                                      SEQUENTIAL=self.sequential, BLOCK=_BLOCK)
+            return
+        compiled = self._compiled.get(0)
+        if compiled is None:
+            with self._lock:
+                meta = ring.buffer[meta_offset:]
+                compiled = self._kernel[(programs,)](counters, work, meta, dmeta, out, *values,
+                                                     SEQUENTIAL=self.sequential, BLOCK=_BLOCK,
+                                                     num_warps=_NUM_WARPS)
+                self._compiled[0] = compiled
+            return
+        compiled.run(programs, 1, 1, stream, compiled.function,
+                     compiled.packed_metadata, None, None, None,
+                     counters.data_ptr(), work.data_ptr(), ring.base + 4 * meta_offset,
+                     dmeta.data_ptr(), out.data_ptr(), *values, self.sequential, _BLOCK)
