@@ -144,6 +144,31 @@ def bench_apply(device: torch.device, tokens: int, q_heads: int, k_heads: int, d
     return out
 
 
+def bench_flashinfer(device: torch.device, tokens: int, q_heads: int, k_heads: int,
+                     dtype: torch.dtype, calls: int) -> Dict[str, float]:
+    """FlashInfer's in-place RoPE on the same shapes, timed like ``bench_apply`` (GPU only)."""
+    from flashinfer import rope as fi
+    gen = torch.Generator(device=device).manual_seed(int(time.time()))
+    q = torch.randn(tokens, q_heads, 128, device=device, generator=gen).to(dtype)
+    k = torch.randn(tokens, k_heads, 128, device=device, generator=gen).to(dtype)
+    pos = torch.randint(0, 1 << 16, (tokens,), dtype=torch.int32, device=device)
+
+    def call():
+        fi.apply_rope_pos_ids_inplace(q, k, pos, rotary_dim=128, interleave=False, rope_theta=5e5)
+
+    for _ in range(5):
+        call()
+    _sync(device)
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        _sync(device)
+        samples.append((time.perf_counter() - t0) / calls)
+    return _stats(samples)
+
+
 def main(argv=None) -> Dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (CI, CPU)")
@@ -179,6 +204,15 @@ def main(argv=None) -> Dict:
             key = f"T={tokens} Hq={q_heads} Hk={k_heads} {str(dtype).replace('torch.', '')}/{launcher}"
             results["apply_qk"][key] = r
             apply_rows.append((key, r["launcher"], r["median_us"], r["p90_us"]))
+        if on_gpu:
+            key = f"T={tokens} Hq={q_heads} Hk={k_heads} {str(dtype).replace('torch.', '')}/flashinfer"
+            try:
+                r = bench_flashinfer(device, tokens, q_heads, k_heads, dtype, calls)
+            except ImportError as e:
+                print(f"flashinfer unavailable ({e}): no same-run reference")
+            else:
+                results["apply_qk"][key] = r
+                apply_rows.append((key, "flashinfer", r["median_us"], r["p90_us"]))
 
     print(f"plan + commit host time on {device} (target <= {TARGET_US:.0f} us each on the H200)")
     print(f"{'case':48s} {'plan us':>9s} {'commit us':>10s} {'sum us':>9s} {'sum p90':>9s}")

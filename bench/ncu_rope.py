@@ -261,7 +261,9 @@ def _write_json(path: Path, data: Any) -> None:
 # ---------------------------------------------------------------------------------------
 # Reading ncu's raw CSV
 
-_TIME_UNITS = {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0}
+# ncu 2025.3 writes "ns" even under --print-units base.
+_TIME_UNITS = {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0,
+               "ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 _HERTZ = {"hz": 1.0, "khz": 1e3, "mhz": 1e6, "ghz": 1e9}
 _PREFIXES = {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 _STALL = re.compile(r"^smsp__average_warps?_(?:latency_)?issue_stalled_(\w+?)"

@@ -169,10 +169,11 @@ class TritonCounters:
         self._pending: Optional[CounterOps] = None
 
     def _ops(self, commit: CommitArrays) -> CounterOps:
-        return CounterOps(np.concatenate([commit.slots, commit.adv_slots]),
-                          np.concatenate([commit.amounts(self._scheme, self._block_step),
-                                          commit.adv_amounts]),
-                          commit.fork_src, commit.fork_dst)
+        slots, amounts = commit.slots, commit.amounts(self._scheme, self._block_step)
+        if len(commit.adv_slots):
+            slots = np.concatenate([slots, commit.adv_slots])
+            amounts = np.concatenate([amounts, commit.adv_amounts])
+        return CounterOps(slots, amounts, commit.fork_src, commit.fork_dst)
 
     def _flush(self, then: Optional[CounterOps] = None) -> None:
         pending, self._pending = self._pending, None
@@ -203,7 +204,7 @@ class TritonCounters:
         self._flush(CounterOps(zero_slots=np.asarray(slots)))
 
     def compiled_plans(self) -> int:
-        return len(self._counters._compiled)
+        return int(self._counters._compiled is not None)
 
     def plan(self, labels: Sequence[LabelRequest], pre_src: np.ndarray, pre_dst: np.ndarray,
              speculative: Optional[CommitArrays], preplan: bool

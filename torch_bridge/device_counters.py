@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -50,8 +50,12 @@ class KernelUnavailable(RuntimeError):
     """Triton (or its interpreter) cannot run the counter kernel here."""
 
 
+_EMPTY = np.zeros((0,), np.int32)
+_EMPTY.flags.writeable = False
+
+
 def _empty() -> np.ndarray:
-    return np.zeros((0,), np.int32)
+    return _EMPTY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +169,7 @@ class DeviceCounters:
         self.sequential = sequential
         self._interpret = device.type != "cuda"
         self._kernel = _compile(self._interpret)
-        self._compiled: Dict[int, Any] = {}
+        self._compiled: Optional[Any] = None  # the CUDA kernel, compiled at the first launch
         self._lock = threading.Lock()
         self.counters = torch.zeros((capacity,), dtype=torch.int32, device=device)
         self._scratch = torch.zeros((capacity,), dtype=torch.int32, device=device)
@@ -213,75 +217,77 @@ class DeviceCounters:
 
     def _launch(self, real: CounterOps, spec: CounterOps, pre, preplan: bool, copy_work: bool,
                 slots: np.ndarray, counts: np.ndarray, out: Optional[torch.Tensor]) -> None:
-        tokens = int(counts.sum()) if len(counts) else 0
-        starts = np.cumsum(counts) - counts if len(counts) else counts
+        n_views = len(counts)
+        if n_views:
+            ends = np.cumsum(counts)
+            tokens = int(ends[-1])
+            starts = ends - counts
+        else:
+            tokens, starts = 0, counts
         pieces = [real.add_slots, real.add_amounts, real.fork_src, real.fork_dst,
                   real.max_slots, real.max_values, real.zero_slots,
                   spec.add_slots, spec.add_amounts, spec.fork_src, spec.fork_dst,
                   pre[0], pre[1], slots, starts]
-        n_meta = sum(len(p) for p in pieces)
-        forks = max(len(real.fork_src), len(spec.fork_src), len(pre[0]))
+        lengths = [len(p) for p in pieces]
+        n_meta = sum(lengths)
+        forks = max(lengths[2], lengths[9], lengths[11])
         work = self._scratch if preplan else self.counters
         if out is None:
             out = self.counters  # never written: no tokens
         split = tokens > _SINGLE_PROGRAM_TOKENS
         stream = 0 if self._interpret else self._raw_stream(self._device_index)
-        meta_offset = self._write_meta(pieces, n_meta, stream)
+        meta_offset = self._write_meta(pieces, lengths, n_meta, stream)
         ring = self._rings[-1]
-        self._grow_dmeta(n_meta + forks)
-        args = [self.counters, work, ring, self._dmeta, out]
-        ints = dict(n_meta=n_meta, capacity=self.capacity, tmp_offset=n_meta,
-                    r_add=len(real.add_slots), r_fork=len(real.fork_src), r_max=len(real.max_slots),
-                    r_zero=len(real.zero_slots), copy_work=int(copy_work), w_add=len(spec.add_slots),
-                    w_fork=len(spec.fork_src), p_fork=len(pre[0]),
-                    views_offset=n_meta - 2 * len(slots), n_views=len(slots),
-                    n_tokens=0 if split else tokens,
-                    search_steps=max(0, int(len(slots) - 1).bit_length()))
-        self._run(1, args, meta_offset, ints, stream)
+        if n_meta + forks > self._dmeta.shape[0]:
+            self._dmeta = torch.zeros((1 << (n_meta + forks - 1).bit_length(),),
+                                      dtype=torch.int32, device=self.device)
+        args = (self.counters, work, ring, self._dmeta, out)
+        # In _INT_ARGS order.
+        values = [n_meta, self.capacity, n_meta, lengths[0], lengths[2], lengths[4], lengths[6],
+                  int(copy_work), lengths[7], lengths[9], lengths[11], n_meta - 2 * n_views,
+                  n_views, 0 if split else tokens, (n_views - 1).bit_length() if n_views else 0]
+        self._run(1, args, meta_offset, values, stream)
         if split:
             # The first launch copied the meta to the device and ran every op; this one
             # only reads: counters, view slots and starts at the same dmeta offsets.
-            ints = dict(ints, n_meta=0, r_add=0, r_fork=0, r_max=0, r_zero=0, copy_work=0,
-                        w_add=0, w_fork=0, p_fork=0, n_tokens=tokens)
+            values = [0, self.capacity, n_meta, 0, 0, 0, 0, 0, 0, 0, 0, n_meta - 2 * n_views,
+                      n_views, tokens, values[-1]]
             programs = min(-(-tokens // _BLOCK), 132 * 4)
-            self._run(programs, args, meta_offset, ints, stream)
+            self._run(programs, args, meta_offset, values, stream)
 
-    def _write_meta(self, pieces: Sequence[np.ndarray], n_meta: int, stream: int) -> int:
+    def _write_meta(self, pieces: Sequence[np.ndarray], lengths: Sequence[int], n_meta: int,
+                    stream: int) -> int:
         ring = self._rings[-1]
         if n_meta > ring.half:
             ring = _Ring(2 * (-(-n_meta // _ALIGN_INTS) * _ALIGN_INTS), pinned=not self._interpret)
             self._rings.append(ring)  # older rings stay alive: in-flight kernels read them
         offset = ring.take(max(n_meta, 1))
         at = offset
-        for piece in pieces:
-            ring.array[at:at + len(piece)] = piece
-            at += len(piece)
+        array = ring.array
+        for piece, length in zip(pieces, lengths):
+            if length:
+                array[at:at + length] = piece
+                at += length
         if not self._interpret:
             ring.streams.add(stream)
         return offset
 
-    def _grow_dmeta(self, ints: int) -> None:
-        if ints > self._dmeta.shape[0]:
-            self._dmeta = torch.zeros((1 << (ints - 1).bit_length(),), dtype=torch.int32,
-                                      device=self.device)
-
-    def _run(self, programs: int, args: List[Any], meta_offset: int, ints: Dict[str, int],
+    def _run(self, programs: int, args: Tuple[Any, ...], meta_offset: int, values: List[int],
              stream: int) -> None:
         counters, work, ring, dmeta, out = args
-        values = [ints[name] for name in _INT_ARGS]
         if self._interpret:
             meta = ring.buffer[meta_offset:]
             self._kernel[(programs,)](counters, work, meta, dmeta, out, *values,
                                       SEQUENTIAL=self.sequential, BLOCK=_BLOCK)
             return
-        compiled = self._compiled.get(0)
+        compiled = self._compiled
         if compiled is None:
             with self._lock:
                 meta = ring.buffer[meta_offset:]
                 compiled = self._kernel[(programs,)](counters, work, meta, dmeta, out, *values,
                                                      SEQUENTIAL=self.sequential, BLOCK=_BLOCK,
                                                      num_warps=_NUM_WARPS)
-                self._compiled[0] = compiled
+                self._compiled = compiled
             return
         compiled.run(programs, 1, 1, stream, compiled.function,
                      compiled.packed_metadata, None, None, None,

@@ -166,6 +166,8 @@ class PositionManager(Resource):
         self._current: Optional[_Plan] = None
         self._staged: Optional[_Plan] = None
         self._graph_buffers: Dict[Tuple[GraphSlot, str], torch.Tensor] = {}
+        self._slot_epoch = 0
+        self._last_views: Dict[str, Tuple[int, Tuple[Any, ...], np.ndarray, np.ndarray]] = {}
 
     # ---------------------------------------------------------------- construction
 
@@ -263,6 +265,7 @@ class PositionManager(Resource):
             for label, slot in zip(self._labels, slots):
                 self._slot_of[rid, label] = slot
             self._requests[rid] = slots
+            self._slot_epoch += 1
             self._grow()
         if targets:
             self._raise_to(rid, targets)
@@ -286,6 +289,7 @@ class PositionManager(Resource):
             if plan is not None and plan.mentions(rid):
                 plan.dropped.add(rid)
         freed = self._slot_map.release(rid)
+        self._slot_epoch += 1
         self._reset_slots(freed)
 
     def reset_request(self, rid: Hashable, free: bool = False) -> None:
@@ -359,9 +363,7 @@ class PositionManager(Resource):
 
         labels: List[Tuple[str, np.ndarray, np.ndarray, int]] = []
         for plan_label, views in groups.items():
-            slots, counts = self._stream_arrays(views, f"the views of plan label {plan_label!r}")
-            if len(set(slots.tolist())) != len(slots):
-                _reject_repeated_stream(slots, views, plan_label)
+            slots, counts = self._view_arrays(plan_label, views)
             total = int(counts.sum())
             if graph is not None and total > graph.bucket.num_tokens:
                 raise ValueError(f"plan label {plan_label!r} has {total} tokens, more than "
@@ -704,6 +706,25 @@ class PositionManager(Resource):
             pre.extend(output.pre_forks)
             post.extend(output.post_forks)
         return groups, tuple(pre), tuple(post)
+
+    def _view_arrays(self, plan_label: str, views: Sequence[Any]) -> Tuple[np.ndarray, np.ndarray]:
+        """Slots and counts of a plan label's views, checked; the last step's when they repeat.
+
+        A continuous batch sends the same views step after step until a request joins
+        or leaves: comparing the records costs a sixth of looking every stream up.
+        ``_slot_epoch`` changes whenever a stream's slot may have.
+        """
+        cached = self._last_views.get(plan_label)
+        if cached is not None and cached[0] == self._slot_epoch and cached[1] == views:
+            return cached[2], cached[3]
+        slots, counts = self._stream_arrays(views, f"the views of plan label {plan_label!r}")
+        if len(set(slots.tolist())) != len(slots):
+            _reject_repeated_stream(slots, views, plan_label)
+        slots.flags.writeable = counts.flags.writeable = False
+        if len(self._last_views) > _MAX_BOUND:
+            self._last_views.clear()
+        self._last_views[plan_label] = (self._slot_epoch, tuple(views), slots, counts)
+        return slots, counts
 
     def _stream_arrays(self, records: Sequence[Any], what: str) -> Tuple[np.ndarray, np.ndarray]:
         """Slots and token counts of ``(request_id, label, count)`` records (views, segments)."""

@@ -39,8 +39,12 @@ from jaxrope.kernels.angle import cos_sin
 
 # Grid programs wanted before the heuristic stops growing blocks: two per SM of an H100/H200.
 _MIN_PROGRAMS = 264
-# Elements of one half-block (per program) that keep 16-byte accesses at 4 warps.
-_HALF_BLOCK_ELEMENTS = 4096
+# Elements of one half-block (per program): one 16-byte bf16 vector per thread at two
+# warps. Nsight Compute on the H200 (bench/ncu_rope.sh, RESULTS.md): 4096-element blocks
+# need 97 registers per thread and run at 25% occupancy; 512-element blocks need 32 and
+# run at 89%, and move 3% more bytes per second at 16k and 64k tokens.
+_HALF_BLOCK_ELEMENTS = 512
+_MAX_HEADS_PER_PROGRAM = 4
 
 
 def _next_pow2(n: int) -> int:
@@ -65,14 +69,15 @@ class BlockConfig:
 def block_config(num_tokens: int, q_heads: int, k_heads: int, lanes: int) -> BlockConfig:
     """The one heuristic for launch shapes.
 
-    - Up to 8 heads per program share one cos/sin computation.
-    - Tokens per program fill a half-block of ~4k elements (16 KB read per program in
-      bf16), enough bytes in flight per SM at the HBM limit.
+    - Up to 4 heads per program share one cos/sin computation.
+    - Tokens per program fill a half-block of 512 elements (2 KB read per program in
+      bf16): small programs keep registers low, so many warps per SM keep the bytes
+      in flight that the HBM limit needs.
     - Small T (decode) shrinks the blocks, tokens first, until the grid has two
       programs per SM: parallelism comes from heads when tokens are few.
-    - Warps: one 16-byte vector per thread per 8 elements, at most 4 vectors per thread.
+    - Warps: one 8-element (16-byte bf16) vector per thread per half, 1 to 4 warps.
     """
-    heads_per_program = min(8, _next_pow2(max(q_heads, k_heads)))
+    heads_per_program = min(_MAX_HEADS_PER_PROGRAM, _next_pow2(max(q_heads, k_heads)))
     block_tokens = max(1, min(_next_pow2(num_tokens),
                               _HALF_BLOCK_ELEMENTS // (heads_per_program * lanes)))
 
@@ -84,7 +89,7 @@ def block_config(num_tokens: int, q_heads: int, k_heads: int, lanes: int) -> Blo
     while heads_per_program > 1 and programs(block_tokens, heads_per_program) < _MIN_PROGRAMS:
         heads_per_program //= 2
     elements = block_tokens * heads_per_program * lanes
-    num_warps = max(1, min(4, elements // (32 * 32)))
+    num_warps = max(1, min(4, elements // (32 * 8)))
     return BlockConfig(block_tokens, heads_per_program, num_warps)
 
 
