@@ -161,6 +161,14 @@ def triton_time(launcher, cfg, tokens, n, block=None):
     return torch_event_time(graph.replay, max(1, n // 100)) / 100
 
 
+# Launch shapes the sweep tries, best candidates first: (block_tokens, heads_per_program,
+# num_warps, groups_per_program). Small programs (the ncu-backed default) with one to
+# eight head groups each, then larger ones.
+SWEEP = [(2, 4, 2, 1), (2, 4, 2, 2), (2, 4, 2, 4), (1, 4, 1, 2), (1, 4, 1, 4), (1, 4, 1, 8),
+         (2, 2, 1, 2), (2, 2, 1, 4), (1, 8, 2, 2), (1, 8, 2, 4), (2, 4, 2, 8), (4, 4, 4, 2),
+         (2, 8, 4, 2), (2, 4, 4, 2), (4, 2, 2, 2), (4, 2, 2, 4), (1, 2, 1, 4), (1, 2, 1, 8)]
+
+
 def timings(rng, report, sweep_seconds):
     from torch_bridge.triton_launch import TritonLauncher
     launcher = TritonLauncher()
@@ -180,11 +188,10 @@ def timings(rng, report, sweep_seconds):
         if sweep_seconds and tokens > 64:
             deadline = time.perf_counter() + sweep_seconds
             results = []
-            for bt, hpp, warps in [(bt, hpp, w) for bt in (2, 4, 8, 16) for hpp in (2, 4, 8)
-                                   for w in (2, 4, 8)]:
+            for bt, hpp, warps, groups in SWEEP:
                 if time.perf_counter() > deadline:
                     break
-                block = pallas_triton.BlockConfig(bt, hpp, warps)
+                block = pallas_triton.BlockConfig(bt, hpp, warps, groups_per_program=groups)
                 try:
                     results.append((triton_time(launcher, VARIANTS["plain"], tokens, n, block),
                                     str(block)))

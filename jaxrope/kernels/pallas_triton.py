@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Tuple
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +65,15 @@ class BlockConfig:
     heads_per_program: int
     num_warps: int
     num_stages: int = 1
+    # Head groups (of heads_per_program heads) one program rotates with one cos/sin
+    # computation, all loads issued before the first store.
+    groups_per_program: int = 1
+
+
+def head_programs(q_heads: int, k_heads: int, block: BlockConfig) -> Tuple[int, int]:
+    """Programs along the head axis of the grid for q and for k (q's come first)."""
+    per_program = block.heads_per_program * block.groups_per_program
+    return -(-q_heads // per_program), -(-k_heads // per_program)
 
 
 def block_config(num_tokens: int, q_heads: int, k_heads: int, lanes: int) -> BlockConfig:
@@ -109,7 +119,8 @@ def _index(i: int):
 def _rope_kernel(count_ref, pos_ref, tables_ref, q_ref, k_ref, q_out_ref, k_out_ref, *,
                  q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interleave: bool,
                  attention_factor: float, lanes: int, block_tokens: int,
-                 heads_per_program: int, q_groups: int, approx_trig: bool):
+                 heads_per_program: int, groups_per_program: int, q_programs: int,
+                 approx_trig: bool):
     t0 = pl.program_id(0) * block_tokens
     group = pl.program_id(1)
     traced_zero = 0 * group
@@ -132,33 +143,44 @@ def _rope_kernel(count_ref, pos_ref, tables_ref, q_ref, k_ref, q_out_ref, k_out_
         a_start = traced_zero if lanes > head_dim else 0
         b_start = traced_zero + half if half + lanes > head_dim else half
 
-    def rotate(x_ref, o_ref, first_head, num_heads):
+    def load(x_ref, first_head, num_heads):
         heads = pl.ds(first_head, heads_per_program)
         head_ok = (first_head + jnp.arange(heads_per_program) < num_heads)[None, :, None]
         mask = token_ok[:, None, None] & head_ok & lane_ok
         if interleave:
-            at = (tokens, heads, pl.ds(start, span))
-            x = plgpu.load(x_ref.at[at], mask=mask, other=0).astype(jnp.float32)
+            at = ((tokens, heads, pl.ds(start, span)),)
+        else:
+            at = ((tokens, heads, pl.ds(a_start, lanes)), (tokens, heads, pl.ds(b_start, lanes)))
+        return at, mask, [plgpu.load(x_ref.at[i], mask=mask, other=0) for i in at]
+
+    def rotate_store(o_ref, at, mask, values):
+        if interleave:
+            x = values[0].astype(jnp.float32)
             pairs = x.reshape(block_tokens, heads_per_program, lanes, 2)
             a, b = (p.reshape(block_tokens, heads_per_program, lanes)
                     for p in jnp.split(pairs, 2, axis=-1))
             rotated = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1)
-            plgpu.store(o_ref.at[at], rotated.reshape(x.shape).astype(o_ref.dtype), mask=mask)
+            plgpu.store(o_ref.at[at[0]], rotated.reshape(x.shape).astype(o_ref.dtype), mask=mask)
             return
-        a_at = (tokens, heads, pl.ds(a_start, lanes))
-        b_at = (tokens, heads, pl.ds(b_start, lanes))
-        a = plgpu.load(x_ref.at[a_at], mask=mask, other=0).astype(jnp.float32)
-        b = plgpu.load(x_ref.at[b_at], mask=mask, other=0).astype(jnp.float32)
-        plgpu.store(o_ref.at[a_at], (a * cos - b * sin).astype(o_ref.dtype), mask=mask)
-        plgpu.store(o_ref.at[b_at], (b * cos + a * sin).astype(o_ref.dtype), mask=mask)
+        a, b = (v.astype(jnp.float32) for v in values)
+        plgpu.store(o_ref.at[at[0]], (a * cos - b * sin).astype(o_ref.dtype), mask=mask)
+        plgpu.store(o_ref.at[at[1]], (b * cos + a * sin).astype(o_ref.dtype), mask=mask)
 
-    @pl.when(group < q_groups)
-    def _():
-        rotate(q_ref, q_out_ref, group * heads_per_program, q_heads)
+    def rotate(x_ref, o_ref, program, num_heads):
+        # Every group's loads first: more bytes in flight per thread before any store.
+        first = program * (groups_per_program * heads_per_program)
+        loaded = [load(x_ref, first + g * heads_per_program, num_heads)
+                  for g in range(groups_per_program)]
+        for at, mask, values in loaded:
+            rotate_store(o_ref, at, mask, values)
 
-    @pl.when(group >= q_groups)
+    @pl.when(group < q_programs)
     def _():
-        rotate(k_ref, k_out_ref, (group - q_groups) * heads_per_program, k_heads)
+        rotate(q_ref, q_out_ref, group, q_heads)
+
+    @pl.when(group >= q_programs)
+    def _():
+        rotate(k_ref, k_out_ref, group - q_programs, k_heads)
 
 
 def rope_pallas(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
@@ -177,13 +199,14 @@ def rope_pallas(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
     lanes = lanes_for(rotary_dim)
     tables = jnp.pad(tables, ((0, 0), (0, lanes - tables.shape[1])))
     cfg = config or block_config(num_tokens, q_heads, k_heads, lanes)
-    q_groups = -(-q_heads // cfg.heads_per_program)
-    grid = (-(-num_tokens // cfg.block_tokens), q_groups + -(-k_heads // cfg.heads_per_program))
+    q_programs, k_programs = head_programs(q_heads, k_heads, cfg)
+    grid = (-(-num_tokens // cfg.block_tokens), q_programs + k_programs)
     kernel = functools.partial(
         _rope_kernel, q_heads=q_heads, k_heads=k_heads,
         head_dim=head_dim, rotary_dim=rotary_dim, interleave=interleave,
         attention_factor=attention_factor, lanes=lanes, block_tokens=cfg.block_tokens,
-        heads_per_program=cfg.heads_per_program, q_groups=q_groups, approx_trig=not interpret)
+        heads_per_program=cfg.heads_per_program, groups_per_program=cfg.groups_per_program,
+        q_programs=q_programs, approx_trig=not interpret)
     q_out, k_out = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype)),

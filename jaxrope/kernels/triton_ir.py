@@ -44,12 +44,12 @@ class TritonKernel:
     num_stages: int
     block_tokens: int
     heads_per_program: int
-    q_groups: int
-    k_groups: int
+    q_programs: int
+    k_programs: int
     lanes: int
 
     def grid(self, num_tokens: int) -> Tuple[int, int, int]:
-        return (-(-num_tokens // self.block_tokens), self.q_groups + self.k_groups, 1)
+        return (-(-num_tokens // self.block_tokens), self.q_programs + self.k_programs, 1)
 
 
 def export(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interleave: bool,
@@ -102,8 +102,8 @@ def export(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interl
             lowering.lower_jaxpr_to_triton_module = original
     if len(captured) != 1:
         raise TritonExportError(f"expected one Triton module, captured {len(captured)}")
+    q_programs, k_programs = pallas_triton.head_programs(q_heads, k_heads, block)
     return TritonKernel(ttir=captured[0], num_warps=block.num_warps, num_stages=block.num_stages,
                         block_tokens=block.block_tokens,
                         heads_per_program=block.heads_per_program,
-                        q_groups=-(-q_heads // block.heads_per_program),
-                        k_groups=-(-k_heads // block.heads_per_program), lanes=lanes)
+                        q_programs=q_programs, k_programs=k_programs, lanes=lanes)
