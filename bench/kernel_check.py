@@ -161,12 +161,13 @@ def triton_time(launcher, cfg, tokens, n, block=None):
     return torch_event_time(graph.replay, max(1, n // 100)) / 100
 
 
-# Launch shapes the sweep tries, best candidates first: (block_tokens, heads_per_program,
-# num_warps, groups_per_program). Small programs (the ncu-backed default) with one to
-# eight head groups each, then larger ones.
-SWEEP = [(2, 4, 2, 1), (2, 4, 2, 2), (2, 4, 2, 4), (1, 4, 1, 2), (1, 4, 1, 4), (1, 4, 1, 8),
-         (2, 2, 1, 2), (2, 2, 1, 4), (1, 8, 2, 2), (1, 8, 2, 4), (2, 4, 2, 8), (4, 4, 4, 2),
-         (2, 8, 4, 2), (2, 4, 4, 2), (4, 2, 2, 2), (4, 2, 2, 4), (1, 2, 1, 4), (1, 2, 1, 8)]
+# Launch shapes the sweep tries: (block_tokens, heads_per_program, num_warps,
+# groups_per_program). Programs of one or two tokens, several head groups each: the
+# region where the first sweep with groups (RESULTS.md, 2026-11-30) found its best.
+SWEEP = [(2, 4, 2, 1), (1, 2, 1, 4), (1, 8, 2, 2), (1, 4, 2, 2), (1, 4, 2, 4), (1, 4, 2, 8),
+         (1, 2, 2, 4), (1, 2, 2, 8), (2, 2, 2, 4), (2, 2, 2, 8), (1, 8, 4, 2), (1, 8, 4, 4),
+         (2, 4, 4, 4), (1, 2, 1, 2), (1, 2, 1, 8), (1, 2, 1, 16), (1, 4, 1, 2), (2, 2, 1, 4),
+         (1, 1, 1, 8), (2, 1, 1, 8)]
 
 
 def timings(rng, report, sweep_seconds):
