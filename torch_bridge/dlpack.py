@@ -203,11 +203,14 @@ class InPlace:
             aliased = self.aliased[signature] = all(
                 out.unsafe_buffer_pointer() == source.data_ptr()
                 for out, source in zip(outputs, sources))
+        if aliased:
+            # Exporting makes torch's current stream wait for the array's definition event;
+            # every output of one execution shares it, so one export orders them all (each
+            # export costs tens of microseconds on a slow host).
+            to_torch(outputs[0])
         for tensor, source, out in zip(tensors, sources, outputs):
-            # Exporting also makes torch's current stream wait for the computation.
-            result = to_torch(out)
             if not aliased:
-                source.copy_(result)
+                source.copy_(to_torch(out))
             if source is not tensor:
                 tensor.copy_(source)
         return outputs

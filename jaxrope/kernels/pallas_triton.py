@@ -38,14 +38,14 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxrope.kernels.angle import cos_sin
 
-# Grid programs wanted before the heuristic stops growing blocks: two per SM of an H100/H200.
+# Grid programs wanted before the heuristic stops growing programs: two per SM of an
+# H100/H200.
 _MIN_PROGRAMS = 264
-# Elements of one half-block (per program): one 16-byte bf16 vector per thread at two
-# warps. Nsight Compute on the H200 (bench/ncu_rope.sh, RESULTS.md): 4096-element blocks
-# need 97 registers per thread and run at 25% occupancy; 512-element blocks need 32 and
-# run at 89%, and move 3% more bytes per second at 16k and 64k tokens.
-_HALF_BLOCK_ELEMENTS = 512
-_MAX_HEADS_PER_PROGRAM = 4
+# Elements of one head group's half (one token): 128 keeps a single warp at one 8-byte
+# bf16 vector per thread. Heads per program: the groups of one program share a cos/sin
+# computation and issue all their loads before the first store.
+_GROUP_ELEMENTS = 128
+_HEADS_PER_PROGRAM = 8
 
 
 def _next_pow2(n: int) -> int:
@@ -77,30 +77,32 @@ def head_programs(q_heads: int, k_heads: int, block: BlockConfig) -> Tuple[int, 
 
 
 def block_config(num_tokens: int, q_heads: int, k_heads: int, lanes: int) -> BlockConfig:
-    """The one heuristic for launch shapes.
+    """The one heuristic for launch shapes, from sweeps on the H200 (RESULTS.md).
 
-    - Up to 4 heads per program share one cos/sin computation.
-    - Tokens per program fill a half-block of 512 elements (2 KB read per program in
-      bf16): small programs keep registers low, so many warps per SM keep the bytes
-      in flight that the HBM limit needs.
-    - Small T (decode) shrinks the blocks, tokens first, until the grid has two
-      programs per SM: parallelism comes from heads when tokens are few.
-    - Warps: one 8-element (16-byte bf16) vector per thread per half, 1 to 4 warps.
+    - One token per program; a head group fills a half-block of 128 elements
+      (``heads_per_program = 128 // lanes``, at least 1), one warp per 128 elements.
+    - Up to 8 heads per program (``groups_per_program`` groups): the loads of all of
+      them are in flight before the first store, and cos/sin is computed once. At 16k
+      and 64k tokens (Hq=32, Hk=8, D=128) this shape measured 88.3 / 336.4 us against
+      89.3 / 345.5 us for 4-head, 2-token, 2-warp programs and 92.2 / 350.0 us for the
+      8-head, 8-token, 4-warp programs of the first heuristic (ncu: 97 registers, 25%
+      occupancy).
+    - Small T (decode): fewer groups, then fewer heads per program, until the grid has
+      two programs per SM.
     """
-    heads_per_program = min(_MAX_HEADS_PER_PROGRAM, _next_pow2(max(q_heads, k_heads)))
-    block_tokens = max(1, min(_next_pow2(num_tokens),
-                              _HALF_BLOCK_ELEMENTS // (heads_per_program * lanes)))
+    heads = _next_pow2(max(q_heads, k_heads))
+    heads_per_program = max(1, min(heads, _GROUP_ELEMENTS // lanes))
+    groups = max(1, min(_HEADS_PER_PROGRAM, heads) // heads_per_program)
 
-    def programs(bt: int, hpp: int) -> int:
-        return -(-num_tokens // bt) * (-(-q_heads // hpp) + -(-k_heads // hpp))
+    def programs(hpp: int, gpp: int) -> int:
+        return num_tokens * (-(-q_heads // (hpp * gpp)) + -(-k_heads // (hpp * gpp)))
 
-    while block_tokens > 1 and programs(block_tokens, heads_per_program) < _MIN_PROGRAMS:
-        block_tokens //= 2
-    while heads_per_program > 1 and programs(block_tokens, heads_per_program) < _MIN_PROGRAMS:
+    while groups > 1 and programs(heads_per_program, groups) < _MIN_PROGRAMS:
+        groups //= 2
+    while heads_per_program > 1 and programs(heads_per_program, groups) < _MIN_PROGRAMS:
         heads_per_program //= 2
-    elements = block_tokens * heads_per_program * lanes
-    num_warps = max(1, min(4, elements // (32 * 8)))
-    return BlockConfig(block_tokens, heads_per_program, num_warps)
+    num_warps = max(1, min(4, heads_per_program * lanes // _GROUP_ELEMENTS))
+    return BlockConfig(1, heads_per_program, num_warps, groups_per_program=groups)
 
 
 def _sin_cos_approx(angle):
