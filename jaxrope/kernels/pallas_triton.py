@@ -41,11 +41,10 @@ from jaxrope.kernels.angle import cos_sin
 # Grid programs wanted before the heuristic stops growing programs: two per SM of an
 # H100/H200.
 _MIN_PROGRAMS = 264
-# Elements of one head group's half (one token): 128 keeps a single warp at one 8-byte
-# bf16 vector per thread. Heads per program: the groups of one program share a cos/sin
-# computation and issue all their loads before the first store.
+# Elements of one head group's half: one warp, one 8-byte bf16 vector per thread.
 _GROUP_ELEMENTS = 128
-_HEADS_PER_PROGRAM = 8
+# Elements of one program's half-block (2 KB of bf16 read), at least 8 lanes-wide rows.
+_PROGRAM_ELEMENTS = 512
 
 
 def _next_pow2(n: int) -> int:
@@ -79,30 +78,38 @@ def head_programs(q_heads: int, k_heads: int, block: BlockConfig) -> Tuple[int, 
 def block_config(num_tokens: int, q_heads: int, k_heads: int, lanes: int) -> BlockConfig:
     """The one heuristic for launch shapes, from sweeps on the H200 (RESULTS.md).
 
-    - One token per program; a head group fills a half-block of 128 elements
-      (``heads_per_program = 128 // lanes``, at least 1), one warp per 128 elements.
-    - Up to 8 heads per program (``groups_per_program`` groups): the loads of all of
-      them are in flight before the first store, and cos/sin is computed once. At 16k
-      and 64k tokens (Hq=32, Hk=8, D=128) this shape measured 88.3 / 336.4 us against
-      89.3 / 345.5 us for 4-head, 2-token, 2-warp programs and 92.2 / 350.0 us for the
-      8-head, 8-token, 4-warp programs of the first heuristic (ncu: 97 registers, 25%
-      occupancy).
-    - Small T (decode): fewer groups, then fewer heads per program, until the grid has
-      two programs per SM.
+    - A head group fills 128 elements of a half (``heads_per_program = 128 // lanes``,
+      at least 1): one load per thread of one warp.
+    - A program covers ``max(512, 8 * lanes)`` elements per half (2 KB of bf16 at
+      D=128): first more head groups (their loads all issued before the first store,
+      cos/sin computed once), as many as the k heads fill, then more tokens. Layouts
+      with few k heads (Hk=1) thus get token blocks instead of mostly-masked groups.
+    - Warps: one per 256 elements of a group, 1 to 4.
+    - Small T (decode): fewer tokens, then fewer groups, then fewer heads per program,
+      until the grid has two programs per SM.
+
+    Measured at 16k tokens, bf16 (bench/shape_sweep.py, kernel_check): Hq=32 Hk=8 D=128
+    gets one token, 2 heads x 4 groups, 1 warp (86.8 us, 95.5% of the ceiling); Hk=1
+    layouts get 4 tokens x 2 heads (H8x1 D128: 16.7 us against 23.6 us with groups).
     """
-    heads = _next_pow2(max(q_heads, k_heads))
-    heads_per_program = max(1, min(heads, _GROUP_ELEMENTS // lanes))
-    groups = max(1, min(_HEADS_PER_PROGRAM, heads) // heads_per_program)
+    heads_per_program = max(1, min(_next_pow2(max(q_heads, k_heads)), _GROUP_ELEMENTS // lanes))
+    target = max(_PROGRAM_ELEMENTS, 8 * lanes) // (heads_per_program * lanes)
+    groups = max(1, min(target, -(-k_heads // heads_per_program),
+                        -(-q_heads // heads_per_program)))
+    groups = 1 << (groups.bit_length() - 1)
+    block_tokens = max(1, min(_next_pow2(num_tokens), target // groups))
 
-    def programs(hpp: int, gpp: int) -> int:
-        return num_tokens * (-(-q_heads // (hpp * gpp)) + -(-k_heads // (hpp * gpp)))
+    def programs(bt: int, hpp: int, gpp: int) -> int:
+        return -(-num_tokens // bt) * (-(-q_heads // (hpp * gpp)) + -(-k_heads // (hpp * gpp)))
 
-    while groups > 1 and programs(heads_per_program, groups) < _MIN_PROGRAMS:
+    while block_tokens > 1 and programs(block_tokens, heads_per_program, groups) < _MIN_PROGRAMS:
+        block_tokens //= 2
+    while groups > 1 and programs(block_tokens, heads_per_program, groups) < _MIN_PROGRAMS:
         groups //= 2
-    while heads_per_program > 1 and programs(heads_per_program, groups) < _MIN_PROGRAMS:
+    while heads_per_program > 1 and programs(block_tokens, heads_per_program, groups) < _MIN_PROGRAMS:
         heads_per_program //= 2
-    num_warps = max(1, min(4, heads_per_program * lanes // _GROUP_ELEMENTS))
-    return BlockConfig(1, heads_per_program, num_warps, groups_per_program=groups)
+    num_warps = max(1, min(4, block_tokens * heads_per_program * lanes // (2 * _GROUP_ELEMENTS)))
+    return BlockConfig(block_tokens, heads_per_program, num_warps, groups_per_program=groups)
 
 
 def _sin_cos_approx(angle):
