@@ -9,7 +9,10 @@ carries it out on the device. Two stores implement the same transitions (those o
   exported to torch through DLPack). Works wherever JAX runs.
 - :class:`TritonCounters`: an int32 torch tensor changed by the Triton step kernel of
   :mod:`torch_bridge.device_counters`, launched on torch's current stream. No JAX on
-  the per-step path; on CPU it runs in Triton's interpreter (for tests only).
+  the per-step path; on CPU it runs in Triton's interpreter (for tests only). Steps
+  must reach the device in order on one stream at a time (they share a scratch table
+  and a device copy of the meta), and ``plan`` cannot be captured in a CUDA graph
+  (graph slots exist for that: plan outside, replay reads the slot's buffer).
 
 Both defer a commit's device work to the next call (a step costs one launch), and
 both return positions as torch tensors on the manager's device.
@@ -209,6 +212,10 @@ class TritonCounters:
     def plan(self, labels: Sequence[LabelRequest], pre_src: np.ndarray, pre_dst: np.ndarray,
              speculative: Optional[CommitArrays], preplan: bool
              ) -> List[Tuple[torch.Tensor, Optional[jax.Array]]]:
+        if self._device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # A replay would launch with the meta of capture time, long since overwritten.
+            raise RuntimeError("plan() cannot be captured in a CUDA graph: capture apply_qk "
+                               "and plan with ctx.graph_slot outside the capture")
         pending, self._pending = self._pending, None
         if not (labels or len(pre_src) or pending is not None):
             return []
