@@ -676,6 +676,113 @@ def test_a_declining_launcher_falls_back_to_the_jax_path():
     np.testing.assert_allclose(q.numpy(), want, rtol=0, atol=2e-5)
 
 
+class _BindingLauncher(_RecordingLauncher):
+    """Binds each validated signature; ``run`` counts its calls and doubles q."""
+
+    def __init__(self):
+        super().__init__()
+        self.bound_calls = 0
+
+    def bind(self, q, k, cfg):
+        def run(q, k, pos_ids):
+            self.bound_calls += 1
+            q.mul_(2)
+            return True
+        return run
+
+
+def test_repeated_calls_take_the_bound_launch_and_a_new_launcher_drops_it():
+    mgr = make()
+    launcher = mgr.launcher = _BindingLauncher()
+    mgr.ingest_request("a")
+    pos = mgr.plan(PositionStep([Segment("a", "text", 3)]), ctx_for("a"))["text"]
+    q, k = qk(3)
+    mgr.apply_qk(q, k, "text")
+    mgr.apply_qk(q, k, "text")
+    assert (len(launcher.calls), launcher.bound_calls) == (1, 1)
+    # A call with another signature (fewer tokens) is validated and bound anew.
+    mgr.apply_qk(q[:2], k[:2], "text")
+    assert (len(launcher.calls), launcher.bound_calls) == (2, 1)
+    # Replacing the launcher forgets its bound launches: the JAX path rotates now.
+    mgr.launcher = None
+    q, k = qk(3)
+    want = expected_rotation(q, pos.numpy(), mgr.rope)
+    mgr.apply_qk(q, k, "text")
+    assert (len(launcher.calls), launcher.bound_calls) == (2, 1)
+    np.testing.assert_allclose(q.numpy(), want, rtol=0, atol=2e-5)
+
+
+def test_the_bound_launch_never_skips_the_checks_of_a_different_call():
+    mgr = make()
+    launcher = mgr.launcher = _BindingLauncher()
+    mgr.ingest_request("a")
+    mgr.plan(PositionStep([Segment("a", "text", 3)]), ctx_for("a"))
+    q, k = qk(3)
+    mgr.apply_qk(q, k, "text")
+    with pytest.raises(ValueError, match="requires_grad"):
+        mgr.apply_qk(q.clone().requires_grad_(), k, "text")
+    with pytest.raises(ValueError, match="dtype"):
+        mgr.apply_qk(q.double(), k.double(), "text")
+    with pytest.raises(ValueError, match="unknown"):
+        mgr.apply_qk(q, k, "image")
+    # A new plan with fewer positions: the same q no longer fits.
+    mgr.commit(PositionStep([Segment("a", "text", 3)]), ctx_for("a"))
+    mgr.plan(PositionStep([Segment("a", "text", 2)]), ctx_for("a"))
+    with pytest.raises(ValueError, match="planned positions"):
+        mgr.apply_qk(q, k, "text")
+    assert launcher.bound_calls == 0
+
+
+@pytest.mark.parametrize("counters", ["jax", "triton"])
+def test_a_failed_device_step_keeps_the_deferred_commit(counters, monkeypatch):
+    if counters == "triton":
+        pytest.importorskip("triton")
+    mgr = make(counters=counters)
+    mgr.ingest_request("a")
+    run_step(mgr, [Segment("a", "text", 4)])
+    store = mgr._store
+    calls = {"n": 0}
+    target = "_plan_call" if counters == "jax" else "_counters"
+    original = getattr(store, target)
+
+    class Failing:
+        def __getattr__(self, name):
+            return getattr(original, name)
+
+        def __call__(self, *args, **kwargs):
+            calls["n"] += 1
+            raise RuntimeError("device out of memory (simulated)")
+
+        def step(self, *args, **kwargs):
+            calls["n"] += 1
+            raise RuntimeError("device out of memory (simulated)")
+
+    monkeypatch.setattr(store, target, (lambda num_outs: Failing()) if counters == "jax"
+                        else Failing())
+    step = PositionStep([Segment("a", "text", 2)])
+    with pytest.raises(RuntimeError, match="simulated"):
+        mgr.plan(step, ctx_for("a"))
+    monkeypatch.setattr(store, target, original)
+    assert mgr.plan(step, ctx_for("a"))["text"].tolist() == [4, 5]
+    assert calls["n"] == 1
+    assert_consistent(mgr)
+
+
+def test_views_given_as_lists_are_read_again_every_step():
+    # A record that is a list can change between steps; the cached arrays of the last
+    # step's views must not be reused for it.
+    mgr = make()
+    mgr.ingest_request("a")
+    record = ["a", "text", 1]
+    kv = {"attn": KVPlanOutput([record])}
+    step = PositionStep([Segment("a", "text", 1)])
+    assert mgr.plan(step, ctx_for("a", kv=kv))["attn"].tolist() == [0]
+    mgr.commit(step, ctx_for("a", kv=kv))
+    record[2] = 3
+    step = PositionStep([Segment("a", "text", 3)])
+    assert mgr.plan(step, ctx_for("a", kv=kv))["attn"].tolist() == [1, 2, 3]
+
+
 def test_auto_launcher_on_cpu_is_the_jax_path():
     cfg = PositionConfig(rope=jr.RopeConfig(head_dim=HEAD_DIM))
     assert RopeManager(cfg, "cpu").launcher is None

@@ -11,8 +11,9 @@ carries it out on the device. Two stores implement the same transitions (those o
   :mod:`torch_bridge.device_counters`, launched on torch's current stream. No JAX on
   the per-step path; on CPU it runs in Triton's interpreter (for tests only). Steps
   must reach the device in order on one stream at a time (they share a scratch table
-  and a device copy of the meta), and ``plan`` cannot be captured in a CUDA graph
-  (graph slots exist for that: plan outside, replay reads the slot's buffer).
+  and a device copy of the meta), and no transition can be captured in a CUDA graph
+  (graph slots exist for that: plan outside, replay reads the slot's buffer); under
+  capture they raise ``RuntimeError`` before changing anything.
 
 Both defer a commit's device work to the next call (a step costs one launch), and
 both return positions as torch tensors on the manager's device.
@@ -126,7 +127,7 @@ class JaxCounters:
 
         Returns ``(tensor, array)`` per label: ``[tokens]`` fresh or the graph buffer.
         """
-        pending, self._pending = self._pending, None
+        pending = self._pending
         forks = tr.bucket(len(pre_src))
         meta: List[Any] = [pending[1]] if pending is not None else []
         spec_layout = None
@@ -149,7 +150,7 @@ class JaxCounters:
             outs, self._table, tr.pack(meta), real=None if pending is None else pending[0],
             speculative=spec_layout, forks=forks, labels=tuple(layout_labels), num_outs=len(outs),
             preplan=preplan, scheme=self._scheme, block_step=self._block_step)
-        self._table = results[len(outs)]
+        self._table, self._pending = results[len(outs)], None
         fresh = iter(results[len(outs) + 1:])
         written = iter(results[:len(outs)])
         out = []
@@ -179,9 +180,10 @@ class TritonCounters:
         return CounterOps(slots, amounts, commit.fork_src, commit.fork_dst)
 
     def _flush(self, then: Optional[CounterOps] = None) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._counters.step(pending)
+        # Dropped only once launched: a launch that raises leaves the commit pending.
+        if self._pending is not None:
+            self._counters.step(self._pending)
+            self._pending = None
         if then is not None:
             self._counters.step(then)
 
@@ -212,11 +214,7 @@ class TritonCounters:
     def plan(self, labels: Sequence[LabelRequest], pre_src: np.ndarray, pre_dst: np.ndarray,
              speculative: Optional[CommitArrays], preplan: bool
              ) -> List[Tuple[torch.Tensor, Optional[jax.Array]]]:
-        if self._device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # A replay would launch with the meta of capture time, long since overwritten.
-            raise RuntimeError("plan() cannot be captured in a CUDA graph: capture apply_qk "
-                               "and plan with ctx.graph_slot outside the capture")
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if not (labels or len(pre_src) or pending is not None):
             return []
         outs = [buffer if buffer is not None else
@@ -227,6 +225,7 @@ class TritonCounters:
             speculative=self._ops(speculative) if speculative is not None else CounterOps(),
             pre_forks=(pre_src, pre_dst), preplan=preplan,
             labels=[(slots, counts, out) for (slots, counts, _, _), out in zip(labels, outs)])
+        self._pending = None
         return [(out, None) for out in outs]
 
 

@@ -41,7 +41,6 @@ _NUM_WARPS = 4
 # Above this many tokens the positions are written by a separate many-program launch:
 # one program walks tokens at ~1k per iteration, which would lengthen the step.
 _SINGLE_PROGRAM_TOKENS = 8192
-_PLAN_PROGRAMS_TOKENS = 4 * _BLOCK
 _RING_INTS = 1 << 18
 _ALIGN_INTS = 8  # 32 bytes: every pointer handed to the kernel stays 16-byte aligned
 
@@ -109,7 +108,8 @@ class _Ring:
     for its events, which in steady state completed long ago.
     """
 
-    def __init__(self, ints: int, pinned: bool):
+    def __init__(self, ints: int, pinned: bool, device: Optional[torch.device] = None):
+        self.device = device
         self.buffer = torch.empty((ints,), dtype=torch.int32, pin_memory=pinned)
         self.array = self.buffer.numpy()
         self.base = self.buffer.data_ptr()
@@ -137,7 +137,7 @@ class _Ring:
         events = []
         for raw in self.streams:
             event = torch.cuda.Event()
-            event.record(torch.cuda.ExternalStream(raw))
+            event.record(torch.cuda.ExternalStream(raw, device=self.device))
             events.append(event)
         self.events[1 - half], self.streams = events, set()
         for event in self.events[half]:
@@ -174,10 +174,12 @@ class DeviceCounters:
         self.counters = torch.zeros((capacity,), dtype=torch.int32, device=device)
         self._scratch = torch.zeros((capacity,), dtype=torch.int32, device=device)
         self._dmeta = torch.zeros((_RING_INTS,), dtype=torch.int32, device=device)
-        self._rings = [_Ring(_RING_INTS, pinned=not self._interpret)]
+        self._rings = [_Ring(_RING_INTS, pinned=not self._interpret, device=device)]
+        self._max_programs = 4
         if not self._interpret:
             self._raw_stream = torch._C._cuda_getCurrentRawStream
             self._device_index = device.index if device.index is not None else torch.cuda.current_device()
+            self._max_programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
     @property
     def capacity(self) -> int:
@@ -217,6 +219,11 @@ class DeviceCounters:
 
     def _launch(self, real: CounterOps, spec: CounterOps, pre, preplan: bool, copy_work: bool,
                 slots: np.ndarray, counts: np.ndarray, out: Optional[torch.Tensor]) -> None:
+        if not self._interpret and torch.cuda.is_current_stream_capturing():
+            # A replay would read meta of capture time from the ring, long overwritten.
+            raise RuntimeError("the counter kernel cannot be captured in a CUDA graph: plan, "
+                               "commit, fork, admit and reset outside the capture (graph "
+                               "slots keep positions for replay)")
         n_views = len(counts)
         if n_views:
             ends = np.cumsum(counts)
@@ -252,14 +259,15 @@ class DeviceCounters:
             # only reads: counters, view slots and starts at the same dmeta offsets.
             values = [0, self.capacity, n_meta, 0, 0, 0, 0, 0, 0, 0, 0, n_meta - 2 * n_views,
                       n_views, tokens, values[-1]]
-            programs = min(-(-tokens // _BLOCK), 132 * 4)
+            programs = min(-(-tokens // _BLOCK), self._max_programs)
             self._run(programs, args, meta_offset, values, stream)
 
     def _write_meta(self, pieces: Sequence[np.ndarray], lengths: Sequence[int], n_meta: int,
                     stream: int) -> int:
         ring = self._rings[-1]
         if n_meta > ring.half:
-            ring = _Ring(2 * (-(-n_meta // _ALIGN_INTS) * _ALIGN_INTS), pinned=not self._interpret)
+            ring = _Ring(2 * (-(-n_meta // _ALIGN_INTS) * _ALIGN_INTS), pinned=not self._interpret,
+                         device=self.device)
             self._rings.append(ring)  # older rings stay alive: in-flight kernels read them
         offset = ring.take(max(n_meta, 1))
         at = offset
@@ -279,6 +287,11 @@ class DeviceCounters:
             meta = ring.buffer[meta_offset:]
             self._kernel[(programs,)](counters, work, meta, dmeta, out, *values,
                                       SEQUENTIAL=self.sequential, BLOCK=_BLOCK)
+            return
+        if torch.cuda.current_device() != self._device_index:
+            # The kernel's module lives in this device's context; launch from it.
+            with torch.cuda.device(self._device_index):
+                self._run(programs, args, meta_offset, values, stream)
             return
         compiled = self._compiled
         if compiled is None:

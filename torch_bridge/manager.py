@@ -453,8 +453,8 @@ class PositionManager(Resource):
         if staged_first:
             self._staged = None
         elif self._staged is not None:
+            self._apply_promotion(self._staged)
             self._current, self._staged = self._staged, None
-            self._apply_promotion(self._current)
 
     def clear_preplan(self) -> None:
         """Drop the staged plan. Its forks never reached the counters, so nothing else changes."""
@@ -690,10 +690,10 @@ class PositionManager(Resource):
         """``({plan_label: views}, pre_forks, post_forks)`` of a step."""
         kv = ctx.plan_results.get(self.config.kv_resource)
         if kv is None:
-            groups: Dict[str, List[Any]] = {}
+            lists: Dict[str, List[Any]] = {}
             for segment in step.segments:
-                groups.setdefault(_label_of(segment), []).append(segment)
-            return groups, (), ()
+                lists.setdefault(_label_of(segment), []).append(segment)
+            return {label: tuple(views) for label, views in lists.items()}, (), ()
         if not isinstance(kv, Mapping):
             raise TypeError(f"ctx.plan_results[{self.config.kv_resource!r}] must be a mapping "
                             f"{{plan_label: KVPlanOutput}}, got {type(kv).__name__}")
@@ -715,6 +715,7 @@ class PositionManager(Resource):
         ``_slot_epoch`` changes whenever a stream's slot may have.
         """
         cached = self._last_views.get(plan_label)
+        # The snapshot holds plain tuples: a record that is a list (mutable) never equals it.
         if cached is not None and cached[0] == self._slot_epoch and cached[1] == views:
             return cached[2], cached[3]
         slots, counts = self._stream_arrays(views, f"the views of plan label {plan_label!r}")
@@ -723,7 +724,7 @@ class PositionManager(Resource):
         slots.flags.writeable = counts.flags.writeable = False
         if len(self._last_views) > _MAX_BOUND:
             self._last_views.clear()
-        self._last_views[plan_label] = (self._slot_epoch, tuple(views), slots, counts)
+        self._last_views[plan_label] = (self._slot_epoch, tuple(map(tuple, views)), slots, counts)
         return slots, counts
 
     def _stream_arrays(self, records: Sequence[Any], what: str) -> Tuple[np.ndarray, np.ndarray]:
@@ -895,15 +896,16 @@ class PositionManager(Resource):
         return self._fork_arrays(forks, "pre_forks") if forks else None
 
     def _apply_promotion(self, plan: _Plan) -> None:
+        # Device first: a store that refuses (e.g. under CUDA-graph capture) changes nothing.
         forks = self._promotion_forks(plan)
         if forks is not None:
-            self._shadow[forks[1]] = self._shadow[forks[0]]
             self._store.fork(*forks)
+            self._shadow[forks[1]] = self._shadow[forks[0]]
 
     def _active_plan(self) -> Optional[_Plan]:
         if self._current is None and self._staged is not None:
+            self._apply_promotion(self._staged)
             self._current, self._staged = self._staged, None
-            self._apply_promotion(self._current)
         return self._current
 
 
@@ -970,10 +972,21 @@ class RopeManager(PositionManager):
         self.head_dim = rope.head_dim
         self.dtype = dtype
         self.allow_copy = allow_copy
+        self._bound: Dict[Tuple, Any] = {}  # call signature -> bound launch (see apply_qk)
         self.launcher = resolve_launcher(launcher, self.device)
         self._configs = ConfigCache(rope)
         self._jax = JaxRotation(self._jax_device, backend)
-        self._bound: Dict[Tuple, Any] = {}
+
+    @property
+    def launcher(self) -> Any:
+        """The fast path ``apply_qk`` tries first (None: always JAX); assignable."""
+        return self._launcher
+
+    @launcher.setter
+    def launcher(self, value: Any) -> None:
+        # Launches bound by the previous launcher must not outlive it.
+        self._launcher = value
+        self._bound = {}
 
     @classmethod
     def _build_kwargs(cls, info: EngineInfo) -> Dict[str, Any]:

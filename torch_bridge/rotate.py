@@ -42,6 +42,13 @@ class Launcher(Protocol):
     k in place. Raises ``LaunchUnavailable``
     to decline (the manager then runs the JAX path); any other exception propagates.
 
+    Optionally also ``bind(q, k, cfg) -> run``: after a successful ``rotate_`` the
+    manager binds the call's signature (label, shapes, dtypes, devices, overrides) and
+    later calls ``run(q, k, pos_ids) -> bool`` with the caller's q and k as given
+    (``[T, H, D]`` or ``[T, H * D]``) instead of validating again; ``run`` returns
+    False to send the call down the full path. Only a launcher that defines ``bind``
+    for this purpose should have an attribute of that name.
+
     Example (a launcher that always declines, so the JAX path rotates):
       >>> import jaxrope as jr
       >>> from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext

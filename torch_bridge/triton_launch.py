@@ -188,8 +188,9 @@ class TritonLauncher:
             with self._lock:
                 if len(self._launches) >= _MAX_LAUNCHES:
                     self._launches.clear()
-                launch = self._launches[key] = self._prepare(q_shape, k_heads, q.dtype, q.device,
-                                                             cfg, block)
+                with torch.cuda.device(q.device):  # compile and load in q's context
+                    launch = self._launches[key] = self._prepare(q_shape, k_heads, q.dtype,
+                                                                 q.device, cfg, block)
         return launch
 
 
@@ -216,6 +217,11 @@ class _Launch:
             self._run = None
 
     def __call__(self, pos_ptr: int, q_ptr: int, k_ptr: int) -> None:
+        if torch.cuda.current_device() != self._device_index:
+            # The module lives in this device's context; launch from it.
+            with torch.cuda.device(self._device_index):
+                self(pos_ptr, q_ptr, k_ptr)
+            return
         args = (self._count_ptr, pos_ptr, self._tables_ptr, q_ptr, k_ptr, q_ptr, k_ptr)
         if self._run is None:
             self._runner(*args)
