@@ -350,6 +350,8 @@ class PositionManager(Resource):
             different sources, explicit pos_ids of the wrong shape/dtype/device or
             outside ``[0, max_seq_len)`` (checked with one host read), more tokens than
             the graph bucket holds, or positions past ``max_seq_len``.
+          RuntimeError: called under CUDA-graph capture with the Triton counter store
+            (nothing changes; plan outside the capture, replay reads graph buffers).
         """
         if not isinstance(step, PositionStep):
             raise TypeError(f"step must be a PositionStep, got {type(step).__name__}")

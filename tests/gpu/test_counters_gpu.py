@@ -35,3 +35,32 @@ TestCudaTritonStoreMatchesTheModel.settings = settings(max_examples=40, stateful
 TestCudaTritonBlockStoreMatchesTheModel = CudaTritonBlockMachine.TestCase
 TestCudaTritonBlockStoreMatchesTheModel.settings = settings(max_examples=15,
                                                             stateful_step_count=40, **_FAST)
+
+
+def test_transitions_refuse_cuda_graph_capture_and_change_nothing():
+    # A captured counter launch would replay with the meta of capture time; every
+    # transition must refuse under capture, before any host or device state changes.
+    import jaxrope as jr
+    from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext
+
+    rope = jr.RopeConfig(head_dim=64, max_position=1 << 16)
+    mgr = RopeManager(PositionConfig(rope=rope), "cuda", max_seq_len=1 << 16, counters="triton")
+    mgr.ingest_request("a")
+    step, ctx = PositionStep([Segment("a", "text", 3)]), StepContext(("a",))
+    mgr.plan(step, ctx)
+    mgr.commit(step, ctx)
+    torch.cuda.synchronize()
+    before = mgr.state_snapshot()
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    errors = []
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            for call in (lambda: mgr.plan(step, ctx), lambda: mgr.reset_request("a"),
+                         lambda: mgr.apply_cached_prefix("a", None, None, None, {"text": 9})):
+                try:
+                    call()
+                except RuntimeError as e:
+                    errors.append(str(e))
+    assert len(errors) == 3 and all("CUDA graph" in e for e in errors), errors
+    assert mgr.state_snapshot() == before
