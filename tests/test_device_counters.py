@@ -16,7 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 from jaxrope import positions  # noqa: E402
 from jaxrope.positions import PositionTable, Scheme  # noqa: E402
 from torch_bridge._transitions import PAD  # noqa: E402
-from torch_bridge.device_counters import CounterOps, DeviceCounters  # noqa: E402
+from torch_bridge.device_counters import CounterOps, DeviceCounters, label  # noqa: E402
 
 CAPACITY = 24
 
@@ -82,12 +82,12 @@ def test_step_kernel_matches_the_core_transitions(scheme, seed):
             tail = int(rng.integers(0, 3))
             fill = rng.integers(-9, -1, int(counts.sum()) + tail).astype(np.int32)
             out = torch.from_numpy(fill.copy())
-            labels.append((slots, counts, out))
+            labels.append(label(slots, counts, out))
             expected.append(positions.plan(work, jnp.asarray(slots), jnp.asarray(counts),
                                            jnp.asarray(fill), scheme=scheme))
         counters.step(real, speculative=spec, pre_forks=pre, preplan=preplan, labels=labels)
         assert counters.counters.tolist() == np.asarray(table.counters).tolist()
-        for (_, _, out), want in zip(labels, expected):
+        for (_, _, _, out), want in zip(labels, expected):
             assert out.tolist() == np.asarray(want).tolist()
 
 
@@ -99,7 +99,7 @@ def test_a_long_prefill_is_written_by_a_second_many_program_launch():
     slots = np.array([5, 6, 7, 8], np.int32)
     out = torch.full((int(counts.sum()) + 5,), -3, dtype=torch.int32)
     real = CounterOps(np.array([7, 8], np.int32), np.array([11, 40], np.int32))
-    counters.step(real, labels=[(slots, counts, out)])
+    counters.step(real, labels=[label(slots, counts, out)])
     want = np.concatenate([np.arange(3000), 11 + np.arange(7000), 40 + np.arange(2500),
                            np.full(5, -3)])
     assert out.tolist() == want.tolist()
@@ -113,7 +113,7 @@ def test_grow_keeps_the_counters_and_zeroes_new_slots():
     assert counters.counters.tolist() == [1, 2, 3, 4, 0, 0, 0, 0, 0]
     out = torch.zeros((2,), dtype=torch.int32)
     counters.step(CounterOps(np.array([8], np.int32), np.array([6], np.int32)),
-                  labels=[(np.array([8], np.int32), np.array([2], np.int32), out)])
+                  labels=[label(np.array([8], np.int32), np.array([2], np.int32), out)])
     assert out.tolist() == [6, 7]
 
 

@@ -31,15 +31,16 @@ import torch
 from jaxrope import positions
 from jaxrope.positions import PositionTable, Scheme
 from torch_bridge import _transitions as tr
-from torch_bridge.device_counters import CounterOps, DeviceCounters, KernelUnavailable
+from torch_bridge.device_counters import NO_OPS, CounterOps, DeviceCounters, KernelUnavailable
 from torch_bridge.dlpack import InPlace, to_jax, to_torch
 
 __all__ = ["CommitArrays", "JaxCounters", "KernelUnavailable", "TritonCounters", "make_store"]
 
 COUNTER_STORES = ("auto", "jax", "triton")
 
-# (slots [V], counts [V], tokens, graph buffer or None) of one computed plan label.
-LabelRequest = Tuple[np.ndarray, np.ndarray, int, Optional[torch.Tensor]]
+# (slots [V], counts [V], token offsets [V], tokens, graph buffer or None) of one computed
+# plan label.
+LabelRequest = Tuple[np.ndarray, np.ndarray, np.ndarray, int, Optional[torch.Tensor]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,7 @@ class CommitArrays:
 
     ``slots``/``spans``: the segments advanced by the scheme; ``adv_slots``/
     ``adv_amounts``: explicit advances; ``fork_src``/``fork_dst``: post-forks.
+    ``distinct``: no slot repeats in ``slots`` (so a plain indexed add is exact).
     """
 
     slots: np.ndarray
@@ -56,6 +58,7 @@ class CommitArrays:
     adv_amounts: np.ndarray
     fork_src: np.ndarray
     fork_dst: np.ndarray
+    distinct: bool = False
 
     def amounts(self, scheme: Scheme, block_step: int) -> np.ndarray:
         """What each segment adds: its span (SEQUENTIAL) or ``block_step`` if non-empty (BLOCK)."""
@@ -136,7 +139,7 @@ class JaxCounters:
             meta.append(spec_meta)
         meta += [(pre_src, forks, tr.PAD), (pre_dst, forks, tr.PAD)]
         layout_labels, outs = [], []
-        for slots, counts, tokens, buffer in labels:
+        for slots, counts, _, tokens, buffer in labels:
             views = tr.bucket(len(slots))
             meta += [(slots, views, tr.PAD), (counts, views, 0)]
             if buffer is None:
@@ -154,7 +157,7 @@ class JaxCounters:
         fresh = iter(results[len(outs) + 1:])
         written = iter(results[:len(outs)])
         out = []
-        for _, _, tokens, buffer in labels:
+        for _, _, _, tokens, buffer in labels:
             if buffer is None:
                 array = next(fresh)
                 out.append((to_torch(array)[:tokens], array))
@@ -219,12 +222,13 @@ class TritonCounters:
             return []
         outs = [buffer if buffer is not None else
                 torch.empty((tokens,), dtype=torch.int32, device=self._device)
-                for _, _, tokens, buffer in labels]
+                for _, _, _, tokens, buffer in labels]
         self._counters.step(
-            pending if pending is not None else CounterOps(),
-            speculative=self._ops(speculative) if speculative is not None else CounterOps(),
+            pending if pending is not None else NO_OPS,
+            speculative=self._ops(speculative) if speculative is not None else NO_OPS,
             pre_forks=(pre_src, pre_dst), preplan=preplan,
-            labels=[(slots, counts, out) for (slots, counts, _, _), out in zip(labels, outs)])
+            labels=[(slots, starts, tokens, out)
+                    for (slots, _, starts, tokens, _), out in zip(labels, outs)])
         self._pending = None
         return [(out, None) for out in outs]
 

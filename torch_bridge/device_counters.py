@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 
-__all__ = ["CounterOps", "DeviceCounters", "KernelUnavailable"]
+__all__ = ["NO_OPS", "CounterOps", "DeviceCounters", "KernelUnavailable", "label"]
 
 _BLOCK = 1024
 _NUM_WARPS = 4
@@ -79,7 +79,7 @@ class CounterOps:
                     or len(self.zero_slots))
 
 
-_NO_OPS = CounterOps()
+NO_OPS = CounterOps()
 
 
 _INT_ARGS = ("n_meta", "capacity", "tmp_offset", "r_add", "r_fork", "r_max", "r_zero",
@@ -144,6 +144,13 @@ class _Ring:
             event.synchronize()
 
 
+def label(slots: np.ndarray, counts: np.ndarray, out: torch.Tensor
+          ) -> Tuple[np.ndarray, np.ndarray, int, torch.Tensor]:
+    """A plan label for :meth:`DeviceCounters.step` from its views' slots and token counts."""
+    ends = np.cumsum(counts)
+    return slots, ends - counts, int(ends[-1]) if len(ends) else 0, out
+
+
 class DeviceCounters:
     """int32 counters ``[capacity]`` on a torch device, and the step kernel that changes them.
 
@@ -159,7 +166,7 @@ class DeviceCounters:
       >>> counters = DeviceCounters(torch.device("cpu"), 4)   # doctest: +SKIP
       >>> out = torch.full((5,), -1, dtype=torch.int32)          # doctest: +SKIP
       >>> counters.step(CounterOps(np.array([1]), np.array([7])), labels=[
-      ...     (np.array([1, 0]), np.array([3, 1]), out)])         # doctest: +SKIP
+      ...     label(np.array([1, 0]), np.array([3, 1]), out)])    # doctest: +SKIP
       >>> out.tolist()                                            # doctest: +SKIP
       [7, 8, 9, 0, -1]
     """
@@ -194,9 +201,9 @@ class DeviceCounters:
         self.counters = counters
         self._scratch = torch.zeros((capacity,), dtype=torch.int32, device=self.device)
 
-    def step(self, real: CounterOps = _NO_OPS, *, speculative: CounterOps = _NO_OPS,
+    def step(self, real: CounterOps = NO_OPS, *, speculative: CounterOps = NO_OPS,
              pre_forks: Tuple[np.ndarray, np.ndarray] = (_empty(), _empty()), preplan: bool = False,
-             labels: Sequence[Tuple[np.ndarray, np.ndarray, torch.Tensor]] = ()) -> None:
+             labels: Sequence[Tuple[np.ndarray, np.ndarray, int, torch.Tensor]] = ()) -> None:
         """Apply ``real`` to the counters, then write each label's positions.
 
         Args:
@@ -205,32 +212,28 @@ class DeviceCounters:
             (``preplan``) or to the counters (otherwise, where it must be empty).
           pre_forks: ``(src, dst)`` slots, applied after ``speculative``.
           preplan: plan from the scratch copy; the counters keep only ``real``.
-          labels: ``(slots [V], counts [V], out)`` per plan label, views in token
-            order; ``out[:sum(counts)]`` gets the positions, the rest is untouched.
+          labels: ``(slots [V], starts [V], tokens, out)`` per plan label (see
+            :func:`label`), views in token order, ``starts`` each view's first token;
+            ``out[:tokens]`` gets the positions, the rest is untouched.
         """
         first = True
         for index in range(max(1, len(labels))):
-            slots, counts, out = labels[index] if labels else (_empty(), _empty(), None)
-            ops = real if first else _NO_OPS
-            spec = speculative if first else _NO_OPS
+            slots, starts, tokens, out = labels[index] if labels else (_empty(), _empty(), 0, None)
+            ops = real if first else NO_OPS
+            spec = speculative if first else NO_OPS
             pre = pre_forks if first else (_empty(), _empty())
-            self._launch(ops, spec, pre, preplan, first and preplan, slots, counts, out)
+            self._launch(ops, spec, pre, preplan, first and preplan, slots, starts, tokens, out)
             first = False
 
     def _launch(self, real: CounterOps, spec: CounterOps, pre, preplan: bool, copy_work: bool,
-                slots: np.ndarray, counts: np.ndarray, out: Optional[torch.Tensor]) -> None:
+                slots: np.ndarray, starts: np.ndarray, tokens: int,
+                out: Optional[torch.Tensor]) -> None:
         if not self._interpret and torch.cuda.is_current_stream_capturing():
             # A replay would read meta of capture time from the ring, long overwritten.
             raise RuntimeError("the counter kernel cannot be captured in a CUDA graph: plan, "
                                "commit, fork, admit and reset outside the capture (graph "
                                "slots keep positions for replay)")
-        n_views = len(counts)
-        if n_views:
-            ends = np.cumsum(counts)
-            tokens = int(ends[-1])
-            starts = ends - counts
-        else:
-            tokens, starts = 0, counts
+        n_views = len(slots)
         pieces = [real.add_slots, real.add_amounts, real.fork_src, real.fork_dst,
                   real.max_slots, real.max_values, real.zero_slots,
                   spec.add_slots, spec.add_amounts, spec.fork_src, spec.fork_dst,

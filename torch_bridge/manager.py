@@ -363,10 +363,9 @@ class PositionManager(Resource):
         if graph is not None and not isinstance(graph, GraphSlot):
             raise TypeError(f"ctx.graph_slot must be a GraphSlot or None, got {type(graph).__name__}")
 
-        labels: List[Tuple[str, np.ndarray, np.ndarray, int]] = []
+        labels: List[Tuple[str, np.ndarray, np.ndarray, np.ndarray, int]] = []
         for plan_label, views in groups.items():
-            slots, counts = self._view_arrays(plan_label, views)
-            total = int(counts.sum())
+            slots, counts, starts, total = self._view_arrays(plan_label, views)
             if graph is not None and total > graph.bucket.num_tokens:
                 raise ValueError(f"plan label {plan_label!r} has {total} tokens, more than "
                                  f"graph bucket num_tokens={graph.bucket.num_tokens}")
@@ -374,7 +373,7 @@ class PositionManager(Resource):
             if given is not None and given.shape[0] != total:
                 raise ValueError(f"step.pos_ids[{plan_label!r}].shape={tuple(given.shape)} must be "
                                  f"[{total}] (the plan label's tokens)")
-            labels.append((plan_label, slots, counts, total))
+            labels.append((plan_label, slots, counts, starts, total))
         pre_src, pre_dst = self._fork_arrays(pre_forks, "pre_forks")
         # A decode step's segments usually are its views (same streams, same counts):
         # reuse their arrays instead of looking the streams up twice.
@@ -392,7 +391,7 @@ class PositionManager(Resource):
         if len(pre_src):
             shadow = shadow.copy()
             shadow[pre_dst] = shadow[pre_src]
-        for plan_label, slots, counts, _ in labels:
+        for plan_label, slots, counts, _, _ in labels:
             if plan_label not in explicit:
                 self._check_plan_bounds(shadow, slots, counts, plan_label, groups[plan_label])
 
@@ -709,8 +708,10 @@ class PositionManager(Resource):
             post.extend(output.post_forks)
         return groups, tuple(pre), tuple(post)
 
-    def _view_arrays(self, plan_label: str, views: Sequence[Any]) -> Tuple[np.ndarray, np.ndarray]:
-        """Slots and counts of a plan label's views, checked; the last step's when they repeat.
+    def _view_arrays(self, plan_label: str, views: Sequence[Any]
+                     ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """Slots, counts, token offsets and total of a plan label's views, checked; the
+        last step's when they repeat.
 
         A continuous batch sends the same views step after step until a request joins
         or leaves: comparing the records costs a sixth of looking every stream up.
@@ -719,15 +720,19 @@ class PositionManager(Resource):
         cached = self._last_views.get(plan_label)
         # The snapshot holds plain tuples: a record that is a list (mutable) never equals it.
         if cached is not None and cached[0] == self._slot_epoch and cached[1] == views:
-            return cached[2], cached[3]
+            return cached[2]
         slots, counts = self._stream_arrays(views, f"the views of plan label {plan_label!r}")
         if len(set(slots.tolist())) != len(slots):
             _reject_repeated_stream(slots, views, plan_label)
-        slots.flags.writeable = counts.flags.writeable = False
+        ends = np.cumsum(counts)
+        starts = ends - counts
+        for array in (slots, counts, starts):
+            array.flags.writeable = False
+        arrays = (slots, counts, starts, int(ends[-1]) if len(ends) else 0)
         if len(self._last_views) > _MAX_BOUND:
             self._last_views.clear()
-        self._last_views[plan_label] = (self._slot_epoch, tuple(map(tuple, views)), slots, counts)
-        return slots, counts
+        self._last_views[plan_label] = (self._slot_epoch, tuple(map(tuple, views)), arrays)
+        return arrays
 
     def _stream_arrays(self, records: Sequence[Any], what: str) -> Tuple[np.ndarray, np.ndarray]:
         """Slots and token counts of ``(request_id, label, count)`` records (views, segments)."""
@@ -778,9 +783,10 @@ class PositionManager(Resource):
             adv_amounts = [amount] * len(adv_slots)
             slots, spans = np.zeros((0,), np.int64), np.zeros((0,), np.int64)
         fork_src, fork_dst = self._fork_arrays(post_forks, "post_forks")
+        # Views were checked for repeated streams; other segments may repeat one.
         return CommitArrays(slots=slots, spans=spans, adv_slots=np.asarray(adv_slots, np.int64),
                             adv_amounts=np.asarray(adv_amounts, np.int64), fork_src=fork_src,
-                            fork_dst=fork_dst)
+                            fork_dst=fork_dst, distinct=arrays is not None)
 
     def _effective_commit(self, plan: _Plan) -> CommitArrays:
         """The plan's commit without the streams of requests removed since it was made."""
@@ -795,8 +801,13 @@ class PositionManager(Resource):
     def _committed_shadow(self, commit: CommitArrays, shadow: Optional[np.ndarray] = None) -> np.ndarray:
         """The host counters after ``commit`` (same rules as :func:`jaxrope.positions.commit`)."""
         new = (self._shadow if shadow is None else shadow).copy()
-        np.add.at(new, commit.slots, commit.amounts(self.config.scheme, self.config.block_step))
-        np.add.at(new, commit.adv_slots, commit.adv_amounts)
+        amounts = commit.amounts(self.config.scheme, self.config.block_step)
+        if commit.distinct:
+            new[commit.slots] += amounts
+        else:
+            np.add.at(new, commit.slots, amounts)
+        if len(commit.adv_slots):
+            np.add.at(new, commit.adv_slots, commit.adv_amounts)
         if len(commit.fork_src):
             new[commit.fork_dst] = new[commit.fork_src]
         return new
@@ -820,7 +831,9 @@ class PositionManager(Resource):
     def _check_commit_bounds(self, shadow: np.ndarray, commit: CommitArrays) -> None:
         # Post-fork targets too: a fork can carry an overflowing counter to a stream
         # whose own advance did not overflow, after the source was overwritten.
-        touched = np.concatenate([commit.slots, commit.adv_slots, commit.fork_dst])
+        touched = commit.slots
+        if len(commit.adv_slots) or len(commit.fork_dst):
+            touched = np.concatenate([touched, commit.adv_slots, commit.fork_dst])
         if len(touched) and shadow[touched].max() > self.max_seq_len:
             slot = int(touched[np.argmax(shadow[touched])])
             raise ValueError(f"commit would move slot {slot} to {int(shadow[slot])}, past "
@@ -872,7 +885,7 @@ class PositionManager(Resource):
         arrays: Dict[str, jax.Array] = {}
         limits: Dict[str, int] = {}
         requests, computed = [], []
-        for plan_label, slots, counts, total in labels:
+        for plan_label, slots, counts, starts, total in labels:
             buffer = None if graph is None else self._graph_buffer(graph, plan_label)
             limits[plan_label] = total if buffer is None else buffer.shape[0]
             given = explicit.get(plan_label)
@@ -883,7 +896,7 @@ class PositionManager(Resource):
                     buffer[:total].copy_(given)
                     tensors[plan_label] = buffer
                 continue
-            requests.append((slots, counts, total, buffer))
+            requests.append((slots, counts, starts, total, buffer))
             computed.append(plan_label)
         results = self._store.plan(requests, pre_src, pre_dst, speculative, preplan)
         for plan_label, (tensor, array) in zip(computed, results):
