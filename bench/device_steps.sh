@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Device calls after the first (bench/device_run.sh): named steps, each bounded by a
+# timeout, logs archived into OUTDIR/logs.tgz after every step so a call cut short keeps
+# what it measured. Carry .whl when a step needs FlashInfer.
+#
+#   bash bench/device_steps.sh OUTDIR STEP [STEP ...]
+#
+# Steps:
+#   install   FlashInfer wheels into /tmp/site, versions      (bench/gpu_suite.sh)
+#   tests     every gpu-marked test, 4 workers
+#   counters  the counter-store and bridge GPU tests
+#   parity    the FlashInfer parity tests
+#   bridge    plan + commit host time and apply_qk vs FlashInfer (bench/bridge_bench.py)
+#   apply     apply_qk's layers timed alone (bench/apply_profile.py)
+#   kernel    kernel timings, variants, 64 tokens (bench/kernel_check.py)
+#   sweep     kernel_check with the launch-shape sweep (SWEEP_S seconds per size, 100)
+#   shapes    launch shapes per head layout (bench/shape_sweep.py)
+#   ncu       Nsight Compute on the kernel, ceiling and FlashInfer (bench/ncu_rope.sh)
+#   bench     the full rope_bench sweep (BENCH_BUDGET seconds, 150)
+set -u
+OUTDIR=$1
+shift
+L=/tmp/jaxrope_logs
+mkdir -p "$L"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 JAXROPE_GPU_TESTS=1
+PYTHONPATH="/tmp/site:$(pwd)"
+export PYTHONPATH CUDA_HOME=/usr/local/cuda FLASHINFER_CUDA_ARCH_LIST=9.0
+pack() { tar czf "$OUTDIR/logs.tgz" -C "$L" . 2>/dev/null; }
+PYTEST=(python3 -m pytest -m gpu -q -x -p no:cacheprovider)
+
+for step in "$@"; do
+    log="$L/$step.log"
+    case $step in
+        install) timeout 100 bash bench/gpu_suite.sh "$L" install versions >"$log" 2>&1 ;;
+        tests) timeout 150 "${PYTEST[@]}" tests/gpu -n 4 >"$log" 2>&1 ;;
+        counters) timeout 150 "${PYTEST[@]}" tests/gpu/test_counters_gpu.py tests/gpu/test_bridge_gpu.py >"$log" 2>&1 ;;
+        parity) timeout 90 "${PYTEST[@]}" tests/gpu/test_flashinfer_parity.py -n 4 >"$log" 2>&1 ;;
+        bridge) timeout 100 python3 -m bench.bridge_bench --device cuda --iters 100 \
+                    --out "$L/bridge_bench.json" >"$log" 2>&1 ;;
+        apply) timeout 60 python3 -m bench.apply_profile >"$log" 2>&1 ;;
+        kernel) timeout 90 python3 -m bench.kernel_check --out "$L" --skip cases,triton >"$log" 2>&1 ;;
+        sweep) timeout 280 python3 -m bench.kernel_check --out "$L" --skip cases,triton \
+                   --sweep-seconds "${SWEEP_S:-100}" >"$log" 2>&1 ;;
+        shapes) timeout 200 python3 -m bench.shape_sweep --out "$L/shape_sweep.json" >"$log" 2>&1 ;;
+        ncu) NCU_ROPE_BUDGET_S=200 timeout 230 bash bench/ncu_rope.sh "$L/ncu" >"$log" 2>&1 ;;
+        bench) timeout 210 python3 -m bench.rope_bench --out "$L" --budget-s "${BENCH_BUDGET:-150}" \
+                   >"$log" 2>&1 ;;
+        *) echo "unknown step $step" >"$log" ;;
+    esac
+    echo "=== $step rc=$?" | tee -a "$L/steps.txt"
+    pack
+    grep -v -e Warning -e "return rule" "$log" | tail -30
+done
