@@ -523,6 +523,8 @@ def test_constructor_rejects_inconsistent_arguments():
         RopeManager(PositionConfig(rope=rope), "cpu", max_seq_len=512, dtype=torch.int8)
     with pytest.raises(ValueError, match="launcher"):
         RopeManager(PositionConfig(rope=rope), "cpu", max_seq_len=512, launcher="fast")
+    with pytest.raises(ValueError, match="counters='fast'"):
+        RopeManager(PositionConfig(rope=rope), "cpu", max_seq_len=512, counters="fast")
     with pytest.raises(ValueError, match="labels"):
         PositionConfig(labels=("a", "a"))
     with pytest.raises(ValueError, match="block_step"):

@@ -4,6 +4,7 @@ The public API is the list below; every other name is an implementation detail.
 """
 
 from torch_bridge.config import PositionConfig
+from torch_bridge.device_counters import KernelUnavailable
 from torch_bridge.dlpack import InPlace, NotZeroCopyError, to_jax, to_torch
 from torch_bridge.engine_types import (AdmitOutcome, EngineInfo, Fork, GraphBucket, GraphSlot,
                                        KVPlanOutput, KVView, PositionStep, PublishedInfo, Resource,
@@ -20,6 +21,7 @@ __all__ = [
     "InPlace",
     "KVPlanOutput",
     "KVView",
+    "KernelUnavailable",
     "LaunchUnavailable",
     "Launcher",
     "NotZeroCopyError",

@@ -46,7 +46,15 @@ _ALIGN_INTS = 8  # 32 bytes: every pointer handed to the kernel stays 16-byte al
 
 
 class KernelUnavailable(RuntimeError):
-    """Triton (or its interpreter) cannot run the counter kernel here."""
+    """Triton (or its interpreter) cannot run the counter kernel here.
+
+    A ``RuntimeError``, raised by ``RopeManager(counters="triton")`` without Triton;
+    ``counters="auto"`` then keeps the JAX counter store instead.
+
+    Example:
+      >>> issubclass(KernelUnavailable, RuntimeError)
+      True
+    """
 
 
 _EMPTY = np.zeros((0,), np.int32)
