@@ -206,10 +206,11 @@ class TritonCounters:
         self._flush(CounterOps(fork_src=src, fork_dst=dst))
 
     def raise_to(self, slots: Sequence[int], values: Sequence[int]) -> None:
-        self._flush(CounterOps(max_slots=np.asarray(slots), max_values=np.asarray(values)))
+        self._flush(CounterOps(max_slots=np.asarray(slots, np.int64),
+                               max_values=np.asarray(values, np.int64)))
 
     def reset(self, slots: Sequence[int]) -> None:
-        self._flush(CounterOps(zero_slots=np.asarray(slots)))
+        self._flush(CounterOps(zero_slots=np.asarray(slots, np.int64)))
 
     def compiled_plans(self) -> int:
         return int(self._counters._compiled is not None)

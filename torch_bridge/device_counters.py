@@ -254,7 +254,7 @@ class DeviceCounters:
             out = self.counters  # never written: no tokens
         split = tokens > _SINGLE_PROGRAM_TOKENS
         stream = 0 if self._interpret else self._raw_stream(self._device_index)
-        meta_offset = self._write_meta(pieces, lengths, n_meta, stream)
+        meta_offset = self._write_meta(pieces, n_meta, stream)
         ring = self._rings[-1]
         if n_meta + forks > self._dmeta.shape[0]:
             self._dmeta = torch.zeros((1 << (n_meta + forks - 1).bit_length(),),
@@ -273,20 +273,15 @@ class DeviceCounters:
             programs = min(-(-tokens // _BLOCK), self._max_programs)
             self._run(programs, args, meta_offset, values, stream)
 
-    def _write_meta(self, pieces: Sequence[np.ndarray], lengths: Sequence[int], n_meta: int,
-                    stream: int) -> int:
+    def _write_meta(self, pieces: Sequence[np.ndarray], n_meta: int, stream: int) -> int:
         ring = self._rings[-1]
         if n_meta > ring.half:
             ring = _Ring(2 * (-(-n_meta // _ALIGN_INTS) * _ALIGN_INTS), pinned=not self._interpret,
                          device=self.device)
             self._rings.append(ring)  # older rings stay alive: in-flight kernels read them
         offset = ring.take(max(n_meta, 1))
-        at = offset
-        array = ring.array
-        for piece, length in zip(pieces, lengths):
-            if length:
-                array[at:at + length] = piece
-                at += length
+        # One C call for every piece (int64 pieces are cast to the ring's int32).
+        np.concatenate(pieces, out=ring.array[offset:offset + n_meta], casting="same_kind")
         if not self._interpret:
             ring.streams.add(stream)
         return offset

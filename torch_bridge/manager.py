@@ -391,8 +391,10 @@ class PositionManager(Resource):
         if len(pre_src):
             shadow = shadow.copy()
             shadow[pre_dst] = shadow[pre_src]
-        for plan_label, slots, counts, _, _ in labels:
-            if plan_label not in explicit:
+        # Sufficient first: no counter is high enough for any view to pass max_seq_len.
+        peak = int(shadow.max()) if labels else 0
+        for plan_label, slots, counts, _, total in labels:
+            if plan_label not in explicit and peak + total > self.max_seq_len:
                 self._check_plan_bounds(shadow, slots, counts, plan_label, groups[plan_label])
 
         # Nothing below raises on valid input: state changes start here.
