@@ -64,3 +64,29 @@ def test_transitions_refuse_cuda_graph_capture_and_change_nothing():
                     errors.append(str(e))
     assert len(errors) == 3 and all("CUDA graph" in e for e in errors), errors
     assert mgr.state_snapshot() == before
+
+
+def test_a_long_prefill_plan_on_cuda_numbers_every_token():
+    # Past 8192 tokens the compiled kernel writes positions in a second, many-program
+    # launch; a preplan on top of it reads the scratch table.
+    import numpy as np
+
+    import jaxrope as jr
+    from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext
+
+    rope = jr.RopeConfig(head_dim=64, max_position=1 << 20)
+    mgr = RopeManager(PositionConfig(rope=rope), "cuda", max_seq_len=1 << 20, counters="triton")
+    spans = [5000, 1, 7000, 300]
+    rids = [f"r{i}" for i in range(len(spans))]
+    for i, rid in enumerate(rids):
+        mgr.ingest_request(rid, overrides={"text": 1000 * i})
+    step = PositionStep([Segment(rid, "text", n) for rid, n in zip(rids, spans)])
+    got = mgr.plan(step, StepContext(tuple(rids)))["text"].cpu().numpy()
+    want = np.concatenate([1000 * i + np.arange(n) for i, n in enumerate(spans)])
+    np.testing.assert_array_equal(got, want)
+    staged = mgr.plan(step, StepContext(tuple(rids), is_preplan=True))["text"].cpu().numpy()
+    np.testing.assert_array_equal(staged, want + np.repeat(spans, spans))
+    mgr.commit(step, StepContext(tuple(rids)))
+    assert [mgr.position(rid, "text") for rid in rids] == [1000 * i + n for i, n in enumerate(spans)]
+    assert np.asarray(mgr.table.counters)[[mgr._slot(r, "text") for r in rids]].tolist() == [
+        1000 * i + n for i, n in enumerate(spans)]
