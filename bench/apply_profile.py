@@ -7,27 +7,11 @@ D=128, bf16: the Triton C launcher alone, the bound launch (pointer checks + lau
 ``RopeManager.apply_qk``, and FlashInfer's in-place call when installed.
 """
 
-import statistics
-import time
-
 import torch
 
 import jaxrope as jr
+from bench.bridge_profile import per_call_us
 from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext
-
-
-def per_call_us(fn, calls=2000, reps=5):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(out)
 
 
 def main():
@@ -42,13 +26,18 @@ def main():
     bound = mgr.launcher.bind(q, k, rope)
     launch = mgr.launcher._launch_for(q, k, rope, None)
     qp, kp, pp = q.data_ptr(), k.data_ptr(), pos.data_ptr()
-    rows = {"launcher only (C launch)": per_call_us(lambda: launch(pp, qp, kp)),
-            "bound (ptr checks + launch)": per_call_us(lambda: bound(q, k, pos)),
-            "apply_qk": per_call_us(lambda: mgr.apply_qk(q, k, "text")),
-            "torch q.mul_(1.0)": per_call_us(lambda: q.mul_(1.0))}
+    device = q.device
+
+    def timed(fn):
+        return per_call_us(fn, device, calls=2000, warmup=50)
+
+    rows = {"launcher only (C launch)": timed(lambda: launch(pp, qp, kp)),
+            "bound (ptr checks + launch)": timed(lambda: bound(q, k, pos)),
+            "apply_qk": timed(lambda: mgr.apply_qk(q, k, "text")),
+            "torch q.mul_(1.0)": timed(lambda: q.mul_(1.0))}
     try:
         from flashinfer import rope as fi
-        rows["flashinfer apply_rope_pos_ids_inplace"] = per_call_us(
+        rows["flashinfer apply_rope_pos_ids_inplace"] = timed(
             lambda: fi.apply_rope_pos_ids_inplace(q, k, pos, rotary_dim=128, interleave=False,
                                                   rope_theta=5e5))
     except ImportError as e:

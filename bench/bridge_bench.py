@@ -120,42 +120,15 @@ def bench_plan_commit(device: torch.device, requests: int, span: int, iters: int
             "store": type(mgr._store).__name__}
 
 
-def bench_apply(device: torch.device, tokens: int, q_heads: int, k_heads: int, dtype: torch.dtype,
-                launcher: str, calls: int) -> Dict[str, float]:
-    mgr = _manager(device, launcher)
-    mgr.ingest_request("r")
-    step = PositionStep((Segment("r", "text", tokens),))
-    mgr.plan(step, StepContext(("r",)))
+def _qk(device: torch.device, tokens: int, q_heads: int, k_heads: int, dtype: torch.dtype):
     gen = torch.Generator(device=device).manual_seed(int(time.time()))
     q = torch.randn(tokens, q_heads, 128, device=device, generator=gen).to(dtype)
     k = torch.randn(tokens, k_heads, 128, device=device, generator=gen).to(dtype)
-    for _ in range(5):
-        mgr.apply_qk(q, k, "text")
-    _sync(device)
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            mgr.apply_qk(q, k, "text")
-        _sync(device)
-        samples.append((time.perf_counter() - t0) / calls)
-    out = _stats(samples)
-    out["launcher"] = type(mgr.launcher).__name__ if mgr.launcher is not None else "jax"
-    return out
+    return q, k
 
 
-def bench_flashinfer(device: torch.device, tokens: int, q_heads: int, k_heads: int,
-                     dtype: torch.dtype, calls: int) -> Dict[str, float]:
-    """FlashInfer's in-place RoPE on the same shapes, timed like ``bench_apply`` (GPU only)."""
-    from flashinfer import rope as fi
-    gen = torch.Generator(device=device).manual_seed(int(time.time()))
-    q = torch.randn(tokens, q_heads, 128, device=device, generator=gen).to(dtype)
-    k = torch.randn(tokens, k_heads, 128, device=device, generator=gen).to(dtype)
-    pos = torch.randint(0, 1 << 16, (tokens,), dtype=torch.int32, device=device)
-
-    def call():
-        fi.apply_rope_pos_ids_inplace(q, k, pos, rotary_dim=128, interleave=False, rope_theta=5e5)
-
+def _wall_stats(call, device: torch.device, calls: int) -> Dict[str, float]:
+    """Wall time per call: 5 warm-up calls, then 5 batches of ``calls`` with one sync each."""
     for _ in range(5):
         call()
     _sync(device)
@@ -167,6 +140,28 @@ def bench_flashinfer(device: torch.device, tokens: int, q_heads: int, k_heads: i
         _sync(device)
         samples.append((time.perf_counter() - t0) / calls)
     return _stats(samples)
+
+
+def bench_apply(device: torch.device, tokens: int, q_heads: int, k_heads: int, dtype: torch.dtype,
+                launcher: str, calls: int) -> Dict[str, float]:
+    mgr = _manager(device, launcher)
+    mgr.ingest_request("r")
+    step = PositionStep((Segment("r", "text", tokens),))
+    mgr.plan(step, StepContext(("r",)))
+    q, k = _qk(device, tokens, q_heads, k_heads, dtype)
+    out = _wall_stats(lambda: mgr.apply_qk(q, k, "text"), device, calls)
+    out["launcher"] = type(mgr.launcher).__name__ if mgr.launcher is not None else "jax"
+    return out
+
+
+def bench_flashinfer(device: torch.device, tokens: int, q_heads: int, k_heads: int,
+                     dtype: torch.dtype, calls: int) -> Dict[str, float]:
+    """FlashInfer's in-place RoPE on the same shapes, timed like ``bench_apply`` (GPU only)."""
+    from flashinfer import rope as fi
+    q, k = _qk(device, tokens, q_heads, k_heads, dtype)
+    pos = torch.randint(0, 1 << 16, (tokens,), dtype=torch.int32, device=device)
+    return _wall_stats(lambda: fi.apply_rope_pos_ids_inplace(
+        q, k, pos, rotary_dim=128, interleave=False, rope_theta=5e5), device, calls)
 
 
 def main(argv=None) -> Dict:

@@ -28,9 +28,12 @@ from torch_bridge import (KVPlanOutput, KVView, PositionConfig, PositionStep, Ro
 from torch_bridge.dlpack import to_jax, to_torch
 
 
-def per_call_us(fn, device, calls=200, reps=5):
-    for _ in range(5):
+def per_call_us(fn, device, calls=200, reps=5, warmup=5):
+    """Median over ``reps`` batches of wall time (us) per call of ``calls`` calls, one sync each."""
+    for _ in range(warmup):
         fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()

@@ -95,10 +95,11 @@ def dispatch_time(fn, args, n, reps=5):
     return statistics.median(times)
 
 
-def torch_event_time(fn, n, reps=5):
-    """Median per-call device time (us) of n calls of ``fn`` between two CUDA events."""
+def torch_event_times(fn, n, reps=5, warmup=3):
+    """Per-call device time (us) of n back-to-back calls of ``fn`` between two CUDA events,
+    one value per repeat, after ``warmup`` calls."""
     import torch
-    for _ in range(3):
+    for _ in range(warmup):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
@@ -109,7 +110,12 @@ def torch_event_time(fn, n, reps=5):
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / n)
-    return statistics.median(times)
+    return times
+
+
+def torch_event_time(fn, n, reps=5):
+    """Median per-call device time (us) of n calls of ``fn`` between two CUDA events."""
+    return statistics.median(torch_event_times(fn, n, reps))
 
 
 def torch_ceiling_us(nbytes, n):

@@ -160,20 +160,6 @@ def build_kernels(torch, what: str, tokens: int, q, k, pos, launcher_box: Dict[s
     return out
 
 
-def _event_time_us(torch, call: Callable[[], Any], launches: int, reps: int = 5) -> List[float]:
-    """Per-launch device time (us) of ``launches`` back-to-back calls, per repeat."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        for _ in range(launches):
-            call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / launches)
-    return times
-
-
 def _environment(torch) -> Dict[str, Any]:
     import importlib.metadata
 
@@ -190,6 +176,7 @@ def _environment(torch) -> Dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """Launches (and with ``--time`` times) every kernel of ``--what``; 0 if any ran."""
     torch = _require_cuda()
+    from bench.kernel_check import torch_event_times  # imports JAX: only where CUDA runs
     whats = list(WHATS) if "all" in args.what else list(dict.fromkeys(args.what))
     manifest: Dict[str, Any] = dict(what=whats, tokens=args.tokens, nvtx_range=NVTX_RANGE,
                                     warmup=args.warmup, launches=args.launches,
@@ -228,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
                     torch.cuda.synchronize()
                     entry["launches"] = args.launches
                     if args.time:
-                        reps = _event_time_us(torch, kernel.call, args.time_launches)
+                        # Warmed up above, outside the NVTX range.
+                        reps = torch_event_times(kernel.call, args.time_launches, warmup=0)
                         median = statistics.median(reps)
                         timing.append(dict(label=label, impl=what, tokens=tokens, reps_us=reps,
                                            median_us=median, launches=args.time_launches,
