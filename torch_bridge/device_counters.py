@@ -210,7 +210,7 @@ class DeviceCounters:
         self._scratch = torch.zeros((capacity,), dtype=torch.int32, device=self.device)
 
     def step(self, real: CounterOps = NO_OPS, *, speculative: CounterOps = NO_OPS,
-             pre_forks: Tuple[np.ndarray, np.ndarray] = (_empty(), _empty()), preplan: bool = False,
+             pre_forks: Tuple[np.ndarray, np.ndarray] = (_EMPTY, _EMPTY), preplan: bool = False,
              labels: Sequence[Tuple[np.ndarray, np.ndarray, int, torch.Tensor]] = ()) -> None:
         """Apply ``real`` to the counters, then write each label's positions.
 
@@ -224,14 +224,14 @@ class DeviceCounters:
             :func:`label`), views in token order, ``starts`` each view's first token;
             ``out[:tokens]`` gets the positions, the rest is untouched.
         """
-        first = True
-        for index in range(max(1, len(labels))):
-            slots, starts, tokens, out = labels[index] if labels else (_empty(), _empty(), 0, None)
-            ops = real if first else NO_OPS
-            spec = speculative if first else NO_OPS
-            pre = pre_forks if first else (_empty(), _empty())
-            self._launch(ops, spec, pre, preplan, first and preplan, slots, starts, tokens, out)
-            first = False
+        # The first launch runs every op; later ones (one per further label) only plan.
+        for index, (slots, starts, tokens, out) in enumerate(labels or [(_EMPTY, _EMPTY, 0, None)]):
+            if index == 0:
+                self._launch(real, speculative, pre_forks, preplan, preplan, slots, starts, tokens,
+                             out)
+            else:
+                self._launch(NO_OPS, NO_OPS, (_EMPTY, _EMPTY), preplan, False, slots, starts,
+                             tokens, out)
 
     def _launch(self, real: CounterOps, spec: CounterOps, pre, preplan: bool, copy_work: bool,
                 slots: np.ndarray, starts: np.ndarray, tokens: int,

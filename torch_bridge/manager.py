@@ -1051,18 +1051,15 @@ class RopeManager(PositionManager):
         plan = self._current if self._current is not None else self._staged
         # A call whose signature passed every check below before takes the bound launch:
         # on the host of an H200 each Python-level check costs about a microsecond.
-        signature = None
-        if not llama31:
+        overrides = (rotary_dim, interleave, rope_scale, rope_theta, rope_dtype)
+        if self._bound and not llama31 and plan is not None:
             try:
-                signature = (label, q.shape, k.shape, q.dtype, k.dtype, q.device, k.device,
-                             q.requires_grad, k.requires_grad, rotary_dim, interleave, rope_scale,
-                             rope_theta, rope_dtype)
-                bound = self._bound.get(signature)
+                bound = self._bound.get(_call_signature(label, q, k, overrides))
             except (AttributeError, TypeError):  # not tensors, or unhashable: checked below
-                bound = signature = None
-            if bound is not None and plan is not None:
+                bound = None
+            if bound is not None:
                 pos = plan.tensors.get(label)
-                if pos is not None and signature[1][0] <= plan.limits[label]:
+                if pos is not None and q.shape[0] <= plan.limits[label]:
                     if self._current is None:
                         self._active_plan()
                     if bound(q, k, pos):
@@ -1097,10 +1094,10 @@ class RopeManager(PositionManager):
                 pass
             else:
                 bind = getattr(self.launcher, "bind", None)
-                if signature is not None and bind is not None:
+                if bind is not None and not llama31:
                     if len(self._bound) >= _MAX_BOUND:
                         self._bound.clear()
-                    self._bound[signature] = bind(q3, k3, cfg)
+                    self._bound[_call_signature(label, q, k, overrides)] = bind(q3, k3, cfg)
                 return q, k
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("apply_qk under CUDA-graph capture needs the launcher: the JAX path "
@@ -1132,6 +1129,13 @@ class RopeManager(PositionManager):
             raise ValueError(f"{name}.shape={tuple(x.shape)} must be [T, H, {self.head_dim}] or "
                              f"[T, H * {self.head_dim}]")
         return x
+
+
+def _call_signature(label: Hashable, q: torch.Tensor, k: torch.Tensor,
+                    overrides: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    """What ``apply_qk``'s checks depend on, apart from the plan: the key of a bound launch."""
+    return (label, q.shape, k.shape, q.dtype, k.dtype, q.device, k.device, q.requires_grad,
+            k.requires_grad, overrides)
 
 
 def _torch_device(device: Any) -> torch.device:
