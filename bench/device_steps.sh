@@ -12,6 +12,7 @@
 #   parity    the FlashInfer parity tests
 #   bridge    plan + commit host time and apply_qk vs FlashInfer (bench/bridge_bench.py)
 #   apply     apply_qk's layers timed alone (bench/apply_profile.py)
+#   plan      plan + commit's host time split: launch, Python, cProfile (bench/plan_profile.py)
 #   kernel    kernel timings, variants, 64 tokens (bench/kernel_check.py)
 #   sweep     kernel_check with the launch-shape sweep (SWEEP_S seconds per size, 100)
 #   shapes    launch shapes per head layout (bench/shape_sweep.py)
@@ -38,6 +39,7 @@ for step in "$@"; do
         bridge) timeout 100 python3 -m bench.bridge_bench --device cuda --iters 100 \
                     --out "$L/bridge_bench.json" >"$log" 2>&1 ;;
         apply) timeout 60 python3 -m bench.apply_profile >"$log" 2>&1 ;;
+        plan) timeout 120 python3 -m bench.plan_profile >"$log" 2>&1 ;;
         kernel) timeout 90 python3 -m bench.kernel_check --out "$L" --skip cases,triton >"$log" 2>&1 ;;
         sweep) timeout 280 python3 -m bench.kernel_check --out "$L" --skip cases,triton \
                    --sweep-seconds "${SWEEP_S:-100}" >"$log" 2>&1 ;;
@@ -49,5 +51,5 @@ for step in "$@"; do
     esac
     echo "=== $step rc=$?" | tee -a "$L/steps.txt"
     pack
-    grep -v -e Warning -e "return rule" "$log" | tail -30
+    grep -v -e Warning -e "return rule" "$log" | tail -${TAIL:-30}
 done
