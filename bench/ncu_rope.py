@@ -103,18 +103,20 @@ def _require_cuda():
 
 
 def _block_label(block) -> str:
-    return f"bt{block.block_tokens}-hp{block.heads_per_program}-w{block.num_warps}"
+    return (f"bt{block.block_tokens}-hp{block.heads_per_program}-w{block.num_warps}"
+            f"-g{block.groups_per_program}-l{block.token_loop}{'-hm' if block.heads_major else ''}")
 
 
 def _launch_shape(block, tokens: int) -> Tuple[Tuple[int, int, int], int]:
-    """The grid and threads per block the launcher uses for ``block`` (see triton_ir)."""
-    hp = block.heads_per_program
-    grid = (-(-tokens // block.block_tokens), -(-Q_HEADS // hp) + -(-K_HEADS // hp), 1)
-    return grid, 32 * block.num_warps
+    """The grid and threads per block the launcher uses for ``block``."""
+    from jaxrope.kernels import pallas_triton
+
+    axes = pallas_triton.grid(tokens, Q_HEADS, K_HEADS, block)
+    return (*axes, 1, 1)[:3], 32 * block.num_warps
 
 
 def build_kernels(torch, what: str, tokens: int, q, k, pos, launcher_box: Dict[str, Any],
-                  variant: Tuple[int, int, int]) -> List[Tuple[str, Callable[[], Kernel]]]:
+                  variant: Tuple[int, ...]) -> List[Tuple[str, Callable[[], Kernel]]]:
     """(label, builder) pairs of ``what`` at ``tokens``; each builder gets its own copies.
 
     Builders run one at a time so that a failure (no FlashInfer, a Triton compile error)
@@ -128,7 +130,10 @@ def build_kernels(torch, what: str, tokens: int, q, k, pos, launcher_box: Dict[s
     if what == "ours":
         heuristic = pallas_triton.block_config(tokens, Q_HEADS, K_HEADS,
                                                pallas_triton.lanes_for(cfg.rotary_dim))
-        swept = pallas_triton.BlockConfig(*variant)
+        bt, hp, warps, *rest = variant
+        groups, loop, major = (*rest, 1, 1, 0)[:3]
+        swept = pallas_triton.BlockConfig(bt, hp, warps, groups_per_program=groups,
+                                          token_loop=loop, heads_major=bool(major))
         for label, block, passed in (("ours_heuristic", heuristic, None),
                                      (f"ours_{_block_label(swept)}", swept, swept)):
             def make(block=block, passed=passed) -> Kernel:
@@ -606,11 +611,14 @@ def _write_launches(path: Path, launches: List[Dict[str, Any]]) -> None:
 # Command line
 
 
-def _block(text: str) -> Tuple[int, int, int]:
+def _block(text: str) -> Tuple[int, ...]:
     parts = text.split(",")
-    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"{text!r}: want BLOCK_TOKENS,HEADS_PER_PROGRAM,NUM_WARPS")
-    return tuple(int(p) for p in parts)  # type: ignore[return-value]
+    if not 3 <= len(parts) <= 6 or not all(p.strip().isdigit() for p in parts) or \
+            not all(int(p) > 0 for p in parts[:5]):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: want BLOCK_TOKENS,HEADS_PER_PROGRAM,NUM_WARPS[,GROUPS[,TOKEN_LOOP"
+            "[,HEADS_MAJOR 0|1]]]")
+    return tuple(int(p) for p in parts)
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -622,8 +630,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="kernels to launch (default all)")
     parser.add_argument("--tokens", nargs="+", type=int, default=[16384, 65536], metavar="N",
                         help="token counts (default 16384 65536)")
-    parser.add_argument("--block", type=_block, default=DEFAULT_BLOCK, metavar="BT,HP,W",
-                        help="launch shape of the ours_* variant (default 2,4,2)")
+    parser.add_argument("--block", type=_block, default=DEFAULT_BLOCK, metavar="BT,HP,W[,G,L,M]",
+                        help="launch shape of the ours_* variant: tokens, heads, warps, groups, "
+                             "token loop, heads-major (default 2,4,2)")
     parser.add_argument("--warmup", type=int, default=3, help="launches before the NVTX range")
     parser.add_argument("--launches", type=int, default=3,
                         help="launches inside the NVTX range (profiled under ncu)")

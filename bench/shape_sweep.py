@@ -1,6 +1,7 @@
 """Launch-shape sweep of the Pallas RoPE kernel over head layouts, on the GPU.
 
-    python3 -m bench.shape_sweep [--tokens 16384] [--seconds-per-shape 25] [--out FILE.json]
+    python3 -m bench.shape_sweep [--tokens 16384] [--seconds-per-shape 25] [--layouts 32x8x128]
+                                 [--out FILE.json]
 
 For each head layout (q heads, k heads, head_dim) the kernel is launched from torch
 (``TritonLauncher.rotate_`` with an explicit ``BlockConfig``), bf16, in place, and timed
@@ -25,12 +26,20 @@ from jaxrope.kernels import pallas_triton
 LAYOUTS = [(32, 8, 64), (8, 1, 128), (8, 1, 64), (64, 8, 64), (8, 1, 256), (32, 8, 128)]
 
 
-def candidates(lanes: int) -> List[Tuple[int, int, int, int]]:
-    """(block_tokens, heads_per_program, num_warps, groups_per_program) to try."""
+def candidates(lanes: int) -> List[Tuple[int, int, int, int, int, bool]]:
+    """(block_tokens, heads_per_program, num_warps, groups, token_loop, heads_major) to try.
+
+    The heuristic's family first (one warp, 128-element groups), then its program order
+    and token loops, then wider programs.
+    """
     hp = max(1, 128 // lanes)
-    shapes = [(1, hp, 1, g) for g in (1, 2, 4, 8)] + [(2, hp, 1, g) for g in (1, 2, 4)]
-    shapes += [(4, hp, 2, g) for g in (1, 2)] + [(2, 2 * hp, 2, 1), (4, 2 * hp, 2, 1),
-                                                 (8, hp, 2, 1), (2, 2 * hp, 2, 2)]
+    shapes = [(1, hp, 1, g, 1, False) for g in (4, 2, 8, 1)]
+    shapes += [(1, hp, 1, 4, 1, True), (1, hp, 1, 2, 1, True)]
+    shapes += [(1, hp, 1, 4, loop, major) for loop in (2, 4, 8, 16) for major in (False, True)]
+    shapes += [(2, hp, 1, g, 1, major) for g in (1, 2, 4) for major in (False, True)]
+    shapes += [(4, hp, 2, g, 1, False) for g in (1, 2)] + [(2, 2 * hp, 2, 1, 1, False),
+                                                         (4, 2 * hp, 2, 1, 1, False),
+                                                         (8, hp, 2, 1, 1, False)]
     return list(dict.fromkeys(shapes))
 
 
@@ -41,6 +50,8 @@ def main(argv=None) -> Dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--seconds-per-shape", type=float, default=25.0)
+    parser.add_argument("--layouts", default=None, metavar="HQxHKxD,...",
+                        help="only these head layouts, e.g. 32x8x128 (default: all of LAYOUTS)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -48,7 +59,9 @@ def main(argv=None) -> Dict:
     launcher = TritonLauncher()
     tokens, n = args.tokens, 50
     report: Dict = {"tokens": tokens, "layouts": []}
-    for q_heads, k_heads, head_dim in LAYOUTS:
+    layouts = LAYOUTS if args.layouts is None else [
+        tuple(int(x) for x in item.split("x")) for item in args.layouts.split(",")]
+    for q_heads, k_heads, head_dim in layouts:
         cfg = RopeConfig(head_dim=head_dim, max_position=1 << 20)
         lanes = pallas_triton.lanes_for(head_dim)
         q = torch.randn(tokens, q_heads, head_dim, dtype=torch.bfloat16, device="cuda")
@@ -58,8 +71,9 @@ def main(argv=None) -> Dict:
         default = pallas_triton.block_config(tokens, q_heads, k_heads, lanes)
         rows = []
         deadline = time.perf_counter() + args.seconds_per_shape
-        for block in [default] + [pallas_triton.BlockConfig(bt, hp, w, groups_per_program=g)
-                                  for bt, hp, w, g in candidates(lanes)]:
+        for block in [default] + [pallas_triton.BlockConfig(bt, hp, w, groups_per_program=g,
+                                                            token_loop=loop, heads_major=major)
+                                  for bt, hp, w, g, loop, major in candidates(lanes)]:
             if rows and time.perf_counter() > deadline:
                 break
             try:

@@ -282,13 +282,16 @@ class TestBadInputs:
             jr.apply_rope(q, k, jnp.arange(3, dtype=jnp.int32), {"head_dim": 64})
 
 
-@pytest.mark.parametrize("block", [(1, 1, 1, 3), (2, 4, 2, 2), (4, 2, 1, 4), (2, 8, 2, 2)],
-                         ids=lambda b: "bt{}-hp{}-w{}-g{}".format(*b))
+@pytest.mark.parametrize("block", [(1, 1, 1, 3, 1, 0), (2, 4, 2, 2, 1, 0), (4, 2, 1, 4, 1, 0),
+                                   (2, 8, 2, 2, 1, 0), (1, 2, 1, 2, 3, 0), (2, 2, 1, 1, 1, 1),
+                                   (1, 4, 1, 1, 4, 1)],
+                         ids=lambda b: "bt{}-hp{}-w{}-g{}-loop{}-hm{}".format(*b))
 @pytest.mark.parametrize("name", ["llama3_8b", "gptj_interleave", "interleave_d96_partial"])
 def test_every_launch_shape_gives_the_same_rotation(name, block):
     # Launch shapes only regroup work: head counts that do not divide the groups, token
-    # counts that do not divide the blocks and several head groups per program must all
-    # give bit-identical results to the one-group shape.
+    # counts that do not divide the blocks, several head groups per program, token loops
+    # that run past the last token and heads-major program order must all give
+    # bit-identical results to the one-group shape.
     from jaxrope.apply import kernel_constants
     from jaxrope.kernels import pallas_triton
     cfg = BY_NAME[name].cfg
@@ -299,13 +302,13 @@ def test_every_launch_shape_gives_the_same_rotation(name, block):
     pos = jnp.asarray(rng.integers(0, cfg.max_position, tokens), jnp.int32)
     tables, attention = kernel_constants(cfg)
 
-    def run(bt, hp, warps, groups):
+    def run(bt, hp, warps, groups, loop, major):
         return pallas_triton.rope_pallas(
             q, k, pos, jnp.asarray(tables), rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
             attention_factor=attention, interpret=True,
-            config=pallas_triton.BlockConfig(bt, hp, warps, 1, groups))
+            config=pallas_triton.BlockConfig(bt, hp, warps, 1, groups, loop, bool(major)))
 
-    want, got = run(1, 1, 1, 1), run(*block)
+    want, got = run(1, 1, 1, 1, 1, 0), run(*block)
     want_q, want_k = (np.asarray(x) for x in want)
     assert np.array_equal(np.asarray(got[0]), want_q) and np.array_equal(np.asarray(got[1]), want_k)
     expected = oracle.rope_oracle(np.asarray(q), np.asarray(pos, np.int64),

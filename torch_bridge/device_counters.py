@@ -192,7 +192,11 @@ class DeviceCounters:
         self._rings = [_Ring(_RING_INTS, pinned=not self._interpret, device=device)]
         self._max_programs = 4
         if not self._interpret:
+            # torch's C entry points: the public wrappers cost more than the launch's
+            # own Python on the decode path.
             self._raw_stream = torch._C._cuda_getCurrentRawStream
+            self._capturing = torch._C._cuda_isCurrentStreamCapturing
+            self._current_device = torch._C._cuda_getDevice
             self._device_index = device.index if device.index is not None else torch.cuda.current_device()
             self._max_programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -236,7 +240,7 @@ class DeviceCounters:
     def _launch(self, real: CounterOps, spec: CounterOps, pre, preplan: bool, copy_work: bool,
                 slots: np.ndarray, starts: np.ndarray, tokens: int,
                 out: Optional[torch.Tensor]) -> None:
-        if not self._interpret and torch.cuda.is_current_stream_capturing():
+        if not self._interpret and self._capturing():
             # A replay would read meta of capture time from the ring, long overwritten.
             raise RuntimeError("the counter kernel cannot be captured in a CUDA graph: plan, "
                                "commit, fork, admit and reset outside the capture (graph "
@@ -294,7 +298,7 @@ class DeviceCounters:
             self._kernel[(programs,)](counters, work, meta, dmeta, out, *values,
                                       SEQUENTIAL=self.sequential, BLOCK=_BLOCK)
             return
-        if torch.cuda.current_device() != self._device_index:
+        if self._current_device() != self._device_index:
             # The kernel's module lives in this device's context; launch from it.
             with torch.cuda.device(self._device_index):
                 self._run(programs, args, meta_offset, values, stream)

@@ -67,12 +67,25 @@ class BlockConfig:
     # Head groups (of heads_per_program heads) one program rotates with one cos/sin
     # computation, all loads issued before the first store.
     groups_per_program: int = 1
+    # Token blocks one program walks in sequence: the angle tables are loaded once.
+    token_loop: int = 1
+    # Program order: False puts a head group's consecutive token blocks next to each
+    # other, True a token block's head groups (neighbouring programs then touch
+    # neighbouring bytes of each row).
+    heads_major: bool = False
 
 
 def head_programs(q_heads: int, k_heads: int, block: BlockConfig) -> Tuple[int, int]:
     """Programs along the head axis of the grid for q and for k (q's come first)."""
     per_program = block.heads_per_program * block.groups_per_program
     return -(-q_heads // per_program), -(-k_heads // per_program)
+
+
+def grid(num_tokens: int, q_heads: int, k_heads: int, block: BlockConfig) -> Tuple[int, ...]:
+    """The launch grid: ``(token programs, head programs)``, flattened when ``heads_major``."""
+    token_programs = -(-num_tokens // (block.block_tokens * block.token_loop))
+    head = sum(head_programs(q_heads, k_heads, block))
+    return (token_programs * head,) if block.heads_major else (token_programs, head)
 
 
 def block_config(num_tokens: int, q_heads: int, k_heads: int, lanes: int) -> BlockConfig:
@@ -129,17 +142,16 @@ def _rope_kernel(count_ref, pos_ref, tables_ref, q_ref, k_ref, q_out_ref, k_out_
                  q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interleave: bool,
                  attention_factor: float, lanes: int, block_tokens: int,
                  heads_per_program: int, groups_per_program: int, q_programs: int,
-                 approx_trig: bool):
-    t0 = pl.program_id(0) * block_tokens
-    group = pl.program_id(1)
+                 k_programs: int, token_loop: int, heads_major: bool, approx_trig: bool):
+    if heads_major:
+        pid = pl.program_id(0)
+        group, token_program = pid % (q_programs + k_programs), pid // (q_programs + k_programs)
+    else:
+        token_program, group = pl.program_id(0), pl.program_id(1)
     traced_zero = 0 * group
-    tokens = pl.ds(t0, block_tokens)
-    token_ok = t0 + jnp.arange(block_tokens) < count_ref[0]
-    pos = plgpu.load(pos_ref.at[tokens], mask=token_ok, other=0)
-    cos, sin = cos_sin(pos, *(plgpu.load(tables_ref.at[_index(i)]) for i in range(3)),
-                       attention_factor,
-                       **({"sin_cos": _sin_cos_approx} if approx_trig else {}))
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    count = count_ref[0]
+    tables = [plgpu.load(tables_ref.at[_index(i)]) for i in range(3)]
+    trig = {"sin_cos": _sin_cos_approx} if approx_trig else {}
     half = rotary_dim // 2
     if interleave:
         # Pairs are adjacent: load the rotary span contiguously (16-byte accesses) and
@@ -152,36 +164,52 @@ def _rope_kernel(count_ref, pos_ref, tables_ref, q_ref, k_ref, q_out_ref, k_out_
         a_start = traced_zero if lanes > head_dim else 0
         b_start = traced_zero + half if half + lanes > head_dim else half
 
-    def load(x_ref, first_head, num_heads):
-        heads = pl.ds(first_head, heads_per_program)
-        head_ok = (first_head + jnp.arange(heads_per_program) < num_heads)[None, :, None]
-        mask = token_ok[:, None, None] & head_ok & lane_ok
-        if interleave:
-            at = ((tokens, heads, pl.ds(start, span)),)
-        else:
-            at = ((tokens, heads, pl.ds(a_start, lanes)), (tokens, heads, pl.ds(b_start, lanes)))
-        return at, mask, [plgpu.load(x_ref.at[i], mask=mask, other=0) for i in at]
+    def rotate_block(x_ref, o_ref, first, num_heads, block):
+        t0 = block * block_tokens
+        tokens = pl.ds(t0, block_tokens)
+        token_ok = t0 + jnp.arange(block_tokens) < count
+        pos = plgpu.load(pos_ref.at[tokens], mask=token_ok, other=0)
+        cos, sin = cos_sin(pos, *tables, attention_factor, **trig)
+        cos, sin = cos[:, None, :], sin[:, None, :]
 
-    def rotate_store(o_ref, at, mask, values):
-        if interleave:
-            x = values[0].astype(jnp.float32)
-            pairs = x.reshape(block_tokens, heads_per_program, lanes, 2)
-            a, b = (p.reshape(block_tokens, heads_per_program, lanes)
-                    for p in jnp.split(pairs, 2, axis=-1))
-            rotated = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1)
-            plgpu.store(o_ref.at[at[0]], rotated.reshape(x.shape).astype(o_ref.dtype), mask=mask)
-            return
-        a, b = (v.astype(jnp.float32) for v in values)
-        plgpu.store(o_ref.at[at[0]], (a * cos - b * sin).astype(o_ref.dtype), mask=mask)
-        plgpu.store(o_ref.at[at[1]], (b * cos + a * sin).astype(o_ref.dtype), mask=mask)
+        def load(first_head):
+            heads = pl.ds(first_head, heads_per_program)
+            head_ok = (first_head + jnp.arange(heads_per_program) < num_heads)[None, :, None]
+            mask = token_ok[:, None, None] & head_ok & lane_ok
+            if interleave:
+                at = ((tokens, heads, pl.ds(start, span)),)
+            else:
+                at = ((tokens, heads, pl.ds(a_start, lanes)),
+                      (tokens, heads, pl.ds(b_start, lanes)))
+            return at, mask, [plgpu.load(x_ref.at[i], mask=mask, other=0) for i in at]
+
+        # Every group's loads first: more bytes in flight per thread before any store.
+        loaded = [load(first + g * heads_per_program) for g in range(groups_per_program)]
+        for at, mask, values in loaded:
+            if interleave:
+                x = values[0].astype(jnp.float32)
+                pairs = x.reshape(block_tokens, heads_per_program, lanes, 2)
+                a, b = (p.reshape(block_tokens, heads_per_program, lanes)
+                        for p in jnp.split(pairs, 2, axis=-1))
+                rotated = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1)
+                plgpu.store(o_ref.at[at[0]], rotated.reshape(x.shape).astype(o_ref.dtype),
+                            mask=mask)
+                continue
+            a, b = (v.astype(jnp.float32) for v in values)
+            plgpu.store(o_ref.at[at[0]], (a * cos - b * sin).astype(o_ref.dtype), mask=mask)
+            plgpu.store(o_ref.at[at[1]], (b * cos + a * sin).astype(o_ref.dtype), mask=mask)
 
     def rotate(x_ref, o_ref, program, num_heads):
-        # Every group's loads first: more bytes in flight per thread before any store.
         first = program * (groups_per_program * heads_per_program)
-        loaded = [load(x_ref, first + g * heads_per_program, num_heads)
-                  for g in range(groups_per_program)]
-        for at, mask, values in loaded:
-            rotate_store(o_ref, at, mask, values)
+        if token_loop == 1:
+            rotate_block(x_ref, o_ref, first, num_heads, token_program)
+            return
+
+        def body(i, carry):
+            rotate_block(x_ref, o_ref, first, num_heads, token_program * token_loop + i)
+            return carry
+
+        jax.lax.fori_loop(0, token_loop, body, 0)
 
     @pl.when(group < q_programs)
     def _():
@@ -209,17 +237,17 @@ def rope_pallas(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
     tables = jnp.pad(tables, ((0, 0), (0, lanes - tables.shape[1])))
     cfg = config or block_config(num_tokens, q_heads, k_heads, lanes)
     q_programs, k_programs = head_programs(q_heads, k_heads, cfg)
-    grid = (-(-num_tokens // cfg.block_tokens), q_programs + k_programs)
     kernel = functools.partial(
         _rope_kernel, q_heads=q_heads, k_heads=k_heads,
         head_dim=head_dim, rotary_dim=rotary_dim, interleave=interleave,
         attention_factor=attention_factor, lanes=lanes, block_tokens=cfg.block_tokens,
         heads_per_program=cfg.heads_per_program, groups_per_program=cfg.groups_per_program,
-        q_programs=q_programs, approx_trig=not interpret)
+        q_programs=q_programs, k_programs=k_programs, token_loop=cfg.token_loop,
+        heads_major=cfg.heads_major, approx_trig=not interpret)
     q_out, k_out = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype)),
-        grid=grid,
+        grid=grid(num_tokens, q_heads, k_heads, cfg),
         input_output_aliases={3: 0, 4: 1},
         interpret=interpret,
         name="jaxrope_rope",

@@ -40,16 +40,22 @@ class TritonKernel:
     """
 
     ttir: str
-    num_warps: int
-    num_stages: int
-    block_tokens: int
-    heads_per_program: int
-    q_programs: int
-    k_programs: int
+    block: pallas_triton.BlockConfig
+    q_heads: int
+    k_heads: int
     lanes: int
 
+    @property
+    def num_warps(self) -> int:
+        return self.block.num_warps
+
+    @property
+    def num_stages(self) -> int:
+        return self.block.num_stages
+
     def grid(self, num_tokens: int) -> Tuple[int, int, int]:
-        return (-(-num_tokens // self.block_tokens), self.q_programs + self.k_programs, 1)
+        axes = pallas_triton.grid(num_tokens, self.q_heads, self.k_heads, self.block)
+        return (*axes, 1, 1)[:3]
 
 
 def export(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interleave: bool,
@@ -73,7 +79,7 @@ def export(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interl
 
     # Any T works (the IR reads the count at run time) as long as the grid has two token
     # blocks: Pallas folds program_id of a size-1 grid axis to the constant 0.
-    tokens = 2 * block.block_tokens
+    tokens = 2 * block.block_tokens * block.token_loop
     lanes = pallas_triton.lanes_for(rotary_dim)
     captured = []
 
@@ -102,8 +108,5 @@ def export(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interl
             lowering.lower_jaxpr_to_triton_module = original
     if len(captured) != 1:
         raise TritonExportError(f"expected one Triton module, captured {len(captured)}")
-    q_programs, k_programs = pallas_triton.head_programs(q_heads, k_heads, block)
-    return TritonKernel(ttir=captured[0], num_warps=block.num_warps, num_stages=block.num_stages,
-                        block_tokens=block.block_tokens,
-                        heads_per_program=block.heads_per_program,
-                        q_programs=q_programs, k_programs=k_programs, lanes=lanes)
+    return TritonKernel(ttir=captured[0], block=block, q_heads=q_heads, k_heads=k_heads,
+                        lanes=lanes)
