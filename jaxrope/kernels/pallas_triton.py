@@ -1,10 +1,13 @@
 """The Pallas GPU kernel (Triton lowering): q and k rotated in one launch, in place.
 
-Grid: ``(token blocks, head groups)``. A program computes cos/sin once for its
-``block_tokens`` tokens and rotates ``heads_per_program`` heads of q or of k with them
-(head groups ``[0, q_groups)`` are q's, the rest k's): one load per half of a
-``[block_tokens, heads_per_program, lanes]`` block, so all of a program's reads are in
-flight before its first write. Only the rotated dims are read and written: with q and k
+Grid: token blocks x head programs, flattened head-major by default (the programs of
+one token block are neighbours, so programs running together cover whole rows of q and
+k rather than one slice of many rows: 2-4% more bandwidth on the H200). A program
+computes cos/sin once for its ``block_tokens`` tokens and rotates
+``groups_per_program`` groups of ``heads_per_program`` heads of q or of k with them
+(programs ``[0, q_programs)`` are q's, the rest k's): one load per half of each
+``[block_tokens, heads_per_program, lanes]`` block, all of a program's reads in flight
+before its first write. Only the rotated dims are read and written: with q and k
 aliased to the outputs, dims past ``rotary_dim`` are never touched.
 
 Layouts:
@@ -100,10 +103,12 @@ def block_config(num_tokens: int, q_heads: int, k_heads: int, lanes: int) -> Blo
     - Warps: one per 256 elements of a group, 1 to 4.
     - Small T (decode): fewer tokens, then fewer groups, then fewer heads per program,
       until the grid has two programs per SM.
+    - Programs head-major (see the module docstring); token loops measured no faster.
 
     Measured at 16k tokens, bf16 (bench/shape_sweep.py, kernel_check): Hq=32 Hk=8 D=128
-    gets one token, 2 heads x 4 groups, 1 warp (86.8 us, 95.5% of the ceiling); Hk=1
-    layouts get 4 tokens x 2 heads (H8x1 D128: 16.7 us against 23.6 us with groups).
+    gets one token, 2 heads x 4 groups, 1 warp (84.9 us head-major, 97.9% of the
+    ceiling; 88.8 us token-major); Hk=1 layouts get 4 tokens x 2 heads (H8x1 D128:
+    16.7 us against 23.6 us with groups).
     """
     heads_per_program = max(1, min(_next_pow2(max(q_heads, k_heads)), _GROUP_ELEMENTS // lanes))
     target = max(_PROGRAM_ELEMENTS, 8 * lanes) // (heads_per_program * lanes)
@@ -122,7 +127,8 @@ def block_config(num_tokens: int, q_heads: int, k_heads: int, lanes: int) -> Blo
     while heads_per_program > 1 and programs(block_tokens, heads_per_program, groups) < _MIN_PROGRAMS:
         heads_per_program //= 2
     num_warps = max(1, min(4, block_tokens * heads_per_program * lanes // (2 * _GROUP_ELEMENTS)))
-    return BlockConfig(block_tokens, heads_per_program, num_warps, groups_per_program=groups)
+    return BlockConfig(block_tokens, heads_per_program, num_warps, groups_per_program=groups,
+                       heads_major=True)
 
 
 def _sin_cos_approx(angle):
