@@ -49,7 +49,7 @@ for step in "$@"; do
         loops) for t in 16384 65536; do timeout 150 python3 -m bench.shape_sweep --layouts 32x8x128 \
                    --tokens $t --seconds-per-shape 120 --out "$L/loops_$t.json"; done >"$log" 2>&1 ;;
         shapetest) timeout 150 "${PYTEST[@]}" tests/gpu/test_launch_shapes_gpu.py >"$log" 2>&1 ;;
-        shapes) timeout 200 python3 -m bench.shape_sweep --out "$L/shape_sweep.json" >"$log" 2>&1 ;;
+        shapes) timeout 200 python3 -m bench.shape_sweep --seconds-per-shape "${SHAPES_S:-25}" --out "$L/shape_sweep.json" >"$log" 2>&1 ;;
         ncu) NCU_ROPE_BUDGET_S=200 timeout 230 bash bench/ncu_rope.sh "$L/ncu" >"$log" 2>&1 ;;
         bench) timeout 210 python3 -m bench.rope_bench --out "$L" --budget-s "${BENCH_BUDGET:-150}" \
                    >"$log" 2>&1 ;;

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Tuple
 
 import jax
@@ -46,7 +47,7 @@ from jaxrope.kernels.angle import cos_sin
 _MIN_PROGRAMS = 264
 # Elements of one head group's half: one warp, one 8-byte bf16 vector per thread.
 _GROUP_ELEMENTS = 128
-# Elements of one program's half-block (2 KB of bf16 read), at least 8 lanes-wide rows.
+# Elements of one program's half-block (2 KB of bf16 read).
 _PROGRAM_ELEMENTS = 512
 
 
@@ -96,39 +97,31 @@ def block_config(num_tokens: int, q_heads: int, k_heads: int, lanes: int) -> Blo
 
     - A head group fills 128 elements of a half (``heads_per_program = 128 // lanes``,
       at least 1): one load per thread of one warp.
-    - A program covers ``max(512, 8 * lanes)`` elements per half (2 KB of bf16 at
-      D=128): first more head groups (their loads all issued before the first store,
-      cos/sin computed once), as many as the k heads fill, then more tokens. Layouts
-      with few k heads (Hk=1) thus get token blocks instead of mostly-masked groups.
-    - Warps: one per 256 elements of a group, 1 to 4.
-    - Small T (decode): fewer tokens, then fewer groups, then fewer heads per program,
-      until the grid has two programs per SM.
-    - Programs head-major (see the module docstring); token loops measured no faster.
+    - A program rotates 512 elements per half (2 KB of bf16): four groups at D <= 256,
+      their loads all issued before the first store and cos/sin computed once. Groups
+      past the last head are masked, not shrunk: the sweeps found no head layout where
+      smaller programs won.
+    - When a token needs at most two programs (few heads, e.g. Hq=8 Hk=1 at D <= 128)
+      a program walks 8 tokens, so per-program setup is not paid per token.
+    - Programs head-major (see the module docstring); one warp each up to D=512.
+    - Small T (decode): shorter token walks, then fewer groups, then fewer heads per
+      program, until the grid has two programs per SM.
 
-    Measured at 16k tokens, bf16 (bench/shape_sweep.py, kernel_check): Hq=32 Hk=8 D=128
-    gets one token, 2 heads x 4 groups, 1 warp (84.9 us head-major, 97.9% of the
-    ceiling; 88.8 us token-major); Hk=1 layouts get 4 tokens x 2 heads (H8x1 D128:
-    16.7 us against 23.6 us with groups).
+    Measured at 16k tokens, bf16 (bench/shape_sweep.py, call 3 of 2026-11-30's third
+    session), this shape family was the best of ~20 tried on every layout within the
+    sweep's noise: Hq=32 Hk=8 D=128 84.9 us (98% of the ceiling), D=64 45.0 us;
+    Hq=64 Hk=8 D=64 77.1 us; Hq=8 Hk=1 D=256 40.1 us, D=128 15.8 us, D=64 10.6 us.
     """
     heads_per_program = max(1, min(_next_pow2(max(q_heads, k_heads)), _GROUP_ELEMENTS // lanes))
-    target = max(_PROGRAM_ELEMENTS, 8 * lanes) // (heads_per_program * lanes)
-    groups = max(1, min(target, -(-k_heads // heads_per_program),
-                        -(-q_heads // heads_per_program)))
-    groups = 1 << (groups.bit_length() - 1)
-    block_tokens = max(1, min(_next_pow2(num_tokens), target // groups))
-
-    def programs(bt: int, hpp: int, gpp: int) -> int:
-        return -(-num_tokens // bt) * (-(-q_heads // (hpp * gpp)) + -(-k_heads // (hpp * gpp)))
-
-    while block_tokens > 1 and programs(block_tokens, heads_per_program, groups) < _MIN_PROGRAMS:
-        block_tokens //= 2
-    while groups > 1 and programs(block_tokens, heads_per_program, groups) < _MIN_PROGRAMS:
-        groups //= 2
-    while heads_per_program > 1 and programs(block_tokens, heads_per_program, groups) < _MIN_PROGRAMS:
-        heads_per_program //= 2
-    num_warps = max(1, min(4, block_tokens * heads_per_program * lanes // (2 * _GROUP_ELEMENTS)))
-    return BlockConfig(block_tokens, heads_per_program, num_warps, groups_per_program=groups,
-                       heads_major=True)
+    groups = max(1, _PROGRAM_ELEMENTS // (heads_per_program * lanes))
+    block = BlockConfig(1, heads_per_program, 1, groups_per_program=groups, heads_major=True)
+    if sum(head_programs(q_heads, k_heads, block)) <= 2:
+        block = dataclasses.replace(block, token_loop=8)
+    for field in ("token_loop", "groups_per_program", "heads_per_program"):
+        while (getattr(block, field) > 1
+               and math.prod(grid(num_tokens, q_heads, k_heads, block)) < _MIN_PROGRAMS):
+            block = dataclasses.replace(block, **{field: getattr(block, field) // 2})
+    return block
 
 
 def _sin_cos_approx(angle):
