@@ -18,6 +18,7 @@
 #   shapes    launch shapes per head layout (bench/shape_sweep.py)
 #   loops     launch shapes of Hq=32 Hk=8 D=128 at 16384 and 65536 tokens, token loops and
 #             program order included (bench/shape_sweep.py --layouts 32x8x128)
+#   jaxshapes the same through jax.jit (XLA's Triton), bench/shape_sweep.py --path jax
 #   shapetest the launch-shape GPU tests (tests/gpu/test_launch_shapes_gpu.py)
 #   ncu       Nsight Compute on the kernel, ceiling and FlashInfer (bench/ncu_rope.sh)
 #   bench     the full rope_bench sweep (BENCH_BUDGET seconds, 150)
@@ -48,6 +49,8 @@ for step in "$@"; do
                    --sweep-seconds "${SWEEP_S:-100}" >"$log" 2>&1 ;;
         loops) for t in 16384 65536; do timeout 150 python3 -m bench.shape_sweep --layouts 32x8x128 \
                    --tokens $t --seconds-per-shape 120 --out "$L/loops_$t.json"; done >"$log" 2>&1 ;;
+        jaxshapes) for t in 16384 65536; do timeout 120 python3 -m bench.shape_sweep --layouts 32x8x128 \
+                   --path jax --tokens $t --seconds-per-shape 90 --out "$L/jaxshapes_$t.json"; done >"$log" 2>&1 ;;
         shapetest) timeout 150 "${PYTEST[@]}" tests/gpu/test_launch_shapes_gpu.py >"$log" 2>&1 ;;
         shapes) timeout 200 python3 -m bench.shape_sweep --seconds-per-shape "${SHAPES_S:-25}" --out "$L/shape_sweep.json" >"$log" 2>&1 ;;
         ncu) NCU_ROPE_BUDGET_S=200 timeout 230 bash bench/ncu_rope.sh "$L/ncu" >"$log" 2>&1 ;;

@@ -19,7 +19,9 @@ import json
 import time
 from typing import Dict, List, Tuple
 
-from bench.kernel_check import torch_ceiling_us, torch_event_time
+import jax.numpy as jnp
+
+from bench.kernel_check import dispatch_time, rope_fn, torch_ceiling_us, torch_event_time
 from jaxrope.config import RopeConfig
 from jaxrope.kernels import pallas_triton
 
@@ -52,13 +54,16 @@ def main(argv=None) -> Dict:
     parser.add_argument("--seconds-per-shape", type=float, default=25.0)
     parser.add_argument("--layouts", default=None, metavar="HQxHKxD,...",
                         help="only these head layouts, e.g. 32x8x128 (default: all of LAYOUTS)")
+    parser.add_argument("--path", choices=("torch", "jax"), default="torch",
+                        help="launch from torch (Triton's compiler, CUDA events) or through "
+                             "jax.jit (XLA's Triton; donated back-to-back calls, wall / n)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("shape_sweep needs a CUDA device")
     launcher = TritonLauncher()
     tokens, n = args.tokens, 50
-    report: Dict = {"tokens": tokens, "layouts": []}
+    report: Dict = {"tokens": tokens, "path": args.path, "layouts": []}
     layouts = LAYOUTS if args.layouts is None else [
         tuple(int(x) for x in item.split("x")) for item in args.layouts.split(",")]
     for q_heads, k_heads, head_dim in layouts:
@@ -68,6 +73,8 @@ def main(argv=None) -> Dict:
         k = torch.randn(tokens, k_heads, head_dim, dtype=torch.bfloat16, device="cuda")
         pos = torch.randint(0, 1 << 20, (tokens,), dtype=torch.int32, device="cuda")
         ceiling = torch_ceiling_us(q.numel() * 2 + k.numel() * 2, n)
+        jax_args = tuple(jnp.asarray(x.cpu().float().numpy(), jnp.bfloat16) for x in (q, k)) + (
+            jnp.asarray(pos.cpu().numpy()),)
         default = pallas_triton.block_config(tokens, q_heads, k_heads, lanes)
         rows = []
         deadline = time.perf_counter() + args.seconds_per_shape
@@ -77,7 +84,11 @@ def main(argv=None) -> Dict:
             if rows and time.perf_counter() > deadline:
                 break
             try:
-                us = torch_event_time(lambda: launcher.rotate_(q, k, pos, cfg, block=block), n)
+                if args.path == "jax":
+                    us = dispatch_time(rope_fn(cfg, "pallas", block),
+                                       tuple(jnp.array(x) for x in jax_args), n)  # donated
+                else:
+                    us = torch_event_time(lambda: launcher.rotate_(q, k, pos, cfg, block=block), n)
             except Exception as e:  # noqa: BLE001 - report and continue the sweep
                 print(f"  {block} failed: {str(e)[:160]}")
                 continue
