@@ -40,7 +40,7 @@ for step in "$@"; do
         tests) timeout 150 "${PYTEST[@]}" tests/gpu -n 4 >"$log" 2>&1 ;;
         counters) timeout 150 "${PYTEST[@]}" tests/gpu/test_counters_gpu.py tests/gpu/test_bridge_gpu.py >"$log" 2>&1 ;;
         parity) timeout 90 "${PYTEST[@]}" tests/gpu/test_flashinfer_parity.py -n 4 >"$log" 2>&1 ;;
-        bridge) timeout 100 python3 -m bench.bridge_bench --device cuda --iters 100 \
+        bridge) timeout 150 python3 -m bench.bridge_bench --device cuda --iters "${BRIDGE_ITERS:-100}" \
                     --out "$L/bridge_bench.json" >"$log" 2>&1 ;;
         apply) timeout 60 python3 -m bench.apply_profile >"$log" 2>&1 ;;
         plan) timeout 120 python3 -m bench.plan_profile >"$log" 2>&1 ;;
@@ -53,7 +53,7 @@ for step in "$@"; do
                    --path jax --tokens $t --seconds-per-shape 90 --out "$L/jaxshapes_$t.json"; done >"$log" 2>&1 ;;
         shapetest) timeout 150 "${PYTEST[@]}" tests/gpu/test_launch_shapes_gpu.py >"$log" 2>&1 ;;
         shapes) timeout 200 python3 -m bench.shape_sweep --seconds-per-shape "${SHAPES_S:-25}" --out "$L/shape_sweep.json" >"$log" 2>&1 ;;
-        ncu) NCU_ROPE_BUDGET_S=200 timeout 230 bash bench/ncu_rope.sh "$L/ncu" >"$log" 2>&1 ;;
+        ncu) NCU_ROPE_FULL=${NCU_ROPE_FULL:-1} NCU_ROPE_BUDGET_S=200 timeout 230 bash bench/ncu_rope.sh "$L/ncu" >"$log" 2>&1 ;;
         bench) timeout 210 python3 -m bench.rope_bench --out "$L" --budget-s "${BENCH_BUDGET:-150}" \
                    >"$log" 2>&1 ;;
         *) echo "unknown step $step" >"$log" ;;

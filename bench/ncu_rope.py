@@ -16,8 +16,8 @@ bf16 on the GPU, rotated in place at int32 positions uniform in ``[0, 2**20)``,
 
 - ``ours``: the Pallas kernel launched from torch as production does,
   ``TritonLauncher().rotate_(q, k, pos_ids, cfg)``, labelled ``ours_heuristic`` (the
-  ``block_config`` launch shape); and ``ours_bt2-hp4-w2``, the same with
-  ``block=BlockConfig(2, 4, 2)`` (``--block``), the launch shape the block sweep liked best.
+  ``block_config`` launch shape); and ``ours_<shape>``, the same with
+  ``--block`` (default: the heuristic's shape at Hq=32 Hk=8 D=128, token-major).
 - ``ceiling``: the in-place elementwise ceiling exactly as ``bench/rope_bench.py`` times
   it: ``mul_(1.0)`` on one buffer holding q and k (``torch.cat`` of both, flattened).
 - ``flashinfer``: ``flashinfer.rope.apply_rope_pos_ids_inplace(q, k, pos_ids,
@@ -65,7 +65,8 @@ THETA = 5e5
 MAX_POSITION = 1 << 20
 NVTX_RANGE = "ncu_rope"
 WHATS = ("ours", "ceiling", "flashinfer")
-DEFAULT_BLOCK = (2, 4, 2)
+# Today's default shape in token-major order: the profile shows what program order changes.
+DEFAULT_BLOCK = (1, 2, 1, 4, 1, 0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -632,7 +633,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="token counts (default 16384 65536)")
     parser.add_argument("--block", type=_block, default=DEFAULT_BLOCK, metavar="BT,HP,W[,G,L,M]",
                         help="launch shape of the ours_* variant: tokens, heads, warps, groups, "
-                             "token loop, heads-major (default 2,4,2)")
+                             "token loop, heads-major (default 1,2,1,4,1,0)")
     parser.add_argument("--warmup", type=int, default=3, help="launches before the NVTX range")
     parser.add_argument("--launches", type=int, default=3,
                         help="launches inside the NVTX range (profiled under ncu)")
