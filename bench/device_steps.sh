@@ -43,7 +43,8 @@ for step in "$@"; do
         bridge) timeout 150 python3 -m bench.bridge_bench --device cuda --iters "${BRIDGE_ITERS:-100}" \
                     --out "$L/bridge_bench.json" >"$log" 2>&1 ;;
         apply) timeout 60 python3 -m bench.apply_profile >"$log" 2>&1 ;;
-        plan) timeout 120 python3 -m bench.plan_profile >"$log" 2>&1 ;;
+        plan) { timeout 100 python3 -m bench.plan_profile --steps 1500;
+                timeout 100 python3 -m bench.plan_profile --steps 1500 --init-jax; } >"$log" 2>&1 ;;
         kernel) timeout 90 python3 -m bench.kernel_check --out "$L" --skip cases,triton >"$log" 2>&1 ;;
         sweep) timeout 280 python3 -m bench.kernel_check --out "$L" --skip cases,triton \
                    --sweep-seconds "${SWEEP_S:-100}" >"$log" 2>&1 ;;

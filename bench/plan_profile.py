@@ -59,8 +59,15 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--init-jax", action="store_true",
+                        help="start JAX's client on the device first (as a JAX-path apply_qk or "
+                             "reading mgr.table would)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.init_jax:
+        import jax
+        jax.block_until_ready(jax.device_put(1.0, jax.devices()[0]) + 1)
+        print(f"JAX client started on {jax.devices()[0]}")
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     rids = [f"r{i}" for i in range(256)]
     steps = _steps(rids, 1, args.steps)
