@@ -40,7 +40,7 @@ for step in "$@"; do
         tests) timeout 150 "${PYTEST[@]}" tests/gpu -n 4 >"$log" 2>&1 ;;
         counters) timeout 150 "${PYTEST[@]}" tests/gpu/test_counters_gpu.py tests/gpu/test_bridge_gpu.py >"$log" 2>&1 ;;
         parity) timeout 90 "${PYTEST[@]}" tests/gpu/test_flashinfer_parity.py -n 4 >"$log" 2>&1 ;;
-        bridge) timeout 150 python3 -m bench.bridge_bench --device cuda --iters "${BRIDGE_ITERS:-100}" \
+        bridge) timeout 150 python3 -m bench.bridge_bench --device cuda --iters "${BRIDGE_ITERS:-1000}" --warmup 500 \
                     --out "$L/bridge_bench.json" >"$log" 2>&1 ;;
         apply) timeout 60 python3 -m bench.apply_profile >"$log" 2>&1 ;;
         plan) { timeout 100 python3 -m bench.plan_profile --steps 1500;
