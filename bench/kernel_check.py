@@ -3,6 +3,11 @@ a launch-shape sweep on the target shapes, and the Triton fast path from torch.
 
     python3 -m bench.kernel_check --out DIR
 
+At each token count it also times both JAX paths, donated back-to-back jitted calls:
+the Pallas kernel compiled by XLA's Triton (``pallas_dispatch_us``) and the Mosaic GPU
+kernel (``mosaic_dispatch_us``, :mod:`jaxrope.kernels.mosaic_gpu`; an error string when
+it does not build), each with its fraction of the ceiling.
+
 Prints a short table and writes ``DIR/kernel_check.json``. Timings are medians of
 wall time over jitted ``fori_loop``s (dispatch excluded) or CUDA-event timings of torch
 work; the in-place elementwise ceiling is a torch ``mul_`` on one buffer of the same size.
@@ -128,8 +133,8 @@ def rope_fn(cfg, backend, block=None):
     tables, att = kernel_constants(cfg)
 
     def step(q, k, p):
-        if backend == "xla":
-            return apply_rope(q, k, p, cfg, backend="xla")
+        if backend in ("xla", "mosaic"):
+            return apply_rope(q, k, p, cfg, backend=backend)
         return pallas_triton.rope_pallas(q, k, p, jnp.asarray(tables), rotary_dim=cfg.rotary_dim,
                                          interleave=cfg.interleave, attention_factor=att,
                                          config=block)
@@ -189,6 +194,13 @@ def timings(rng, report, sweep_seconds):
                                                inputs(rng, tokens, 32, 8, 128), n)
         row["pallas_dispatch_us"] = dispatch_time(rope_fn(VARIANTS["plain"], "pallas"),
                                                   inputs(rng, tokens, 32, 8, 128), n)
+        try:
+            row["mosaic_dispatch_us"] = dispatch_time(rope_fn(VARIANTS["plain"], "mosaic"),
+                                                      inputs(rng, tokens, 32, 8, 128), n)
+            row["mosaic_frac_ceiling"] = ceiling / row["mosaic_dispatch_us"]
+            row["pallas_frac_ceiling_jax"] = ceiling / row["pallas_dispatch_us"]
+        except Exception as e:  # noqa: BLE001 - a first measurement: report, keep the rest
+            row["mosaic_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         for name, cfg in VARIANTS.items():
             row[f"pallas_{name}_kernel_us"] = triton_time(launcher, cfg, tokens, n)
         row["default_block"] = str(pallas_triton.block_config(tokens, 32, 8, 64))

@@ -80,8 +80,10 @@ def apply_rope(q, k, pos_ids, cfg: RopeConfig, backend: str = "auto"):
         Checked when the values are visible (not traced under ``jit``); traced
         positions are not checked, and values at or past ``2**24`` lose angle accuracy.
       cfg: the :class:`RopeConfig`; static under ``jit``.
-      backend: "auto" (Pallas on GPU, XLA elsewhere), "pallas", "xla", or "interpret"
-        (the Pallas kernel body run by the Pallas interpreter, any platform).
+      backend: "auto" (Pallas on GPU, XLA elsewhere), "pallas", "xla", "interpret"
+        (the Pallas kernel body run by the Pallas interpreter, any platform) or
+        "mosaic" (the Mosaic GPU kernel; CUDA, NeoX layouts whose halves fill whole
+        warpgroups: see :mod:`jaxrope.kernels.mosaic_gpu`).
 
     Returns:
       ``(q, k)`` rotated, same shapes and dtypes. Dims ``[cfg.rotary_dim, D)`` are
@@ -93,7 +95,8 @@ def apply_rope(q, k, pos_ids, cfg: RopeConfig, backend: str = "auto"):
     Raises:
       TypeError: ``cfg`` is not a RopeConfig or an input is not an array.
       ValueError: a shape, dtype, device or visible position is invalid.
-      NotImplementedError: ``backend="pallas"`` off GPU.
+      NotImplementedError: ``backend="pallas"`` off GPU, ``backend="mosaic"`` off
+        CUDA or on a layout it does not cover.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxrope as jr

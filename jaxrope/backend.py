@@ -10,13 +10,15 @@ means a ``plgpu.kernel`` written around explicit GMEM/SMEM copies.
 
 ``BACKENDS`` is the tuple of names ``apply_rope(..., backend=...)`` accepts: "auto"
 (Pallas on GPU, XLA elsewhere), "pallas" (the Pallas kernel, GPU only), "xla" (the
-reference implementation) and "interpret" (the Pallas kernel body run by the Pallas
-interpreter, for CPU tests).
+reference implementation), "interpret" (the Pallas kernel body run by the Pallas
+interpreter, for CPU tests) and "mosaic" (the Mosaic GPU kernel of
+:mod:`jaxrope.kernels.mosaic_gpu`, CUDA only and not every layout, kept for measuring
+against the Triton-lowered one).
 
 Example:
   >>> import jaxrope as jr
   >>> jr.BACKENDS
-  ('auto', 'pallas', 'xla', 'interpret')
+  ('auto', 'pallas', 'xla', 'interpret', 'mosaic')
   >>> resolve("auto", "cpu") is resolve("xla", "cpu")
   True
 """
@@ -26,14 +28,15 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-from jaxrope.kernels import pallas_triton, reference
+from jaxrope.kernels import mosaic_gpu, pallas_triton, reference
 
-BACKENDS = ("auto", "pallas", "xla", "interpret")
+BACKENDS = ("auto", "pallas", "xla", "interpret", "mosaic")
 
 _IMPLEMENTATIONS = {
     "xla": reference.rope_reference,
     "pallas": pallas_triton.rope_pallas,
     "interpret": functools.partial(pallas_triton.rope_pallas, interpret=True),
+    "mosaic": mosaic_gpu.rope_mosaic,
 }
 
 
@@ -44,7 +47,8 @@ def resolve(backend: str, platform: str) -> Callable:
 
     Raises:
       ValueError: unknown backend name.
-      NotImplementedError: "pallas" on a platform without a Pallas GPU lowering.
+      NotImplementedError: "pallas" on a platform without a Pallas GPU lowering, or
+        "mosaic" off CUDA.
 
     Example:
       >>> resolve("xla", "cpu").__name__
@@ -59,4 +63,8 @@ def resolve(backend: str, platform: str) -> Callable:
         raise NotImplementedError(
             f"backend='pallas' needs a GPU, the arrays are on {platform!r}; use 'interpret' to "
             "run the same kernel body on CPU, or 'xla'")
+    if backend == "mosaic" and platform not in ("gpu", "cuda"):
+        raise NotImplementedError(
+            f"backend='mosaic' needs a CUDA GPU (Hopper or newer), the arrays are on "
+            f"{platform!r}")
     return _IMPLEMENTATIONS[backend]

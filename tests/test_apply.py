@@ -7,6 +7,7 @@ compiles once; the boundary checks that need visible values run eagerly.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import jax
@@ -314,3 +315,68 @@ def test_every_launch_shape_gives_the_same_rotation(name, block):
     expected = oracle.rope_oracle(np.asarray(q), np.asarray(pos, np.int64),
                                   *oracle.serving_frequencies(cfg), cfg.rotary_dim, cfg.interleave)
     np.testing.assert_allclose(want_q, expected, rtol=0, atol=1e-4)
+
+
+def _mosaic_interpreter_missing():
+    """Why Mosaic GPU's interpreter cannot run here (None when it can)."""
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    except ImportError as e:  # JAX 0.10 imports absl there
+        return f"jax {jax.__version__}: Mosaic GPU Pallas does not import ({e})"
+    if not (hasattr(plgpu, "InterpretGPUParams") and hasattr(jax, "new_ref")):
+        return f"jax {jax.__version__} has no Mosaic GPU interpreter or mutable refs"
+    return None
+
+
+MOSAIC_MISSING = _mosaic_interpreter_missing()
+needs_mosaic = pytest.mark.skipif(MOSAIC_MISSING is not None, reason=str(MOSAIC_MISSING))
+
+
+def _mosaic(cfg, q, k, pos, interpret=True):
+    from jaxrope.kernels import mosaic_gpu
+    tables, attention = jr.apply.kernel_constants(cfg)
+    return mosaic_gpu.rope_mosaic(q, k, jnp.asarray(pos), jnp.asarray(tables),
+                                  rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
+                                  attention_factor=attention, interpret=interpret)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", [c for c in CASES if not c.cfg.interleave], ids=lambda c: c.name)
+def test_mosaic_kernel_matches_the_oracle_in_its_interpreter(case, dtype_name):
+    # The fewest heads whose half fills whole warpgroups; positions near a million, where
+    # only the accurate angle stays at the rounding floor.
+    cfg = dataclasses.replace(case.cfg, max_position=LARGE[1])
+    heads = 128 // math.gcd(cfg.rotary_dim // 2, 128)
+    rng = np.random.default_rng()
+    q, k = _qk(rng, 3, 2 * heads, heads, cfg.head_dim, DTYPES[dtype_name])
+    pos = rng.integers(*LARGE, 3).astype(np.int32)
+    _check(cfg, q, k, pos, jax.jit(lambda a, b: _mosaic(cfg, a, b, pos))(q, k), dtype_name)
+
+
+@needs_mosaic
+def test_mosaic_kernel_lowers_for_cuda_in_place():
+    # Off a GPU the Mosaic GPU lowering still runs: donated q and k must alias the outputs.
+    cfg = BY_NAME["llama3_8b"].cfg
+    q = jax.ShapeDtypeStruct((16, 32, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((16, 8, 128), jnp.bfloat16)
+    pos = np.arange(16, dtype=np.int32)
+    text = jax.jit(lambda a, b: _mosaic(cfg, a, b, pos, interpret=False),
+                   donate_argnums=(0, 1)).trace(q, k).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    assert len(re.findall(r"tensor<16x(?:32|8)x128xbf16> \{tf\.aliasing_output = [01]", text)) == 2
+
+
+def test_mosaic_backend_refuses_what_it_does_not_cover():
+    from jaxrope.kernels import mosaic_gpu
+    assert "interleaved" in mosaic_gpu.unsupported(32, 8, 128, True)
+    assert "k has 1 heads x 64" in mosaic_gpu.unsupported(32, 1, 128, False)
+    assert mosaic_gpu.unsupported(32, 8, 128, False) is None
+    q, k = _qk(np.random.default_rng(), 2, 4, 2, 128, jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="interleaved"):
+        _mosaic(BY_NAME["gptj_interleave"].cfg, *_qk(np.random.default_rng(), 2, 4, 2, 256,
+                                                      jnp.bfloat16), np.zeros(2, np.int32))
+    if jax.default_backend() != "gpu":
+        with pytest.raises(NotImplementedError, match="backend='mosaic' needs a CUDA GPU"):
+            jr.apply_rope(q, k, jnp.zeros((2,), jnp.int32), BY_NAME["llama3_8b"].cfg,
+                          backend="mosaic")

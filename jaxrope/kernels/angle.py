@@ -20,30 +20,33 @@ from jaxrope.frequencies import POSITION_LOW_BITS
 _LOW_MASK = (1 << POSITION_LOW_BITS) - 1
 
 
-def _frac(x):
-    # Exact for float32: x - floor(x) keeps a subset of x's significand bits.
-    return x - jnp.floor(x)
-
-
 def _sin_cos_exact(angle):
     return jnp.sin(angle), jnp.cos(angle)
 
 
 def cos_sin(pos, turns_hi, turns_mid, turns_lo, attention_factor: float,
-            sin_cos=_sin_cos_exact):
+            sin_cos=_sin_cos_exact, floor=jnp.floor):
     """float32 ``cos, sin`` of shape ``pos.shape + turns.shape``, times ``attention_factor``.
 
-    ``pos``: int32 positions in ``[0, 2**24)``, any shape ``[...]``; ``turns_*``: float32
-    ``[R/2]`` (or broadcastable), the hi/mid/lo parts of ``inv_freq / (2*pi)``.
-    ``sin_cos``: the float32 sine and cosine of an angle in ``[-pi, pi]``; a GPU kernel
-    passes the hardware approximations (absolute error ~1e-6 there).
+    ``pos``: int32 positions in ``[0, 2**24)``, any shape ``[...]`` (a scalar broadcasts
+    as is); ``turns_*``: float32 ``[R/2]`` (or broadcastable), the hi/mid/lo parts of
+    ``inv_freq / (2*pi)``. ``sin_cos``: the float32 sine and cosine of an angle in
+    ``[-pi, pi]``; a GPU kernel passes the hardware approximations (absolute error ~1e-6
+    there). ``floor``: applied only to non-negative values below ``2**31``, so a kernel
+    language without one may pass a truncating int conversion.
     """
-    pos = pos[..., None]
+    if jnp.ndim(pos):
+        pos = pos[..., None]
     p_lo = pos & _LOW_MASK
     p_hi = (pos - p_lo).astype(jnp.float32)
     p_lo = p_lo.astype(jnp.float32)
-    turns = (_frac(p_hi * turns_hi) + _frac(p_hi * turns_mid) + _frac(p_lo * turns_hi)
+
+    def frac(x):
+        # Exact for float32: x - floor(x) keeps a subset of x's significand bits.
+        return x - floor(x)
+
+    turns = (frac(p_hi * turns_hi) + frac(p_hi * turns_mid) + frac(p_lo * turns_hi)
              + (p_lo * turns_mid + (p_hi + p_lo) * turns_lo))
-    angle = (turns - jnp.floor(turns + 0.5)) * jnp.float32(2 * math.pi)
+    angle = (turns - floor(turns + 0.5)) * jnp.float32(2 * math.pi)
     sin, cos = sin_cos(angle)
     return cos * attention_factor, sin * attention_factor
