@@ -13,7 +13,9 @@
 #   bridge    plan + commit host time and apply_qk vs FlashInfer (bench/bridge_bench.py)
 #   apply     apply_qk's layers timed alone (bench/apply_profile.py)
 #   plan      plan + commit's host time split: launch, Python, cProfile (bench/plan_profile.py)
-#   kernel    kernel timings, variants, 64 tokens (bench/kernel_check.py)
+#   kernel    kernel timings, variants, 64 tokens, both JAX paths: XLA's Triton and Mosaic GPU
+#             (bench/kernel_check.py)
+#   mosaic    the Mosaic GPU kernel's GPU test (tests/gpu/test_mosaic_gpu.py)
 #   sweep     kernel_check with the launch-shape sweep (SWEEP_S seconds per size, 100)
 #   shapes    launch shapes per head layout (bench/shape_sweep.py)
 #   loops     launch shapes of Hq=32 Hk=8 D=128 at 16384 and 65536 tokens, token loops and
@@ -52,6 +54,7 @@ for step in "$@"; do
                    --tokens $t --seconds-per-shape 120 --out "$L/loops_$t.json"; done >"$log" 2>&1 ;;
         jaxshapes) for t in 16384 65536; do timeout 120 python3 -m bench.shape_sweep --layouts 32x8x128 \
                    --path jax --tokens $t --seconds-per-shape 90 --out "$L/jaxshapes_$t.json"; done >"$log" 2>&1 ;;
+        mosaic) timeout 150 "${PYTEST[@]}" tests/gpu/test_mosaic_gpu.py >"$log" 2>&1 ;;
         shapetest) timeout 150 "${PYTEST[@]}" tests/gpu/test_launch_shapes_gpu.py >"$log" 2>&1 ;;
         shapes) timeout 200 python3 -m bench.shape_sweep --seconds-per-shape "${SHAPES_S:-25}" --out "$L/shape_sweep.json" >"$log" 2>&1 ;;
         ncu) NCU_ROPE_FULL=${NCU_ROPE_FULL:-1} NCU_ROPE_BUDGET_S=200 timeout 230 bash bench/ncu_rope.sh "$L/ncu" >"$log" 2>&1 ;;
