@@ -132,7 +132,7 @@ def build_kernels(torch, what: str, tokens: int, q, k, pos, launcher_box: Dict[s
         heuristic = pallas_triton.block_config(tokens, Q_HEADS, K_HEADS,
                                                pallas_triton.lanes_for(cfg.rotary_dim))
         bt, hp, warps, *rest = variant
-        groups, loop, major = (*rest, 1, 1, 0)[:3]
+        groups, loop, major = (*rest, *(1, 1, 0)[len(rest):])
         swept = pallas_triton.BlockConfig(bt, hp, warps, groups_per_program=groups,
                                           token_loop=loop, heads_major=bool(major))
         for label, block, passed in (("ours_heuristic", heuristic, None),

@@ -99,7 +99,7 @@ def main(argv=None) -> None:
             print(f"decode 256x1 {mode}: full {np.median(full) * 1e6:.1f} us "
                   f"(p90 {np.percentile(full, 90) * 1e6:.1f}), no launch "
                   f"{np.median(bare) * 1e6:.1f} us, one counter-kernel launch {launch_us:.2f} us, "
-                  f"{len(calls) / max(len(bare), 1):.2f} launches per step")
+                  f"{len(calls) / len(steps):.2f} counter launches per step (resets included)")
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
             print(text.getvalue())

@@ -18,6 +18,7 @@ import pytest
 import jaxrope as jr
 from jaxrope import backend as backend_module
 from jaxrope.cases import BY_NAME, CASES
+from jaxrope.kernels import mosaic_gpu
 from jaxrope.kernels.reference import rope_reference
 
 from tests import oracle
@@ -317,23 +318,11 @@ def test_every_launch_shape_gives_the_same_rotation(name, block):
     np.testing.assert_allclose(want_q, expected, rtol=0, atol=1e-4)
 
 
-def _mosaic_interpreter_missing():
-    """Why Mosaic GPU's interpreter cannot run here (None when it can)."""
-    try:
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-    except ImportError as e:  # JAX 0.10 imports absl there
-        return f"jax {jax.__version__}: Mosaic GPU Pallas does not import ({e})"
-    if not (hasattr(plgpu, "InterpretGPUParams") and hasattr(jax, "new_ref")):
-        return f"jax {jax.__version__} has no Mosaic GPU interpreter or mutable refs"
-    return None
-
-
-MOSAIC_MISSING = _mosaic_interpreter_missing()
+MOSAIC_MISSING = mosaic_gpu.unavailable()
 needs_mosaic = pytest.mark.skipif(MOSAIC_MISSING is not None, reason=str(MOSAIC_MISSING))
 
 
 def _mosaic(cfg, q, k, pos, interpret=True):
-    from jaxrope.kernels import mosaic_gpu
     tables, attention = jr.apply.kernel_constants(cfg)
     return mosaic_gpu.rope_mosaic(q, k, jnp.asarray(pos), jnp.asarray(tables),
                                   rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
@@ -354,6 +343,27 @@ def test_mosaic_kernel_matches_the_oracle_in_its_interpreter(case, dtype_name):
     _check(cfg, q, k, pos, jax.jit(lambda a, b: _mosaic(cfg, a, b, pos))(q, k), dtype_name)
 
 
+def test_mosaic_floor_is_a_floor_for_either_sign():
+    # The turn tables' mid and lo parts are signed: the kernel floors negative values too.
+    x = np.random.default_rng().uniform(-3e6, 3e6, 4096).astype(np.float32)
+    x[:4] = [-2.5, -2.0, -0.25, 0.0]
+    np.testing.assert_array_equal(np.asarray(mosaic_gpu._floor(jnp.asarray(x))), np.floor(x))
+
+
+@needs_mosaic
+@pytest.mark.parametrize("head_dim, rotary_dim, q_heads, k_heads",
+                         [(40, 40, 256, 64), (100, 64, 32, 8), (128, 128, 32, 8)])
+def test_mosaic_vectors_never_straddle_a_head(head_dim, rotary_dim, q_heads, k_heads):
+    # Halves of 20 elements or heads 100 apart must not get 8-wide vectors: the CUDA
+    # lowering rejects them.
+    cfg = jr.RopeConfig(head_dim=head_dim, rotary_dim=rotary_dim)
+    q = jax.ShapeDtypeStruct((4, q_heads, head_dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((4, k_heads, head_dim), jnp.bfloat16)
+    pos = np.arange(4, dtype=np.int32)
+    jax.jit(lambda a, b: _mosaic(cfg, a, b, pos, interpret=False)).trace(q, k).lower(
+        lowering_platforms=("cuda",))
+
+
 @needs_mosaic
 def test_mosaic_kernel_lowers_for_cuda_in_place():
     # Off a GPU the Mosaic GPU lowering still runs: donated q and k must alias the outputs.
@@ -368,7 +378,6 @@ def test_mosaic_kernel_lowers_for_cuda_in_place():
 
 
 def test_mosaic_backend_refuses_what_it_does_not_cover():
-    from jaxrope.kernels import mosaic_gpu
     assert "interleaved" in mosaic_gpu.unsupported(32, 8, 128, True)
     assert "k has 1 heads x 64" in mosaic_gpu.unsupported(32, 1, 128, False)
     assert mosaic_gpu.unsupported(32, 8, 128, False) is None

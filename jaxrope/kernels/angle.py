@@ -32,8 +32,8 @@ def cos_sin(pos, turns_hi, turns_mid, turns_lo, attention_factor: float,
     as is); ``turns_*``: float32 ``[R/2]`` (or broadcastable), the hi/mid/lo parts of
     ``inv_freq / (2*pi)``. ``sin_cos``: the float32 sine and cosine of an angle in
     ``[-pi, pi]``; a GPU kernel passes the hardware approximations (absolute error ~1e-6
-    there). ``floor``: applied only to non-negative values below ``2**31``, so a kernel
-    language without one may pass a truncating int conversion.
+    there). ``floor``: for a kernel language without ``jnp.floor``; it sees values of
+    either sign, all of magnitude below ``2**31``.
     """
     if jnp.ndim(pos):
         pos = pos[..., None]

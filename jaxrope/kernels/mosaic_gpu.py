@@ -11,8 +11,8 @@ only with Triton's compiler params, so this is a ``plgpu.kernel`` of its own:
   aliases them to the outputs and dims past ``rotary_dim`` are never touched;
 - the angle is the accurate one of :mod:`jaxrope.kernels.angle`, computed per element
   from the turn tables tiled to ``[3, heads, R/2]`` (a ``WG_STRIDED`` array cannot be
-  broadcast from a row); ``floor`` has no Mosaic GPU lowering, so it is a truncating
-  int conversion (exact for the values that function floors).
+  broadcast from a row); ``floor`` has no Mosaic GPU lowering, so it is built from a
+  truncating int conversion (the values floored stay below ``2**31`` in magnitude).
 
 Covered: NeoX halves, any ``rotary_dim``, fp32/fp16/bf16, any T, head layouts whose
 half (``heads * R/2``) is a multiple of 128 elements for both q and k. Interleaved
@@ -38,6 +38,19 @@ from jaxrope.kernels.angle import cos_sin
 _LANES = 128  # threads of a warpgroup
 
 
+def unavailable() -> Optional[str]:
+    """Why this JAX cannot build the kernel (it needs 0.11's Mosaic GPU API), or None."""
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    except ImportError as e:  # JAX 0.10 imports absl there
+        return f"Mosaic GPU Pallas does not import with jax {jax.__version__}: {e}"
+    # 0.10 has neither; its plgpu.load also takes a different signature.
+    if not (hasattr(plgpu, "InterpretGPUParams") and hasattr(jax, "new_ref")):
+        return (f"jax {jax.__version__} lacks the Mosaic GPU API this kernel uses "
+                "(mutable refs, the GPU interpreter): JAX 0.11 or newer")
+    return None
+
+
 def unsupported(q_heads: int, k_heads: int, rotary_dim: int, interleave: bool) -> Optional[str]:
     """Why this kernel cannot run a layout, or None when it can."""
     if interleave:
@@ -50,17 +63,19 @@ def unsupported(q_heads: int, k_heads: int, rotary_dim: int, interleave: bool) -
     return None
 
 
-def _vector(elements: int, itemsize: int) -> int:
-    # The widest vector (up to 16 bytes per thread) that divides the half evenly.
+def _vector(heads: int, half: int, head_dim: int, itemsize: int) -> int:
+    # The widest vector (up to 16 bytes per thread) that splits the half evenly over the
+    # warpgroup and never straddles a head: Mosaic GPU needs the contiguous dim and
+    # every stride (head_dim per head) divisible by it.
     for vec in (16 // itemsize, 8 // itemsize, 2, 1):
-        if vec >= 1 and elements % (_LANES * vec) == 0:
+        if heads * half % (_LANES * vec) == 0 and half % vec == 0 and head_dim % vec == 0:
             return vec
     return 1
 
 
 def _floor(x):
-    # x >= 0 and < 2**31 at every call site (see the module docstring).
-    return x.astype(jnp.int32).astype(jnp.float32)
+    t = x.astype(jnp.int32).astype(jnp.float32)  # truncates toward zero
+    return t - (t > x).astype(jnp.float32)
 
 
 def rope_mosaic(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
@@ -69,25 +84,22 @@ def rope_mosaic(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
     as :func:`jaxrope.kernels.pallas_triton.rope_pallas` (in place when donated).
 
     Raises:
-      NotImplementedError: a layout :func:`unsupported` names, or a JAX whose Mosaic GPU
-        Pallas does not import.
+      NotImplementedError: a layout :func:`unsupported` names, or a JAX
+        :func:`unavailable` names.
     """
-    num_tokens, q_heads, _ = q.shape
+    num_tokens, q_heads, head_dim = q.shape
     k_heads = k.shape[1]
-    reason = unsupported(q_heads, k_heads, rotary_dim, interleave)
+    reason = unsupported(q_heads, k_heads, rotary_dim, interleave) or unavailable()
     if reason:
         raise NotImplementedError(reason)
-    try:
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-    except ImportError as e:
-        raise NotImplementedError(f"Mosaic GPU Pallas does not import with jax "
-                                  f"{jax.__version__}: {e}") from e
+    from jax.experimental.pallas import mosaic_gpu as plgpu
     if num_tokens == 0:
         return q, k
     half = rotary_dim // 2
     # Tiled per head: a constant under jit when the tables are (XLA folds the broadcast).
     tiled = [jnp.broadcast_to(tables[:, None, :half], (3, heads, half)) for heads in (q_heads, k_heads)]
-    vecs = [_vector(heads * half, np.dtype(q.dtype).itemsize) for heads in (q_heads, k_heads)]
+    vecs = [_vector(heads, half, head_dim, np.dtype(q.dtype).itemsize)
+            for heads in (q_heads, k_heads)]
 
     def body(pos_ref, q_tables_ref, k_tables_ref, q_ref, k_ref):
         t = jax.lax.axis_index("token")

@@ -97,13 +97,13 @@ def block_config(num_tokens: int, q_heads: int, k_heads: int, lanes: int) -> Blo
 
     - A head group fills 128 elements of a half (``heads_per_program = 128 // lanes``,
       at least 1): one load per thread of one warp.
-    - A program rotates 512 elements per half (2 KB of bf16): four groups at D <= 256,
-      their loads all issued before the first store and cos/sin computed once. Groups
-      past the last head are masked, not shrunk: the sweeps found no head layout where
-      smaller programs won.
+    - A program rotates 512 elements per half (2 KB of bf16) in ``512 // (heads_per_program
+      * lanes)`` groups (four when the heads fill a group), their loads all issued before
+      the first store and cos/sin computed once. Groups past the last head are masked,
+      not shrunk: the sweeps found no head layout where smaller programs won.
     - When a token needs at most two programs (few heads, e.g. Hq=8 Hk=1 at D <= 128)
       a program walks 8 tokens, so per-program setup is not paid per token.
-    - Programs head-major (see the module docstring); one warp each up to D=512.
+    - Programs head-major (see the module docstring), one warp each.
     - Small T (decode): shorter token walks, then fewer groups, then fewer heads per
       program, until the grid has two programs per SM.
 

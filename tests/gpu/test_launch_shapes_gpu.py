@@ -66,6 +66,8 @@ def test_launch_shape_matches_the_default_bit_for_bit(device, name, shape):
     (jax_q, jax_k), (default_q, default_k) = through_jax(block), through_jax(None)
     np.testing.assert_array_equal(np.asarray(jax_q, np.float32), np.asarray(default_q, np.float32))
     np.testing.assert_array_equal(np.asarray(jax_k, np.float32), np.asarray(default_k, np.float32))
-    expected = oracle.rope_oracle(q.float().cpu().numpy(), pos.cpu().numpy().astype(np.int64),
-                                  *oracle.serving_frequencies(cfg), cfg.rotary_dim, cfg.interleave)
-    np.testing.assert_allclose(got_q.float().cpu().numpy(), expected, rtol=0, atol=2.0 ** -5)
+    for x, got in ((q, got_q), (k, got_k)):
+        expected = oracle.rope_oracle(x.float().cpu().numpy(), pos.cpu().numpy().astype(np.int64),
+                                      *oracle.serving_frequencies(cfg), cfg.rotary_dim,
+                                      cfg.interleave)
+        np.testing.assert_allclose(got.float().cpu().numpy(), expected, rtol=0, atol=2.0 ** -5)

@@ -15,6 +15,7 @@ import pytest
 
 import jaxrope as jr
 from jaxrope.cases import BY_NAME
+from jaxrope.kernels import mosaic_gpu
 from tests import oracle
 
 pytestmark = pytest.mark.gpu
@@ -22,7 +23,10 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def jax_gpu():
-    """JAX's first GPU (no torch needed), or a skip that says why there is none."""
+    """JAX's first GPU (no torch needed) with the Mosaic GPU API, or a skip saying why not."""
+    missing = mosaic_gpu.unavailable()
+    if missing:
+        pytest.skip(missing)
     try:
         return jax.devices("gpu")[0]
     except RuntimeError as e:
