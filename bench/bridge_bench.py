@@ -33,7 +33,7 @@ import itertools
 import json
 import platform
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import jax
 import numpy as np
@@ -82,17 +82,17 @@ def _steps(rids: List[str], span: int, count: int):
     return out
 
 
-def bench_plan_commit(device: torch.device, requests: int, span: int, iters: int,
-                      preplan: bool, counters: str = "auto",
-                      warmup: int = 32) -> Dict[str, Dict[str, float]]:
-    mgr = _manager(device, counters=counters)
-    rids = [f"r{i}" for i in range(requests)]
-    for rid in rids:
-        mgr.ingest_request(rid)
-    steps = _steps(rids, span, iters + warmup)
+def timed_steps(mgr: RopeManager, steps, preplan: bool, warmup: int,
+                device: torch.device) -> Tuple[List[float], List[float]]:
+    """Host seconds of each ``plan`` and ``commit`` after ``warmup`` steps.
+
+    ``eager``: plan(N), commit(N); ``preplan``: plan(N+1, is_preplan), then commit(N).
+    Every 16 steps all requests are reset and the device drained, outside the timing.
+    """
+    rids = steps[0][1].request_ids
     plan_s, commit_s = [], []
     if preplan:
-        pre = StepContext(steps[0][1].request_ids, is_preplan=True, plan_results=steps[0][1].plan_results)
+        pre = StepContext(rids, is_preplan=True, plan_results=steps[0][1].plan_results)
         mgr.plan(*steps[0])
         for i in range(1, len(steps)):
             if i % 16 == 0:
@@ -124,6 +124,18 @@ def bench_plan_commit(device: torch.device, requests: int, span: int, iters: int
             if i >= warmup:
                 plan_s.append(t1 - t0)
                 commit_s.append(t2 - t1)
+    return plan_s, commit_s
+
+
+def bench_plan_commit(device: torch.device, requests: int, span: int, iters: int,
+                      preplan: bool, counters: str = "auto",
+                      warmup: int = 32) -> Dict[str, Dict[str, float]]:
+    mgr = _manager(device, counters=counters)
+    rids = [f"r{i}" for i in range(requests)]
+    for rid in rids:
+        mgr.ingest_request(rid)
+    plan_s, commit_s = timed_steps(mgr, _steps(rids, span, iters + warmup), preplan, warmup,
+                                   device)
     total = [p + c for p, c in zip(plan_s, commit_s)]
     return {"plan": _stats(plan_s), "commit": _stats(commit_s), "plan+commit": _stats(total),
             "store": type(mgr._store).__name__}

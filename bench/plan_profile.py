@@ -19,40 +19,18 @@ import cProfile
 import io
 import pstats
 import time
-from typing import Callable, List
+from typing import List
 
 import numpy as np
 import torch
 
-from bench.bridge_bench import _manager, _steps
-from torch_bridge import StepContext
+from bench.bridge_bench import _manager, _steps, timed_steps
 
 
-def _run_steps(mgr, steps, preplan: bool, on_step: Callable[[], None] = lambda: None) -> List[float]:
-    """plan + commit host seconds per step after 32 warm-up steps; reset every 16 (untimed)."""
-    out: List[float] = []
-    rids = steps[0][1].request_ids
-    pre = StepContext(rids, is_preplan=True, plan_results=steps[0][1].plan_results)
-    for i, (step, ctx) in enumerate(steps):
-        if i % 16 == 0:
-            if preplan and mgr._current is not None:
-                mgr.commit(*steps[i - 1])
-            for rid in rids:
-                mgr.reset_request(rid)
-            on_step()
-            if preplan:
-                mgr.plan(step, ctx)
-            continue
-        t0 = time.perf_counter()
-        if preplan:
-            mgr.plan(step, pre)
-            mgr.commit(*steps[i - 1])
-        else:
-            mgr.plan(step, ctx)
-            mgr.commit(step, ctx)
-        if i > 32:
-            out.append(time.perf_counter() - t0)
-    return out
+def _run_steps(mgr, steps, preplan: bool, device: torch.device) -> List[float]:
+    """plan + commit host seconds per step, timed as ``bench.bridge_bench`` times them."""
+    plan_s, commit_s = timed_steps(mgr, steps, preplan, 32, device)
+    return [p + c for p, c in zip(plan_s, commit_s)]
 
 
 def main(argv=None) -> None:
@@ -68,7 +46,6 @@ def main(argv=None) -> None:
         import jax
         jax.block_until_ready(jax.device_put(1.0, jax.devices()[0]) + 1)
         print(f"JAX client started on {jax.devices()[0]}")
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     rids = [f"r{i}" for i in range(256)]
     steps = _steps(rids, 1, args.steps)
     for preplan in (False, True):
@@ -78,24 +55,24 @@ def main(argv=None) -> None:
             mgr.ingest_request(rid)
         store = mgr._store._counters
         if device.type == "cuda":
-            full = _run_steps(mgr, steps, preplan, sync)
+            full = _run_steps(mgr, steps, preplan, device)
             prof = cProfile.Profile()
             prof.enable()
-            _run_steps(mgr, steps[:1000], preplan, sync)
+            _run_steps(mgr, steps[:1000], preplan, device)
             prof.disable()
             real_run = store._run
             calls = []
             store._run = lambda *a: calls.append(a)
-            bare = _run_steps(mgr, steps, preplan, sync)
+            bare = _run_steps(mgr, steps, preplan, device)
             programs, run_args, meta_offset, values, stream = calls[-1]
             store._run = real_run
             n = 5000
-            sync()
+            torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             for _ in range(n):
                 store._run(programs, run_args, meta_offset, values, stream)
             launch_us = (time.perf_counter() - t0) / n * 1e6
-            sync()
+            torch.cuda.synchronize(device)
             print(f"decode 256x1 {mode}: full {np.median(full) * 1e6:.1f} us "
                   f"(p90 {np.percentile(full, 90) * 1e6:.1f}), no launch "
                   f"{np.median(bare) * 1e6:.1f} us, one counter-kernel launch {launch_us:.2f} us, "
@@ -105,7 +82,7 @@ def main(argv=None) -> None:
             print(text.getvalue())
         else:
             store._run = lambda *a: None
-            bare = _run_steps(mgr, steps, preplan)
+            bare = _run_steps(mgr, steps, preplan, device)
             print(f"decode 256x1 {mode}: no launch {np.median(bare) * 1e6:.1f} us "
                   f"(p90 {np.percentile(bare, 90) * 1e6:.1f})")
 

@@ -6,7 +6,7 @@ means one entry in ``_IMPLEMENTATIONS`` and, if it should win on some platform, 
 line in :func:`resolve`. In JAX 0.11.2 a Mosaic GPU kernel cannot reuse the Pallas
 kernel body: ``pallas_call`` registers a lowering only for Triton's compiler params
 (``pallas_core.register_lowering_rule(triton_core.CompilerParams, ...)``), so Mosaic GPU
-means a ``plgpu.kernel`` written around explicit GMEM/SMEM copies.
+means a ``plgpu.kernel`` of its own (:mod:`jaxrope.kernels.mosaic_gpu`).
 
 ``BACKENDS`` is the tuple of names ``apply_rope(..., backend=...)`` accepts: "auto"
 (Pallas on GPU, XLA elsewhere), "pallas" (the Pallas kernel, GPU only), "xla" (the

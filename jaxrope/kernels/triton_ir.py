@@ -43,7 +43,6 @@ class TritonKernel:
     block: pallas_triton.BlockConfig
     q_heads: int
     k_heads: int
-    lanes: int
 
     @property
     def num_warps(self) -> int:
@@ -80,7 +79,6 @@ def export(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interl
     # Any T works (the IR reads the count at run time) as long as the grid has two token
     # blocks: Pallas folds program_id of a size-1 grid axis to the constant 0.
     tokens = 2 * block.block_tokens * block.token_loop
-    lanes = pallas_triton.lanes_for(rotary_dim)
     captured = []
 
     def spy(*args, **kwargs):
@@ -108,5 +106,4 @@ def export(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interl
             lowering.lower_jaxpr_to_triton_module = original
     if len(captured) != 1:
         raise TritonExportError(f"expected one Triton module, captured {len(captured)}")
-    return TritonKernel(ttir=captured[0], block=block, q_heads=q_heads, k_heads=k_heads,
-                        lanes=lanes)
+    return TritonKernel(ttir=captured[0], block=block, q_heads=q_heads, k_heads=k_heads)
