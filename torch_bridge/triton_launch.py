@@ -215,9 +215,12 @@ class _Launch:
             self._raw_stream = torch._C._cuda_getCurrentRawStream
         except AttributeError:
             self._run = None
+        # torch's C entry point, as DeviceCounters uses: the public wrapper re-checks lazy
+        # initialisation on every call of this hot path (compiled[grid] above did it).
+        self._current_device = torch._C._cuda_getDevice
 
     def __call__(self, pos_ptr: int, q_ptr: int, k_ptr: int) -> None:
-        if torch.cuda.current_device() != self._device_index:
+        if self._current_device() != self._device_index:
             # The module lives in this device's context; launch from it.
             with torch.cuda.device(self._device_index):
                 self(pos_ptr, q_ptr, k_ptr)
