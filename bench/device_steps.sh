@@ -22,7 +22,10 @@
 #             program order included (bench/shape_sweep.py --layouts 32x8x128)
 #   jaxshapes the same through jax.jit (XLA's Triton), bench/shape_sweep.py --path jax
 #   shapetest the launch-shape GPU tests (tests/gpu/test_launch_shapes_gpu.py)
-#   ncu       Nsight Compute on the kernel, ceiling and FlashInfer (bench/ncu_rope.sh)
+#   ncu       Nsight Compute on the kernel (from torch, and both JAX paths), ceiling and
+#             FlashInfer (bench/ncu_rope.sh; NCU_BUDGET seconds, 200)
+#   kprof     kernel durations (JAX profiler) of every implementation at 64, 16384 and
+#             65536 tokens: rope_bench's kernel section alone
 #   bench     the full rope_bench sweep (BENCH_BUDGET seconds, 150)
 set -u
 OUTDIR=$1
@@ -57,7 +60,10 @@ for step in "$@"; do
         mosaic) timeout 150 "${PYTEST[@]}" tests/gpu/test_mosaic_gpu.py >"$log" 2>&1 ;;
         shapetest) timeout 150 "${PYTEST[@]}" tests/gpu/test_launch_shapes_gpu.py >"$log" 2>&1 ;;
         shapes) timeout 200 python3 -m bench.shape_sweep --seconds-per-shape "${SHAPES_S:-25}" --out "$L/shape_sweep.json" >"$log" 2>&1 ;;
-        ncu) NCU_ROPE_FULL=${NCU_ROPE_FULL:-1} NCU_ROPE_BUDGET_S=200 timeout 230 bash bench/ncu_rope.sh "$L/ncu" >"$log" 2>&1 ;;
+        ncu) NCU_ROPE_FULL=${NCU_ROPE_FULL:-1} NCU_ROPE_BUDGET_S=${NCU_BUDGET:-200} \
+                 timeout $((${NCU_BUDGET:-200} + 30)) bash bench/ncu_rope.sh "$L/ncu" >"$log" 2>&1 ;;
+        kprof) timeout 200 python3 -m bench.rope_bench --out "$L/kprof" --filter kernel/ \
+                   --no-write-results --budget-s 150 >"$log" 2>&1 ;;
         bench) timeout 210 python3 -m bench.rope_bench --out "$L" --budget-s "${BENCH_BUDGET:-150}" \
                    >"$log" 2>&1 ;;
         *) echo "unknown step $step" >"$log" ;;

@@ -23,6 +23,12 @@ bf16 on the GPU, rotated in place at int32 positions uniform in ``[0, 2**20)``,
 - ``flashinfer``: ``flashinfer.rope.apply_rope_pos_ids_inplace(q, k, pos_ids,
   rotary_dim=128, interleave=False, rope_theta=5e5)``, the call rope_bench times;
   skipped with a message when FlashInfer does not import.
+- ``jax`` / ``mosaic``: the JAX paths, ``apply_rope(backend="pallas")`` (the same Triton
+  IR as ``ours``, compiled by XLA) and ``apply_rope(backend="mosaic")`` (Mosaic GPU),
+  jitted with q and k donated, on JAX copies of the same inputs. XLA launches them from
+  its own threads, outside the driver's NVTX range: ncu_rope.sh profiles them by kernel
+  name and launch count instead, one process per token count. ``--time`` times them by
+  wall clock over back-to-back calls (torch's events do not see XLA's stream).
 
 Each kernel gets ``--warmup`` launches (compiles and caches happen there), then
 ``--launches`` launches inside an NVTX push/pop range named ``ncu_rope``: ncu run with
@@ -64,7 +70,7 @@ Q_HEADS, K_HEADS, HEAD_DIM = 32, 8, 128
 THETA = 5e5
 MAX_POSITION = 1 << 20
 NVTX_RANGE = "ncu_rope"
-WHATS = ("ours", "ceiling", "flashinfer")
+WHATS = ("ours", "ceiling", "flashinfer", "jax", "mosaic")
 # Today's default shape in token-major order: the profile shows what program order changes.
 DEFAULT_BLOCK = (1, 2, 1, 4, 1, 0)
 
@@ -79,6 +85,9 @@ class Kernel:
 
     call: Callable[[], Any]
     api: str
+    # Set for kernels JAX launches: they run on XLA's stream, which torch's CUDA events do
+    # not order, so --time takes wall time over calls ended by ``sync`` instead.
+    sync: Optional[Callable[[], None]] = None
     config: Optional[str] = None
     expected_grid: Optional[Tuple[int, int, int]] = None
     expected_block: Optional[int] = None
@@ -163,6 +172,28 @@ def build_kernels(torch, what: str, tokens: int, q, k, pos, launcher_box: Dict[s
                 q2, k2, pos, rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
                 rope_theta=cfg.theta), "flashinfer.rope.apply_rope_pos_ids_inplace")
         out.append(("flashinfer", make_flashinfer))
+    elif what in ("jax", "mosaic"):
+        backend = "pallas" if what == "jax" else "mosaic"
+
+        def make_jax() -> Kernel:
+            import jax
+            import jax.numpy as jnp
+
+            from jaxrope import apply_rope
+            fn = jax.jit(lambda q, k, p: apply_rope(q, k, p, cfg, backend=backend),
+                         donate_argnums=(0, 1))
+            # Copies through the host: the profiled buffers are JAX's own, as a JAX user's.
+            box = [jnp.asarray(x.float().cpu().numpy(), jnp.bfloat16) for x in (q, k)]
+            pos_jax = jnp.asarray(pos.cpu().numpy())
+
+            def call():
+                box[:] = fn(box[0], box[1], pos_jax)
+
+            def sync():
+                jax.block_until_ready(box)
+            return Kernel(call, f"jax.jit(apply_rope(backend={backend!r})), q and k donated",
+                          sync=sync)
+        out.append((f"{what}_heuristic", make_jax))
     return out
 
 
@@ -208,9 +239,10 @@ def run(args: argparse.Namespace) -> int:
                     entry.update(api=kernel.api, config=kernel.config,
                                  expected_grid=kernel.expected_grid,
                                  expected_block=kernel.expected_block)
+                    sync = kernel.sync or torch.cuda.synchronize
                     for _ in range(args.warmup):
                         kernel.call()
-                    torch.cuda.synchronize()
+                    sync()
                     # The only launches inside the range: what ncu --nvtx-include profiles.
                     torch.cuda.nvtx.range_push(NVTX_RANGE)
                     try:
@@ -218,17 +250,20 @@ def run(args: argparse.Namespace) -> int:
                             kernel.call()
                     finally:
                         torch.cuda.nvtx.range_pop()
-                    torch.cuda.synchronize()
+                    sync()
                     entry["launches"] = args.launches
                     if args.time:
                         # Warmed up above, outside the NVTX range.
-                        reps = torch_event_times(kernel.call, args.time_launches, warmup=0)
+                        reps = (torch_event_times(kernel.call, args.time_launches, warmup=0)
+                                if kernel.sync is None else
+                                _wall_times(kernel.call, kernel.sync, args.time_launches))
                         median = statistics.median(reps)
                         timing.append(dict(label=label, impl=what, tokens=tokens, reps_us=reps,
                                            median_us=median, launches=args.time_launches,
                                            tbps=sizes["bytes"] / median / 1e6, **sizes))
+                        how = "events" if kernel.sync is None else "wall, JAX stream"
                         print(f"{label:24s} T={tokens:6d}  {median:8.2f} us  "
-                              f"{sizes['bytes'] / median / 1e6:5.2f} TB/s  (events)")
+                              f"{sizes['bytes'] / median / 1e6:5.2f} TB/s  ({how})")
                     else:
                         print(f"{label:24s} T={tokens:6d}  {args.launches} launches in "
                               f"NVTX range {NVTX_RANGE!r}")
@@ -245,6 +280,19 @@ def run(args: argparse.Namespace) -> int:
         _write_json(Path(args.time), dict(env=manifest["env"], entries=timing,
                                           errors=[e for e in manifest["kernels"] if e.get("error")]))
     return 0 if any(e["launches"] for e in manifest["kernels"]) else 1
+
+
+def _wall_times(call: Callable[[], Any], sync: Callable[[], None], n: int,
+                reps: int = 5) -> List[float]:
+    """Per-call time (us) of ``n`` back-to-back calls ended by ``sync``, one per repeat."""
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(n):
+            call()
+        sync()
+        times.append((time.perf_counter() - start) / n * 1e6)
+    return times
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -564,7 +612,7 @@ def summarize(out_dir: Path) -> str:
 
     if env:
         warnings.insert(0, "environment: " + ", ".join(f"{k} {v}" for k, v in env.items() if v))
-    order = {"ours": 0, "ceiling": 1, "flashinfer": 2}
+    order = {"ours": 0, "jax": 1, "mosaic": 2, "ceiling": 3, "flashinfer": 4}
     lines = ["# ncu_rope: Pallas RoPE vs the in-place ceiling and FlashInfer", "",
              f"q [T,{Q_HEADS},{HEAD_DIM}] + k [T,{K_HEADS},{HEAD_DIM}] bf16, in place. Bytes moved "
              "= 2*(q+k) + 4T (rope_bench's model); '% of ceiling' = ceiling time / kernel time. "

@@ -13,6 +13,8 @@
 #      sections SpeedOfLight, LaunchStats, Occupancy, WarpStateStats, MemoryWorkloadAnalysis
 #      (+ _Tables), SchedulerStats and the metrics in METRICS; only the launches inside the
 #      driver's NVTX range "ncu_rope" (after its warm-up) are profiled.
+#      Then the JAX paths (jax: XLA's compile of the same Triton IR; mosaic: Mosaic GPU),
+#      picked by kernel name and launch count, one process per token count.
 #   3. full: --set full on one launch of each of our two launch shapes and the ceiling at
 #      the first token count, a report for the Nsight Compute GUI (NCU_ROPE_FULL=0 skips it).
 #   4. summary: bench/ncu_rope.py --summarize, printed at the end.
@@ -21,8 +23,8 @@
 # ncu_F.csv (raw page, base units), ncu_F.manifest.json (labels of the profiled launches),
 # ncu_F.log; full_ours_ceiling.ncu-rep/.csv/.log; summary.md, metrics_by_kernel.csv,
 # launches.csv. Knobs: NCU_ROPE_TOKENS (default "16384 65536"), NCU_ROPE_FULL (default 1),
-# NCU_ROPE_BUDGET_S (default 330: each step's timeout is cut to what is left of it, and no
-# step starts with under 45 s left), PYTHON (default python3).
+# NCU_ROPE_JAX (default 1), NCU_ROPE_BUDGET_S (default 330: each step's timeout is cut to
+# what is left of it, and no step starts with under 45 s left), PYTHON (default python3).
 set -u -o pipefail
 
 if [ $# -ne 1 ]; then
@@ -44,8 +46,8 @@ BUDGET_S=${NCU_ROPE_BUDGET_S:-330}
 
 # The profiled launches are the ones in the driver's NVTX range; clock control must be off
 # on this VM; caches are flushed before every replay pass, so each pass streams from HBM.
-COMMON=(--clock-control none --cache-control all --target-processes all --replay-mode kernel
-        --nvtx --nvtx-include "ncu_rope/")
+COMMON=(--clock-control none --cache-control all --target-processes all --replay-mode kernel)
+NVTX=(--nvtx --nvtx-include "ncu_rope/")
 WANT_SECTIONS=(SpeedOfLight LaunchStats Occupancy WarpStateStats MemoryWorkloadAnalysis
                MemoryWorkloadAnalysis_Tables SchedulerStats)
 M=(gpu__time_duration.sum
@@ -161,13 +163,25 @@ else
             ceiling) filter=(--kernel-name "regex:elementwise") ;; # torch's mul_ kernel
         esac
         # With an unknown metric name ncu profiles nothing: then the sections alone.
-        run_ncu "ncu_$what" 120 "${SECTIONS[@]}" --metrics "$METRICS" ${filter[@]+"${filter[@]}"} \
-            -- --what "$what" --tokens "${TOKENS[@]}" \
+        run_ncu "ncu_$what" 120 "${NVTX[@]}" "${SECTIONS[@]}" --metrics "$METRICS" \
+            ${filter[@]+"${filter[@]}"} -- --what "$what" --tokens "${TOKENS[@]}" \
             || { grep -qiE "==ERROR==.*metric" "$OUT/ncu_$what.log" 2>/dev/null \
                  && echo "retrying without --metrics" \
-                 && run_ncu "ncu_$what" 120 "${SECTIONS[@]}" ${filter[@]+"${filter[@]}"} \
+                 && run_ncu "ncu_$what" 120 "${NVTX[@]}" "${SECTIONS[@]}" ${filter[@]+"${filter[@]}"} \
                         -- --what "$what" --tokens "${TOKENS[@]}"; }
     done
+    # The JAX paths: XLA launches from its own threads, outside the NVTX range, so the
+    # profiled launches are picked by name and count (after the driver's 3 warm-up ones),
+    # one process per token count. NCU_ROPE_JAX=0 skips them.
+    if [ "${NCU_ROPE_JAX:-1}" != 0 ]; then
+        for what in jax mosaic; do
+            for t in "${TOKENS[@]}"; do
+                run_ncu "ncu_${what}_$t" 90 "${SECTIONS[@]}" --metrics "$METRICS" \
+                    --kernel-name "regex:jaxrope_rope" --launch-skip 3 --launch-count 3 \
+                    -- --what "$what" --tokens "$t" --warmup 3 --launches 3
+            done
+        done
+    fi
     if [ "${NCU_ROPE_FULL:-1}" != 0 ]; then
         run_ncu full_ours_ceiling 120 --set full -- --what ours ceiling --tokens "${TOKENS[0]}" \
             --launches 1

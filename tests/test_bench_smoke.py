@@ -7,6 +7,7 @@ import jax
 import pytest
 
 from bench import rope_bench
+from jaxrope.kernels import mosaic_gpu
 
 CASE = "T8-H8x1-D128-bf16"
 
@@ -78,6 +79,8 @@ def test_full_plan_covers_84_shapes_and_filters_keep_their_ceilings():
     picked = rope_bench.build_tasks(rope_bench.FULL, "bfloat16", False,
                                     ["main/", "T64-H32x8-D128"], env)
     assert {(t.section, t.impl) for t in picked} == (
-        {("main", impl) for impl in rope_bench.MAIN_IMPLS}
+        {("main", impl) for impl in rope_bench.MAIN_IMPLS if env.available(impl)}
         | {("ceiling", impl) for impl in rope_bench.CEILING_IMPLS})
+    # The Mosaic GPU kernel is measured wherever this JAX can build it (0.11 and newer).
+    assert env.available("jaxrope_mosaic") == (mosaic_gpu.unavailable() is None)
     assert {t.shape.id for t in picked} == {"T64-H32x8-D128-bf16"}

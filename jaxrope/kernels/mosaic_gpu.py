@@ -117,6 +117,7 @@ def rope_mosaic(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
 
     kernel = plgpu.kernel(
         body, out_type=(), grid=(num_tokens,), grid_names=("token",),
+        kernel_name="jaxrope_rope_mosaic",  # what profilers show
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     q_ref, k_ref = jax.new_ref(q), jax.new_ref(k)
