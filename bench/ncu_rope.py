@@ -85,12 +85,12 @@ class Kernel:
 
     call: Callable[[], Any]
     api: str
-    # Set for kernels JAX launches: they run on XLA's stream, which torch's CUDA events do
-    # not order, so --time takes wall time over calls ended by ``sync`` instead.
-    sync: Optional[Callable[[], None]] = None
     config: Optional[str] = None
     expected_grid: Optional[Tuple[int, int, int]] = None
     expected_block: Optional[int] = None
+    # Set for kernels JAX launches: they run on XLA's stream, which torch's CUDA events do
+    # not order, so --time takes wall time over calls ended by ``sync`` instead.
+    sync: Optional[Callable[[], None]] = None
 
 
 def shape_bytes(tokens: int) -> Dict[str, int]:
