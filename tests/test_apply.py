@@ -7,6 +7,7 @@ compiles once; the boundary checks that need visible values run eagerly.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 
@@ -343,6 +344,58 @@ def test_mosaic_kernel_matches_the_oracle_in_its_interpreter(case, dtype_name):
     _check(cfg, q, k, pos, jax.jit(lambda a, b: _mosaic(cfg, a, b, pos))(q, k), dtype_name)
 
 
+@needs_mosaic
+@pytest.mark.parametrize("name, q_heads, k_heads", [("llama3_8b", 32, 8), ("qwen25_yarn", 28, 4),
+                                                    ("partial_half_d128", 32, 8),
+                                                    ("head_dim_512", 32, 8)])
+def test_mosaic_kernel_shares_one_chunks_angle_across_serving_heads(name, q_heads, k_heads):
+    # Serving layouts, in bf16: several chunks of q per token, k's chunks after them,
+    # vectors of 2 to 8 elements. A chunk skipped, or rotated by another chunk's
+    # angle, shows against the oracle.
+    cfg = dataclasses.replace(BY_NAME[name].cfg, max_position=LARGE[1])
+    rng = np.random.default_rng()
+    q, k = _qk(rng, 2, q_heads, k_heads, cfg.head_dim, jnp.bfloat16)
+    pos = rng.integers(*LARGE, 2).astype(np.int32)
+    _check(cfg, q, k, pos, jax.jit(lambda a, b: _mosaic(cfg, a, b, pos))(q, k), "bfloat16")
+
+
+@needs_mosaic
+def test_mosaic_kernel_computes_the_angle_once_per_block():
+    # 32 q and 8 k heads of 64 pairs in bf16 go in [8, 64] chunks: one chunk's sine and
+    # cosine serve all five, where the per-element angle was 40 heads' worth.
+    cfg = BY_NAME["llama3_8b"].cfg
+    q = jax.ShapeDtypeStruct((16, 32, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((16, 8, 128), jnp.bfloat16)
+    pos = np.arange(16, dtype=np.int32)
+    text = str(jax.make_jaxpr(lambda a, b: _mosaic(cfg, a, b, pos, interpret=False))(q, k))
+    assert re.findall(r":(f32\[[\d,]*\]) = (sin|cos) ", text) == [("f32[8,64]", "sin"),
+                                                                   ("f32[8,64]", "cos")]
+
+
+def test_mosaic_chunks_take_the_widest_vector_then_the_fewest_heads():
+    # Brute force over head counts, rotary dims, head dims and dtypes: a chunk must divide
+    # both head counts and fill whole vectors of the warpgroup, and a vector (at most
+    # 16 bytes) must divide the half and the head stride. unsupported() must pass
+    # exactly the layouts that have such a chunk.
+    for q_heads, k_heads, rotary_dim, extra, itemsize in itertools.product(
+            (2, 4, 8, 28, 32, 48, 64, 256), (1, 2, 4, 8, 64), (16, 32, 40, 64, 128, 256),
+            (0, 2, 4, 36), (2, 4)):
+        half, head_dim = rotary_dim // 2, rotary_dim + extra
+        fits = [(vec, heads) for vec in (1, 2, 4, 8)
+                if vec * itemsize <= 16 and half % vec == 0 and head_dim % vec == 0
+                for heads in range(1, math.gcd(q_heads, k_heads) + 1)
+                if q_heads % heads == 0 and k_heads % heads == 0
+                and heads * half % (128 * vec) == 0]
+        layout = (q_heads, k_heads, rotary_dim, head_dim, itemsize)
+        supported = mosaic_gpu.unsupported(q_heads, k_heads, rotary_dim, False) is None
+        assert supported == bool(fits), layout
+        if fits:
+            vec, heads = max(fits, key=lambda fit: (fit[0], -fit[1]))
+            chunking = mosaic_gpu._chunking(q_heads, k_heads, half, head_dim, itemsize)
+            assert chunking == (heads, vec), layout
+    assert mosaic_gpu._chunking(32, 8, 64, 128, 2) == (8, 4)  # the layout timed on the H200
+
+
 def test_mosaic_floor_is_a_floor_for_either_sign():
     # The turn tables' mid and lo parts are signed: the kernel floors negative values too.
     x = np.random.default_rng().uniform(-3e6, 3e6, 4096).astype(np.float32)
@@ -379,7 +432,9 @@ def test_mosaic_kernel_lowers_for_cuda_in_place():
 
 def test_mosaic_backend_refuses_what_it_does_not_cover():
     assert "interleaved" in mosaic_gpu.unsupported(32, 8, 128, True)
-    assert "k has 1 heads x 64" in mosaic_gpu.unsupported(32, 1, 128, False)
+    assert "k has 1 heads, not a multiple of 2:" in mosaic_gpu.unsupported(32, 1, 128, False)
+    # 20 pairs per head fill a warpgroup from 32 heads on.
+    assert "q has 48 heads, not a multiple of 32:" in mosaic_gpu.unsupported(48, 32, 40, False)
     assert mosaic_gpu.unsupported(32, 8, 128, False) is None
     q, k = _qk(np.random.default_rng(), 2, 4, 2, 128, jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="interleaved"):

@@ -4,21 +4,34 @@ JAX 0.11 deprecates Pallas's Triton lowering; Mosaic GPU is its successor. It ca
 reuse :mod:`jaxrope.kernels.pallas_triton`'s body: in JAX 0.11.2 ``pallas_call`` lowers
 only with Triton's compiler params, so this is a ``plgpu.kernel`` of its own:
 
-- one block (one warpgroup, 128 threads) per token; it rotates that token's q heads,
-  then its k heads, each half ``[heads, R/2]`` loaded from GMEM straight into registers
+- one block (one warpgroup, 128 threads) per token; it rotates the token's heads in
+  chunks of ``C`` heads, each half ``[C, R/2]`` loaded from GMEM straight into registers
   in the ``WG_STRIDED`` layout (no SMEM: nothing is shared between threads);
+- one ``C`` serves q and k (it divides both head counts), so every chunk has the same
+  shape and layout and a thread holds the same frequencies in each: the angle, computed
+  once per block for one chunk, serves every chunk of q and of k. Computed per element,
+  it was evaluated ``Hq + Hk`` times per (token, frequency) instead of ``C`` times (at
+  32 + 8 heads that kernel reached 75% of an H200's bandwidth ceiling). ``C`` is the
+  fewest heads whose chunk fills whole vectors of the warpgroup (at the widest vector
+  that fits), so that one chunk's angles are as few as that layout allows;
+- every chunk is loaded before the angle is computed and before any chunk is stored, so
+  all of a token's loads are in flight together and the angle's arithmetic overlaps
+  them (a store waits for its chunk's loads, and loads issued after a store to the same
+  buffer may wait behind it);
 - in place: q and k enter as mutable refs (``jax.new_ref``), so with donated inputs XLA
   aliases them to the outputs and dims past ``rotary_dim`` are never touched;
-- the angle is the accurate one of :mod:`jaxrope.kernels.angle`, computed per element
-  from the turn tables tiled to ``[3, heads, R/2]`` (a ``WG_STRIDED`` array cannot be
-  broadcast from a row); ``floor`` has no Mosaic GPU lowering, so it is built from a
-  truncating int conversion (the values floored stay below ``2**31`` in magnitude).
+- the angle is the accurate one of :mod:`jaxrope.kernels.angle`, from the turn tables
+  tiled to one chunk, ``[3, C, R/2]``: a ``WG_STRIDED`` array cannot be broadcast from a
+  row, and tiled to every head the tables were ~30 KB of reads per token against 20 KB
+  of q and k. ``floor`` has no Mosaic GPU lowering, so it is built from a truncating int
+  conversion (the values floored stay below ``2**31`` in magnitude).
 
-Covered: NeoX halves, any ``rotary_dim``, fp32/fp16/bf16, any T, head layouts whose
-half (``heads * R/2``) is a multiple of 128 elements for both q and k. Interleaved
-pairs and smaller halves raise ``NotImplementedError`` (:func:`unsupported`): the
-measurement this kernel exists for is the serving layout, and splitting pairs in the
-strided layout needs layouts Mosaic GPU does not infer.
+Covered: NeoX halves, any ``rotary_dim``, fp32/fp16/bf16, any T, head counts of q and k
+that are both multiples of ``128 / gcd(R/2, 128)``, the fewest heads whose half fills a
+warpgroup (so some ``C`` divides both). Interleaved pairs and other head counts raise
+``NotImplementedError`` (:func:`unsupported`): the measurement this kernel exists for is
+the serving layout, and splitting pairs in the strided layout needs layouts Mosaic GPU
+does not infer.
 
 On CPU it runs in Mosaic GPU's interpreter (``interpret=True``), for tests.
 """
@@ -51,26 +64,45 @@ def unavailable() -> Optional[str]:
     return None
 
 
+def _chunk_heads(half: int, vec: int) -> int:
+    # The fewest heads whose half fills whole vectors of the warpgroup.
+    lanes = _LANES * vec
+    return lanes // math.gcd(lanes, half)
+
+
 def unsupported(q_heads: int, k_heads: int, rotary_dim: int, interleave: bool) -> Optional[str]:
     """Why this kernel cannot run a layout, or None when it can."""
     if interleave:
         return "interleaved pairs are not implemented in the Mosaic GPU kernel"
     half = rotary_dim // 2
+    fewest = _chunk_heads(half, 1)
     for name, heads in (("q", q_heads), ("k", k_heads)):
-        if heads * half % _LANES:
-            return (f"{name} has {heads} heads x {half} rotary pairs = {heads * half} elements "
-                    f"per half, not a multiple of {_LANES} (one warpgroup)")
+        if heads % fewest:
+            return (f"{name} has {heads} heads, not a multiple of {fewest}: the kernel rotates "
+                    f"chunks of heads that divide both q's and k's heads, and with {half} "
+                    f"rotary pairs per head a chunk fills whole warpgroups ({_LANES} elements) "
+                    f"only in multiples of {fewest} heads")
     return None
 
 
-def _vector(heads: int, half: int, head_dim: int, itemsize: int) -> int:
-    # The widest vector (up to 16 bytes per thread) that splits the half evenly over the
-    # warpgroup and never straddles a head: Mosaic GPU needs the contiguous dim and
-    # every stride (head_dim per head) divisible by it.
-    for vec in (16 // itemsize, 8 // itemsize, 2, 1):
-        if heads * half % (_LANES * vec) == 0 and half % vec == 0 and head_dim % vec == 0:
-            return vec
-    return 1
+def _chunking(q_heads: int, k_heads: int, half: int, head_dim: int,
+              itemsize: int) -> tuple[int, int]:
+    """``(C, vec)``: heads per chunk and elements per thread vector, for a supported layout.
+
+    The widest vector first (up to 16 bytes per thread: fewer, wider memory accesses),
+    then the fewest heads per chunk (the fewest angles). Sharing ``C`` can narrow a
+    tensor's vector: 32 bf16 heads of 64 pairs alone fill 8-wide vectors, but a chunk
+    that also divides 8 k heads fills only 4-wide ones. A vector never straddles a head:
+    Mosaic GPU needs the contiguous dim and every stride (head_dim per head) divisible
+    by it. One-element vectors fit every layout :func:`unsupported` lets through.
+    """
+    common = math.gcd(q_heads, k_heads)
+    for vec in (8, 4, 2):
+        heads = _chunk_heads(half, vec)
+        if (vec * itemsize <= 16 and common % heads == 0
+                and half % vec == 0 and head_dim % vec == 0):
+            return heads, vec
+    return _chunk_heads(half, 1), 1
 
 
 def _floor(x):
@@ -96,24 +128,27 @@ def rope_mosaic(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
     if num_tokens == 0:
         return q, k
     half = rotary_dim // 2
-    # Tiled per head: a constant under jit when the tables are (XLA folds the broadcast).
-    tiled = [jnp.broadcast_to(tables[:, None, :half], (3, heads, half)) for heads in (q_heads, k_heads)]
-    vecs = [_vector(heads, half, head_dim, np.dtype(q.dtype).itemsize)
-            for heads in (q_heads, k_heads)]
+    chunk, vec = _chunking(q_heads, k_heads, half, head_dim, np.dtype(q.dtype).itemsize)
+    # Tiled to one chunk: a constant under jit when the tables are (XLA folds the broadcast).
+    tiled = jnp.broadcast_to(tables[:, None, :half], (3, chunk, half))
+    layout = plgpu.Layout.WG_STRIDED((chunk, half), vec_size=vec)
 
-    def body(pos_ref, q_tables_ref, k_tables_ref, q_ref, k_ref):
+    def chunks(x_ref, t):
+        for c in range(x_ref.shape[1] // chunk):
+            heads = pl.ds(c * chunk, chunk)
+            yield x_ref.at[t, heads, pl.ds(0, half)], x_ref.at[t, heads, pl.ds(half, half)]
+
+    def body(pos_ref, tables_ref, q_ref, k_ref):
         t = jax.lax.axis_index("token")
-        pos = pos_ref[t]
-        for x_ref, tables_ref, heads, vec in ((q_ref, q_tables_ref, q_heads, vecs[0]),
-                                              (k_ref, k_tables_ref, k_heads, vecs[1])):
-            layout = plgpu.Layout.WG_STRIDED((heads, half), vec_size=vec)
-            cos, sin = cos_sin(pos, *(plgpu.load(tables_ref.at[i], layout=layout)
-                                      for i in range(3)), attention_factor, floor=_floor)
-            first, second = x_ref.at[t, :, pl.ds(0, half)], x_ref.at[t, :, pl.ds(half, half)]
-            a = plgpu.load(first, layout=layout).astype(jnp.float32)
-            b = plgpu.load(second, layout=layout).astype(jnp.float32)
-            first[...] = (a * cos - b * sin).astype(x_ref.dtype)
-            second[...] = (b * cos + a * sin).astype(x_ref.dtype)
+        halves = [*chunks(q_ref, t), *chunks(k_ref, t)]
+        loaded = [(plgpu.load(first, layout=layout), plgpu.load(second, layout=layout))
+                  for first, second in halves]
+        cos, sin = cos_sin(pos_ref[t], *(plgpu.load(tables_ref.at[i], layout=layout)
+                                         for i in range(3)), attention_factor, floor=_floor)
+        for (first, second), (a, b) in zip(halves, loaded):
+            a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+            first[...] = (a * cos - b * sin).astype(first.dtype)
+            second[...] = (b * cos + a * sin).astype(second.dtype)
 
     kernel = plgpu.kernel(
         body, out_type=(), grid=(num_tokens,), grid_names=("token",),
@@ -121,6 +156,6 @@ def rope_mosaic(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     q_ref, k_ref = jax.new_ref(q), jax.new_ref(k)
-    kernel(pos_ids, *tiled, q_ref, k_ref)
+    kernel(pos_ids, tiled, q_ref, k_ref)
     return jax.freeze(q_ref), jax.freeze(k_ref)
 
