@@ -64,7 +64,7 @@ for step in "$@"; do
                  timeout $((${NCU_BUDGET:-200} + 30)) bash bench/ncu_rope.sh "$L/ncu" >"$log" 2>&1 ;;
         kprof) timeout 200 python3 -m bench.rope_bench --out "$L/kprof" --filter kernel/ \
                    --no-write-results --budget-s 150 >"$log" 2>&1 ;;
-        bench) timeout 210 python3 -m bench.rope_bench --out "$L" --budget-s "${BENCH_BUDGET:-150}" \
+        bench) timeout $((${BENCH_BUDGET:-150} + 60)) python3 -m bench.rope_bench --out "$L" --budget-s "${BENCH_BUDGET:-150}" \
                    >"$log" 2>&1 ;;
         *) echo "unknown step $step" >"$log" ;;
     esac
