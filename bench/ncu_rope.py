@@ -516,7 +516,8 @@ def summary_rows(columns: List[Column]) -> List[Tuple[str, List[str]]]:
         row("effective TB/s (ncu)", lambda c: _fmt(_ratio(c.entry["bytes"], c.ncu_s), ".2f", 1e-12)),
         row("% of ceiling (ncu time)", lambda c: _fmt(
             _ratio(ceiling.ncu_s if ceiling else None, c.ncu_s), ".1%")),
-        row("events time us (back to back)", lambda c: _fmt(c.event_s, ".2f", 1e6)),
+        row("events time us (back to back; jax/mosaic: wall, dispatch included)",
+            lambda c: _fmt(c.event_s, ".2f", 1e6)),
         row("effective TB/s (events)", lambda c: _fmt(_ratio(c.entry["bytes"], c.event_s), ".2f",
                                                       1e-12)),
         row("% of ceiling (events)", lambda c: _fmt(
