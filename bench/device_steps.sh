@@ -24,8 +24,9 @@
 #   shapetest the launch-shape GPU tests (tests/gpu/test_launch_shapes_gpu.py)
 #   ncu       Nsight Compute on the kernel (from torch, and both JAX paths), ceiling and
 #             FlashInfer (bench/ncu_rope.sh; NCU_BUDGET seconds, 200)
-#   kprof     kernel durations (JAX profiler) of every implementation at 64, 16384 and
-#             65536 tokens: rope_bench's kernel section alone
+#   kprof     kernel durations (JAX profiler) at 64, 16384 and 65536 tokens of both JAX
+#             kernels, the torch launch, FlashInfer and the ceiling: rope_bench's kernel
+#             section alone (plus the ceilings that size its loops)
 #   bench     the full rope_bench sweep (BENCH_BUDGET seconds, 150)
 set -u
 OUTDIR=$1

@@ -36,7 +36,8 @@ Each kernel gets ``--warmup`` launches (compiles and caches happen there), then
 launch order, which label each profiled launch belongs to (with its expected grid), and
 ``--summarize`` maps ncu's rows back to labels in that order. ``--time`` instead times
 ``--time-launches`` back-to-back eager launches between CUDA events (median of 5 repeats):
-the profiler-free time next to ncu's ``gpu__time_duration``.
+the profiler-free time next to ncu's ``gpu__time_duration`` (``jax`` and ``mosaic``: wall
+clock over back-to-back jitted calls, dispatch included).
 
 Bytes moved = 2 * (q.nbytes + k.nbytes) + pos_ids.nbytes for every kernel, as in
 rope_bench, so effective TB/s and "% of ceiling" (ceiling time / kernel time at the same
@@ -618,7 +619,8 @@ def summarize(out_dir: Path) -> str:
              f"q [T,{Q_HEADS},{HEAD_DIM}] + k [T,{K_HEADS},{HEAD_DIM}] bf16, in place. Bytes moved "
              "= 2*(q+k) + 4T (rope_bench's model); '% of ceiling' = ceiling time / kernel time. "
              "ncu times are single launches with caches flushed (--cache-control all); event "
-             "times are back-to-back launches. 'x ideal': measured DRAM bytes over q+k (+ pos "
+             "times are back-to-back launches (jax and mosaic: wall clock over back-to-back "
+             "jitted calls, dispatch included). 'x ideal': measured DRAM bytes over q+k (+ pos "
              "for the RoPE kernels' reads).", ""]
     for tokens in sorted({t for _, t in columns}):
         # Stable: within a family, the driver's launch order (the heuristic first).

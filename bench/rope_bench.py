@@ -567,7 +567,11 @@ def _growth_cap(task: Task, plan: Plan) -> int:
     # Every repeat, the warm-up and the calibration calls apply to the same buffers; a JAX
     # repeat runs its loop JaxLoop.CALLS_PER_RUN times.
     per_run = JaxLoop.CALLS_PER_RUN if task.impl in JAX_IMPLS else 1
-    return max(1, int(math.log(GROWTH_LIMIT) / abs(math.log(attention))) // ((plan.reps + 3) * per_run))
+    cap = int(math.log(GROWTH_LIMIT) / abs(math.log(attention))) // ((plan.reps + 3) * per_run)
+    if cap < 1:
+        raise ValueError(f"{plan.reps} repeats of {task.variant} (attention factor {attention:.4f}) "
+                         f"would scale q and k past {GROWTH_LIMIT:g}: use fewer --reps")
+    return cap
 
 
 class JaxLoop:
@@ -590,12 +594,14 @@ class JaxLoop:
             self.extra = (jnp.asarray(1.0, inputs.q.dtype),)
         else:
             self.state, self.extra = inputs.jax_copies(), (inputs.pos,)
+        self.fallbacks = 0
 
     @property
     def applications_per_run(self) -> int:
         return self.CALLS_PER_RUN * self.n
 
     def _calls(self, count: int) -> float:
+        """Wall seconds of ``count`` chained calls, the final sync included."""
         start = time.perf_counter()
         for _ in range(count):
             self.state = self.compiled.fn(*self.state, *self.extra)
@@ -603,9 +609,21 @@ class JaxLoop:
         return time.perf_counter() - start
 
     def run(self) -> float:
-        """Seconds for ``n`` applications."""
+        """Seconds for ``n`` applications.
+
+        Where the loop is too short for the difference to stand out of the host's jitter
+        (under a quarter of a call's wall time; tiny CPU loops), it falls back to the wall
+        time of a call, fixed cost included, and ``how`` says so.
+        """
         once = self._calls(1)
-        return (self._calls(3) - once) / 2
+        three = self._calls(3)
+        per_call = (three - once) / 2
+        if per_call < three / 3 / 4:
+            self.fallbacks += 1
+            self.how = (f"{JaxLoop.how}; {self.fallbacks} repeat(s) too short for that: "
+                        "wall time of a call")
+            return three / 3
+        return per_call
 
 
 class TorchLoop:
@@ -868,16 +886,17 @@ class Runner:
         # 2. Every JAX loop of the group compiled in the background; 3. the rest, timed on
         #    the host once no compile competes for the CPU.
         estimate = ceiling_s[0] if ceiling_s else _model_seconds(shape, self.env.on_gpu)
+        def build(task: Task) -> CompiledLoop:
+            # In the background too: a growth cap that refuses the repeats fails this task only.
+            n = _iterations(estimate, self.plan, _growth_cap(task, self.plan), self.args.iters)
+            if self.args.iters is None and n > self.args.unroll:
+                n -= n % self.args.unroll
+            return compile_loop(task, n, self.env.on_gpu, self.args.unroll)
+
         for task in group:
-            if task.impl in JAX_IMPLS and task.method != "wall":
-                cap = _growth_cap(task, self.plan)
-                n = _iterations(estimate, self.plan, cap, self.args.iters)
-                if self.args.iters is None and n > self.args.unroll:
-                    n -= n % self.args.unroll
-                key = (task.impl, task.variant, task.block)
-                if key not in compiled:
-                    compiled[key] = self._submit(functools.partial(
-                        compile_loop, task, n, self.env.on_gpu, self.args.unroll))
+            key = (task.impl, task.variant, task.block)
+            if task.impl in JAX_IMPLS and task.method != "wall" and key not in compiled:
+                compiled[key] = self._submit(functools.partial(build, task))
         concurrent.futures.wait(list(compiled.values()))
         for task in [t for t in group if t not in first]:
             self._measure(task, inputs, compiled)
@@ -921,7 +940,8 @@ class Runner:
             kernel_us, kernels, lines = profile_kernels(
                 lambda: [loop.run() for _ in range(plan.reps)], loop.applications_per_run * plan.reps)
             top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:6]
-            return dict(reps_us=[kernel_us], iters=loop.n * plan.reps, how="jax profiler (CUPTI)",
+            return dict(reps_us=[kernel_us], iters=loop.applications_per_run * plan.reps,
+                        how="jax profiler (CUPTI)",
                         kernels={name: dict(count=c, total_us=t / 1e3) for name, (c, t) in top},
                         profile_lines=lines, **extra)
         times = [loop.run() / loop.n * 1e6 for _ in range(plan.reps)]
@@ -973,7 +993,7 @@ def _model_seconds(shape: Shape, on_gpu: bool) -> float:
 
 
 def _ok(result: Dict[str, Any]) -> bool:
-    return bool(result.get("median_us")) and not result.get("error")
+    return (result.get("median_us") or 0) > 0 and not result.get("error")
 
 
 def derive(report: Dict[str, Any]) -> None:
@@ -1226,7 +1246,8 @@ def _sections(report: Dict[str, Any]) -> List[Tuple[str, Tuple[List[str], List[L
     shape = f"Hq={hq} Hk={hk} D={plan['target_head_dim']} {plan['dtype']}"
     return [
         (f"Median us (TB/s) at {shape}, loop method", pivot_rows(report)),
-        (f"Variants at {shape}: jaxrope vs its plain kernel and FlashInfer's equivalent",
+        (f"Variants at {shape}: jaxrope vs its plain kernel and FlashInfer's equivalent "
+         "(kernel time from the profiler on a GPU)",
          variant_rows(report)),
         (f"Kernel time (profiler) at {', '.join(map(str, _kernel_tokens(plan)))} tokens, {shape}",
          kernel_rows(report)),
@@ -1376,7 +1397,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="run tasks whose key section/impl/variant/case contains every term, "
                              "e.g. main/ T16384-H32x8-D128 or variants/")
     parser.add_argument("--iters", type=int, default=None,
-                        help="applications per repeat (default: adaptive, ~rep_seconds each)")
+                        help="applications per loop (default: adaptive, ~rep_seconds each); a "
+                             "JAX repeat runs its loop 4 times, a torch repeat once")
     parser.add_argument("--reps", type=int, default=None, help="repeats per measurement")
     parser.add_argument("--unroll", type=int, default=8,
                         help="applications per body of the JAX fori_loop")

@@ -81,6 +81,11 @@ def test_full_plan_covers_84_shapes_and_filters_keep_their_ceilings():
     assert {(t.section, t.impl) for t in picked} == (
         {("main", impl) for impl in rope_bench.MAIN_IMPLS if env.available(impl)}
         | {("ceiling", impl) for impl in rope_bench.CEILING_IMPLS})
-    # The Mosaic GPU kernel is measured wherever this JAX can build it (0.11 and newer).
-    assert env.available("jaxrope_mosaic") == (mosaic_gpu.unavailable() is None)
+    # The Mosaic GPU kernel: measured on a GPU wherever this JAX can build it (0.11 and
+    # newer), at the target layout only.
+    assert (("main", "jaxrope_mosaic") in {(t.section, t.impl) for t in picked}) == (
+        mosaic_gpu.unavailable() is None)
+    assert {t.shape.id[t.shape.id.index("-") + 1:] for t in tasks if t.impl == "jaxrope_mosaic"} <= {
+        "H32x8-D128-bf16"}
+    assert not rope_bench.Env(on_gpu=False).available("jaxrope_mosaic")
     assert {t.shape.id for t in picked} == {"T64-H32x8-D128-bf16"}
