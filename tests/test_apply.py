@@ -330,6 +330,14 @@ def _mosaic(cfg, q, k, pos, interpret=True):
                                   attention_factor=attention, interpret=interpret)
 
 
+def _mosaic_cuda(cfg, tokens, q_heads, k_heads, **jit_kwargs):
+    """The Mosaic kernel on abstract bf16 q and k, jitted and traced for CUDA (no GPU needed)."""
+    q, k = (jax.ShapeDtypeStruct((tokens, heads, cfg.head_dim), jnp.bfloat16)
+            for heads in (q_heads, k_heads))
+    pos = np.arange(tokens, dtype=np.int32)
+    return jax.jit(lambda a, b: _mosaic(cfg, a, b, pos, interpret=False), **jit_kwargs).trace(q, k)
+
+
 @needs_mosaic
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", [c for c in CASES if not c.cfg.interleave], ids=lambda c: c.name)
@@ -363,11 +371,7 @@ def test_mosaic_kernel_shares_one_chunks_angle_across_serving_heads(name, q_head
 def test_mosaic_kernel_computes_the_angle_once_per_block():
     # 32 q and 8 k heads of 64 pairs in bf16 go in [8, 64] chunks: one chunk's sine and
     # cosine serve all five, where the per-element angle was 40 heads' worth.
-    cfg = BY_NAME["llama3_8b"].cfg
-    q = jax.ShapeDtypeStruct((16, 32, 128), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((16, 8, 128), jnp.bfloat16)
-    pos = np.arange(16, dtype=np.int32)
-    text = str(jax.make_jaxpr(lambda a, b: _mosaic(cfg, a, b, pos, interpret=False))(q, k))
+    text = str(_mosaic_cuda(BY_NAME["llama3_8b"].cfg, 16, 32, 8).jaxpr)
     assert re.findall(r":(f32\[[\d,]*\]) = (sin|cos) ", text) == [("f32[8,64]", "sin"),
                                                                    ("f32[8,64]", "cos")]
 
@@ -410,22 +414,14 @@ def test_mosaic_vectors_never_straddle_a_head(head_dim, rotary_dim, q_heads, k_h
     # Halves of 20 elements or heads 100 apart must not get 8-wide vectors: the CUDA
     # lowering rejects them.
     cfg = jr.RopeConfig(head_dim=head_dim, rotary_dim=rotary_dim)
-    q = jax.ShapeDtypeStruct((4, q_heads, head_dim), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((4, k_heads, head_dim), jnp.bfloat16)
-    pos = np.arange(4, dtype=np.int32)
-    jax.jit(lambda a, b: _mosaic(cfg, a, b, pos, interpret=False)).trace(q, k).lower(
-        lowering_platforms=("cuda",))
+    _mosaic_cuda(cfg, 4, q_heads, k_heads).lower(lowering_platforms=("cuda",))
 
 
 @needs_mosaic
 def test_mosaic_kernel_lowers_for_cuda_in_place():
     # Off a GPU the Mosaic GPU lowering still runs: donated q and k must alias the outputs.
-    cfg = BY_NAME["llama3_8b"].cfg
-    q = jax.ShapeDtypeStruct((16, 32, 128), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((16, 8, 128), jnp.bfloat16)
-    pos = np.arange(16, dtype=np.int32)
-    text = jax.jit(lambda a, b: _mosaic(cfg, a, b, pos, interpret=False),
-                   donate_argnums=(0, 1)).trace(q, k).lower(lowering_platforms=("cuda",)).as_text()
+    text = _mosaic_cuda(BY_NAME["llama3_8b"].cfg, 16, 32, 8, donate_argnums=(0, 1)).lower(
+        lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     assert len(re.findall(r"tensor<16x(?:32|8)x128xbf16> \{tf\.aliasing_output = [01]", text)) == 2
 
