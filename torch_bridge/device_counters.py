@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 
-__all__ = ["NO_OPS", "CounterOps", "DeviceCounters", "KernelUnavailable", "label"]
+__all__ = ["NO_OPS", "CounterOps", "DeviceCounters", "KernelUnavailable", "label", "view_offsets"]
 
 _BLOCK = 1024
 _NUM_WARPS = 4
@@ -152,11 +152,16 @@ class _Ring:
             event.synchronize()
 
 
+def view_offsets(counts: np.ndarray) -> Tuple[np.ndarray, int]:
+    """``(starts, tokens)``: each view's first token in the label's output, and the total."""
+    ends = np.cumsum(counts)
+    return ends - counts, int(ends[-1]) if len(ends) else 0
+
+
 def label(slots: np.ndarray, counts: np.ndarray, out: torch.Tensor
           ) -> Tuple[np.ndarray, np.ndarray, int, torch.Tensor]:
     """A plan label for :meth:`DeviceCounters.step` from its views' slots and token counts."""
-    ends = np.cumsum(counts)
-    return slots, ends - counts, int(ends[-1]) if len(ends) else 0, out
+    return (slots, *view_offsets(counts), out)
 
 
 class DeviceCounters:

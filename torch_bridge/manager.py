@@ -35,6 +35,7 @@ from jaxrope.config import RopeConfig
 from jaxrope.positions import PositionTable, Scheme, SlotMap
 from torch_bridge.config import PositionConfig
 from torch_bridge.counter_store import CommitArrays, make_store
+from torch_bridge.device_counters import view_offsets
 from torch_bridge.dlpack import jax_device, to_jax
 from torch_bridge.engine_types import (AdmitOutcome, EngineInfo, Fork, GraphSlot, KVPlanOutput,
                                        PositionStep, PublishedInfo, Resource, ResourceSpec,
@@ -726,11 +727,10 @@ class PositionManager(Resource):
         slots, counts = self._stream_arrays(views, f"the views of plan label {plan_label!r}")
         if len(set(slots.tolist())) != len(slots):
             _reject_repeated_stream(slots, views, plan_label)
-        ends = np.cumsum(counts)
-        starts = ends - counts
+        starts, total = view_offsets(counts)
         for array in (slots, counts, starts):
             array.flags.writeable = False
-        arrays = (slots, counts, starts, int(ends[-1]) if len(ends) else 0)
+        arrays = (slots, counts, starts, total)
         if len(self._last_views) > _MAX_BOUND:
             self._last_views.clear()
         self._last_views[plan_label] = (self._slot_epoch, tuple(map(tuple, views)), arrays)
