@@ -410,10 +410,10 @@ def jax_step(task: Task, on_gpu: bool) -> Callable:
         # front of it would be a launch of its own, so the Pallas step takes pos_ids as is.
         return lambda q, k, pos, i: apply_rope(q, k, pos if i is None else pos ^ (i & 1), cfg,
                                                backend="xla")
-    if task.impl == "jaxrope_mosaic":
-        return lambda q, k, pos, i: apply_rope(q, k, pos, cfg, backend="mosaic")
     if task.block is None:
-        backend = "pallas" if on_gpu else "interpret"
+        # Off a GPU the Pallas kernel body runs in its interpreter (jaxrope_mosaic is
+        # GPU-only: Env.available).
+        backend = _JAX_BACKENDS[task.impl] if on_gpu else "interpret"
         return lambda q, k, pos, i: apply_rope(q, k, pos, cfg, backend=backend)
     tables, attention = kernel_constants(cfg)
     return lambda q, k, pos, i: rope_pallas(
