@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxrope import apply_rope
 from jaxrope.cases import CASES
-from tests.oracle import relative_error, rope_naive_float32, rope_oracle
+from jaxrope.testing.oracle import relative_error, rope_naive_float32, rope_oracle
 
 BANDS = (1 << 12, 1 << 17, 1 << 20)
 

@@ -31,7 +31,7 @@ from jaxrope.apply import kernel_constants
 from jaxrope.cases import CASES
 from jaxrope.kernels import pallas_triton
 from jaxrope.scaling import Llama3, Yarn
-from tests.oracle import relative_error, rope_oracle
+from jaxrope.testing.oracle import relative_error, rope_oracle
 
 
 def oracle(x, pos, cfg):

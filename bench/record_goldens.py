@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 
 from jaxrope.scaling import Linear, Llama3, Yarn  # noqa: E402
-from tests import flashinfer_parity as fp  # noqa: E402
+from jaxrope.testing import flashinfer as fp  # noqa: E402
 
 MAX_BYTES = 3 * 2 ** 20
 

@@ -7,6 +7,7 @@ from jaxrope import cases, models, positions
 from jaxrope.apply import apply_rope
 from jaxrope.backend import BACKENDS
 from jaxrope.config import RopeConfig
+from jaxrope.errors import BackendUnavailable
 from jaxrope.positions import PositionTable, Scheme, SlotMap
 from jaxrope.scaling import DynamicNTK, Linear, Llama3, LongRope, Proportional, Yarn
 
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
+    "BackendUnavailable",
     "DynamicNTK",
     "Linear",
     "Llama3",

@@ -95,7 +95,7 @@ def apply_rope(q, k, pos_ids, cfg: RopeConfig, backend: str = "auto"):
     Raises:
       TypeError: ``cfg`` is not a RopeConfig or an input is not an array.
       ValueError: a shape, dtype, device or visible position is invalid.
-      NotImplementedError: ``backend="pallas"`` off GPU, ``backend="mosaic"`` off
+      BackendUnavailable: ``backend="pallas"`` off GPU, ``backend="mosaic"`` off
         CUDA or on a layout it does not cover.
 
     Example:

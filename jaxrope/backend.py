@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels import mosaic_gpu, pallas_triton, reference
 
 BACKENDS = ("auto", "pallas", "xla", "interpret", "mosaic")
@@ -47,7 +48,7 @@ def resolve(backend: str, platform: str) -> Callable:
 
     Raises:
       ValueError: unknown backend name.
-      NotImplementedError: "pallas" on a platform without a Pallas GPU lowering, or
+      BackendUnavailable: "pallas" on a platform without a Pallas GPU lowering, or
         "mosaic" off CUDA.
 
     Example:
@@ -60,11 +61,11 @@ def resolve(backend: str, platform: str) -> Callable:
     if backend == "auto":
         backend = "pallas" if platform in ("gpu", "cuda") else "xla"
     if backend == "pallas" and not on_gpu:
-        raise NotImplementedError(
+        raise BackendUnavailable(
             f"backend='pallas' needs a GPU, the arrays are on {platform!r}; use 'interpret' to "
             "run the same kernel body on CPU, or 'xla'")
     if backend == "mosaic" and platform not in ("gpu", "cuda"):
-        raise NotImplementedError(
+        raise BackendUnavailable(
             f"backend='mosaic' needs a CUDA GPU (Hopper or newer), the arrays are on "
             f"{platform!r}")
     return _IMPLEMENTATIONS[backend]

@@ -22,7 +22,7 @@ from jaxrope.cases import BY_NAME, CASES
 from jaxrope.kernels import mosaic_gpu
 from jaxrope.kernels.reference import rope_reference
 
-from tests import oracle
+from jaxrope.testing import oracle
 
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 # Relative error (norm) vs float64: float32 math with float64 frequencies, then the

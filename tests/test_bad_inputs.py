@@ -34,7 +34,7 @@ try:
 except ImportError:  # the core leg (Python 3.12, no torch) runs the core cases only
     torch = None
 
-from tests import oracle
+from jaxrope.testing import oracle
 
 needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed (core-only leg)")
 

@@ -28,8 +28,8 @@ import pytest
 
 from jaxrope.scaling import Linear, Llama3
 
-from tests import flashinfer_parity as fp
-from tests import oracle
+from jaxrope.testing import flashinfer as fp
+from jaxrope.testing import oracle
 
 
 @pytest.mark.parametrize("rotary_dim,theta,factor", [(32, 5e5, 4.0), (96, 1e6, 2.0), (256, 2.5e4, 1.0),

@@ -13,7 +13,7 @@ from jaxrope.cases import CASES
 from jaxrope.frequencies import angle_tables
 from jaxrope.models import HF_CONFIGS
 
-from tests import oracle
+from jaxrope.testing import oracle
 
 RTOL = 1e-12
 

@@ -5,7 +5,7 @@ with FlashInfer 0.5.x) holds inputs and FlashInfer's outputs for cases across ev
 FlashInfer rope API, both layouts, rotary fractions 0.25-1, head_dim 64/128/256, fp16
 and bf16, ragged batches and positions up to 2**20. jaxrope's XLA and interpret
 (Pallas kernel body) backends replay the inputs here, on CPU, and must agree with
-FlashInfer within the position-dependent bound of ``tests/flashinfer_parity.py`` and
+FlashInfer within the position-dependent bound of ``jaxrope/testing/flashinfer.py`` and
 with the float64 oracle within the tight one. A missing file fails: CI must check parity.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests import flashinfer_parity as fp
+from jaxrope.testing import flashinfer as fp
 
 RECORDS = fp.golden_record_names()
 
@@ -45,9 +45,11 @@ def test_golden_cases_cover_apis_layouts_fractions_and_positions():
 def test_jaxrope_matches_recorded_flashinfer(name, backend):
     record = fp.golden_record(name)
     if record.api == "cos_sin_cache":
-        # The recorded table is what FlashInfer read: it must be the config's values.
+        # The recorded table is what FlashInfer read: it must be the config's values. It
+        # was built on another CPU, whose float64 cos may differ in the last bit: the
+        # float32 tables agree within one ulp, never bit for bit.
         table, rows = fp.cos_sin_cache(record.cfg, record.batch.pos_ids, dense=record.dense_cache)
-        np.testing.assert_array_equal(table, record.cache[0])
+        np.testing.assert_array_max_ulp(table, record.cache[0], maxulp=1)
         np.testing.assert_array_equal(rows, record.cache[1])
     assert fp.flashinfer_kwargs(record.api, record.cfg) == record.kwargs
     ours = fp.run_jaxrope(record.cfg, record.q, record.k, record.batch.pos_ids, backend)

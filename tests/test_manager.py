@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 import jaxrope as jr  # noqa: E402
 from jaxrope.positions import Scheme  # noqa: E402
 
-from tests import oracle  # noqa: E402
+from jaxrope.testing import oracle  # noqa: E402
 from torch_bridge import (AdmitOutcome, EngineInfo, Fork, GraphBucket, GraphSlot,  # noqa: E402
                           KVPlanOutput, KVView, LaunchUnavailable, NotZeroCopyError,
                           PositionConfig, PositionManager, PositionStep, PublishedPositionInfo,

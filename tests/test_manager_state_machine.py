@@ -38,7 +38,7 @@ torch = pytest.importorskip("torch")
 import jaxrope as jr  # noqa: E402
 from jaxrope.positions import Scheme  # noqa: E402
 
-from tests import oracle  # noqa: E402
+from jaxrope.testing import oracle  # noqa: E402
 from torch_bridge import (Fork, KVPlanOutput, KVView, PositionConfig, PositionStep,  # noqa: E402
                           PublishedPositionInfo, RopeManager, Segment, StepContext)
 

@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 
 import jaxrope as jr  # noqa: E402
 
-from tests import oracle  # noqa: E402
+from jaxrope.testing import oracle  # noqa: E402
 from torch_bridge import (PositionConfig, PositionStep, PublishedPositionInfo,  # noqa: E402
                           RopeManager, Segment, StepContext)
 from torch_bridge import _transitions  # noqa: E402

@@ -29,7 +29,7 @@ only with Triton's compiler params, so this is a ``plgpu.kernel`` of its own:
 Covered: NeoX halves, any ``rotary_dim``, fp32/fp16/bf16, any T, head counts of q and k
 that are both multiples of ``128 / gcd(R/2, 128)``, the fewest heads whose half fills a
 warpgroup (so some ``C`` divides both). Interleaved pairs and other head counts raise
-``NotImplementedError`` (:func:`unsupported`): the measurement this kernel exists for is
+``BackendUnavailable`` (:func:`unsupported`): the measurement this kernel exists for is
 the serving layout, and splitting pairs in the strided layout needs layouts Mosaic GPU
 does not infer.
 
@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels.angle import cos_sin
 
 _LANES = 128  # threads of a warpgroup
@@ -116,14 +117,14 @@ def rope_mosaic(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
     as :func:`jaxrope.kernels.pallas_triton.rope_pallas` (in place when donated).
 
     Raises:
-      NotImplementedError: a layout :func:`unsupported` names, or a JAX
+      BackendUnavailable: a layout :func:`unsupported` names, or a JAX
         :func:`unavailable` names.
     """
     num_tokens, q_heads, head_dim = q.shape
     k_heads = k.shape[1]
     reason = unsupported(q_heads, k_heads, rotary_dim, interleave) or unavailable()
     if reason:
-        raise NotImplementedError(reason)
+        raise BackendUnavailable(reason)
     from jax.experimental.pallas import mosaic_gpu as plgpu
     if num_tokens == 0:
         return q, k

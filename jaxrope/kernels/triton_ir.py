@@ -10,7 +10,7 @@ This relies on private JAX API (``jax._src.pallas.triton``), checked against JAX
 0.11.2 and 0.10.2: ``pallas_call_registration`` calls
 ``lowering.lower_jaxpr_to_triton_module(...)``, whose result has ``.module`` (an MLIR
 module) and ``.grid``. Everything private is touched here and nowhere else; any
-failure raises :class:`TritonExportError` and callers fall back to the JAX path.
+failure raises :class:`jaxrope.BackendUnavailable` and callers fall back to the JAX path.
 """
 
 from __future__ import annotations
@@ -22,13 +22,10 @@ from typing import Tuple
 import jax
 import jax.numpy as jnp
 
+from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels import pallas_triton
 
 _CAPTURE_LOCK = threading.Lock()
-
-
-class TritonExportError(RuntimeError):
-    """The running JAX does not expose the Pallas Triton lowering this module expects."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,16 +62,16 @@ def export(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interl
     operand), so one export serves every T.
 
     Raises:
-      TritonExportError: no GPU, or JAX's private lowering API changed.
+      BackendUnavailable: no GPU, or JAX's private lowering API changed.
     """
     try:
         from jax._src.pallas.triton import pallas_call_registration as registration
     except ImportError as e:  # pragma: no cover - depends on the installed JAX
-        raise TritonExportError(f"JAX {jax.__version__} has no Pallas Triton lowering: {e}") from e
+        raise BackendUnavailable(f"JAX {jax.__version__} has no Pallas Triton lowering: {e}") from e
     lowering = getattr(registration, "lowering", None)
     original = getattr(lowering, "lower_jaxpr_to_triton_module", None)
     if original is None:
-        raise TritonExportError(f"JAX {jax.__version__}: Pallas Triton lowering entry point moved")
+        raise BackendUnavailable(f"JAX {jax.__version__}: Pallas Triton lowering entry point moved")
 
     # Any T works (the IR reads the count at run time) as long as the grid has two token
     # blocks: Pallas folds program_id of a size-1 grid axis to the constant 0.
@@ -101,9 +98,9 @@ def export(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interl
             # A fresh closure per export: jit's caches must not skip the lowering.
             jax.jit(lambda *a: kernel_call(*a)).trace(*args).lower(lowering_platforms=("cuda",))
         except Exception as e:
-            raise TritonExportError(f"lowering the Pallas kernel failed: {e}") from e
+            raise BackendUnavailable(f"lowering the Pallas kernel failed: {e}") from e
         finally:
             lowering.lower_jaxpr_to_triton_module = original
     if len(captured) != 1:
-        raise TritonExportError(f"expected one Triton module, captured {len(captured)}")
+        raise BackendUnavailable(f"expected one Triton module, captured {len(captured)}")
     return TritonKernel(ttir=captured[0], block=block, q_heads=q_heads, k_heads=k_heads)

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 
 import jaxrope as jr  # noqa: E402
-from tests import oracle  # noqa: E402
+from jaxrope.testing import oracle  # noqa: E402
 from torch_bridge import (GraphBucket, GraphSlot, PositionConfig, PositionStep,  # noqa: E402
                           RopeManager, Segment, StepContext)
 

@@ -4,10 +4,10 @@ Every case calls one FlashInfer in-place API on a ragged batch (1, 19 or 99 sequ
 1/4/19/204 tokens at offsets 0/15/99 on bases up to 2**20 - 302, so positions reach
 2**20), then jaxrope with the equivalent :class:`jaxrope.RopeConfig`
 (``rope_scale`` -> ``Linear(factor=rope_scale)``, llama31 -> ``Llama3(...)``, see
-``tests/flashinfer_parity.py``). ``rope_scale`` and ``rope_theta`` are never FlashInfer's
+``jaxrope/testing/flashinfer.py``). ``rope_scale`` and ``rope_theta`` are never FlashInfer's
 defaults (1, 1e4).
 
-Tolerances are functions of position, derived in ``tests/flashinfer_parity.py``:
+Tolerances are functions of position, derived in ``jaxrope/testing/flashinfer.py``:
 
 - jaxrope vs the float64 oracle: the output dtype's half ulp plus a 2**-17 rad angle
   error (jaxrope's exact-turn angle), at every position: tight;
@@ -33,7 +33,7 @@ import pytest
 
 from jaxrope.scaling import Linear, Llama3, Yarn
 
-from tests import flashinfer_parity as fp
+from jaxrope.testing import flashinfer as fp
 
 pytestmark = pytest.mark.gpu
 

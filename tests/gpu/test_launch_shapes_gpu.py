@@ -19,7 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 from jaxrope.apply import kernel_constants  # noqa: E402
 from jaxrope.cases import BY_NAME  # noqa: E402
 from jaxrope.kernels import pallas_triton  # noqa: E402
-from tests import oracle  # noqa: E402
+from jaxrope.testing import oracle  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,7 @@ import pytest
 import jaxrope as jr
 from jaxrope.cases import BY_NAME
 from jaxrope.kernels import mosaic_gpu
-from tests import oracle
+from jaxrope.testing import oracle
 
 pytestmark = pytest.mark.gpu
 

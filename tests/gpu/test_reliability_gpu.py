@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 
 import jaxrope as jr  # noqa: E402
-from tests import oracle  # noqa: E402
+from jaxrope.testing import oracle  # noqa: E402
 from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext  # noqa: E402
 from torch_bridge.dlpack import jax_device  # noqa: E402
 

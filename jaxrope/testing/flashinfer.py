@@ -47,7 +47,7 @@ import numpy as np
 import jaxrope as jr
 from jaxrope.scaling import SCALING_TYPES, Linear, Llama3
 
-from tests import oracle
+from jaxrope.testing import oracle
 
 # -- the matrix of the issue ------------------------------------------------------------
 
@@ -311,7 +311,7 @@ def run_jaxrope(cfg: jr.RopeConfig, q: np.ndarray, k: np.ndarray, pos_ids: np.nd
 
 
 def rope64(cfg: jr.RopeConfig, x: np.ndarray, pos_ids: np.ndarray) -> np.ndarray:
-    """The float64 oracle ``[T, H, D]`` of ``tests/oracle.py`` for ``cfg``."""
+    """The float64 oracle ``[T, H, D]`` of ``jaxrope/testing/oracle.py`` for ``cfg``."""
     inv_freq, attention = oracle.serving_frequencies(cfg)
     return oracle.rope_oracle(x, pos_ids, inv_freq, attention, cfg.rotary_dim, cfg.interleave)
 
@@ -648,7 +648,9 @@ def golden_path():
     """``tests/data/flashinfer_golden.npz``, or ``$JAXROPE_GOLDEN``."""
     import os
     import pathlib
-    default = pathlib.Path(__file__).resolve().parent / "data" / "flashinfer_golden.npz"
+    # The recording lives with the tests of a source checkout: <repo>/tests/data.
+    default = (pathlib.Path(__file__).resolve().parents[2] / "tests" / "data"
+               / "flashinfer_golden.npz")
     return pathlib.Path(os.environ.get(GOLDEN_PATH_ENV, default))
 
 

@@ -1,0 +1,6 @@
+"""Test and benchmark support: the float64 oracle and the FlashInfer adapter.
+
+Importable by the tests and by ``bench/`` alike (bench never imports from ``tests``).
+Needs numpy and jaxrope only; torch and FlashInfer are imported inside the functions
+of :mod:`jaxrope.testing.flashinfer` that call them.
+"""
