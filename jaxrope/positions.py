@@ -5,8 +5,9 @@ A *stream* is one (request, label) pair; each gets a *slot*, an index into
 transition takes and returns a table, has static shapes and runs under ``jax.jit``.
 
 Variable-length inputs (the views of a step, the forks, the admitted streams) are
-padded to a bucket: a padding entry uses slot ``table.capacity`` (one past the end,
-see :func:`pad_slots`), which reads as zero and whose writes are dropped.
+padded to a bucket. One convention: any slot outside ``[0, capacity)`` is padding; it
+reads as zero and its writes are dropped. :data:`PAD` (the largest int32) is the
+padding slot to use: it stays padding when the table grows (see :func:`pad_slots`).
 
 The map from (request_id, label) to slot is host-side state and lives in
 :class:`SlotMap`, outside the pytree.
@@ -22,20 +23,27 @@ Example:
   >>> table = positions.commit(table, slots, counts)
   >>> table.counters.tolist()
   [2, 0, 3, 0]
-  >>> padded = positions.pad_slots([2, 0], 4, table.capacity)  # padding slot is 4
-  >>> padded.tolist(), positions.read(table, jnp.asarray(padded)).tolist()
-  ([2, 0, 4, 4], [3, 2, 0, 0])
+  >>> padded = positions.pad_slots([2, 0], 4)
+  >>> padded.tolist() == [2, 0, positions.PAD, positions.PAD]
+  True
+  >>> positions.read(table, jnp.asarray(padded)).tolist()
+  [3, 2, 0, 0]
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Dict, Hashable, List, Optional, Sequence
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+# The padding slot: out of range for every table, however far it grows.
+PAD = int(np.iinfo(np.int32).max)
+# Negative slots are padding too (numpy-style wrapping would make -1 the last slot).
+_NO_WRAP = {"wrap_negative_indices": False}
 
 
 class Scheme(enum.Enum):
@@ -90,7 +98,7 @@ class PositionTable:
 
     @property
     def capacity(self) -> int:
-        """Number of slots, ``counters.shape[0]``; also the padding slot's index."""
+        """Number of slots, ``counters.shape[0]``."""
         return self.counters.shape[0]
 
 
@@ -108,18 +116,18 @@ def grow(table: PositionTable, capacity: int) -> PositionTable:
     return PositionTable(jnp.pad(table.counters, (0, capacity - table.capacity)))
 
 
-def pad_slots(slots: Sequence[int], size: int, capacity: int) -> np.ndarray:
-    """int32 ``[size]``: ``slots`` followed by the padding slot ``capacity``."""
+def pad_slots(slots: Sequence[int], size: int) -> np.ndarray:
+    """int32 ``[size]``: ``slots`` followed by the padding slot :data:`PAD`."""
     if len(slots) > size:
-        raise ValueError(f"{len(slots)} entries do not fit the bucket of size {size}")
-    out = np.full((size,), capacity, np.int32)
+        raise ValueError(f"{len(slots)} entries do not fit the bucket of {size=}")
+    out = np.full((size,), PAD, np.int32)
     out[:len(slots)] = slots
     return out
 
 
 def read(table: PositionTable, slots: jax.Array) -> jax.Array:
     """int32 counters at ``slots``; padding slots read 0."""
-    return table.counters.at[slots].get(mode="fill", fill_value=0)
+    return table.counters.at[slots].get(mode="fill", fill_value=0, **_NO_WRAP)
 
 
 def plan(table: PositionTable, slots: jax.Array, counts: jax.Array, out: jax.Array, *,
@@ -128,7 +136,8 @@ def plan(table: PositionTable, slots: jax.Array, counts: jax.Array, out: jax.Arr
 
     Args:
       table: the counters.
-      slots: int32 ``[V]``, the stream of each view, in token order (padding allowed).
+      slots: int32 ``[V]``, the stream of each view, in token order (padding slots,
+        outside ``[0, capacity)``, read 0).
       counts: int32 ``[V]``, the number of tokens of each view (0 for padding).
       out: int32 ``[N]``; tokens ``[sum(counts), N)`` keep these values (CUDA-graph
         buffers keep their tail), tokens before take the planned positions.
@@ -170,7 +179,8 @@ def commit(table: PositionTable, slots: jax.Array, spans: jax.Array, *,
 
 def advance(table: PositionTable, slots: jax.Array, amounts: jax.Array) -> PositionTable:
     """Add explicit ``amounts`` to the counters at ``slots`` (a step's explicit advance)."""
-    return PositionTable(table.counters.at[slots].add(amounts.astype(jnp.int32), mode="drop"))
+    return PositionTable(table.counters.at[slots].add(amounts.astype(jnp.int32), mode="drop",
+                                                   **_NO_WRAP))
 
 
 def fork(table: PositionTable, src_slots: jax.Array, dst_slots: jax.Array) -> PositionTable:
@@ -178,7 +188,8 @@ def fork(table: PositionTable, src_slots: jax.Array, dst_slots: jax.Array) -> Po
 
     All sources are read before any destination is written.
     """
-    return PositionTable(table.counters.at[dst_slots].set(read(table, src_slots), mode="drop"))
+    return PositionTable(table.counters.at[dst_slots].set(read(table, src_slots), mode="drop",
+                                                       **_NO_WRAP))
 
 
 def raise_to(table: PositionTable, slots: jax.Array, positions: jax.Array) -> PositionTable:
@@ -188,24 +199,27 @@ def raise_to(table: PositionTable, slots: jax.Array, positions: jax.Array) -> Po
     *cached prefix* (move past what the cache holds; the position is absolute, so a
     repeated probe moves nothing).
     """
-    return PositionTable(table.counters.at[slots].max(positions.astype(jnp.int32), mode="drop"))
+    return PositionTable(table.counters.at[slots].max(positions.astype(jnp.int32), mode="drop",
+                                                   **_NO_WRAP))
 
 
 def rollback(table: PositionTable, slots: jax.Array, positions: jax.Array) -> PositionTable:
     """``counter = min(counter, position)``: undo tokens past ``position`` (rejected drafts)."""
-    return PositionTable(table.counters.at[slots].min(positions.astype(jnp.int32), mode="drop"))
+    return PositionTable(table.counters.at[slots].min(positions.astype(jnp.int32), mode="drop",
+                                                   **_NO_WRAP))
 
 
 def reset(table: PositionTable, slots: jax.Array) -> PositionTable:
     """Set the counters at ``slots`` to 0."""
-    return PositionTable(table.counters.at[slots].set(0, mode="drop"))
+    return PositionTable(table.counters.at[slots].set(0, mode="drop", **_NO_WRAP))
 
 
 class SlotMap:
     """Host-side map ``(request_id, label) -> slot`` with a free list.
 
     Slots are reused after :meth:`release`; when none is free the capacity doubles
-    and the caller grows its table to :attr:`capacity` (:func:`grow`).
+    and the caller grows its table to :attr:`capacity` (:func:`grow`). The one map a
+    host keeps: :meth:`lookup` turns a step's streams into a slot array in one pass.
 
     Args:
       capacity: initial number of slots, a positive int (default 64).
@@ -223,6 +237,8 @@ class SlotMap:
       (0, 1, 2)
       >>> slots.capacity, slots.find("r1", "text"), slots.requests()
       (4, 2, ['r0', 'r1'])
+      >>> slots.lookup(["r1", "r0"], ["text", "image"]).tolist()
+      [2, 1]
       >>> slots.release("r0"), len(slots), slots.peak
       ([0, 1], 1, 3)
     """
@@ -230,32 +246,44 @@ class SlotMap:
     def __init__(self, capacity: int = 64):
         if not isinstance(capacity, int) or capacity <= 0:
             raise ValueError(f"capacity={capacity!r} must be a positive int")
+        self._slot_of: Dict[Tuple[Hashable, Hashable], int] = {}
         self._by_rid: Dict[Hashable, Dict[Hashable, int]] = {}
         self._free: List[int] = list(range(capacity - 1, -1, -1))
-        self._live = 0
         self.capacity = capacity
         self.peak = 0
 
     def __len__(self) -> int:
         """Slots in use."""
-        return self._live
+        return len(self._slot_of)
+
+    def __contains__(self, rid: Hashable) -> bool:
+        """Whether ``rid`` holds a slot."""
+        return rid in self._by_rid
 
     def find(self, rid: Hashable, label: Hashable) -> Optional[int]:
         """The stream's slot, or None."""
-        return self._by_rid.get(rid, {}).get(label)
+        return self._slot_of.get((rid, label))
+
+    def lookup(self, rids: Sequence[Hashable], labels: Sequence[Hashable]) -> np.ndarray:
+        """int64 slots of the streams ``zip(rids, labels)``.
+
+        Raises:
+          KeyError: a stream holds no slot (the caller names it).
+        """
+        return np.fromiter(map(self._slot_of.__getitem__, zip(rids, labels)), np.int64,
+                           len(rids))
 
     def acquire(self, rid: Hashable, label: Hashable) -> int:
         """The stream's slot, taking a free one (growing if needed) for a new stream."""
-        labels = self._by_rid.setdefault(rid, {})
-        slot = labels.get(label)
+        slot = self._slot_of.get((rid, label))
         if slot is not None:
             return slot
         if not self._free:
             self._free = list(range(2 * self.capacity - 1, self.capacity - 1, -1))
             self.capacity *= 2
-        slot = labels[label] = self._free.pop()
-        self._live += 1
-        self.peak = max(self.peak, self._live)
+        slot = self._slot_of[rid, label] = self._free.pop()
+        self._by_rid.setdefault(rid, {})[label] = slot
+        self.peak = max(self.peak, len(self._slot_of))
         return slot
 
     def labels(self, rid: Hashable) -> Dict[Hashable, int]:
@@ -266,9 +294,15 @@ class SlotMap:
         """Request ids holding at least one slot, in order of their first :meth:`acquire`."""
         return list(self._by_rid)
 
+    def free_slots(self) -> Tuple[int, ...]:
+        """The free list, next slot to be taken last."""
+        return tuple(self._free)
+
     def release(self, rid: Hashable) -> List[int]:
         """Free every slot of ``rid``; returns them (the caller resets their counters)."""
-        freed = list(self._by_rid.pop(rid, {}).values())
-        self._live -= len(freed)
+        labels = self._by_rid.pop(rid, {})
+        for label in labels:
+            del self._slot_of[rid, label]
+        freed = list(labels.values())
         self._free.extend(sorted(freed, reverse=True))
         return freed

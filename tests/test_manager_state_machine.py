@@ -1,32 +1,37 @@
-"""RopeManager driven by random operation sequences, checked against a plain-Python model.
+"""The torch bridge's counters against the core's, driven by random operation sequences.
 
 Hypothesis' ``RuleBasedStateMachine`` runs ingest / plan / preplan / commit / publish /
 snapshot / admit / apply_cached_prefix / fork / clear_preplan / reset / remove /
 apply_qk, plus deliberately bad calls, over four requests and two labels, with a small
-``max_seq_len`` so that the bounds are hit often. The model (dicts of ints and lists)
-restates the rules of ``RopeManager`` independently:
+``max_seq_len`` so that the bounds are hit often. This is the differential test of the
+two executors of the counter rules: the manager (host counters, the numpy rules of
+:mod:`torch_bridge.streams`) on one side; on the other a model whose every counter and
+position comes from the core's pure transitions (:mod:`jaxrope.positions` on a
+:class:`jaxrope.PositionTable`, its own :class:`jaxrope.SlotMap`). The model keeps only
+the plan bookkeeping itself:
 
 - plan: pre-forks first (applied to the counters now, or when a staged plan becomes
-  current); SEQUENTIAL views get ``counter + arange(n)``, BLOCK views ``n`` copies;
-  a preplan is numbered from the counters as they will be after the current commit;
-- commit: spans (or block_step, or the explicit advance), then post-forks; the staged
-  plan becomes current (its pre-forks apply);
-- admit / cached prefix / ingest overrides: ``max``; removal drops the request from
-  plans made earlier; reset zeroes.
+  current); ``positions.plan`` numbers the views; a preplan is numbered from the
+  counters as they will be after the current commit;
+- commit: ``positions.commit`` (spans or block_step), ``positions.advance`` (explicit
+  advance), then ``positions.fork`` (post-forks); the staged plan becomes current (its
+  pre-forks apply);
+- admit / cached prefix / ingest overrides: ``positions.raise_to``; removal drops the
+  request from plans made earlier; reset: ``positions.reset``.
 
 After every rule the manager must agree with the model on every counter (``position``,
-``publish``, host shadow and device table), on the positions of the current and
-staged plans, and hold no counter past ``max_seq_len``, no slot beyond its live
-requests and no non-zero free slot. A call the model predicts to fail must raise
-``ValueError`` and leave ``state_snapshot()`` as it was.
+``publish``, ``mgr.table``), on the positions of the current and staged plans, and hold
+no counter past ``max_seq_len``, no slot beyond its live requests and no non-zero free
+slot. A call the model predicts to fail must raise ``ValueError`` and leave
+``state_snapshot()`` as it was.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -36,7 +41,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 torch = pytest.importorskip("torch")
 
 import jaxrope as jr  # noqa: E402
-from jaxrope.positions import Scheme  # noqa: E402
+from jaxrope import positions as core  # noqa: E402
+from jaxrope.positions import Scheme, SlotMap  # noqa: E402
 
 from jaxrope.testing import oracle  # noqa: E402
 from torch_bridge import (Fork, KVPlanOutput, KVView, PositionConfig, PositionStep,  # noqa: E402
@@ -67,69 +73,102 @@ class ModelPlan:
     dropped: set = dataclasses.field(default_factory=set)
 
 
-def fork_counters(counters, forks, dropped=()):
-    """Copy counters along ``forks``, all sources read before any target is written."""
-    live = [f for f in forks if f[0] not in dropped]
-    values = [counters[rid][src] for rid, src, _ in live]
-    for (rid, _, dst), value in zip(live, values):
-        counters[rid][dst] = value
+def _slots(values: Sequence[int]) -> jnp.ndarray:
+    return jnp.asarray(np.asarray(values, np.int32).reshape(-1))
 
 
 class Model:
+    """The expected state: counters in a core PositionTable, changed only by the core's
+    transitions; the plan bookkeeping (current, staged, dropped) kept here."""
+
     def __init__(self, scheme: Scheme, block_step: int):
         self.scheme, self.block_step = scheme, block_step
-        self.counters: Dict[str, Dict[str, int]] = {}
+        self.slot_map = SlotMap(4)
+        self.table = core.init(4)
         self.current: Optional[ModelPlan] = None
         self.staged: Optional[ModelPlan] = None
 
-    def committed(self, plan: ModelPlan, counters) -> Tuple[dict, List[Stream]]:
-        """Counters after ``plan``'s commit, and the streams whose bound is checked."""
-        new = copy.deepcopy(counters)
+    # -- the streams ----------------------------------------------------------------
+
+    @property
+    def requests(self) -> List[str]:
+        return self.slot_map.requests()
+
+    def slot(self, rid: str, label: str) -> int:
+        return self.slot_map.find(rid, label)
+
+    def counters(self, table: Optional[core.PositionTable] = None) -> Dict[str, Dict[str, int]]:
+        values = np.asarray((self.table if table is None else table).counters).tolist()
+        return {rid: {label: values[self.slot(rid, label)] for label in LABELS}
+                for rid in self.requests}
+
+    def ingest(self, rid: str) -> None:
+        for label in LABELS:
+            self.slot_map.acquire(rid, label)
+        if self.slot_map.capacity > self.table.capacity:
+            self.table = core.grow(self.table, self.slot_map.capacity)
+
+    def forget(self, rid: str) -> None:
+        self.table = core.reset(self.table, _slots(self.slot_map.release(rid)))
+
+    def raise_to(self, rid: str, values: Dict[str, int]) -> None:
+        if values:
+            self.table = core.raise_to(self.table, _slots([self.slot(rid, l) for l in values]),
+                                       _slots(list(values.values())))
+
+    # -- the rules, through the core -------------------------------------------------
+
+    def forked(self, table, forks, dropped=()) -> core.PositionTable:
+        live = [f for f in forks if f[0] not in dropped]
+        if not live:
+            return table
+        return core.fork(table, _slots([self.slot(rid, src) for rid, src, _ in live]),
+                         _slots([self.slot(rid, dst) for rid, _, dst in live]))
+
+    def committed(self, plan: ModelPlan, table) -> Tuple[core.PositionTable, List[int]]:
+        """The table after ``plan``'s commit, and the slots whose bound is checked."""
         segments = [s for s in plan.segments if s[0] not in plan.dropped]
-        touched: List[Stream] = []
         advance = plan.advance
         if isinstance(advance, int):
-            for stream in dict.fromkeys((rid, label) for rid, label, _ in segments):
-                new[stream[0]][stream[1]] += advance
-                touched.append(stream)
+            streams = list(dict.fromkeys((rid, label) for rid, label, _ in segments))
+            named = {stream: advance for stream in streams}
+            segments = []
         else:
             named = {} if advance is None else {s: a for s, a in advance.items()
                                                 if s[0] not in plan.dropped}
-            for rid, label, span in segments:
-                if (rid, label) in named:
-                    continue
-                step = span if self.scheme is Scheme.SEQUENTIAL else (self.block_step if span else 0)
-                new[rid][label] += step
-                touched.append((rid, label))
-            for (rid, label), amount in named.items():
-                new[rid][label] += amount
-                touched.append((rid, label))
-        fork_counters(new, plan.post_forks, plan.dropped)
-        touched += [(rid, dst) for rid, _, dst in plan.post_forks if rid not in plan.dropped]
-        return new, touched
+            segments = [s for s in segments if (s[0], s[1]) not in named]
+        spans = [self.slot(rid, label) for rid, label, _ in segments]
+        table = core.commit(table, _slots(spans), _slots([n for *_, n in segments]),
+                            scheme=self.scheme, block_step=self.block_step)
+        advanced = [self.slot(*stream) for stream in named]
+        table = core.advance(table, _slots(advanced), _slots(list(named.values())))
+        live_forks = [f for f in plan.post_forks if f[0] not in plan.dropped]
+        table = self.forked(table, live_forks)
+        return table, spans + advanced + [self.slot(rid, dst) for rid, _, dst in live_forks]
 
-    def positions(self, views, counters) -> Optional[Dict[str, List[int]]]:
-        """Each plan label's positions, or None when a view passes max_seq_len."""
+    def positions(self, views, table) -> Optional[Dict[str, List[int]]]:
+        """Each plan label's positions, or None when a view passes max_seq_len (SEQUENTIAL:
+        counter + tokens > max_seq_len, an empty view included; BLOCK: a non-empty view
+        at a counter >= max_seq_len)."""
         out = {}
         for plan_label, records in views.items():
-            out[plan_label] = []
-            for rid, label, n in records:
-                base = counters[rid][label]
-                if self.scheme is Scheme.SEQUENTIAL:
-                    if base + n > MAX_SEQ_LEN:
-                        return None
-                    out[plan_label] += list(range(base, base + n))
-                else:
-                    if n and base >= MAX_SEQ_LEN:
-                        return None
-                    out[plan_label] += [base] * n
+            counts = [n for *_, n in records]
+            slots = _slots([self.slot(rid, label) for rid, label, _ in records])
+            bases = core.read(table, slots).tolist()
+            for base, n in zip(bases, counts):
+                if (base + n > MAX_SEQ_LEN if self.scheme is Scheme.SEQUENTIAL
+                        else n and base >= MAX_SEQ_LEN):
+                    return None
+            out[plan_label] = core.plan(table, slots, _slots(counts),
+                                        jnp.zeros((sum(counts),), jnp.int32),
+                                        scheme=self.scheme).tolist()
         return out
 
     def promote(self) -> None:
         """A staged plan becomes current when there is none (its pre-forks apply now)."""
         if self.current is None and self.staged is not None:
             self.current, self.staged = self.staged, None
-            fork_counters(self.counters, self.current.pre_forks, self.current.dropped)
+            self.table = self.forked(self.table, self.current.pre_forks, self.current.dropped)
 
 
 @st.composite
@@ -163,7 +202,6 @@ def step_specs(draw, live: List[str]):
 class ManagerMachine(RuleBasedStateMachine):
     scheme = Scheme.SEQUENTIAL
     block_step = 1
-    counters = "jax"
     device = "cpu"
 
     def __init__(self):
@@ -172,15 +210,14 @@ class ManagerMachine(RuleBasedStateMachine):
         config = PositionConfig(rope=rope, labels=LABELS, scheme=self.scheme,
                                 block_step=self.block_step)
         self.mgr = RopeManager(config, self.device, max_seq_len=MAX_SEQ_LEN,
-                               launcher="jax" if self.device == "cpu" else "auto",
-                               counters=self.counters)
+                               launcher="jax" if self.device == "cpu" else "auto")
         self.model = Model(self.scheme, self.block_step)
         self.snapshots: List[Tuple[str, Any, Dict[str, int]]] = []
 
     # -------------------------------------------------------------- helpers
 
     def live(self) -> List[str]:
-        return sorted(self.model.counters)
+        return sorted(self.model.requests)
 
     def pick(self, data) -> str:
         """Mostly a live request; sometimes any id (removed or never ingested)."""
@@ -212,17 +249,16 @@ class ManagerMachine(RuleBasedStateMachine):
                 views.setdefault(s[1], []).append(s)
         mentioned = ({s[0] for s in segments} | {f[0] for f in pre_forks + post_forks}
                      | {v[0] for records in views.values() for v in records})
-        valid = mentioned <= set(model.counters)
+        valid = mentioned <= set(model.requests)
         for forks in (pre_forks, post_forks):
             targets = {}
             valid &= all(targets.setdefault((rid, dst), src) == src for rid, src, dst in forks)
         plan = ModelPlan(segments, advance, views, pre_forks, post_forks, {}, step, ctx)
         if valid:
+            base = model.table
             if preplan and model.current is not None:
-                base, _ = model.committed(model.current, model.counters)
-            else:
-                base = copy.deepcopy(model.counters)
-            fork_counters(base, pre_forks)
+                base, _ = model.committed(model.current, base)
+            base = model.forked(base, pre_forks)
             positions = model.positions(views, base)
             valid = positions is not None
         if not valid:
@@ -234,7 +270,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if preplan:
             model.staged = plan
         else:
-            model.counters = base
+            model.table = base
             model.current, model.staged = plan, None
 
     # -------------------------------------------------------------- rules
@@ -251,9 +287,8 @@ class ManagerMachine(RuleBasedStateMachine):
             self.expect_failure(self.mgr.ingest_request, rid, overrides)
             return
         self.mgr.ingest_request(rid, overrides)
-        counters = self.model.counters.setdefault(rid, {label: 0 for label in LABELS})
-        for label, value in overrides.items():
-            counters[label] = max(counters[label], value)
+        self.model.ingest(rid)
+        self.model.raise_to(rid, overrides)
 
     @rule(data=st.data())
     def plan(self, data):
@@ -288,15 +323,15 @@ class ManagerMachine(RuleBasedStateMachine):
         plan, staged_first = model.current, False
         if plan is None:
             plan, staged_first = model.staged, True
-        counters = copy.deepcopy(model.counters)
+        table = model.table
         if staged_first:
-            fork_counters(counters, plan.pre_forks, plan.dropped)
-        new, touched = model.committed(plan, counters)
-        if any(new[rid][label] > MAX_SEQ_LEN for rid, label in touched):
+            table = model.forked(table, plan.pre_forks, plan.dropped)
+        new, touched = model.committed(plan, table)
+        if any(np.asarray(new.counters)[touched] > MAX_SEQ_LEN):
             self.expect_failure(self.mgr.commit, plan.step, plan.ctx)
             return
         self.mgr.commit(plan.step, plan.ctx)
-        model.counters = new
+        model.table = new
         model.current = None
         if staged_first:
             model.staged = None
@@ -311,13 +346,13 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(rid=st.sampled_from(RIDS))
     def publish(self, rid):
         info = self.mgr.publish(rid)
-        expected = self.model.counters.get(rid)
+        expected = self.model.counters().get(rid)
         assert (info is None) if expected is None else (info.counters == expected)
 
     @rule(rid=st.sampled_from(RIDS))
     def snapshot(self, rid):
         record = self.mgr.publish_snapshot_for_step(rid, "node", "walk")
-        expected = self.model.counters.get(rid)
+        expected = self.model.counters().get(rid)
         assert (record is None) == (expected is None)
         if record is not None:
             self.snapshots.append((rid, record, dict(expected)))
@@ -334,35 +369,34 @@ class ManagerMachine(RuleBasedStateMachine):
         rid = self.pick(data)
         before = self.mgr.state_snapshot()
         outcome = self.mgr.admit_retrieve(rid, "node", "walk", PublishedPositionInfo(published))
-        valid = rid in self.model.counters and all(v <= MAX_SEQ_LEN for v in published.values())
+        valid = rid in self.model.requests and all(v <= MAX_SEQ_LEN for v in published.values())
         assert outcome.ok == valid and outcome.ready == valid
         if not valid:
             assert self.mgr.state_snapshot() == before
             return
-        for label, value in published.items():
-            self.model.counters[rid][label] = max(self.model.counters[rid][label], value)
+        self.model.raise_to(rid, published)
 
     @rule(data=st.data(), prefix=st.dictionaries(st.sampled_from(LABELS), POSITIONS, max_size=2))
     def apply_cached_prefix(self, data, prefix):
         rid = self.pick(data)
-        if rid not in self.model.counters or any(v > MAX_SEQ_LEN for v in prefix.values()):
+        if rid not in self.model.requests or any(v > MAX_SEQ_LEN for v in prefix.values()):
             self.expect_failure(self.mgr.apply_cached_prefix, rid, "node", "walk", None, prefix)
             return
         self.mgr.apply_cached_prefix(rid, "node", "walk", None, prefix)
-        for label, value in prefix.items():
-            self.model.counters[rid][label] = max(self.model.counters[rid][label], value)
+        self.model.raise_to(rid, prefix)
 
     @rule(data=st.data(), free=st.booleans())
     def reset(self, data, free):
         rid = self.pick(data)
-        if rid not in self.model.counters:
+        if rid not in self.model.requests:
             self.expect_failure(self.mgr.reset_request, rid, free)
             return
         self.mgr.reset_request(rid, free)
         if free:
             self._forget(rid)
         else:
-            self.model.counters[rid] = {label: 0 for label in LABELS}
+            model = self.model
+            model.table = core.reset(model.table, _slots([model.slot(rid, l) for l in LABELS]))
 
     @rule(data=st.data())
     def remove(self, data):
@@ -371,7 +405,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self._forget(rid)
 
     def _forget(self, rid):
-        self.model.counters.pop(rid, None)
+        if rid in self.model.requests:
+            self.model.forget(rid)
         for plan in (self.model.current, self.model.staged):
             if plan is not None:
                 plan.dropped.add(rid)
@@ -432,18 +467,20 @@ class ManagerMachine(RuleBasedStateMachine):
     def agrees_with_the_model(self):
         mgr, model = self.mgr, self.model
         state = mgr.state_snapshot()
-        assert set(mgr.requests()) == set(model.counters)
-        expected = {(rid, label): value for rid, counters in model.counters.items()
+        model_counters = model.counters()
+        assert set(mgr.requests()) == set(model_counters)
+        expected = {(rid, label): value for rid, counters in model_counters.items()
                     for label, value in counters.items()}
         assert state["counters"] == expected
-        for rid, counters in model.counters.items():
+        table = np.asarray(mgr.table.counters).tolist()
+        for rid, counters in model_counters.items():
             assert mgr.publish(rid).counters == counters
             assert {label: mgr.position(rid, label) for label in LABELS} == counters
-        assert state["table"] == state["shadow"]
+            assert [table[s] for s in state["requests"][rid]] == [counters[l] for l in LABELS]
         live_slots = {slot for slots in state["requests"].values() for slot in slots}
-        assert all(v == 0 for slot, v in enumerate(state["shadow"]) if slot not in live_slots)
-        assert max(state["shadow"]) <= MAX_SEQ_LEN
-        assert state["slot_map"]["live"] == len(LABELS) * len(model.counters)
+        assert all(v == 0 for slot, v in enumerate(state["slots"]) if slot not in live_slots)
+        assert max(state["slots"]) <= MAX_SEQ_LEN
+        assert state["slot_map"]["live"] == len(LABELS) * len(model_counters)
         for name in ("current", "staged"):
             plan, got = getattr(model, name), state[name]
             assert (plan is None) == (got is None), name
@@ -464,20 +501,3 @@ TestManagerMatchesTheModel.settings = settings(max_examples=100, stateful_step_c
 TestBlockManagerMatchesTheModel = BlockManagerMachine.TestCase
 TestBlockManagerMatchesTheModel.settings = settings(max_examples=40, stateful_step_count=40, **_FAST)
 
-
-# The Triton counter store, its kernel run by Triton's interpreter: the same machine,
-# fewer examples (an interpreted launch takes tens of milliseconds).
-class TritonManagerMachine(ManagerMachine):
-    counters = "triton"
-
-
-class TritonBlockManagerMachine(BlockManagerMachine):
-    counters = "triton"
-
-
-TestTritonManagerMatchesTheModel = TritonManagerMachine.TestCase
-TestTritonManagerMatchesTheModel.settings = settings(max_examples=12, stateful_step_count=30,
-                                                     **_FAST)
-TestTritonBlockManagerMatchesTheModel = TritonBlockManagerMachine.TestCase
-TestTritonBlockManagerMatchesTheModel.settings = settings(max_examples=6, stateful_step_count=30,
-                                                          **_FAST)

@@ -61,7 +61,7 @@ def padded_slots(draw, capacity, *, unique=False):
     """(padded int32 [bucket], live slots) with live ones drawn from [0, capacity)."""
     bucket = draw(st.sampled_from(VIEW_BUCKETS))
     live = draw(st.lists(st.integers(0, capacity - 1), max_size=bucket, unique=unique))
-    return positions.pad_slots(live, bucket, capacity), live
+    return positions.pad_slots(live, bucket), live
 
 
 def _padded_values(values, size, fill=0):
@@ -103,7 +103,7 @@ def test_plan_numbers_views_in_order_and_keeps_the_padding_tail(data, scheme):
 
 def test_plan_sequential_example():
     table = _table([10, 20, 30, 0])
-    slots = jnp.asarray(positions.pad_slots([2, 0, 2], 4, 4))
+    slots = jnp.asarray(positions.pad_slots([2, 0, 2], 4))
     counts = jnp.asarray([2, 3, 1, 0], jnp.int32)
     out = jnp.full((8,), -1, jnp.int32)
     got = jit["plan"](table, slots, counts, out, scheme=Scheme.SEQUENTIAL)
@@ -150,7 +150,7 @@ def test_fork_reads_every_source_before_writing(data):
     dst, live_dst = data.draw(padded_slots(capacity, unique=True))
     live_src = data.draw(st.lists(st.integers(0, capacity - 1), min_size=len(live_dst),
                                   max_size=len(live_dst)))
-    src = positions.pad_slots(live_src, len(dst), capacity)
+    src = positions.pad_slots(live_src, len(dst))
     got = jit["fork"](_table(state), jnp.asarray(src), jnp.asarray(dst))
     want = list(state)
     for s, d in zip(live_src, live_dst):
@@ -215,9 +215,22 @@ def test_init_and_grow_reject_bad_capacities():
 
 
 def test_pad_slots_rejects_overflowing_buckets():
-    assert list(positions.pad_slots([3, 1], 4, 8)) == [3, 1, 8, 8]
+    assert list(positions.pad_slots([3, 1], 4)) == [3, 1, positions.PAD, positions.PAD]
     with pytest.raises(ValueError, match="bucket"):
-        positions.pad_slots([0, 1, 2], 2, 8)
+        positions.pad_slots([0, 1, 2], 2)
+
+
+def test_padding_slots_of_any_kind_read_zero_and_drop_writes():
+    # PAD, one past the end and negative slots alike: -1 must not wrap to the last slot.
+    table = positions.PositionTable(jnp.array([5, 6, 7], jnp.int32))
+    pad = jnp.array([positions.PAD, 3, -1], jnp.int32)
+    assert positions.read(table, pad).tolist() == [0, 0, 0]
+    for changed in (positions.advance(table, pad, jnp.array([1, 1, 1], jnp.int32)),
+                    positions.raise_to(table, pad, jnp.array([9, 9, 9], jnp.int32)),
+                    positions.rollback(table, pad, jnp.array([0, 0, 0], jnp.int32)),
+                    positions.reset(table, pad),
+                    positions.fork(table, jnp.array([0, 1, 2], jnp.int32), pad)):
+        assert changed.counters.tolist() == [5, 6, 7]
 
 
 def test_a_table_is_a_pytree():
@@ -227,14 +240,13 @@ def test_a_table_is_a_pytree():
     assert jax.tree_util.tree_unflatten(treedef, leaves).capacity == 4
 
 
-def test_new_values_in_a_bucket_never_retrace():
-    rng = np.random.default_rng()
+def test_new_values_in_a_bucket_never_retrace(rng):
     capacity, views, tokens = 8, 4, 16
 
     def step(seed):
         r = np.random.default_rng(seed)
         table = _table(list(r.integers(0, 1000, capacity)))
-        slots = jnp.asarray(positions.pad_slots(list(r.integers(0, capacity, 3)), views, capacity))
+        slots = jnp.asarray(positions.pad_slots(list(r.integers(0, capacity, 3)), views))
         counts = jnp.asarray(list(r.integers(0, 4, 3)) + [0], jnp.int32)
         amounts = jnp.asarray(r.integers(0, 9, views), jnp.int32)
         jit["read"](table, slots)

@@ -1,16 +1,19 @@
 """torch_bridge: the PyTorch-facing RopeManager over the jaxrope core (the only torch importer).
 
-The public API is the list below; every other name is an implementation detail.
+The public API is the list below: what an engine uses. Everything else is an
+implementation detail; the DLPack plumbing stays importable from
+:mod:`torch_bridge.dlpack`. A launcher declines a call by raising
+:class:`jaxrope.BackendUnavailable`.
 """
 
 from torch_bridge.config import PositionConfig
-from torch_bridge.device_counters import KernelUnavailable
-from torch_bridge.dlpack import InPlace, NotZeroCopyError, to_jax, to_torch
 from torch_bridge.engine_types import (AdmitOutcome, EngineInfo, Fork, GraphBucket, GraphSlot,
                                        KVPlanOutput, KVView, PositionStep, PublishedInfo, Resource,
                                        ResourceSpec, Segment, StepContext)
-from torch_bridge.manager import PositionManager, PublishedPositionInfo, RopeManager
-from torch_bridge.rotate import Launcher, LaunchUnavailable
+from torch_bridge.manager import PositionManager
+from torch_bridge.published import PublishedPositionInfo
+from torch_bridge.rope_manager import RopeManager
+from torch_bridge.rotate import Launcher
 
 __all__ = [
     "AdmitOutcome",
@@ -18,13 +21,9 @@ __all__ = [
     "Fork",
     "GraphBucket",
     "GraphSlot",
-    "InPlace",
     "KVPlanOutput",
     "KVView",
-    "KernelUnavailable",
-    "LaunchUnavailable",
     "Launcher",
-    "NotZeroCopyError",
     "PositionConfig",
     "PositionManager",
     "PositionStep",
@@ -35,6 +34,4 @@ __all__ = [
     "RopeManager",
     "Segment",
     "StepContext",
-    "to_jax",
-    "to_torch",
 ]

@@ -4,8 +4,8 @@
 maps them onto a :class:`jaxrope.RopeConfig`. The rotation itself first asks an optional
 *launcher* (an object with ``rotate_(q, k, pos_ids, cfg)`` that works on torch tensors
 directly, e.g. :class:`torch_bridge.triton_launch.TritonLauncher`) and, when there is
-none or it declines by raising ``LaunchUnavailable``, runs :class:`JaxRotation`: the
-jaxrope kernel through DLPack (see :mod:`torch_bridge.dlpack`).
+none or it declines by raising :class:`jaxrope.BackendUnavailable`, runs
+:class:`JaxRotation`: the jaxrope kernel through DLPack (see :mod:`torch_bridge.dlpack`).
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ import jax
 import torch
 
 from jaxrope import backend as _backend
-from jaxrope.apply import kernel_constants
+from jaxrope.apply import SUPPORTED_DTYPES, kernel_constants
 from jaxrope.config import RopeConfig
+from jaxrope.errors import BackendUnavailable
 from jaxrope.scaling import Linear, Llama3
 from torch_bridge.dlpack import InPlace
-from torch_bridge.triton_launch import LaunchUnavailable
 
-__all__ = ["ConfigCache", "JaxRotation", "Launcher", "LaunchUnavailable", "resolve_launcher"]
+__all__ = ["ConfigCache", "JaxRotation", "Launcher", "TORCH_DTYPES", "resolve_launcher"]
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The torch dtypes of jaxrope's SUPPORTED_DTYPES (defined there once).
+TORCH_DTYPES = tuple(getattr(torch, dtype.name) for dtype in SUPPORTED_DTYPES)
 
 # FlashInfer's llama31 defaults, used for the llama31 parameters a call leaves out.
 _LLAMA31_DEFAULTS = {"rope_scale": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -39,8 +40,8 @@ class Launcher(Protocol):
     ``rotate_(q, k, pos_ids, cfg)``: ``q [T, Hq, D]``, ``k [T, Hk, D]`` (validated by
     the manager: same dtype and device, ``D == cfg.head_dim``), ``pos_ids`` int32
     ``[N >= T]`` on the same device, of which the first ``T`` are used; rotates q and
-    k in place. Raises ``LaunchUnavailable``
-    to decline (the manager then runs the JAX path); any other exception propagates.
+    k in place. Raises :class:`jaxrope.BackendUnavailable` to decline (the manager then
+    runs the JAX path); any other exception propagates.
 
     Optionally also ``bind(q, k, cfg) -> run``: after a successful ``rotate_`` the
     manager binds the call's signature (label, shapes, dtypes, devices, overrides) and
@@ -56,7 +57,7 @@ class Launcher(Protocol):
       ...     calls = 0
       ...     def rotate_(self, q, k, pos_ids, cfg):
       ...         Declining.calls += 1
-      ...         raise LaunchUnavailable("no compiled kernel for this shape")
+      ...         raise jr.BackendUnavailable("no compiled kernel for this shape")
       >>> mgr = RopeManager(PositionConfig(rope=jr.RopeConfig(head_dim=8)), "cpu",
       ...                   launcher=Declining())
       >>> mgr.ingest_request("r0")
@@ -76,7 +77,7 @@ class Launcher(Protocol):
         float16 or bfloat16) and device, and ``D == cfg.head_dim``.
 
         Raises:
-          LaunchUnavailable: to decline this call; the manager then runs the JAX path.
+          BackendUnavailable: to decline this call; the manager then runs the JAX path.
         """
 
 
@@ -99,7 +100,7 @@ def resolve_launcher(launcher: Any, device: torch.device) -> Optional[Launcher]:
             from torch_bridge.triton_launch import TritonLauncher
             try:
                 return TritonLauncher()
-            except LaunchUnavailable:
+            except BackendUnavailable:
                 return None
     elif callable(getattr(launcher, "rotate_", None)):
         return launcher
@@ -204,6 +205,12 @@ class JaxRotation:
         self.call = InPlace(_rotate, 2, static_argnames=("impl", "rotary_dim", "interleave",
                                                          "attention_factor"))
         self._tables: Dict[RopeConfig, Tuple[jax.Array, float]] = {}
+
+    @staticmethod
+    def check_backend(backend: str, device: torch.device) -> None:
+        """Raise as :func:`jaxrope.backend.resolve` would for ``backend`` on ``device``,
+        without creating a JAX device (JAX's GPU client is costly to start)."""
+        _backend.resolve(backend, "cuda" if device.type == "cuda" else device.type)
 
     def constants(self, cfg: RopeConfig) -> Tuple[jax.Array, float]:
         """Angle tables on the device and the attention factor, cached per config."""

@@ -26,30 +26,13 @@ import torch
 
 from jaxrope.apply import kernel_constants
 from jaxrope.config import RopeConfig
+from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels import pallas_triton, triton_ir
 
 _ALIGN = 32
 # Launch records kept (one per distinct shape, config and device); past this the cache
 # starts over rather than grow with every token count an engine ever uses.
 _MAX_LAUNCHES = 4096
-_TORCH_TO_JAX_DTYPE = {torch.float32: "float32", torch.float16: "float16",
-                       torch.bfloat16: "bfloat16"}
-
-
-class LaunchUnavailable(RuntimeError):
-    """The fast path cannot run here (no CUDA, no Triton, or an unexpected JAX); use JAX.
-
-    A ``RuntimeError``. A :class:`torch_bridge.rotate.Launcher` raises it from
-    ``rotate_`` to decline a call; ``RopeManager(launcher="auto")`` catches it from
-    the Triton launcher's constructor and falls back to the JAX path.
-
-    Example:
-      >>> issubclass(LaunchUnavailable, RuntimeError)
-      True
-      >>> from torch_bridge.rotate import resolve_launcher
-      >>> resolve_launcher("auto", torch.device("cpu")) is None  # no fast path on CPU
-      True
-    """
 
 
 class _CountTable:
@@ -78,7 +61,14 @@ class _CountTable:
 class TritonLauncher:
     """Compiles and launches the Pallas RoPE kernel on torch's current CUDA stream.
 
+    Declines (raises :class:`jaxrope.BackendUnavailable`, so the manager runs the JAX path)
+    without Triton, for tensors that are not on a CUDA device, contiguous and 32-byte
+    aligned, and when the kernel's Triton IR cannot be exported from the running JAX.
+
     Example:
+      >>> from torch_bridge.rotate import resolve_launcher
+      >>> resolve_launcher("auto", torch.device("cpu")) is None  # no fast path on CPU
+      True
       >>> launcher = TritonLauncher()              # doctest: +SKIP
       >>> launcher.rotate_(q, k, pos_ids, cfg)     # q, k rotated in place  # doctest: +SKIP
     """
@@ -87,9 +77,7 @@ class TritonLauncher:
         try:
             import triton
         except ImportError as e:
-            raise LaunchUnavailable(f"Triton is not installed: {e}") from e
-        if not torch.cuda.is_available():
-            raise LaunchUnavailable("no CUDA device")
+            raise BackendUnavailable(f"Triton is not installed: {e}") from e
         self._triton = triton
         self._lock = threading.Lock()
         self._kernels: Dict[Tuple, object] = {}
@@ -130,7 +118,7 @@ class TritonLauncher:
         compiled, exported = self._compiled((q_heads, k_heads, head_dim, cfg, dtype, block), dict(
             q_heads=q_heads, k_heads=k_heads, head_dim=head_dim, rotary_dim=cfg.rotary_dim,
             interleave=cfg.interleave, attention_factor=attention,
-            dtype=_TORCH_TO_JAX_DTYPE[dtype], block=block))
+            dtype=str(dtype).removeprefix("torch."), block=block))
         tables = self._device_tables(cfg, device, lanes)
         counts = self._counts.get(device)
         if counts is None:
@@ -166,13 +154,16 @@ class TritonLauncher:
         the launch-shape heuristic (benchmarks sweep it).
 
         Raises:
-          LaunchUnavailable: a tensor breaks the kernel's layout assumptions.
+          BackendUnavailable: a tensor off CUDA or breaking the kernel's layout
+            assumptions, or a JAX whose Triton IR export fails.
         """
         if q.shape[0] == 0:
             return
         for name, t in (("q", q), ("k", k), ("pos_ids", pos_ids)):
+            if not t.is_cuda:
+                raise BackendUnavailable(f"{name} is on {t.device}: the launcher needs CUDA")
             if not t.is_contiguous() or t.data_ptr() % _ALIGN:
-                raise LaunchUnavailable(f"{name} must be contiguous and {_ALIGN}-byte aligned")
+                raise BackendUnavailable(f"{name} must be contiguous and {_ALIGN}-byte aligned")
         self._launch_for(q, k, cfg, block)(pos_ids.data_ptr(), q.data_ptr(), k.data_ptr())
 
     def _launch_for(self, q: torch.Tensor, k: torch.Tensor, cfg: RopeConfig,

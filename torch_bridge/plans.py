@@ -1,0 +1,244 @@
+"""The plan / commit / preplan state machine of a position manager.
+
+A step is *planned* (its positions computed from the counters), run, then *committed*
+(the counters advance by what it consumed). At most two plans exist:
+
+- the *current* plan: the step being run; ``commit`` commits it;
+- a *staged* plan (a preplan: step N+1 planned while step N runs). Its positions are
+  numbered from the counters as they will be once the current plan commits; its
+  pre-forks reach the counters only when it becomes current (*promotion*: at the
+  current plan's commit, or at first use when there is no current plan).
+  ``clear_preplan`` drops it, and since its forks never reached the counters nothing
+  else changes.
+
+A plan that is not a preplan replaces the current plan and drops a staged one; its
+pre-forks apply at once. Removing a request drops its streams from the plans made
+before (a plan still commits, without them).
+
+Every method validates before it changes anything: a call that raises leaves the
+counters and both plans as they were.
+
+Example:
+  >>> from jaxrope.positions import Scheme
+  >>> from torch_bridge.engine_types import PositionStep, Segment, StepContext
+  >>> from torch_bridge.step_arrays import StepReader
+  >>> from torch_bridge.streams import StreamTable
+  >>> streams = StreamTable(("text",)); _ = streams.ingest("r0")
+  >>> plans = StepPlans(streams, Scheme.SEQUENTIAL, 1, max_seq_len=64)
+  >>> step = PositionStep([Segment("r0", "text", 3)])
+  >>> arrays = StepReader(streams, "kv").read(step, StepContext())
+  >>> base = plans.base_counters(arrays, preplan=False)
+  >>> plans.positions(base, arrays)["text"].tolist()
+  [0, 1, 2]
+  >>> plans.install(Plan(step, arrays, {}, {}), preplan=False, base=base)
+  >>> plans.commit(step); int(streams.counters[0])
+  3
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional, Sequence
+
+import numpy as np
+import torch
+
+from jaxrope.positions import Scheme
+from torch_bridge import streams as rules
+from torch_bridge.engine_types import PositionStep
+from torch_bridge.step_arrays import StepArrays
+from torch_bridge.streams import CommitArrays, StreamTable
+
+__all__ = ["Plan", "StepPlans"]
+
+
+@dataclasses.dataclass(eq=False)
+class Plan:
+    """One planned step.
+
+    Attributes:
+      step: the planned step (commit must match it).
+      arrays: its validated arrays.
+      tensors: ``{plan_label: int32 tensor}``, what ``plan`` returned.
+      limits: ``{plan_label: int}``, the most q tokens ``apply_qk`` accepts.
+      commit: the commit still to apply (without removed requests' streams).
+      pre_src, pre_dst: pre-forks still to apply at promotion (a staged plan's).
+      jax_arrays: positions imported into JAX, filled on first use by the JAX path.
+    """
+
+    step: PositionStep
+    arrays: StepArrays
+    tensors: Dict[str, torch.Tensor]
+    limits: Dict[str, int]
+    commit: CommitArrays = None  # type: ignore[assignment]
+    pre_src: np.ndarray = None  # type: ignore[assignment]
+    pre_dst: np.ndarray = None  # type: ignore[assignment]
+    jax_arrays: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.commit is None:
+            self.commit = self.arrays.commit
+        if self.pre_src is None:
+            self.pre_src, self.pre_dst = self.arrays.pre_src, self.arrays.pre_dst
+
+    def drop(self, slots: Sequence[int]) -> None:
+        """Forget a removed request's streams (``slots``) in the commit and pending forks."""
+        self.commit = self.commit.without(slots)
+        keep = ~(np.isin(self.pre_src, slots) | np.isin(self.pre_dst, slots))
+        self.pre_src, self.pre_dst = self.pre_src[keep], self.pre_dst[keep]
+
+    def state(self) -> Dict[str, Any]:
+        """Identity and contents, for ``state_snapshot``."""
+        commit = self.commit
+        return {"plan": self, "positions": {label: tuple(t.tolist()) for label, t in self.tensors.items()},
+                "commit": tuple(tuple(a.tolist()) for a in (
+                    commit.slots, commit.spans, commit.adv_slots, commit.adv_amounts,
+                    commit.fork_src, commit.fork_dst)),
+                "pre_forks": (tuple(self.pre_src.tolist()), tuple(self.pre_dst.tolist()))}
+
+
+class StepPlans:
+    """The current and staged plans of one manager, over its :class:`StreamTable`.
+
+    Args:
+      streams: the manager's streams (the counters this changes).
+      scheme, block_step: the numbering scheme (:class:`jaxrope.Scheme`).
+      max_seq_len: no position may reach it; no counter may pass it.
+    """
+
+    def __init__(self, streams: StreamTable, scheme: Scheme, block_step: int, max_seq_len: int):
+        self._streams = streams
+        self._scheme, self._block_step = scheme, block_step
+        self.max_seq_len = max_seq_len
+        self.current: Optional[Plan] = None
+        self.staged: Optional[Plan] = None
+
+    # -- planning ------------------------------------------------------------------
+
+    def base_counters(self, arrays: StepArrays, preplan: bool) -> np.ndarray:
+        """The counters a step's positions are numbered from (a copy), pre-forks applied.
+
+        A preplan is numbered as if the current plan had committed (post-forks too).
+        """
+        base = self._streams.counters.copy()
+        if preplan and self.current is not None:
+            rules.apply_commit(base, self.current.commit, self._scheme, self._block_step)
+        if len(arrays.pre_src):
+            rules.fork(base, arrays.pre_src, arrays.pre_dst)
+        return base
+
+    def positions(self, base: np.ndarray, arrays: StepArrays) -> Dict[str, np.ndarray]:
+        """int32 host positions of every plan label without explicit ones; checks the bound.
+
+        Raises:
+          ValueError: a view would reach past ``max_seq_len``.
+        """
+        out = {}
+        # Sufficient first: no counter is high enough for any view to pass the bound.
+        peak = int(base.max()) if len(base) else 0
+        for plan_label, label in arrays.labels.items():
+            if plan_label in arrays.explicit:
+                continue
+            if peak + label.total > self.max_seq_len:
+                self._check_bounds(base, arrays, plan_label)
+            out[plan_label] = rules.plan(base, label.slots, label.counts, self._scheme)
+        return out
+
+    def _check_bounds(self, base: np.ndarray, arrays: StepArrays, plan_label: str) -> None:
+        label = arrays.labels[plan_label]
+        if not len(label.slots):
+            return
+        start = base[label.slots]
+        if self._scheme is Scheme.SEQUENTIAL:
+            bad = start + label.counts > self.max_seq_len
+        else:
+            bad = (label.counts > 0) & (start >= self.max_seq_len)
+        if bad.any():
+            i = int(np.argmax(bad))
+            rid, stream_label = arrays.groups[plan_label][i][:2]
+            raise ValueError(f"stream ({rid!r}, {stream_label!r}) of plan label {plan_label!r} at "
+                             f"position {int(start[i])} with {int(label.counts[i])} tokens passes "
+                             f"max_seq_len={self.max_seq_len}")
+
+    def install(self, plan: Plan, preplan: bool, base: np.ndarray) -> None:
+        """Make ``plan`` staged (preplan) or current; a current plan's pre-forks apply now
+        (``base`` holds them)."""
+        if preplan:
+            self.staged = plan
+            return
+        self._streams.counters = base
+        plan.pre_src = plan.pre_dst = plan.arrays.pre_src[:0]
+        self.current, self.staged = plan, None
+
+    # -- committing ----------------------------------------------------------------
+
+    def commit(self, step: PositionStep) -> None:
+        """Commit the current plan (a staged plan first becomes current when there is none).
+
+        Raises:
+          ValueError: no plan, ``step`` differs from the plan's, or a counter would
+            pass ``max_seq_len``.
+        """
+        plan, staged_first = self.current, False
+        if plan is None:
+            plan, staged_first = self.staged, True
+        if plan is None:
+            raise ValueError("commit without a plan: call plan(step, ctx) for this step first")
+        _check_same_step(step, plan.step)
+        counters = self._streams.counters.copy()
+        if staged_first and len(plan.pre_src):
+            rules.fork(counters, plan.pre_src, plan.pre_dst)
+        rules.apply_commit(counters, plan.commit, self._scheme, self._block_step)
+        # Post-fork targets too: a fork can carry an overflowing counter to a stream whose
+        # own advance did not overflow, after the source was overwritten.
+        touched = plan.commit.touched
+        if len(touched) and counters[touched].max() > self.max_seq_len:
+            slot = int(touched[np.argmax(counters[touched])])
+            raise ValueError(f"commit would move slot {slot} to {int(counters[slot])}, past "
+                             f"max_seq_len={self.max_seq_len}")
+        self._streams.counters = counters
+        self.current = None
+        if staged_first:
+            self.staged = None
+        else:
+            self.active()
+
+    def active(self) -> Optional[Plan]:
+        """The current plan, promoting a staged one when there is none."""
+        if self.current is None and self.staged is not None:
+            plan, self.staged = self.staged, None
+            if len(plan.pre_src):
+                rules.fork(self._streams.counters, plan.pre_src, plan.pre_dst)
+                plan.pre_src = plan.pre_dst = plan.pre_src[:0]
+            self.current = plan
+        return self.current
+
+    def peek(self) -> Optional[Plan]:
+        """The plan ``active`` would return, without promoting."""
+        return self.current if self.current is not None else self.staged
+
+    def clear_preplan(self) -> None:
+        """Drop the staged plan; its forks never reached the counters."""
+        self.staged = None
+
+    def drop(self, slots: Sequence[int]) -> None:
+        """A request was removed: its streams leave both plans."""
+        for plan in (self.current, self.staged):
+            if plan is not None:
+                plan.drop(slots)
+
+
+def _check_same_step(step: PositionStep, planned: PositionStep) -> None:
+    if step is planned:
+        return
+    if step.segments != planned.segments:
+        if len(step.segments) != len(planned.segments):
+            raise ValueError(f"commit's step has {len(step.segments)} segments but the plan has "
+                             f"{len(planned.segments)}; commit the step that was planned")
+        i = next(i for i, (a, b) in enumerate(zip(step.segments, planned.segments)) if a != b)
+        raise ValueError(f"commit's step.segments[{i}]={tuple(step.segments[i])!r} differs from "
+                         f"the planned {tuple(planned.segments[i])!r}; commit the step that was "
+                         "planned")
+    if step.advance != planned.advance:
+        raise ValueError(f"commit's step.advance={step.advance!r} differs from the planned "
+                         f"{planned.advance!r}; commit the step that was planned")

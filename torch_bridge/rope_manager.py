@@ -1,0 +1,251 @@
+"""``RopeManager``: :class:`PositionManager` plus ``apply_qk``, rotating torch tensors in place.
+
+``apply_qk`` first offers the call to a *launcher* (on CUDA the compiled Pallas kernel
+launched on torch's stream, :mod:`torch_bridge.triton_launch`); a launcher that raises
+:class:`jaxrope.BackendUnavailable` declines and the JAX path runs (DLPack import and a
+donated jitted call, :class:`torch_bridge.rotate.JaxRotation`). After a launch succeeded,
+the call's signature (label, shapes, dtypes, devices, overrides) is bound to it, so a
+repeated call skips the Python-level checks: on the H200's host each costs about a
+microsecond against a few-microsecond launch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Hashable, Optional, Tuple
+
+import jax
+import torch
+
+from jaxrope.config import RopeConfig
+from jaxrope.errors import BackendUnavailable
+from torch_bridge.config import PositionConfig
+from torch_bridge.dlpack import jax_device
+from torch_bridge.engine_types import EngineInfo
+from torch_bridge.manager import PositionManager
+from torch_bridge.rotate import TORCH_DTYPES, ConfigCache, JaxRotation, resolve_launcher
+from torch_bridge.step_arrays import check_hashable
+
+__all__ = ["RopeManager"]
+
+# Bound launches kept (one per call signature) before the cache starts over.
+_MAX_BOUND = 1024
+
+
+class RopeManager(PositionManager):
+    """Rotary position embedding on top of :class:`PositionManager`: ``apply_qk`` in place.
+
+    Args:
+      config: a :class:`~torch_bridge.PositionConfig`; ``config.rope`` None builds
+        ``RopeConfig(head_dim=head_dim, max_position=max(max_seq_len, 131072))``.
+      device: the torch device of q, k and the position ids.
+      max_seq_len: positions stay below it; at most ``config.rope.max_position``.
+      head_dim: ``D``; must equal ``config.rope.head_dim`` when both are given.
+      dtype: the engine's activation dtype (float32, float16 or bfloat16), kept for
+        the seed's signature. q and k are rotated in their own dtype (the seed cast
+        to this dtype; float32 inputs here stay float32).
+      launcher: the fast path ``apply_qk`` tries first: "auto" (the Triton launcher
+        on CUDA when available), "jax" (always the JAX path), or an object with
+        ``rotate_(q, k, pos_ids, cfg)`` (see :class:`torch_bridge.rotate.Launcher`).
+      backend: the jaxrope backend of the JAX path ("auto", "pallas", "xla", "interpret").
+      allow_copy: let the JAX path stage non-contiguous or misaligned q/k through a
+        contiguous copy (written back in place); False raises instead.
+
+    Attributes:
+      launcher: the resolved launcher, or None; assignable.
+      rope: the base :class:`jaxrope.RopeConfig`.
+
+    Raises:
+      TypeError: ``config`` is not a PositionConfig, or ``allow_copy`` not a bool.
+      ValueError: an invalid argument (named in the message).
+
+    Example:
+      >>> import torch, jaxrope as jr
+      >>> from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext
+      >>> mgr = RopeManager(PositionConfig(rope=jr.RopeConfig(head_dim=8)), "cpu")
+      >>> mgr.ingest_request("r0")
+      >>> step, ctx = PositionStep([Segment("r0", "text", 3)]), StepContext(("r0",))
+      >>> _ = mgr.plan(step, ctx)
+      >>> q, k = torch.randn(3, 4, 8), torch.randn(3, 2, 8)
+      >>> q2, k2 = mgr.apply_qk(q, k, "text")
+      >>> q2 is q
+      True
+      >>> mgr.commit(step, ctx)
+    """
+
+    def __init__(self, config: PositionConfig, device: Any, max_seq_len: int = 32768,
+                 head_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16, *,
+                 launcher: Any = "auto", backend: str = "auto", allow_copy: bool = True):
+        super().__init__(config, device, max_seq_len)
+        rope = config.rope
+        if rope is None:
+            if head_dim is None:
+                raise ValueError("head_dim is required when config.rope is None")
+            rope = RopeConfig(head_dim=head_dim, max_position=max(self.max_seq_len, 131072))
+        elif head_dim is not None and head_dim != rope.head_dim:
+            raise ValueError(f"{head_dim=} must equal config.rope.head_dim={rope.head_dim}")
+        if self.max_seq_len > rope.max_position:
+            raise ValueError(f"max_seq_len={self.max_seq_len} must be <= "
+                             f"config.rope.max_position={rope.max_position}")
+        if dtype not in TORCH_DTYPES:
+            raise ValueError(f"{dtype=} must be one of {list(TORCH_DTYPES)}")
+        if not isinstance(allow_copy, bool):
+            raise TypeError(f"{allow_copy=} must be a bool")
+        self.rope = rope
+        self.head_dim = rope.head_dim
+        self.dtype = dtype
+        self.allow_copy = allow_copy
+        self._bound: Dict[Tuple, Any] = {}  # call signature -> bound launch (see apply_qk)
+        self.launcher = resolve_launcher(launcher, self.device)
+        self._configs = ConfigCache(rope)
+        self._backend = backend
+        JaxRotation.check_backend(backend, self.device)
+        self._jax: Optional[JaxRotation] = None  # built at first use: JAX's GPU client is costly
+
+    @property
+    def launcher(self) -> Any:
+        """The fast path ``apply_qk`` tries first (None: always JAX); assignable."""
+        return self._launcher
+
+    @launcher.setter
+    def launcher(self, value: Any) -> None:
+        # Launches bound by the previous launcher must not outlive it.
+        self._launcher = value
+        self._bound = {}
+
+    @classmethod
+    def _build_kwargs(cls, info: EngineInfo) -> Dict[str, Any]:
+        return {**super()._build_kwargs(info), "head_dim": info.head_dim, "dtype": info.dtype}
+
+    def _fingerprint_payload(self) -> bytes:
+        return super()._fingerprint_payload() + b"|" + self.rope.fingerprint()
+
+    def apply_qk(self, q: torch.Tensor, k: torch.Tensor, label: str,
+                 rotary_dim: Optional[int] = None, interleave: Optional[bool] = None,
+                 rope_scale: Optional[float] = None, rope_theta: Optional[float] = None,
+                 rope_dtype: Optional[torch.dtype] = None,
+                 **llama31: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q`` and ``k`` in place at the planned positions of plan label ``label``.
+
+        Args:
+          q: ``[T, Hq, D]`` or ``[T, Hq * D]``, float32/float16/bfloat16, on ``device``.
+          k: ``[T, Hk, D]`` or ``[T, Hk * D]``, same dtype, device and ``T``.
+          label: a plan label of the current plan; token ``t`` gets ``pos_ids(label)[t]``.
+            ``T`` may be less than the planned tokens (the first ``T`` are used).
+          rotary_dim, interleave, rope_scale, rope_theta, low_freq_factor,
+            high_freq_factor, old_context_len: per-call overrides with FlashInfer's
+            meaning (see :class:`torch_bridge.rotate.ConfigCache`).
+          rope_dtype: accepted for the seed's signature; the math is float32 (from
+            float64 frequencies) whatever it says, and q/k keep their dtype.
+
+        Returns:
+          ``(q, k)``: the same tensors, rotated. Dims ``[rotary_dim, D)`` are untouched.
+
+        Ordering: on CUDA the rotation runs after the work queued on torch's current
+        stream and before whatever is queued next on it; there is no host sync.
+        Zero copy: the launcher works on the tensors themselves; the JAX path
+        imports them through DLPack and writes into them (see
+        :mod:`torch_bridge.dlpack`; on CPU it copies the result back).
+
+        Raises:
+          ValueError: no positions planned for ``label`` (or it is unknown), q/k of the
+            wrong rank, head size, dtype, device or token count (more tokens than
+            planned), or an invalid override.
+          TypeError: q or k not a tensor, or an unknown keyword argument.
+          RuntimeError: called under CUDA-graph capture without a launcher that
+            accepts the call.
+        """
+        # Peek: a staged plan becomes current (its pre-forks apply) only once the call is valid.
+        plan = self._plans.peek()
+        overrides = (rotary_dim, interleave, rope_scale, rope_theta, rope_dtype)
+        if self._bound and not llama31 and plan is not None:
+            try:
+                bound = self._bound.get(_call_signature(label, q, k, overrides))
+            except (AttributeError, TypeError):  # not tensors, or unhashable: checked below
+                bound = None
+            if bound is not None:
+                pos = plan.tensors.get(label)
+                if pos is not None and q.shape[0] <= plan.limits[label]:
+                    self._plans.active()
+                    if bound(q, k, pos):
+                        return q, k
+        check_hashable(label, "label")
+        if plan is None or label not in plan.tensors:
+            self._check_plan_label(label)
+            raise ValueError(f"no positions planned for label={label!r}: call plan() for this step")
+        q3, k3 = self._heads(q, "q"), self._heads(k, "k")
+        if q.dtype != k.dtype:
+            raise ValueError(f"k.dtype={k.dtype} must equal q.dtype={q.dtype}")
+        tokens = q3.shape[0]
+        if k3.shape[0] != tokens:
+            raise ValueError(f"k.shape[0]={k3.shape[0]} must equal q.shape[0]={tokens} (tokens)")
+        if tokens > plan.limits[label]:
+            raise ValueError(f"q has {tokens} tokens but plan label {label!r} has "
+                             f"{plan.limits[label]} planned positions")
+        if rope_dtype is not None and not isinstance(rope_dtype, torch.dtype):
+            raise ValueError(f"{rope_dtype=} must be a torch.dtype or None")
+        cfg = self._configs.get(rotary_dim, interleave, rope_scale, rope_theta, **llama31)
+        self._plans.active()
+        if tokens == 0:
+            return q, k
+        if self.launcher is not None:
+            try:
+                # The launcher reads the first ``tokens`` positions; no slice (a view per
+                # call costs microseconds on the hot path).
+                self.launcher.rotate_(q3, k3, plan.tensors[label], cfg)
+            except BackendUnavailable:
+                pass
+            else:
+                bind = getattr(self.launcher, "bind", None)
+                if bind is not None and not llama31:
+                    if len(self._bound) >= _MAX_BOUND:
+                        self._bound.clear()
+                    self._bound[_call_signature(label, q, k, overrides)] = bind(q3, k3, cfg)
+                return q, k
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("apply_qk under CUDA-graph capture needs the launcher: the JAX path "
+                               "runs on JAX's stream, which the capture cannot record, and the "
+                               f"launcher is {'off' if self.launcher is None else 'declining'}")
+        positions = plan.jax_arrays.get(label)
+        if positions is None:
+            # Positions are small: where their buffer is not aligned as XLA needs (a host
+            # array, a view into a step's joined copy) JAX may copy them.
+            positions = plan.jax_arrays[label] = jax.dlpack.from_dlpack(plan.tensors[label],
+                                                                         copy=None)
+        self._jax_rotation()(q3, k3, positions, cfg, allow_copy=self.allow_copy)
+        return q, k
+
+    def _jax_rotation(self) -> JaxRotation:
+        if self._jax is None:
+            self._jax = JaxRotation(jax_device(self.device), self._backend)
+        return self._jax
+
+    def _heads(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.device != self.device:
+            raise ValueError(f"{name} is on {x.device}, expected {self.device} (the manager's device)")
+        if x.dtype not in TORCH_DTYPES:
+            raise ValueError(f"{name}.dtype={x.dtype} must be one of {list(TORCH_DTYPES)}")
+        if x.requires_grad:
+            raise ValueError(f"{name}.requires_grad=True: apply_qk rotates in place; run under "
+                             "torch.no_grad() on tensors autograd does not track")
+        if x.ndim == 2:
+            if x.shape[1] % self.head_dim:
+                raise ValueError(f"{name}.shape={tuple(x.shape)}: {x.shape[1]} is not a multiple of "
+                                 f"head_dim={self.head_dim}")
+            try:
+                return x.view(x.shape[0], x.shape[1] // self.head_dim, self.head_dim)
+            except RuntimeError as e:
+                raise ValueError(f"{name}.shape={tuple(x.shape)} with stride={x.stride()} cannot be "
+                                 f"viewed as [T, H, {self.head_dim}]: {e}") from e
+        if x.ndim != 3 or x.shape[2] != self.head_dim:
+            raise ValueError(f"{name}.shape={tuple(x.shape)} must be [T, H, {self.head_dim}] or "
+                             f"[T, H * {self.head_dim}]")
+        return x
+
+
+def _call_signature(label: Hashable, q: torch.Tensor, k: torch.Tensor,
+                    overrides: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    """What ``apply_qk``'s checks depend on, apart from the plan: the key of a bound launch."""
+    return (label, q.shape, k.shape, q.dtype, k.dtype, q.device, k.device, q.requires_grad,
+            k.requires_grad, overrides)

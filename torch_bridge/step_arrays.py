@@ -1,0 +1,334 @@
+"""Engine records -> slot arrays: what a step asks of the counters, validated once.
+
+The engine describes a step with records (:mod:`torch_bridge.engine_types`): segments,
+KV plan views per plan label, forks, explicit positions and advances. Everything the
+manager does with them goes through the arrays built here, so this is the one place
+that checks them (unknown requests or labels, negative counts, a stream with two
+views in one plan label, two sources forked into one stream, explicit positions of the
+wrong shape, dtype, device or range) and names what is wrong.
+
+Vocabulary: a *stream label* (``Segment.label``, ``KVView.label``) names one of a
+request's counters; a *plan label* names one position-id vector of a step (one
+attention call) and may pack several streams (batched CFG). Without a KV plan, each
+stream label is its own plan label.
+
+A continuous batch sends the same views step after step until a request joins or
+leaves, so a plan label's arrays are cached: an equal tuple of views under the same
+slot epoch costs one comparison instead of a lookup per stream.
+
+Example:
+  >>> from torch_bridge.engine_types import PositionStep, Segment, StepContext
+  >>> from torch_bridge.streams import StreamTable
+  >>> streams = StreamTable(("text",)); _ = streams.ingest("r0"); _ = streams.ingest("r1")
+  >>> arrays = StepReader(streams, "kv").read(
+  ...     PositionStep([Segment("r0", "text", 3), Segment("r1", "text", 1)]), StepContext())
+  >>> views = arrays.labels["text"]
+  >>> views.slots.tolist(), views.counts.tolist(), views.total
+  ([0, 1], [3, 1], 4)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Hashable, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from torch_bridge.engine_types import Fork, KVPlanOutput, PositionStep, StepContext
+from torch_bridge.streams import CommitArrays, StreamTable
+
+__all__ = ["LabelArrays", "StepArrays", "StepReader", "check_hashable"]
+
+_EMPTY = np.zeros((0,), np.int64)
+_EMPTY.flags.writeable = False
+# Plan labels whose last views are remembered before the cache starts over.
+_MAX_CACHED_LABELS = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelArrays:
+    """One plan label's views: int64 ``slots [V]`` and ``counts [V]``, ``total`` tokens."""
+
+    slots: np.ndarray
+    counts: np.ndarray
+    total: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepArrays:
+    """A validated step.
+
+    Attributes:
+      groups: ``{plan_label: views}`` as the engine gave them (records).
+      labels: ``{plan_label: LabelArrays}`` in the same order.
+      pre_forks, post_forks: the fork records; ``pre_src``/``pre_dst`` the pre-forks' slots.
+      commit: the commit's arrays (segments, explicit advances, post-forks).
+      explicit: ``{plan_label: int32 tensor}`` of explicit positions, checked.
+    """
+
+    groups: Mapping[str, Tuple[Any, ...]]
+    labels: Dict[str, LabelArrays]
+    pre_forks: Tuple[Fork, ...]
+    post_forks: Tuple[Fork, ...]
+    pre_src: np.ndarray
+    pre_dst: np.ndarray
+    commit: CommitArrays
+    explicit: Dict[str, torch.Tensor]
+
+
+def check_hashable(value: Any, name: str) -> None:
+    """Raise TypeError naming ``name`` when ``value`` cannot be a dict key."""
+    try:
+        hash(value)
+    except TypeError as e:
+        raise TypeError(f"{name}={value!r} must be hashable: {e}") from e
+
+
+class StepReader:
+    """Builds :class:`StepArrays` from a step's records against a :class:`StreamTable`.
+
+    Args:
+      streams: the manager's streams (slot lookups).
+      kv_resource: the name of the KV planner's entry in ``StepContext.plan_results``.
+    """
+
+    def __init__(self, streams: StreamTable, kv_resource: str):
+        self._streams = streams
+        self._kv_resource = kv_resource
+        self._last_views: Dict[str, Tuple[int, Tuple[Any, ...], LabelArrays]] = {}
+
+    # -- slots of records ----------------------------------------------------------
+
+    def slots(self, rids: Sequence[Hashable], labels: Sequence[str]) -> np.ndarray:
+        """int64 slots of streams ``zip(rids, labels)``; ValueError naming an unknown one."""
+        try:
+            return self._streams.lookup(rids, labels)
+        except (KeyError, TypeError):
+            for rid, label in zip(rids, labels):
+                self.slot(rid, label)
+            raise
+
+    def slot(self, rid: Hashable, label: str) -> int:
+        """The slot of stream ``(rid, label)``; ValueError for an unknown request or label."""
+        check_hashable(rid, "rid")
+        check_hashable(label, "label")
+        slot = self._streams.slot_map.find(rid, label)
+        if slot is None:
+            self.request_slots(rid)
+            raise ValueError(f"label={label!r} is not one of the configured labels "
+                             f"{list(self._streams.labels)}")
+        return slot
+
+    def request_slots(self, rid: Hashable) -> Tuple[int, ...]:
+        """The request's slots; ValueError if it was never ingested."""
+        check_hashable(rid, "rid")
+        slots = self._streams.slots_of(rid)
+        if slots is None:
+            raise ValueError(f"request_id={rid!r} was never ingested (call ingest_request first)")
+        return slots
+
+    def records(self, records: Sequence[Any], what: str) -> Tuple[np.ndarray, np.ndarray]:
+        """Slots and counts of ``(request_id, label, count)`` records (segments, views)."""
+        if not records:
+            return _EMPTY, _EMPTY
+        try:
+            rids, labels, counts = zip(*records)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{what} must be (request_id, label, count) tuples: {e}") from e
+        return self.slots(rids, labels), _counts(counts, f"the counts of {what}")
+
+    def forks(self, forks: Sequence[Any], name: str) -> Tuple[np.ndarray, np.ndarray]:
+        """``(src, dst)`` slots of fork records; one source per target."""
+        if not forks:
+            return _EMPTY, _EMPTY
+        try:
+            rids, sources, targets = zip(*forks)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{name} must be (request_id, from_label, to_label) tuples: {e}") from e
+        src, dst = self.slots(rids, sources), self.slots(rids, targets)
+        if len(set(dst.tolist())) != len(dst):
+            _reject_conflicting_forks(src, dst, forks, name)
+        return src, dst
+
+    # -- a whole step --------------------------------------------------------------
+
+    def read(self, step: PositionStep, ctx: StepContext, *, device: Optional[torch.device] = None,
+             max_seq_len: Optional[int] = None) -> StepArrays:
+        """The step's arrays, every record checked.
+
+        ``device`` and ``max_seq_len`` check explicit positions (None: the step must have none).
+
+        Raises:
+          TypeError: wrong record types.
+          ValueError: unknown requests or labels, negative counts, repeated streams in a
+            plan label, conflicting forks, bad explicit positions or advance.
+        """
+        if not isinstance(step, PositionStep):
+            raise TypeError(f"step must be a PositionStep, got {type(step).__name__}")
+        if not isinstance(ctx, StepContext):
+            raise TypeError(f"ctx must be a StepContext, got {type(ctx).__name__}")
+        groups, pre_forks, post_forks = self._groups(step, ctx)
+        labels = {plan_label: self._label_arrays(plan_label, views)
+                  for plan_label, views in groups.items()}
+        explicit = self._explicit(step.pos_ids, labels, device, max_seq_len)
+        pre_src, pre_dst = self.forks(pre_forks, "pre_forks")
+        # A decode step's segments usually are its views: reuse their arrays.
+        reuse = None
+        if len(groups) == 1:
+            (plan_label, views), = groups.items()
+            if len(views) == len(step.segments) and tuple(views) == step.segments:
+                reuse = labels[plan_label]
+        commit = self.commit(step.segments, step.advance, post_forks, reuse)
+        return StepArrays(groups, labels, pre_forks, post_forks, pre_src, pre_dst, commit, explicit)
+
+    def commit(self, segments: Sequence[Any], advance: Any, post_forks: Sequence[Any],
+               reuse: Optional[LabelArrays] = None) -> CommitArrays:
+        """A step's commit arrays; ``reuse``: the segments' own arrays when already built."""
+        if reuse is not None:
+            slots, spans = reuse.slots, reuse.counts
+        else:
+            slots, spans = self.records(segments, "step.segments")
+        adv_slots, adv_amounts = _EMPTY, _EMPTY
+        if isinstance(advance, Mapping):
+            present = set(slots.tolist())
+            named, amounts = [], []
+            for stream, amount in advance.items():
+                if not isinstance(stream, tuple) or len(stream) != 2:
+                    raise ValueError(f"step.advance key {stream!r} must be (request_id, label)")
+                slot = self.slot(*stream)
+                if slot not in present:
+                    raise ValueError(f"step.advance names stream {stream!r}, which has no segment "
+                                     "in the step")
+                named.append(slot)
+                amounts.append(_amount(amount, f"step.advance[{stream!r}]"))
+            keep = ~np.isin(slots, named)
+            slots, spans = slots[keep], spans[keep]
+            adv_slots, adv_amounts = np.asarray(named, np.int64), np.asarray(amounts, np.int64)
+        elif advance is not None:
+            amount = _amount(advance, "step.advance")
+            adv_slots = np.asarray(list(dict.fromkeys(slots.tolist())), np.int64)
+            adv_amounts = np.full(len(adv_slots), amount, np.int64)
+            slots, spans = _EMPTY, _EMPTY
+        fork_src, fork_dst = self.forks(post_forks, "post_forks")
+        return CommitArrays(slots, spans, adv_slots, adv_amounts, fork_src, fork_dst)
+
+    def _groups(self, step: PositionStep, ctx: StepContext):
+        """``({plan_label: views}, pre_forks, post_forks)``."""
+        kv = ctx.plan_results.get(self._kv_resource)
+        if kv is None:
+            segments = step.segments
+            if not segments:
+                return {}, (), ()
+            try:
+                labels = [s[1] for s in segments]
+            except (TypeError, IndexError) as e:
+                raise TypeError(f"step.segments must be (request_id, label, span) tuples: {e}") from e
+            if labels.count(labels[0]) == len(labels):
+                check_hashable(labels[0], "label")
+                return {labels[0]: segments}, (), ()
+            lists: Dict[str, list] = {}
+            for label, segment in zip(labels, segments):
+                check_hashable(label, "label")
+                lists.setdefault(label, []).append(segment)
+            return {label: tuple(views) for label, views in lists.items()}, (), ()
+        if not isinstance(kv, Mapping):
+            raise TypeError(f"ctx.plan_results[{self._kv_resource!r}] must be a mapping "
+                            f"{{plan_label: KVPlanOutput}}, got {type(kv).__name__}")
+        groups, pre, post = {}, [], []
+        for plan_label, output in kv.items():
+            if not isinstance(output, KVPlanOutput):
+                raise TypeError(f"ctx.plan_results[{self._kv_resource!r}][{plan_label!r}] "
+                                f"must be a KVPlanOutput, got {type(output).__name__}")
+            groups[plan_label] = output.views
+            pre.extend(output.pre_forks)
+            post.extend(output.post_forks)
+        return groups, tuple(pre), tuple(post)
+
+    def _label_arrays(self, plan_label: str, views: Tuple[Any, ...]) -> LabelArrays:
+        cached = self._last_views.get(plan_label)
+        # The cache holds plain tuples: a record that is a list (mutable) never equals it.
+        if cached is not None and cached[0] == self._streams.epoch and cached[1] == views:
+            return cached[2]
+        slots, counts = self.records(views, f"the views of plan label {plan_label!r}")
+        if len(set(slots.tolist())) != len(slots):
+            _reject_repeated_stream(slots, views, plan_label)
+        for array in (slots, counts):
+            array.flags.writeable = False
+        arrays = LabelArrays(slots, counts, int(counts.sum()))
+        if len(self._last_views) >= _MAX_CACHED_LABELS:
+            self._last_views.clear()
+        self._last_views[plan_label] = (self._streams.epoch, tuple(map(tuple, views)), arrays)
+        return arrays
+
+    def _explicit(self, given: Any, labels: Mapping[str, LabelArrays],
+                  device: Optional[torch.device], max_seq_len: Optional[int]
+                  ) -> Dict[str, torch.Tensor]:
+        if given is None:
+            return {}
+        if isinstance(given, torch.Tensor):
+            if len(labels) != 1:
+                raise ValueError(f"step.pos_ids is one tensor but the step has {len(labels)} plan "
+                                 f"labels {list(labels)}; pass {{plan_label: tensor}}")
+            given = {next(iter(labels)): given}
+        if not isinstance(given, Mapping):
+            raise TypeError(f"step.pos_ids must be None, a tensor or {{plan_label: tensor}}, got "
+                            f"{type(given).__name__}")
+        out = {}
+        for plan_label, tensor in given.items():
+            where = f"step.pos_ids[{plan_label!r}]"
+            if plan_label not in labels:
+                raise ValueError(f"{where}: not a plan label of the step ({list(labels)})")
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{where} must be a torch.Tensor, got {type(tensor).__name__}")
+            total = labels[plan_label].total
+            if tensor.ndim != 1 or tensor.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"{where} has shape={tuple(tensor.shape)} dtype={tensor.dtype}; "
+                                 f"expected int32 or int64 [{total}]")
+            if tensor.shape[0] != total:
+                raise ValueError(f"{where}.shape={tuple(tensor.shape)} must be [{total}] (the plan "
+                                 "label's tokens)")
+            if tensor.device != device:
+                raise ValueError(f"{where} is on {tensor.device}, expected {device}")
+            if tensor.numel():
+                # One host read: an out-of-range explicit position would rotate silently.
+                low, high = torch.stack(torch.aminmax(tensor)).tolist()
+                if low < 0 or high >= max_seq_len:
+                    raise ValueError(f"{where} has values in [{low}, {high}]; positions must lie in "
+                                     f"[0, {max_seq_len}) (max_seq_len)")
+            out[plan_label] = tensor.to(torch.int32).contiguous()
+        return out
+
+
+def _counts(values: Sequence[Any], name: str) -> np.ndarray:
+    array = np.asarray(values)
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be ints, got {list(values[:4])!r}...")
+    if len(array) and array.min() < 0:
+        raise ValueError(f"{name} must be >= 0, got {int(array.min())}")
+    return array.astype(np.int64, copy=False)
+
+
+def _amount(value: Any, name: str) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name}={value!r} must be an int >= 0")
+    return int(value)
+
+
+def _reject_repeated_stream(slots: np.ndarray, views: Sequence[Any], plan_label: str) -> None:
+    _, first = np.unique(slots, return_index=True)
+    i = min(set(range(len(slots))) - set(first.tolist()))
+    raise ValueError(f"stream ({views[i][0]!r}, {views[i][1]!r}) has more than one view in plan "
+                     f"label {plan_label!r}; its positions would overlap: give each stream one view "
+                     "per plan label")
+
+
+def _reject_conflicting_forks(src: np.ndarray, dst: np.ndarray, forks: Sequence[Any],
+                              name: str) -> None:
+    # The same fork listed twice (e.g. by two plan labels) is harmless; two sources for
+    # one target are not: which one wins would depend on the order of the scatter.
+    source_of: Dict[int, int] = {}
+    for i, (s, d) in enumerate(zip(src.tolist(), dst.tolist())):
+        if source_of.setdefault(d, s) != s:
+            rid, _, label = forks[i]
+            raise ValueError(f"{name} copy two different counters into stream ({rid!r}, {label!r})")

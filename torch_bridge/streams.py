@@ -1,0 +1,225 @@
+"""The torch bridge's streams: slot map and counters on the host, and the counter rules.
+
+The counters are host-authoritative (numpy int64, one per slot). Every position id a
+step uses is computed here, vectorised, and copied to the device once per step
+(:mod:`torch_bridge.upload`); nothing on the device holds state, so a step needs no
+device work beyond that copy and no read back.
+
+The functions below are the bridge's executor of the counter rules: each one is the
+numpy twin of the transition of the same name in :mod:`jaxrope.positions` (the core's
+executor, for JAX stacks under ``jit``), with the same padding convention (a slot
+outside ``[0, capacity)`` reads 0 and its writes are dropped, see
+:data:`jaxrope.positions.PAD`). ``tests/test_counter_rules.py`` drives both with the
+same random operation sequences and compares every counter and position. They change
+the array they are given in place; the caller chooses whether that is a copy.
+
+Example:
+  >>> import numpy as np
+  >>> from jaxrope.positions import Scheme
+  >>> counters = np.array([5, 0, 2, 0])
+  >>> plan(counters, np.array([2, 0]), np.array([3, 1]), Scheme.SEQUENTIAL).tolist()
+  [2, 3, 4, 5]
+  >>> commit(counters, np.array([2, 0]), np.array([3, 1]), Scheme.SEQUENTIAL, 1)
+  >>> counters.tolist()
+  [6, 0, 5, 0]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable, Optional, Sequence, Tuple
+
+import numpy as np
+
+from jaxrope.positions import Scheme, SlotMap
+
+__all__ = ["CommitArrays", "StreamTable", "advance", "apply_commit", "commit", "fork", "plan",
+           "raise_to", "reset", "rollback"]
+
+_EMPTY = np.zeros((0,), np.int64)
+_EMPTY.flags.writeable = False
+
+
+def _empty() -> np.ndarray:
+    return _EMPTY
+
+
+def _live(counters: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """Mask of the slots that are not padding (negative ones wrap past capacity as unsigned)."""
+    return slots.astype(np.uint64, copy=False) < counters.shape[0]
+
+
+def read(counters: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """Counters at ``slots``; padding slots read 0 (twin of ``positions.read``)."""
+    live = _live(counters, slots)
+    if live.all():
+        return counters[slots]
+    return np.where(live, counters[np.where(live, slots, 0)], 0)
+
+
+def plan(counters: np.ndarray, slots: np.ndarray, counts: np.ndarray,
+         scheme: Scheme) -> np.ndarray:
+    """int32 positions of an ordered list of views (twin of ``positions.plan``).
+
+    View ``v`` with ``counts[v]`` tokens gets ``counter + arange(n)`` (SEQUENTIAL) or
+    ``n`` copies of its counter (BLOCK); the result is ``[sum(counts)]``.
+    """
+    base = read(counters, slots)
+    total = int(counts.sum())
+    if total == len(counts) and (total == 0 or counts.max() == 1):
+        return base.astype(np.int32)  # every view one token (decode): nothing to repeat
+    if scheme is Scheme.BLOCK:
+        return np.repeat(base, counts).astype(np.int32)
+    starts = np.cumsum(counts) - counts
+    return (np.repeat(base - starts, counts) + np.arange(total)).astype(np.int32)
+
+
+def advance(counters: np.ndarray, slots: np.ndarray, amounts: np.ndarray) -> None:
+    """``counter += amount`` at ``slots``; repeated slots add up (twin of ``positions.advance``)."""
+    live = _live(counters, slots)
+    np.add.at(counters, slots[live], np.asarray(amounts)[live])
+
+
+def commit(counters: np.ndarray, slots: np.ndarray, spans: np.ndarray, scheme: Scheme,
+           block_step: int) -> None:
+    """Advance by a step's segments: the span, or ``block_step`` for a non-empty BLOCK
+    segment (twin of ``positions.commit``)."""
+    if scheme is Scheme.BLOCK:
+        spans = np.where(spans > 0, block_step, 0)
+    advance(counters, slots, spans)
+
+
+def fork(counters: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+    """Copy counters ``src -> dst`` pairwise, every source read first (twin of ``positions.fork``)."""
+    values = read(counters, src)
+    live = _live(counters, dst)
+    counters[dst[live]] = values[live]
+
+
+def raise_to(counters: np.ndarray, slots: np.ndarray, values: np.ndarray) -> None:
+    """``counter = max(counter, value)`` (twin of ``positions.raise_to``: admit, cached prefix)."""
+    live = _live(counters, slots)
+    np.maximum.at(counters, slots[live], np.asarray(values)[live])
+
+
+def rollback(counters: np.ndarray, slots: np.ndarray, values: np.ndarray) -> None:
+    """``counter = min(counter, value)`` (twin of ``positions.rollback``)."""
+    live = _live(counters, slots)
+    np.minimum.at(counters, slots[live], np.asarray(values)[live])
+
+
+def reset(counters: np.ndarray, slots: np.ndarray) -> None:
+    """Counters at ``slots`` to 0 (twin of ``positions.reset``)."""
+    counters[slots[_live(counters, slots)]] = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitArrays:
+    """What a step's commit does, as int64 slot arrays.
+
+    ``slots``/``spans``: the segments, advanced by the scheme; ``adv_slots``/
+    ``adv_amounts``: explicit advances replacing the scheme's amount; ``fork_src``/
+    ``fork_dst``: post-forks, applied after both. ``touched``: every slot the commit
+    writes (the ones whose bound is checked).
+    """
+
+    slots: np.ndarray = dataclasses.field(default_factory=_empty)
+    spans: np.ndarray = dataclasses.field(default_factory=_empty)
+    adv_slots: np.ndarray = dataclasses.field(default_factory=_empty)
+    adv_amounts: np.ndarray = dataclasses.field(default_factory=_empty)
+    fork_src: np.ndarray = dataclasses.field(default_factory=_empty)
+    fork_dst: np.ndarray = dataclasses.field(default_factory=_empty)
+
+    @property
+    def touched(self) -> np.ndarray:
+        if not (len(self.adv_slots) or len(self.fork_dst)):
+            return self.slots
+        return np.concatenate([self.slots, self.adv_slots, self.fork_dst])
+
+    def without(self, removed: Sequence[int]) -> "CommitArrays":
+        """The same commit minus every entry naming a slot in ``removed`` (a removed request)."""
+        def keep(*arrays: np.ndarray) -> np.ndarray:
+            mask = np.ones(len(arrays[0]), bool)
+            for array in arrays:
+                mask &= ~np.isin(array, removed)
+            return mask
+        spans_kept, adv_kept, forks_kept = (keep(self.slots), keep(self.adv_slots),
+                                            keep(self.fork_src, self.fork_dst))
+        return CommitArrays(self.slots[spans_kept], self.spans[spans_kept],
+                            self.adv_slots[adv_kept], self.adv_amounts[adv_kept],
+                            self.fork_src[forks_kept], self.fork_dst[forks_kept])
+
+
+def apply_commit(counters: np.ndarray, step: CommitArrays, scheme: Scheme,
+                 block_step: int) -> None:
+    """A whole step's commit: segments, explicit advances, then post-forks (the
+    composition ``positions.commit``, ``positions.advance``, ``positions.fork``)."""
+    commit(counters, step.slots, step.spans, scheme, block_step)
+    if len(step.adv_slots):
+        advance(counters, step.adv_slots, step.adv_amounts)
+    if len(step.fork_src):
+        fork(counters, step.fork_src, step.fork_dst)
+
+
+class StreamTable:
+    """Every stream of the manager: the slot map and the counters, on the host.
+
+    Args:
+      labels: the stream labels each request gets (one slot per label).
+      capacity: initial number of slots; doubles when full.
+
+    Attributes:
+      counters: int64 ``[capacity]``, the next position of every slot (free slots 0).
+      slot_map: the :class:`jaxrope.SlotMap` ``(request_id, label) -> slot``.
+      epoch: changes whenever a stream's slot may have (ingest, remove), so cached
+        slot arrays can tell they are stale.
+
+    Example:
+      >>> streams = StreamTable(("text",), capacity=2)
+      >>> streams.ingest("r0"), streams.ingest("r0"), streams.slots_of("r0")
+      (True, False, (0,))
+    """
+
+    def __init__(self, labels: Tuple[str, ...], capacity: int = 256):
+        self.labels = labels
+        self.slot_map = SlotMap(capacity)
+        self.counters = np.zeros(capacity, np.int64)
+        self.epoch = 0
+        self._requests: dict = {}
+
+    def __contains__(self, rid: Hashable) -> bool:
+        return rid in self._requests
+
+    def slots_of(self, rid: Hashable) -> Optional[Tuple[int, ...]]:
+        """The request's slots, one per label in label order, or None."""
+        return self._requests.get(rid)
+
+    def requests(self) -> list:
+        """Ingested request ids, in order of ingestion."""
+        return list(self._requests)
+
+    def ingest(self, rid: Hashable) -> bool:
+        """Give a new request a slot per label; False (nothing changes) if it has them."""
+        if rid in self._requests:
+            return False
+        self._requests[rid] = tuple(self.slot_map.acquire(rid, label) for label in self.labels)
+        if self.slot_map.capacity > self.counters.shape[0]:
+            self.counters = np.pad(self.counters, (0, self.slot_map.capacity - self.counters.shape[0]))
+        self.epoch += 1
+        return True
+
+    def release(self, rid: Hashable) -> Tuple[int, ...]:
+        """Free the request's slots (their counters back to 0); returns them."""
+        slots = self._requests.pop(rid)
+        self.slot_map.release(rid)
+        self.counters[list(slots)] = 0
+        self.epoch += 1
+        return slots
+
+    def lookup(self, rids: Sequence[Hashable], labels: Sequence[str]) -> np.ndarray:
+        """int64 slots of the streams ``zip(rids, labels)``.
+
+        Raises:
+          KeyError: a stream is unknown (the caller names it).
+        """
+        return self.slot_map.lookup(rids, labels)

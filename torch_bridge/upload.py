@@ -1,0 +1,187 @@
+"""Position ids from the host to the device: one copy per step, on torch's current stream.
+
+The counters live on the host (:mod:`torch_bridge.streams`), so a step's positions are
+computed there and must reach the device before the kernels that read them. On CUDA
+they go through a pinned *ring*: the host writes a step's positions into the next free
+span of a page-locked buffer and enqueues one non-blocking copy on torch's current
+stream, so the copy is ordered after the work already queued there and before
+whatever is queued next (the rotation), with no host sync. This is how vLLM's v1 model
+runner feeds positions.
+
+The ring is cut into ``_RING_SLOTS`` equal parts. When the write position leaves a part
+an event is recorded on the streams that copied from it; before the host writes into a
+part again (a full lap later) it waits for that event, so a copy still in flight is
+never overwritten. A lap is 4 MiB of positions, so that wait is normally long
+satisfied.
+
+CUDA-graph buffers (static per (graph slot, plan label)) are written by the same copy;
+tokens past the live count keep their old values. A copy from pinned memory cannot be
+captured into a CUDA graph (a replay would re-read a span the host has since reused),
+so :meth:`PositionUpload.check_not_capturing` refuses a plan under capture: plan
+outside the capture into a graph slot's buffer, and the replay reads it.
+
+Off CUDA a step's positions are a fresh numpy array wrapped by ``torch.from_numpy``.
+
+Example:
+  >>> import numpy as np, torch
+  >>> upload = PositionUpload(torch.device("cpu"))
+  >>> upload.to_device(np.array([3, 4, 5], np.int32)).tolist()
+  [3, 4, 5]
+  >>> buffer = torch.full((5,), -1, dtype=torch.int32)
+  >>> upload.to_device(np.array([7, 8], np.int32), into=buffer).tolist()
+  [7, 8, -1, -1, -1]
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import numpy as np
+import torch
+
+from torch_bridge.engine_types import GraphSlot
+
+__all__ = ["PositionUpload"]
+
+_RING_INTS = 1 << 20
+_RING_SLOTS = 8
+
+
+class _PinnedRing:
+    """A page-locked int32 ring, reused only after its earlier copies have completed."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.tensor = torch.empty((_RING_INTS,), dtype=torch.int32, pin_memory=True)
+        self.host = self.tensor.numpy()
+        self.part = _RING_INTS // _RING_SLOTS
+        self.offset = 0
+        # Per part: the events recorded when the write position last left it.
+        self.done: List[List[torch.cuda.Event]] = [[] for _ in range(_RING_SLOTS)]
+        self.streams: List[torch.cuda.Stream] = []
+
+    def span(self, n: int, stream: torch.cuda.Stream) -> Optional[int]:
+        """Start of a pinned ``[n]`` span to write and copy from on ``stream``; None if ``n``
+        exceeds a part."""
+        if n > self.part:
+            return None
+        part = self.offset // self.part
+        if self.offset + n > (part + 1) * self.part:
+            self._leave(part)
+            part = (part + 1) % _RING_SLOTS
+            self.offset = part * self.part
+            for event in self.done[part]:
+                event.synchronize()  # a lap ago: normally complete long since
+            self.done[part] = []
+        if stream not in self.streams:
+            self.streams.append(stream)
+        start = self.offset
+        self.offset += n
+        return start
+
+    def _leave(self, part: int) -> None:
+        events = []
+        for stream in self.streams:
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+        self.done[part] = events
+        self.streams = []
+
+
+class PositionUpload:
+    """Copies int32 positions to ``device``, stream-ordered, into fresh or static buffers.
+
+    Args:
+      device: the manager's torch device.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._ring = _PinnedRing(device) if device.type == "cuda" else None
+        self.graph_buffers: Dict[Tuple[GraphSlot, str], torch.Tensor] = {}
+
+    def step(self, computed: Mapping[str, np.ndarray], explicit: Mapping[str, torch.Tensor],
+             order: Tuple[str, ...], graph: Optional[GraphSlot]
+             ) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
+        """A step's positions on the device, per plan label in ``order``.
+
+        ``computed``: host positions; ``explicit``: device tensors given by the step.
+        Without a graph slot, computed labels share one copy (one device tensor, a view
+        per label) and explicit ones are used as given; under ``graph`` every label is
+        written into its static ``[bucket.num_tokens]`` buffer.
+
+        Returns ``({plan_label: tensor}, {plan_label: most tokens apply_qk accepts})``.
+        Raises ValueError, changing nothing, when a label has more tokens than the bucket.
+        """
+        if graph is not None:
+            size = graph.bucket.num_tokens
+            for plan_label in order:
+                tokens = (computed[plan_label] if plan_label in computed
+                          else explicit[plan_label]).shape[0]
+                if tokens > size:
+                    raise ValueError(f"plan label {plan_label!r} has {tokens} tokens, more than "
+                                     f"graph bucket num_tokens={size}")
+            tensors = {}
+            for plan_label in order:
+                buffer = self._graph_buffer(graph, plan_label)
+                if plan_label in computed:
+                    tensors[plan_label] = self.to_device(computed[plan_label], into=buffer)
+                else:
+                    given = explicit[plan_label]
+                    buffer[:given.shape[0]].copy_(given)
+                    tensors[plan_label] = buffer
+            return tensors, dict.fromkeys(order, size)
+        tensors = dict(explicit)
+        if len(computed) == 1:
+            (plan_label, host), = computed.items()
+            tensors[plan_label] = self.to_device(host)
+        elif computed:
+            joined = self.to_device(np.concatenate(list(computed.values())))
+            start = 0
+            for plan_label, host in computed.items():
+                tensors[plan_label] = joined[start:start + host.shape[0]]
+                start += host.shape[0]
+        return ({plan_label: tensors[plan_label] for plan_label in order},
+                {plan_label: tensors[plan_label].shape[0] for plan_label in order})
+
+    def _graph_buffer(self, graph: GraphSlot, plan_label: str) -> torch.Tensor:
+        key = (graph, plan_label)
+        buffer = self.graph_buffers.get(key)
+        if buffer is None:
+            buffer = self.graph_buffers[key] = torch.zeros(
+                (graph.bucket.num_tokens,), dtype=torch.int32, device=self.device)
+        return buffer
+
+    def check_not_capturing(self) -> None:
+        """Raise RuntimeError under CUDA-graph capture (see the module docstring)."""
+        if self._ring is not None and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("plan under CUDA-graph capture: the position copy from pinned "
+                               "host memory cannot be captured; plan outside the capture into a "
+                               "graph slot (StepContext.graph_slot) and replay reads its buffer")
+
+    def to_device(self, positions: np.ndarray, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``positions`` (int32 ``[n]``, host) on the device: a new tensor, or ``into[:n]`` written.
+
+        Returns the new ``[n]`` tensor, or ``into`` itself.
+        """
+        n = positions.shape[0]
+        if self._ring is None:
+            source = torch.from_numpy(positions)
+            if into is None:
+                return source
+            into[:n].copy_(source)
+            return into
+        ring = self._ring
+        stream = torch.cuda.current_stream(self.device)
+        start = ring.span(n, stream)
+        if start is None:
+            # Larger than a ring part: a pinned buffer of its own, which torch's caching
+            # host allocator keeps alive until the copy has completed.
+            span = torch.from_numpy(positions).pin_memory()
+        else:
+            ring.host[start:start + n] = positions
+            span = ring.tensor[start:start + n]
+        target = torch.empty((n,), dtype=torch.int32, device=self.device) if into is None else into[:n]
+        target.copy_(span, non_blocking=True)
+        return target if into is None else into
