@@ -7,10 +7,9 @@ demo's own ``--inject-fault`` or by patching the manager into a buggy one.
 
 from __future__ import annotations
 
-import doctest
+import itertools
 import os
 import pathlib
-import random
 import re
 import subprocess
 import sys
@@ -56,8 +55,12 @@ needs_torch = pytest.mark.skipif(demo is None,
 MODEL_CHOICES = ("deepseek-v2", "llama3.1", "phi3-longrope", "qwen2.5-yarn")
 
 
+# Each run draws its own fixed seed: a run of the suite repeats exactly.
+_SEEDS = itertools.count(20261201)
+
+
 def run_demo(capsys, *args: str):
-    status = entry.main(["--device", "cpu", "--seed", str(random.randrange(2**31)), *args])
+    status = entry.main(["--device", "cpu", "--seed", str(next(_SEEDS)), *args])
     return status, capsys.readouterr().out
 
 
@@ -158,6 +161,9 @@ def test_too_few_steps_are_rejected_with_status_2(capsys):
 
 
 @needs_torch
-def test_docstring_example_runs():
-    result = doctest.testmod(demo)
-    assert result.attempted > 0 and result.failed == 0
+def test_the_bridge_demo_runs_as_a_module_and_prints_its_usage():
+    result = subprocess.run([sys.executable, "-m", "torch_bridge.demo", "--help"], cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu"),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "usage:" in result.stdout and "--model" in result.stdout

@@ -1,10 +1,8 @@
 """Every public name is documented with an example, and the examples run.
 
 The public API is ``jaxrope.__all__`` and ``torch_bridge.__all__``. Doctests of
-jaxrope.config/apply/models run in tests/test_config.py and those of the
-torch_bridge config/dlpack/engine_types/manager/rotate modules in
-tests/test_manager.py; this file runs the rest and checks that together they cover
-every module that defines a public name.
+jaxrope.config/apply/models run in tests/test_config.py; this file runs the rest and
+checks that together they cover every module that defines a public name.
 """
 
 from __future__ import annotations
@@ -23,12 +21,12 @@ PACKAGES = ("jaxrope", "torch_bridge")
 CONSTANT_HOMES = {("jaxrope", "BACKENDS"): "jaxrope.backend"}
 
 DOCTESTED_HERE = ("jaxrope.scaling", "jaxrope.positions", "jaxrope.backend", "jaxrope.cases",
-                  "jaxrope.errors",
-                  "torch_bridge.triton_launch", "torch_bridge.device_counters")
-DOCTESTED_ELSEWHERE = ("jaxrope.config", "jaxrope.apply", "jaxrope.models",  # test_config.py
-                       "torch_bridge.config", "torch_bridge.dlpack",  # test_manager.py
-                       "torch_bridge.engine_types", "torch_bridge.manager",
-                       "torch_bridge.rotate")
+                  "jaxrope.errors", "torch_bridge.triton_launch", "torch_bridge.config",
+                  "torch_bridge.dlpack", "torch_bridge.engine_types", "torch_bridge.manager",
+                  "torch_bridge.rope_manager", "torch_bridge.rotate", "torch_bridge.published",
+                  "torch_bridge.streams", "torch_bridge.step_arrays", "torch_bridge.plans",
+                  "torch_bridge.upload", "torch_bridge.demo")
+DOCTESTED_ELSEWHERE = ("jaxrope.config", "jaxrope.apply", "jaxrope.models")  # test_config.py
 
 
 def _import(package: str) -> types.ModuleType:

@@ -736,6 +736,54 @@ def test_views_given_as_lists_are_read_again_every_step():
     assert mgr.plan(step, ctx_for("a", kv=kv))["attn"].tolist() == [1, 2, 3]
 
 
+def test_plan_and_commit_move_nothing_through_jax():
+    # The counters and positions live on the host; only apply_qk's JAX path uses JAX.
+    import jax
+
+    mgr = make(labels=("cond", "uncond"))
+    for rid in ("a", "b"):
+        mgr.ingest_request(rid)
+    kv = {"cfg": KVPlanOutput([KVView("a", "cond", 3), KVView("b", "uncond", 2)],
+                              pre_forks=[Fork("b", "cond", "uncond")])}
+    step = PositionStep([Segment("a", "cond", 3), Segment("b", "uncond", 2)])
+    with jax.transfer_guard("disallow"):
+        for preplan in (False, True):  # an eager step, then a staged one committed first
+            ctx = ctx_for("a", "b", kv=kv, preplan=preplan)
+            mgr.plan(step, ctx)
+            mgr.commit(step, ctx)
+        mgr.admit_retrieve("a", None, None, PublishedPositionInfo({"cond": 40}))
+        mgr.remove_request("b")
+    assert mgr.position("a", "cond") == 40
+
+
+@pytest.mark.requires_triton
+def test_the_triton_launcher_declines_once_for_a_failing_export_and_caches_it(monkeypatch):
+    from jaxrope.kernels import triton_ir
+    from torch_bridge.triton_launch import TritonLauncher
+
+    calls = []
+
+    def failing_export(**kwargs):
+        calls.append(kwargs)
+        raise jr.BackendUnavailable("export forced to fail by the test")
+
+    monkeypatch.setattr(triton_ir, "export", failing_export)
+    launcher = TritonLauncher()
+    for _ in range(2):
+        with pytest.raises(jr.BackendUnavailable, match="forced to fail"):
+            launcher._compiled(("key",), {"q_heads": 1})
+    assert len(calls) == 1
+
+
+def test_the_triton_launcher_declines_tensors_off_cuda():
+    pytest.importorskip("triton")
+    from torch_bridge.triton_launch import TritonLauncher
+
+    q, k = qk(2)
+    with pytest.raises(jr.BackendUnavailable, match="needs CUDA"):
+        TritonLauncher().rotate_(q, k, torch.arange(2, dtype=torch.int32), jr.RopeConfig(head_dim=HEAD_DIM))
+
+
 def test_auto_launcher_on_cpu_is_the_jax_path():
     cfg = PositionConfig(rope=jr.RopeConfig(head_dim=HEAD_DIM))
     assert RopeManager(cfg, "cpu").launcher is None

@@ -88,8 +88,14 @@ class TritonLauncher:
 
     def _compiled(self, key: Tuple, export_kwargs: dict):
         kernel = self._kernels.get(key)
+        if isinstance(kernel, BackendUnavailable):
+            raise kernel  # declined before: do not export again on every call
         if kernel is None:
-            exported = triton_ir.export(**export_kwargs)
+            try:
+                exported = triton_ir.export(**export_kwargs)
+            except BackendUnavailable as e:
+                self._kernels[key] = e
+                raise
             path = os.path.join(self._workdir, f"rope_{len(self._kernels)}.ttir")
             with open(path, "w") as f:
                 f.write(exported.ttir)

@@ -3,12 +3,13 @@
 Run on the device machine (``JAXROPE_GPU_TESTS=1``, ``-m gpu``); each test skips with
 the reason when torch has no CUDA device or JAX no GPU backend. Every test runs both
 apply paths: the launcher (Triton on torch's stream, when available) and the JAX
-DLPack path.
+DLPack path. The position copy (host counters, pinned ring, one non-blocking copy on
+torch's stream) is checked under a late device, a lapped ring and CUDA-graph capture.
 """
 
 from __future__ import annotations
 
-import random
+import itertools
 import time
 
 import numpy as np
@@ -23,6 +24,8 @@ from torch_bridge import (GraphBucket, GraphSlot, PositionConfig, PositionStep, 
                           RopeManager, Segment, StepContext)
 
 pytestmark = pytest.mark.gpu
+# Every random draw has its own fixed seed: a run repeats exactly.
+_SEEDS = itertools.count(20261201)
 
 HEAD_DIM = 128
 # bf16 output rounding (half an ulp at |x| up to ~4) plus the kernels' angle error.
@@ -48,7 +51,7 @@ def planned(mgr, spans, offset=0, graph=None):
     rids = [f"r{i}" for i in range(len(spans))]
     for rid in rids:
         mgr.ingest_request(rid)
-        mgr.apply_cached_prefix(rid, None, None, None, {"text": offset + random.randrange(1 << 16)})
+        mgr.apply_cached_prefix(rid, None, None, None, {"text": offset + next(_SEEDS) % (1 << 16)})
     step = PositionStep([Segment(rid, "text", n) for rid, n in zip(rids, spans)])
     ctx = StepContext(tuple(rids), graph_slot=graph)
     pos = mgr.plan(step, ctx)["text"]
@@ -56,7 +59,7 @@ def planned(mgr, spans, offset=0, graph=None):
 
 
 def rand_qk(device, tokens, dtype=torch.bfloat16, q_heads=32, k_heads=8):
-    gen = torch.Generator(device=device).manual_seed(random.randrange(2**31))
+    gen = torch.Generator(device=device).manual_seed(next(_SEEDS))
     q = torch.randn(tokens, q_heads, HEAD_DIM, device=device, generator=gen).to(dtype)
     k = torch.randn(tokens, k_heads, HEAD_DIM, device=device, generator=gen).to(dtype)
     return q, k
@@ -166,3 +169,59 @@ def test_non_contiguous_q_takes_the_documented_copy_path(device, launcher):
     mgr.apply_qk(q, k, "text")
     np.testing.assert_allclose(qkv[:, :32].float().cpu().numpy(), want, rtol=0, atol=BF16_ATOL)
     assert torch.equal(qkv[:, 40:], v)
+
+
+def test_positions_stay_right_when_the_host_laps_the_pinned_ring(device, launcher):
+    """The host runs far ahead of a late device and rewrites every ring part: each step's
+    positions must still be its own (a part is reused only once its copies completed)."""
+    mgr = make(device, launcher)
+    rids = [f"r{i}" for i in range(4)]
+    for rid in rids:
+        mgr.ingest_request(rid)
+    steps, outputs = [], []
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # the device is ~50 ms late
+    spans = [40_000, 90_000, 1, 70_000]  # one step of 200k tokens: a ring part holds 131072
+    for _ in range(8):  # 1.6M positions, more than the 1M of the ring
+        step = PositionStep([Segment(rid, "text", n) for rid, n in zip(rids, spans)])
+        ctx = StepContext(tuple(rids))
+        starts = [mgr.position(rid, "text") for rid in rids]
+        outputs.append(mgr.plan(step, ctx)["text"])
+        steps.append(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, spans)]))
+        mgr.commit(step, ctx)
+        spans = spans[1:] + spans[:1]
+    torch.cuda.synchronize()
+    for got, want in zip(outputs, steps):
+        np.testing.assert_array_equal(got.cpu().numpy(), want)
+
+
+def test_plan_under_cuda_graph_capture_raises_and_changes_nothing(device, launcher):
+    mgr = make(device, launcher)
+    step, ctx, _ = planned(mgr, [2, 3])
+    mgr.commit(step, ctx)
+    before = mgr.state_snapshot()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="CUDA-graph capture"):
+        with torch.cuda.graph(graph):
+            mgr.plan(step, ctx)
+    assert mgr.state_snapshot() == before
+
+
+def test_a_failing_triton_export_falls_back_to_the_jax_path(device, monkeypatch):
+    from jaxrope.kernels import triton_ir
+
+    def failing_export(**kwargs):
+        raise jr.BackendUnavailable("export forced to fail by the test")
+
+    monkeypatch.setattr(triton_ir, "export", failing_export)
+    mgr = make(device, "auto")
+    if mgr.launcher is None:
+        pytest.skip("no fast launcher here (Triton unavailable)")
+    _, _, pos = planned(mgr, [5, 9])
+    q, k = rand_qk(device, pos.shape[0])
+    want_q, want_k = expected(q, pos, mgr.rope), expected(k, pos, mgr.rope)
+    mgr.apply_qk(q, k, "text")
+    torch.cuda.synchronize()
+    assert mgr._jax is not None  # the JAX path rotated
+    np.testing.assert_allclose(q.float().cpu().numpy(), want_q, rtol=0, atol=BF16_ATOL)
+    np.testing.assert_allclose(k.float().cpu().numpy(), want_k, rtol=0, atol=BF16_ATOL)

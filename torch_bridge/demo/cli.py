@@ -1,0 +1,112 @@
+"""The demo's command line: arguments, device choice, the step report and the verdict."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from jaxrope.config import RopeConfig
+from jaxrope.models import HF_CONFIGS
+from torch_bridge.demo.model import KV_HEADS, Q_HEADS, TOLERANCE
+from torch_bridge.demo.node import GRAPH_BUCKET, StepRow
+from torch_bridge.demo.trace import BUDGET, MIN_STEPS, Trace
+
+__all__ = ["MODELS", "main"]
+
+MODELS = {
+    "llama3.1": "meta-llama/Llama-3.1-8B",
+    "qwen2.5-yarn": "Qwen/Qwen2.5-7B-Instruct+yarn",
+    "phi3-longrope": "microsoft/Phi-3-mini-128k-instruct",
+    "deepseek-v2": "deepseek-ai/DeepSeek-V2-Lite",
+}
+
+def _pick_device(choice: str) -> Tuple[torch.device, Optional[str]]:
+    """The device to run on, and a note when "auto" had to fall back to the CPU."""
+    if choice == "cpu":
+        return torch.device("cpu"), None
+    if choice == "cuda" or torch.cuda.is_available():
+        import jax
+        try:
+            jax.devices("gpu")
+        except RuntimeError as e:
+            if choice == "cuda":
+                raise SystemExit(f"--device cuda: JAX has no GPU backend here ({e})")
+            return torch.device("cpu"), "torch sees a GPU but JAX has no GPU backend: using the CPU"
+        return torch.device("cuda", torch.cuda.current_device()), None
+    return torch.device("cpu"), None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxrope.demo",
+        description="Drive torch_bridge.RopeManager through a multi-request serving trace and "
+                    "check a tiny attention layer against a float64 recompute at every step.")
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama3.1",
+                        help="real RoPE config to use (default: llama3.1)")
+    parser.add_argument("--steps", type=int, default=14,
+                        help=f"main-node steps to run, >= {MIN_STEPS} (default: 14)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: CUDA when torch and JAX both see a GPU, else CPU")
+    parser.add_argument("--seed", type=int, default=0, help="weights and token ids (default: 0)")
+    parser.add_argument("--inject-fault", action="store_true",
+                        help="for tests: the prefix-cache probe claims one token too many, so "
+                             "a request's positions are off by one and the run must FAIL")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the demo; returns the exit status (0 pass, 1 mismatch).
+
+    Raises:
+      SystemExit: invalid arguments (status 2).
+    """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.steps < MIN_STEPS:
+        parser.error(f"--steps={args.steps} must be >= {MIN_STEPS} (the trace's prefix hit, "
+                     "fork, handoff, graph replay and stale admit happen in its first "
+                     f"{MIN_STEPS} steps)")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # JAX beside torch on a GPU
+    device, note = _pick_device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False   # TF32 matmuls would exceed the tolerance
+    name = MODELS[args.model]
+    rope = RopeConfig.from_hf(HF_CONFIGS[name])
+    started = time.perf_counter()
+    trace = Trace(rope, device, args.seed, args.inject_fault)
+    mgr = trace.main.mgr
+    rotation = (type(mgr.launcher).__name__ if mgr.launcher is not None
+                else f"JAX ({'Pallas' if device.type == 'cuda' else 'XLA'})")
+    scaling = type(rope.scaling).__name__ if rope.scaling is not None else "default"
+    print(f"jaxrope demo: {name} ({scaling}, head_dim={rope.head_dim}, "
+          f"rotary_dim={rope.rotary_dim}, interleave={rope.interleave}, "
+          f"attention factor {trace.layer.attention:.4f})")
+    print(f"device {device}, rotation {rotation}, q/k float32, {Q_HEADS} q heads / {KV_HEADS} "
+          f"kv heads, budget {BUDGET['main']} tokens/step, graph bucket {GRAPH_BUCKET.num_tokens}")
+    if note:
+        print(f"note: {note}")
+    print(f"{'step':>4} {'node':<7} {'reqs':>4} {'tokens':>6} {'positions':>9} {'max err':>8}"
+          "  events")
+    rows: List[StepRow] = []
+    for s in range(args.steps):
+        for row in trace.run_step(s):
+            rows.append(row)
+            mark = "  FAIL " + "; ".join(row.failures) if row.failures else ""
+            print(f"{row.step:>4} {row.node:<7} {row.requests:>4} {row.tokens:>6} "
+                  f"{row.positions:>9} {row.error:>8.1e}  {', '.join(row.events)}{mark}")
+    failed = [row for row in rows if row.failures]
+    worst = max(row.error for row in rows)
+    elapsed = time.perf_counter() - started
+    summary = (f"{len(rows)} steps on 2 nodes, {len(trace.requests)} requests, "
+               f"max error {worst:.1e} (tolerance {TOLERANCE:.0e}), {elapsed:.1f} s")
+    if failed:
+        first = failed[0]
+        print(f"verdict: FAIL — {len(failed)} of {summary}; first at step {first.step} "
+              f"({first.node}): {first.failures[0]}")
+        return 1
+    print(f"verdict: PASS — {summary}")
+    return 0
