@@ -1,10 +1,11 @@
 """The two executors of the counter rules agree: ``jaxrope.positions`` and ``torch_bridge.streams``.
 
 Hypothesis draws random operation sequences (plan, commit in both schemes, advance,
-fork, raise_to, rollback, reset) over a small table, with repeated slots and padding
-slots (``PAD``, negative, past the capacity) among the operands, and applies each
-operation to a core :class:`jaxrope.PositionTable` and to a numpy counter array. Every
-planned position and every counter must match after every operation. The manager-level
+fork, raise_to, rollback, reset) over a small table, with repeated slots among the
+operands, and applies each operation to a core :class:`jaxrope.PositionTable` and to a
+numpy counter array. Every planned position and every counter must match after every
+operation. The bridge never pads (its slots come from its slot map), so the operands are
+live slots; the core's padding is tested in tests/test_positions.py. The manager-level
 differential test (tests/test_manager_state_machine.py) runs the same comparison through
 the whole ``RopeManager``.
 """
@@ -18,12 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxrope import positions as core
-from jaxrope.positions import PAD, Scheme
+from jaxrope.positions import Scheme
 
 rules = pytest.importorskip("torch_bridge.streams", reason="torch_bridge needs torch")
 
 CAPACITY = 6
-SLOTS = st.one_of(st.integers(0, CAPACITY - 1), st.sampled_from([PAD, CAPACITY, -1]))
+SLOTS = st.integers(0, CAPACITY - 1)
 OPS = ("plan", "commit", "advance", "fork", "raise_to", "rollback", "reset")
 
 
@@ -50,14 +51,11 @@ def test_numpy_rules_match_the_core_transitions(start, ops, block_step):
     counters = np.asarray(start, np.int64)
     for op, slots, values, other, scheme in ops:
         if op == "plan":
-            # Padding views are not part of the bridge's input (its slots come from a
-            # lookup); plan compares live views, with repeats.
-            live = slots[(slots >= 0) & (slots < CAPACITY)]
-            counts = values[:len(live)] % 4
-            want = core.plan(table, _j(live), _j(counts), jnp.zeros((int(counts.sum()),), jnp.int32),
+            counts = values % 4
+            want = core.plan(table, _j(slots), _j(counts), jnp.zeros((int(counts.sum()),), jnp.int32),
                              scheme=scheme)
-            got = rules.plan(counters, live, counts, scheme)
-            assert got.dtype == np.int32 and got.tolist() == want.tolist(), (op, live, counts)
+            got = rules.plan(counters, slots, counts, scheme)
+            assert got.dtype == np.int32 and got.tolist() == want.tolist(), (op, slots, counts)
             continue
         if op == "commit":
             table = core.commit(table, _j(slots), _j(values), scheme=scheme, block_step=block_step)

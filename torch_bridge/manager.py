@@ -17,7 +17,8 @@ raises leaves every counter, slot, plan and graph buffer as it was.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Dict, Hashable, List, Mapping, Optional, Tuple
+from collections.abc import Mapping
+from typing import Any, Dict, Hashable, List, Optional, Tuple
 
 import numpy as np
 import torch

@@ -116,12 +116,17 @@ class StepPlans:
     # -- planning ------------------------------------------------------------------
 
     def base_counters(self, arrays: StepArrays, preplan: bool) -> np.ndarray:
-        """The counters a step's positions are numbered from (a copy), pre-forks applied.
+        """The counters a step's positions are numbered from, pre-forks applied (the
+        counters themselves when nothing changes them: callers only read it).
 
         A preplan is numbered as if the current plan had committed (post-forks too).
         """
-        base = self._streams.counters.copy()
-        if preplan and self.current is not None:
+        base = self._streams.counters
+        speculative = preplan and self.current is not None
+        if not (speculative or len(arrays.pre_src)):
+            return base  # read only until install() keeps it
+        base = base.copy()
+        if speculative:
             rules.apply_commit(base, self.current.commit, self._scheme, self._block_step)
         if len(arrays.pre_src):
             rules.fork(base, arrays.pre_src, arrays.pre_dst)
@@ -141,7 +146,8 @@ class StepPlans:
                 continue
             if peak + label.total > self.max_seq_len:
                 self._check_bounds(base, arrays, plan_label)
-            out[plan_label] = rules.plan(base, label.slots, label.counts, self._scheme)
+            out[plan_label] = rules.plan(base, label.slots, label.counts, self._scheme,
+                                         label.total)
         return out
 
     def _check_bounds(self, base: np.ndarray, arrays: StepArrays, plan_label: str) -> None:

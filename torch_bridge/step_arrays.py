@@ -29,8 +29,8 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Dict, Hashable, Mapping, Optional, Sequence, Tuple
+from collections.abc import Mapping
+from typing import Any, Dict, Hashable, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -46,8 +46,7 @@ _EMPTY.flags.writeable = False
 _MAX_CACHED_LABELS = 1024
 
 
-@dataclasses.dataclass(frozen=True)
-class LabelArrays:
+class LabelArrays(NamedTuple):
     """One plan label's views: int64 ``slots [V]`` and ``counts [V]``, ``total`` tokens."""
 
     slots: np.ndarray
@@ -55,9 +54,8 @@ class LabelArrays:
     total: int
 
 
-@dataclasses.dataclass(frozen=True)
-class StepArrays:
-    """A validated step.
+class StepArrays(NamedTuple):
+    """A validated step (a NamedTuple: built every step).
 
     Attributes:
       groups: ``{plan_label: views}`` as the engine gave them (records).

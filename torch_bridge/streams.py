@@ -7,11 +7,12 @@ device work beyond that copy and no read back.
 
 The functions below are the bridge's executor of the counter rules: each one is the
 numpy twin of the transition of the same name in :mod:`jaxrope.positions` (the core's
-executor, for JAX stacks under ``jit``), with the same padding convention (a slot
-outside ``[0, capacity)`` reads 0 and its writes are dropped, see
-:data:`jaxrope.positions.PAD`). ``tests/test_counter_rules.py`` drives both with the
-same random operation sequences and compares every counter and position. They change
-the array they are given in place; the caller chooses whether that is a copy.
+executor, for JAX stacks under ``jit``). ``tests/test_counter_rules.py`` drives both
+with the same random operation sequences and compares every counter and position. The
+bridge never pads (its slot arrays come from the slot map, one entry per real stream),
+so these take live slots only; the core's padding convention (:data:`PAD`) is for
+fixed-shape buckets under ``jit``. They change the array they are given in place; the
+caller chooses whether that is a copy.
 
 Example:
   >>> import numpy as np
@@ -26,8 +27,7 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Hashable, Optional, Sequence, Tuple
+from typing import Hashable, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -40,32 +40,17 @@ _EMPTY = np.zeros((0,), np.int64)
 _EMPTY.flags.writeable = False
 
 
-def _empty() -> np.ndarray:
-    return _EMPTY
-
-
-def _live(counters: np.ndarray, slots: np.ndarray) -> np.ndarray:
-    """Mask of the slots that are not padding (negative ones wrap past capacity as unsigned)."""
-    return slots.astype(np.uint64, copy=False) < counters.shape[0]
-
-
-def read(counters: np.ndarray, slots: np.ndarray) -> np.ndarray:
-    """Counters at ``slots``; padding slots read 0 (twin of ``positions.read``)."""
-    live = _live(counters, slots)
-    if live.all():
-        return counters[slots]
-    return np.where(live, counters[np.where(live, slots, 0)], 0)
-
-
-def plan(counters: np.ndarray, slots: np.ndarray, counts: np.ndarray,
-         scheme: Scheme) -> np.ndarray:
+def plan(counters: np.ndarray, slots: np.ndarray, counts: np.ndarray, scheme: Scheme,
+         total: Optional[int] = None) -> np.ndarray:
     """int32 positions of an ordered list of views (twin of ``positions.plan``).
 
     View ``v`` with ``counts[v]`` tokens gets ``counter + arange(n)`` (SEQUENTIAL) or
-    ``n`` copies of its counter (BLOCK); the result is ``[sum(counts)]``.
+    ``n`` copies of its counter (BLOCK); the result is ``[sum(counts)]``. ``total``:
+    ``sum(counts)`` when the caller knows it.
     """
-    base = read(counters, slots)
-    total = int(counts.sum())
+    base = counters[slots]
+    if total is None:
+        total = int(counts.sum())
     if total == len(counts) and (total == 0 or counts.max() == 1):
         return base.astype(np.int32)  # every view one token (decode): nothing to repeat
     if scheme is Scheme.BLOCK:
@@ -76,8 +61,7 @@ def plan(counters: np.ndarray, slots: np.ndarray, counts: np.ndarray,
 
 def advance(counters: np.ndarray, slots: np.ndarray, amounts: np.ndarray) -> None:
     """``counter += amount`` at ``slots``; repeated slots add up (twin of ``positions.advance``)."""
-    live = _live(counters, slots)
-    np.add.at(counters, slots[live], np.asarray(amounts)[live])
+    np.add.at(counters, slots, amounts)
 
 
 def commit(counters: np.ndarray, slots: np.ndarray, spans: np.ndarray, scheme: Scheme,
@@ -91,31 +75,26 @@ def commit(counters: np.ndarray, slots: np.ndarray, spans: np.ndarray, scheme: S
 
 def fork(counters: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
     """Copy counters ``src -> dst`` pairwise, every source read first (twin of ``positions.fork``)."""
-    values = read(counters, src)
-    live = _live(counters, dst)
-    counters[dst[live]] = values[live]
+    counters[dst] = counters[src]
 
 
 def raise_to(counters: np.ndarray, slots: np.ndarray, values: np.ndarray) -> None:
     """``counter = max(counter, value)`` (twin of ``positions.raise_to``: admit, cached prefix)."""
-    live = _live(counters, slots)
-    np.maximum.at(counters, slots[live], np.asarray(values)[live])
+    np.maximum.at(counters, slots, values)
 
 
 def rollback(counters: np.ndarray, slots: np.ndarray, values: np.ndarray) -> None:
     """``counter = min(counter, value)`` (twin of ``positions.rollback``)."""
-    live = _live(counters, slots)
-    np.minimum.at(counters, slots[live], np.asarray(values)[live])
+    np.minimum.at(counters, slots, values)
 
 
 def reset(counters: np.ndarray, slots: np.ndarray) -> None:
     """Counters at ``slots`` to 0 (twin of ``positions.reset``)."""
-    counters[slots[_live(counters, slots)]] = 0
+    counters[slots] = 0
 
 
-@dataclasses.dataclass(frozen=True)
-class CommitArrays:
-    """What a step's commit does, as int64 slot arrays.
+class CommitArrays(NamedTuple):
+    """What a step's commit does, as int64 slot arrays (a NamedTuple: built every step).
 
     ``slots``/``spans``: the segments, advanced by the scheme; ``adv_slots``/
     ``adv_amounts``: explicit advances replacing the scheme's amount; ``fork_src``/
@@ -123,12 +102,12 @@ class CommitArrays:
     writes (the ones whose bound is checked).
     """
 
-    slots: np.ndarray = dataclasses.field(default_factory=_empty)
-    spans: np.ndarray = dataclasses.field(default_factory=_empty)
-    adv_slots: np.ndarray = dataclasses.field(default_factory=_empty)
-    adv_amounts: np.ndarray = dataclasses.field(default_factory=_empty)
-    fork_src: np.ndarray = dataclasses.field(default_factory=_empty)
-    fork_dst: np.ndarray = dataclasses.field(default_factory=_empty)
+    slots: np.ndarray = _EMPTY
+    spans: np.ndarray = _EMPTY
+    adv_slots: np.ndarray = _EMPTY
+    adv_amounts: np.ndarray = _EMPTY
+    fork_src: np.ndarray = _EMPTY
+    fork_dst: np.ndarray = _EMPTY
 
     @property
     def touched(self) -> np.ndarray:

@@ -34,7 +34,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Tuple
+from collections.abc import Mapping
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
