@@ -31,6 +31,7 @@ class PositionConfig:
         its views.
 
     Raises:
+      TypeError: naming the field, for a value of the wrong type (e.g. ``labels="text"``).
       ValueError: naming the field, for an invalid value.
 
     Example:
@@ -48,19 +49,25 @@ class PositionConfig:
 
     def __post_init__(self) -> None:
         if self.rope is not None and not isinstance(self.rope, RopeConfig):
-            raise ValueError(f"rope={self.rope!r} must be a jaxrope.RopeConfig or None")
+            raise TypeError(f"rope={self.rope!r} must be a jaxrope.RopeConfig or None")
         labels = self.labels
         if isinstance(labels, str) or not hasattr(labels, "__iter__"):
-            raise ValueError(f"labels={labels!r} must be a sequence of strings")
+            raise TypeError(f"labels={labels!r} must be a sequence of strings, e.g. ('text',)")
         labels = tuple(labels)
-        if not labels or not all(isinstance(label, str) and label for label in labels):
+        if not all(isinstance(label, str) for label in labels):
+            raise TypeError(f"labels={labels!r} must be strings")
+        if not labels or not all(labels):
             raise ValueError(f"labels={labels!r} must be non-empty strings, at least one")
         if len(set(labels)) != len(labels):
             raise ValueError(f"labels={labels!r} must be distinct")
         object.__setattr__(self, "labels", labels)
         if not isinstance(self.scheme, Scheme):
-            raise ValueError(f"scheme={self.scheme!r} must be a jaxrope.Scheme")
-        if not isinstance(self.block_step, int) or isinstance(self.block_step, bool) or self.block_step < 1:
-            raise ValueError(f"block_step={self.block_step!r} must be an int >= 1")
-        if not isinstance(self.kv_resource, str) or not self.kv_resource:
+            raise TypeError(f"scheme={self.scheme!r} must be a jaxrope.Scheme")
+        if not isinstance(self.block_step, int) or isinstance(self.block_step, bool):
+            raise TypeError(f"block_step={self.block_step!r} must be an int")
+        if self.block_step < 1:
+            raise ValueError(f"block_step={self.block_step!r} must be >= 1")
+        if not isinstance(self.kv_resource, str):
+            raise TypeError(f"kv_resource={self.kv_resource!r} must be a string")
+        if not self.kv_resource:
             raise ValueError(f"kv_resource={self.kv_resource!r} must be a non-empty string")

@@ -144,10 +144,10 @@ class StepPlans:
         for plan_label, label in arrays.labels.items():
             if plan_label in arrays.explicit:
                 continue
-            if peak + label.total > self.max_seq_len:
+            if peak + label.num_tokens > self.max_seq_len:
                 self._check_bounds(base, arrays, plan_label)
             out[plan_label] = rules.plan(base, label.slots, label.counts, self._scheme,
-                                         label.total)
+                                         label.num_tokens)
         return out
 
     def _check_bounds(self, base: np.ndarray, arrays: StepArrays, plan_label: str) -> None:

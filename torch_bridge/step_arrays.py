@@ -23,7 +23,7 @@ Example:
   >>> arrays = StepReader(streams, "kv").read(
   ...     PositionStep([Segment("r0", "text", 3), Segment("r1", "text", 1)]), StepContext())
   >>> views = arrays.labels["text"]
-  >>> views.slots.tolist(), views.counts.tolist(), views.total
+  >>> views.slots.tolist(), views.counts.tolist(), views.num_tokens
   ([0, 1], [3, 1], 4)
 """
 
@@ -47,11 +47,11 @@ _MAX_CACHED_LABELS = 1024
 
 
 class LabelArrays(NamedTuple):
-    """One plan label's views: int64 ``slots [V]`` and ``counts [V]``, ``total`` tokens."""
+    """One plan label's views: int64 ``slots [V]`` and ``counts [V]``, ``num_tokens`` in all."""
 
     slots: np.ndarray
     counts: np.ndarray
-    total: int
+    num_tokens: int
 
 
 class StepArrays(NamedTuple):
@@ -279,12 +279,12 @@ class StepReader:
                 raise ValueError(f"{where}: not a plan label of the step ({list(labels)})")
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{where} must be a torch.Tensor, got {type(tensor).__name__}")
-            total = labels[plan_label].total
+            num_tokens = labels[plan_label].num_tokens
             if tensor.ndim != 1 or tensor.dtype not in (torch.int32, torch.int64):
                 raise ValueError(f"{where} has shape={tuple(tensor.shape)} dtype={tensor.dtype}; "
-                                 f"expected int32 or int64 [{total}]")
-            if tensor.shape[0] != total:
-                raise ValueError(f"{where}.shape={tuple(tensor.shape)} must be [{total}] (the plan "
+                                 f"expected int32 or int64 [{num_tokens}]")
+            if tensor.shape[0] != num_tokens:
+                raise ValueError(f"{where}.shape={tuple(tensor.shape)} must be [{num_tokens}] (the plan "
                                  "label's tokens)")
             if tensor.device != device:
                 raise ValueError(f"{where} is on {tensor.device}, expected {device}")
