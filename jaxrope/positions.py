@@ -81,20 +81,33 @@ def _scheme(scheme) -> Scheme:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PositionTable:
-    """Next position of every slot: ``counters`` int32 ``[capacity]``.
+    """Every stream's record, one slot each: int32 ``[capacity]`` columns.
 
-    A JAX pytree (one leaf, ``counters``), so it passes through ``jax.jit``; build it
-    with :func:`init` (all zeros) and change it only through the pure transitions,
-    which return a new table.
+    - ``counters``: the next position;
+    - ``deltas``: the M-RoPE position delta (a decode token of an M-RoPE stream sits at
+      ``counter + delta`` on all three rows; 0 for 1-D RoPE);
+    - ``epochs``: the publish epoch, bumped when a rollback moves the counter back, so
+      that :func:`admit` can tell a rewind from a stale echo.
+
+    A JAX pytree, so it passes through ``jax.jit``; build it with :func:`init` (all
+    zeros) and change it only through the pure transitions, which return a new table.
+    ``PositionTable(counters)`` gives zero deltas and epochs.
 
     Example:
       >>> from jaxrope import positions
       >>> table = positions.init(3)
-      >>> table.capacity, table.counters.dtype, table.counters.tolist()
-      (3, dtype('int32'), [0, 0, 0])
+      >>> table.capacity, table.counters.dtype, table.counters.tolist(), table.epochs.tolist()
+      (3, dtype('int32'), [0, 0, 0], [0, 0, 0])
     """
 
     counters: jax.Array
+    deltas: Optional[jax.Array] = None
+    epochs: Optional[jax.Array] = None
+
+    def __post_init__(self) -> None:
+        for name in ("deltas", "epochs"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, jnp.zeros_like(self.counters))
 
     @property
     def capacity(self) -> int:
@@ -110,10 +123,10 @@ def init(capacity: int) -> PositionTable:
 
 
 def grow(table: PositionTable, capacity: int) -> PositionTable:
-    """The same counters in a larger table; new slots start at 0."""
+    """The same records in a larger table; new slots start at 0."""
     if capacity < table.capacity:
         raise ValueError(f"capacity={capacity} must be >= current capacity {table.capacity}")
-    return PositionTable(jnp.pad(table.counters, (0, capacity - table.capacity)))
+    return jax.tree.map(lambda column: jnp.pad(column, (0, capacity - table.capacity)), table)
 
 
 def pad_slots(slots: Sequence[int], size: int) -> np.ndarray:
@@ -125,9 +138,13 @@ def pad_slots(slots: Sequence[int], size: int) -> np.ndarray:
     return out
 
 
-def read(table: PositionTable, slots: jax.Array) -> jax.Array:
-    """int32 counters at ``slots``; padding slots read 0."""
-    return table.counters.at[slots].get(mode="fill", fill_value=0, **_NO_WRAP)
+def read(table: PositionTable, slots: jax.Array, column: str = "counters") -> jax.Array:
+    """int32 values of one column (default the counters) at ``slots``; padding reads 0."""
+    return getattr(table, column).at[slots].get(mode="fill", fill_value=0, **_NO_WRAP)
+
+
+def _set(column: jax.Array, slots: jax.Array, values) -> jax.Array:
+    return column.at[slots].set(values, mode="drop", **_NO_WRAP)
 
 
 def plan(table: PositionTable, slots: jax.Array, counts: jax.Array, out: jax.Array, *,
@@ -135,29 +152,34 @@ def plan(table: PositionTable, slots: jax.Array, counts: jax.Array, out: jax.Arr
     """Position ids for an ordered list of views, written over ``out``.
 
     Args:
-      table: the counters.
+      table: the streams.
       slots: int32 ``[V]``, the stream of each view, in token order (padding slots,
         outside ``[0, capacity)``, read 0).
       counts: int32 ``[V]``, the number of tokens of each view (0 for padding).
-      out: int32 ``[N]``; tokens ``[sum(counts), N)`` keep these values (CUDA-graph
-        buffers keep their tail), tokens before take the planned positions.
+      out: int32 ``[N]``, or ``[3, N]`` for M-RoPE positions (rows t, h, w); tokens
+        ``[sum(counts), N)`` keep these values (CUDA-graph buffers keep their tail),
+        tokens before take the planned positions.
       scheme: SEQUENTIAL numbers view ``v``'s tokens ``counter[v] + arange(counts[v])``;
-        BLOCK gives them all ``counter[v]``.
+        BLOCK gives them all ``counter[v]``. M-RoPE adds the stream's delta, the same
+        on all three rows (text after the prompt advances every row together).
 
     Returns:
-      int32 ``[N]``.
+      int32, ``out``'s shape.
     """
     counts = counts.astype(jnp.int32)
     ends = jnp.cumsum(counts)
     starts = ends - counts
-    token = jnp.arange(out.shape[0], dtype=jnp.int32)
+    token = jnp.arange(out.shape[-1], dtype=jnp.int32)
     # Each view marks the token where it starts; a running max then gives every token
     # its view (an empty view shares its start with the next one, and the max keeps the
     # later, non-empty one). Linear, and about twice as fast as a binary search per token.
     marks = jnp.zeros_like(token).at[starts].max(jnp.arange(counts.shape[0], dtype=jnp.int32),
                                                  mode="drop")
     view = jax.lax.cummax(marks, axis=0)
-    base = read(table, slots)[view]
+    base = read(table, slots)
+    if out.ndim == 2:
+        base = base + read(table, slots, "deltas")
+    base = base[view]
     if _scheme(scheme) is Scheme.SEQUENTIAL:
         base = base + token - starts[view]
     live = token < ends[-1] if counts.shape[0] else jnp.zeros_like(token, bool)
@@ -179,17 +201,19 @@ def commit(table: PositionTable, slots: jax.Array, spans: jax.Array, *,
 
 def advance(table: PositionTable, slots: jax.Array, amounts: jax.Array) -> PositionTable:
     """Add explicit ``amounts`` to the counters at ``slots`` (a step's explicit advance)."""
-    return PositionTable(table.counters.at[slots].add(amounts.astype(jnp.int32), mode="drop",
-                                                   **_NO_WRAP))
+    counters = table.counters.at[slots].add(amounts.astype(jnp.int32), mode="drop", **_NO_WRAP)
+    return dataclasses.replace(table, counters=counters)
 
 
 def fork(table: PositionTable, src_slots: jax.Array, dst_slots: jax.Array) -> PositionTable:
-    """Copy counters ``src -> dst`` pairwise (a CFG branch starting where its parent is).
+    """Copy counters and deltas ``src -> dst`` pairwise (a CFG branch starting where its
+    parent is, on the parent's M-RoPE layout). Epochs stay: a fork publishes nothing.
 
     All sources are read before any destination is written.
     """
-    return PositionTable(table.counters.at[dst_slots].set(read(table, src_slots), mode="drop",
-                                                       **_NO_WRAP))
+    return dataclasses.replace(
+        table, counters=_set(table.counters, dst_slots, read(table, src_slots)),
+        deltas=_set(table.deltas, dst_slots, read(table, src_slots, "deltas")))
 
 
 def raise_to(table: PositionTable, slots: jax.Array, positions: jax.Array) -> PositionTable:
@@ -199,19 +223,61 @@ def raise_to(table: PositionTable, slots: jax.Array, positions: jax.Array) -> Po
     *cached prefix* (move past what the cache holds; the position is absolute, so a
     repeated probe moves nothing).
     """
-    return PositionTable(table.counters.at[slots].max(positions.astype(jnp.int32), mode="drop",
-                                                   **_NO_WRAP))
+    counters = table.counters.at[slots].max(positions.astype(jnp.int32), mode="drop", **_NO_WRAP)
+    return dataclasses.replace(table, counters=counters)
+
+
+def admit(table: PositionTable, slots: jax.Array, positions: jax.Array, deltas: jax.Array,
+          epochs: jax.Array) -> PositionTable:
+    """Take on published records ``(position, delta, epoch)`` in epoch order.
+
+    A newer epoch wins even with a lower position (the publisher rolled back: drafts it
+    had published were rejected); within an epoch the larger position wins, so a stale
+    echo of this node's own publication never rewinds (the seed's monotonic admit); an
+    older epoch changes nothing. The delta comes with the position that wins. ``slots``
+    must be distinct.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxrope import positions
+      >>> table = positions.PositionTable(jnp.array([9, 9, 9], jnp.int32))
+      >>> s = jnp.array([0, 1, 2], jnp.int32)
+      >>> out = positions.admit(table, s, jnp.array([5, 12, 4], jnp.int32),
+      ...                       jnp.array([-2, -3, -4], jnp.int32), jnp.array([0, 0, 1], jnp.int32))
+      >>> out.counters.tolist(), out.deltas.tolist(), out.epochs.tolist()
+      ([9, 12, 4], [0, -3, -4], [0, 0, 1])
+    """
+    positions, deltas, epochs = (x.astype(jnp.int32) for x in (positions, deltas, epochs))
+    counter, delta, epoch = (read(table, slots, c) for c in ("counters", "deltas", "epochs"))
+    newer = epochs > epoch
+    take = newer | ((epochs == epoch) & (positions > counter))
+    return PositionTable(_set(table.counters, slots, jnp.where(take, positions, counter)),
+                         _set(table.deltas, slots, jnp.where(take, deltas, delta)),
+                         _set(table.epochs, slots, jnp.where(newer, epochs, epoch)))
+
+
+def set_deltas(table: PositionTable, slots: jax.Array, deltas: jax.Array) -> PositionTable:
+    """Set the M-RoPE deltas at ``slots`` (once a prompt's layout is known)."""
+    return dataclasses.replace(table, deltas=_set(table.deltas, slots, deltas.astype(jnp.int32)))
 
 
 def rollback(table: PositionTable, slots: jax.Array, positions: jax.Array) -> PositionTable:
-    """``counter = min(counter, position)``: undo tokens past ``position`` (rejected drafts)."""
-    return PositionTable(table.counters.at[slots].min(positions.astype(jnp.int32), mode="drop",
-                                                   **_NO_WRAP))
+    """``counter = min(counter, position)``: undo tokens past ``position`` (rejected drafts).
+
+    A counter that moves back starts a new publish epoch (see :func:`admit`); one that
+    stays keeps its epoch, so a rollback to where a stream already is changes nothing.
+    ``slots`` must be distinct.
+    """
+    counter, epoch = read(table, slots), read(table, slots, "epochs")
+    target = jnp.minimum(counter, positions.astype(jnp.int32))
+    return dataclasses.replace(
+        table, counters=_set(table.counters, slots, target),
+        epochs=_set(table.epochs, slots, epoch + (target < counter).astype(jnp.int32)))
 
 
 def reset(table: PositionTable, slots: jax.Array) -> PositionTable:
-    """Set the counters at ``slots`` to 0."""
-    return PositionTable(table.counters.at[slots].set(0, mode="drop", **_NO_WRAP))
+    """Every column at ``slots`` to 0 (a freed or reset stream starts afresh)."""
+    return jax.tree.map(lambda column: _set(column, slots, 0), table)
 
 
 class SlotMap:

@@ -338,6 +338,18 @@ def _bridge_cases():
             TypeError,
             "free='yes'"),
         Bad("remove an unhashable rid", lambda m: m.remove_request(["a"]), TypeError, "rid=['a']"),
+        Bad("ingest M-RoPE deltas into a 1-D manager", lambda m: m.ingest_request("c", deltas={"cond": -4}),
+            ValueError, "M-RoPE deltas need an M-RoPE config"),
+        Bad("rollback of an unknown request", lambda m: m.rollback("ghost", "cond", 1), ValueError,
+            "'ghost'"),
+        Bad("rollback of an unknown label", lambda m: m.rollback("b", "image", 1), ValueError,
+            "label='image'"),
+        Bad("rollback to a negative position", lambda m: m.rollback("b", "uncond", -1), ValueError,
+            "to_position['uncond']=-1"),
+        Bad("rollback to past max_seq_len", lambda m: m.rollback("b", "uncond", 65), ValueError,
+            "to_position['uncond']=65"),
+        Bad("rollback of a stream in the current plan", lambda m: m.rollback("a", "cond", 3),
+            ValueError, "in a plan not yet committed"),
         # plan
         Bad("plan a request never ingested", lambda m: _plan(m, S(("a", "cond", 1), ("ghost", "cond", 1))),
             ValueError, "'ghost'"),
@@ -598,7 +610,14 @@ def test_a_failed_apply_qk_leaves_a_staged_plan_staged():
     (PublishedPositionInfo({"cond": -3}) if torch else None, "published.counters['cond']=-3"),
     (PublishedPositionInfo({"cond": 65}) if torch else None, "published.counters['cond']=65"),
     (PublishedPositionInfo({"cond": 2.5}) if torch else None, "published.counters['cond']=2.5"),
-], ids=["unknown label", "negative", "past max_seq_len", "float"])
+    (PublishedPositionInfo({"cond": 3}, fingerprint=b"\x00" * 32) if torch else None,
+     "published.fingerprint differs"),
+    (PublishedPositionInfo({"cond": 3}, deltas={"cond": -7}) if torch else None,
+     "M-RoPE deltas need an M-RoPE config"),
+    (PublishedPositionInfo({"cond": 3}, epochs={"cond": -1}) if torch else None,
+     "published.epochs['cond']=-1"),
+], ids=["unknown label", "negative", "past max_seq_len", "float", "foreign fingerprint",
+        "deltas into 1-D", "negative epoch"])
 def test_admit_of_unusable_published_counters_reports_and_changes_nothing(published, fragment):
     mgr, twin = busy_manager(), busy_manager()
     before = mgr.state_snapshot()

@@ -25,72 +25,109 @@ rules = pytest.importorskip("torch_bridge.streams", reason="torch_bridge needs t
 
 CAPACITY = 6
 SLOTS = st.integers(0, CAPACITY - 1)
-OPS = ("plan", "commit", "advance", "fork", "raise_to", "rollback", "reset")
+OPS = ("plan", "commit", "advance", "fork", "raise_to", "admit", "set_deltas", "rollback", "reset")
 
 
 @st.composite
 def operations(draw):
     op = draw(st.sampled_from(OPS))
     n = draw(st.integers(0, 5))
-    slots = draw(st.lists(SLOTS, min_size=n, max_size=n))
+    # admit and rollback take distinct slots (one record per stream); the rest may repeat.
+    unique = op in ("admit", "rollback")
+    slots = draw(st.lists(SLOTS, min_size=n, max_size=n, unique=unique))
+    n = len(slots)
     values = draw(st.lists(st.integers(0, 40), min_size=n, max_size=n))
     other = draw(st.lists(SLOTS, min_size=n, max_size=n))
+    deltas = draw(st.lists(st.integers(-300, 30), min_size=n, max_size=n))
+    epochs = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
     scheme = draw(st.sampled_from(list(Scheme)))
-    return op, np.asarray(slots, np.int64), np.asarray(values, np.int64), np.asarray(other, np.int64), scheme
+    return (op, *(np.asarray(x, np.int64) for x in (slots, values, other, deltas, epochs)),
+            scheme, draw(st.booleans()))
 
 
 def _j(array: np.ndarray):
     return jnp.asarray(array.astype(np.int32))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def _columns(table) -> list:
+    return [np.asarray(getattr(table, name)).tolist() for name in rules.Columns._fields]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(start=st.lists(st.integers(0, 30), min_size=CAPACITY, max_size=CAPACITY),
        ops=st.lists(operations(), min_size=1, max_size=12), block_step=st.integers(1, 3))
 def test_numpy_rules_match_the_core_transitions(start, ops, block_step):
     table = core.PositionTable(jnp.asarray(start, jnp.int32))
-    counters = np.asarray(start, np.int64)
-    for op, slots, values, other, scheme in ops:
+    columns = rules.Columns(np.asarray(start, np.int64), np.zeros(CAPACITY, np.int64),
+                            np.zeros(CAPACITY, np.int64))
+    for op, slots, values, other, deltas, epochs, scheme, mrope in ops:
         if op == "plan":
             counts = values % 4
-            want = core.plan(table, _j(slots), _j(counts), jnp.zeros((int(counts.sum()),), jnp.int32),
-                             scheme=scheme)
-            got = rules.plan(counters, slots, counts, scheme)
+            out = jnp.zeros((3, int(counts.sum())) if mrope else (int(counts.sum()),), jnp.int32)
+            want = core.plan(table, _j(slots), _j(counts), out, scheme=scheme)
+            got = rules.plan(columns, slots, counts, scheme, mrope=mrope)
             assert got.dtype == np.int32 and got.tolist() == want.tolist(), (op, slots, counts)
             continue
         if op == "commit":
             table = core.commit(table, _j(slots), _j(values), scheme=scheme, block_step=block_step)
-            rules.commit(counters, slots, values, scheme, block_step)
+            rules.commit(columns, slots, values, scheme, block_step)
         elif op == "advance":
             table = core.advance(table, _j(slots), _j(values))
-            rules.advance(counters, slots, values)
+            rules.advance(columns, slots, values)
         elif op == "fork":
             table = core.fork(table, _j(slots), _j(other))
-            rules.fork(counters, slots, other)
+            rules.fork(columns, slots, other)
         elif op == "raise_to":
             table = core.raise_to(table, _j(slots), _j(values))
-            rules.raise_to(counters, slots, values)
+            rules.raise_to(columns, slots, values)
+        elif op == "admit":
+            table = core.admit(table, _j(slots), _j(values), _j(deltas), _j(epochs))
+            rules.admit(columns, slots, values, deltas, epochs)
+        elif op == "set_deltas":
+            table = core.set_deltas(table, _j(slots), _j(deltas))
+            rules.set_deltas(columns, slots, deltas)
         elif op == "rollback":
             table = core.rollback(table, _j(slots), _j(values))
-            rules.rollback(counters, slots, values)
+            rules.rollback(columns, slots, values)
         else:
             table = core.reset(table, _j(slots))
-            rules.reset(counters, slots)
-        assert counters.tolist() == np.asarray(table.counters).tolist(), (op, slots, values, other)
+            rules.reset(columns, slots)
+        assert [c.tolist() for c in columns] == _columns(table), (op, slots, values, other)
 
 
 def test_fork_reads_every_source_before_writing():
-    counters = np.array([1, 2, 3])
-    rules.fork(counters, np.array([0, 1]), np.array([1, 0]))  # a swap
-    assert counters.tolist() == [2, 1, 3]
+    columns = rules.Columns(np.array([1, 2, 3]), np.array([0, -5, 0]), np.zeros(3, int))
+    rules.fork(columns, np.array([0, 1]), np.array([1, 0]))  # a swap
+    assert columns.counters.tolist() == [2, 1, 3] and columns.deltas.tolist() == [-5, 0, 0]
     table = core.fork(core.PositionTable(jnp.array([1, 2, 3], jnp.int32)),
                       jnp.array([0, 1], jnp.int32), jnp.array([1, 0], jnp.int32))
     assert table.counters.tolist() == [2, 1, 3]
 
 
 def test_decode_plan_of_one_token_views_is_the_counters_themselves():
-    counters = np.array([7, 0, 3, 9])
-    assert rules.plan(counters, np.array([3, 0, 2]), np.array([1, 1, 1]),
+    columns = rules.Columns(np.array([7, 0, 3, 9]), np.array([0, 0, -2, 0]), np.zeros(4, int))
+    assert rules.plan(columns, np.array([3, 0, 2]), np.array([1, 1, 1]),
                       Scheme.SEQUENTIAL).tolist() == [9, 7, 3]
     # Same token total as views, but not all single tokens: must not take the shortcut.
-    assert rules.plan(counters, np.array([3, 0]), np.array([0, 2]),
+    assert rules.plan(columns, np.array([3, 0]), np.array([0, 2]),
                       Scheme.SEQUENTIAL).tolist() == [7, 8]
+    # M-RoPE decode: counter + delta on all three rows.
+    assert rules.plan(columns, np.array([2]), np.array([1]), Scheme.SEQUENTIAL,
+                      mrope=True).tolist() == [[1], [1], [1]]
+
+
+def test_a_rollback_starts_a_new_epoch_that_admit_takes_over_a_higher_position():
+    # Node A published 20 (epoch 0) to B; A rolls back to 17 (epoch 1); B admits A's new
+    # record although it is lower; A's stale record of epoch 0 then changes nothing.
+    a = core.PositionTable(jnp.array([20], jnp.int32))
+    b = core.admit(core.init(1), jnp.array([0], jnp.int32), a.counters, a.deltas, a.epochs)
+    stale = (b.counters, b.deltas, b.epochs)
+    a = core.rollback(a, jnp.array([0], jnp.int32), jnp.array([17], jnp.int32))
+    assert (a.counters.tolist(), a.epochs.tolist()) == ([17], [1])
+    b = core.admit(b, jnp.array([0], jnp.int32), a.counters, a.deltas, a.epochs)
+    assert (b.counters.tolist(), b.epochs.tolist()) == ([17], [1])
+    b = core.admit(b, jnp.array([0], jnp.int32), *stale)
+    assert (b.counters.tolist(), b.epochs.tolist()) == ([17], [1])
+    # A rollback that does not move the counter keeps the epoch.
+    same = core.rollback(a, jnp.array([0], jnp.int32), jnp.array([30], jnp.int32))
+    assert (same.counters.tolist(), same.epochs.tolist()) == ([17], [1])

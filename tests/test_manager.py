@@ -397,8 +397,8 @@ def test_snapshot_keeps_the_counters_it_was_taken_at():
     run_step(mgr, [Segment("a", "cond", 5)])
     mgr.admit_retrieve("a", None, None, PublishedPositionInfo({"uncond": 50}))
     old = mgr.publish_from_snapshot("a", snapshot, "node", "walk")
-    assert old == PublishedPositionInfo({"cond": 3, "uncond": 1})
-    assert mgr.publish("a") == PublishedPositionInfo({"cond": 8, "uncond": 50})
+    assert old == PublishedPositionInfo({"cond": 3, "uncond": 1}, fingerprint=mgr.fingerprint())
+    assert mgr.publish("a").counters == {"cond": 8, "uncond": 50}
 
 
 def test_snapshot_and_publish_of_an_unknown_request_are_none():
@@ -426,6 +426,56 @@ def test_published_info_clone_is_independent_and_update_takes_the_max():
 
 
 # ---------------------------------------------------------------------------- remove / reset
+
+
+def test_a_rollback_reaches_the_node_that_admitted_the_drafts():
+    # A prefill node publishes 12 positions that include drafts; the decode node admits
+    # them; the prefill node rolls two back: its new epoch makes the decode node take the
+    # lower position, and a late echo of the first publication no longer moves it.
+    prefill, decode = make(), make()
+    for mgr in (prefill, decode):
+        mgr.ingest_request("a")
+    run_step(prefill, [Segment("a", "text", 12)])
+    first = prefill.publish("a")
+    assert decode.admit_retrieve("a", None, None, first).ok
+    prefill.rollback("a", "text", 10)
+    assert prefill.position("a", "text") == 10 and prefill.publish("a").epochs == {"text": 1}
+    assert decode.admit_retrieve("a", None, None, prefill.publish("a")).ok
+    assert decode.position("a", "text") == 10
+    assert decode.admit_retrieve("a", None, None, first).ok  # stale: epoch 0
+    assert decode.position("a", "text") == 10
+    run_step(decode, [Segment("a", "text", 1)])
+    assert decode.publish("a").record("text") == (11, 0, 1)
+
+
+def test_a_rollback_that_moves_nothing_keeps_the_epoch():
+    mgr = make()
+    mgr.ingest_request("a")
+    run_step(mgr, [Segment("a", "text", 5)])
+    mgr.rollback("a", "text", 9)
+    assert mgr.publish("a").record("text") == (5, 0, 0)
+
+
+def test_a_rollback_of_a_planned_stream_is_refused_and_changes_nothing():
+    mgr = make()
+    mgr.ingest_request("a")
+    mgr.plan(PositionStep([Segment("a", "text", 4)]), ctx_for("a"))
+    before = mgr.state_snapshot()
+    with pytest.raises(ValueError, match="in a plan not yet committed"):
+        mgr.rollback("a", "text", 0)
+    assert mgr.state_snapshot() == before
+
+
+def test_admit_refuses_a_record_of_a_manager_that_rotates_differently():
+    mgr = make()
+    mgr.ingest_request("a")
+    other = make(rope=jr.RopeConfig(head_dim=HEAD_DIM, theta=1e4))
+    other.ingest_request("a")
+    run_step(other, [Segment("a", "text", 7)])
+    before = mgr.state_snapshot()
+    outcome = mgr.admit_retrieve("a", None, None, other.publish("a"))
+    assert not outcome.ok and "fingerprint differs" in outcome.reason
+    assert mgr.state_snapshot() == before
 
 
 def test_remove_frees_the_request_and_a_new_ingest_starts_at_zero():

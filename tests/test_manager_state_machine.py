@@ -111,6 +111,13 @@ class Model:
     def forget(self, rid: str) -> None:
         self.table = core.reset(self.table, _slots(self.slot_map.release(rid)))
 
+    def admit(self, rid: str, positions: Dict[str, int], epochs: Dict[str, int]) -> None:
+        if positions:
+            labels = list(positions)
+            self.table = core.admit(self.table, _slots([self.slot(rid, l) for l in labels]),
+                                    _slots([positions[l] for l in labels]), _slots([0] * len(labels)),
+                                    _slots([epochs.get(l, 0) for l in labels]))
+
     def raise_to(self, rid: str, values: Dict[str, int]) -> None:
         if values:
             self.table = core.raise_to(self.table, _slots([self.slot(rid, l) for l in values]),
@@ -364,17 +371,37 @@ class ManagerMachine(RuleBasedStateMachine):
         rid, record, expected = data.draw(st.sampled_from(self.snapshots))
         assert self.mgr.publish_from_snapshot(rid, record, "node", "walk").counters == expected
 
-    @rule(data=st.data(), published=st.dictionaries(st.sampled_from(LABELS), POSITIONS, max_size=2))
-    def admit(self, data, published):
+    @rule(data=st.data(), published=st.dictionaries(st.sampled_from(LABELS), POSITIONS, max_size=2),
+          epochs=st.dictionaries(st.sampled_from(LABELS), st.integers(0, 2), max_size=2))
+    def admit(self, data, published, epochs):
         rid = self.pick(data)
         before = self.mgr.state_snapshot()
-        outcome = self.mgr.admit_retrieve(rid, "node", "walk", PublishedPositionInfo(published))
+        epochs = {label: e for label, e in epochs.items() if label in published}
+        outcome = self.mgr.admit_retrieve(rid, "node", "walk",
+                                          PublishedPositionInfo(published, epochs=epochs))
         valid = rid in self.model.requests and all(v <= MAX_SEQ_LEN for v in published.values())
         assert outcome.ok == valid and outcome.ready == valid
         if not valid:
             assert self.mgr.state_snapshot() == before
             return
-        self.model.raise_to(rid, published)
+        self.model.admit(rid, published, epochs)
+
+    @rule(data=st.data(), label=st.sampled_from(LABELS), to=POSITIONS)
+    def rollback(self, data, label, to):
+        """An engine's rewind between steps: refused while a plan holds the stream."""
+        rid = self.pick(data)
+        model = self.model
+        pending = [p for p in (model.current, model.staged) if p is not None]
+        # The streams a plan's commit writes: its segments' (an advance names only those)
+        # and its post-forks' targets.
+        planned = any((rid, label) in {(s[0], s[1]) for s in p.segments}
+                      | {(r, dst) for r, _, dst in p.post_forks}
+                      for p in pending if rid not in p.dropped)
+        if rid not in model.requests or to > MAX_SEQ_LEN or planned:
+            self.expect_failure(self.mgr.rollback, rid, label, to)
+            return
+        self.mgr.rollback(rid, label, to)
+        model.table = core.rollback(model.table, _slots([model.slot(rid, label)]), _slots([to]))
 
     @rule(data=st.data(), prefix=st.dictionaries(st.sampled_from(LABELS), POSITIONS, max_size=2))
     def apply_cached_prefix(self, data, prefix):
@@ -473,6 +500,10 @@ class ManagerMachine(RuleBasedStateMachine):
                     for label, value in counters.items()}
         assert state["counters"] == expected
         table = np.asarray(mgr.table.counters).tolist()
+        epochs = np.asarray(model.table.epochs).tolist()
+        for rid in model_counters:
+            want = tuple(epochs[model.slot(rid, label)] for label in LABELS)
+            assert tuple(state["epochs"][s] for s in state["requests"][rid]) == want
         for rid, counters in model_counters.items():
             assert mgr.publish(rid).counters == counters
             assert {label: mgr.position(rid, label) for label in LABELS} == counters

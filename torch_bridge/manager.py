@@ -92,6 +92,8 @@ class PositionManager(Resource):
         self._reader = StepReader(self._streams, config.kv_resource)
         self._plans = StepPlans(self._streams, config.scheme, config.block_step, self.max_seq_len)
         self._upload = PositionUpload(self.device)
+        self._fingerprint: Optional[bytes] = None
+        self._mrope = getattr(config.rope, "mrope_section", None) is not None
 
     # ---------------------------------------------------------------- construction
 
@@ -154,7 +156,9 @@ class PositionManager(Resource):
           >>> len(PositionManager(PositionConfig(), "cpu").fingerprint())
           32
         """
-        return hashlib.sha256(self._fingerprint_payload()).digest()
+        if self._fingerprint is None:  # the config is frozen: computed once
+            self._fingerprint = hashlib.sha256(self._fingerprint_payload()).digest()
+        return self._fingerprint
 
     def _fingerprint_payload(self) -> bytes:
         return b"|".join((_FINGERPRINT_VERSION, self.config.scheme.value.encode(),
@@ -162,17 +166,23 @@ class PositionManager(Resource):
 
     # ---------------------------------------------------------------- requests
 
-    def ingest_request(self, rid: Hashable, overrides: Optional[Mapping[str, int]] = None) -> None:
+    def ingest_request(self, rid: Hashable, overrides: Optional[Mapping[str, int]] = None, *,
+                       deltas: Optional[Mapping[str, int]] = None) -> None:
         """Give ``rid`` a counter per configured label; idempotent, never resets.
 
         Args:
           rid: the request id (hashable).
           overrides: optional ``{label: position}`` start positions, taken as
             ``counter = max(counter, position)`` so a repeated ingest moves nothing.
+          deltas: optional ``{label: M-RoPE delta}`` of the request's prompt (the ``delta``
+            of :func:`jaxrope.mrope.rope_index`): once the prompt is in, a decode token of
+            the stream sits at ``counter + delta`` on all three rows. Set, not merged:
+            repeating it moves nothing.
 
         Raises:
-          ValueError: an override names an unknown label or a position outside
-            ``[0, max_seq_len]``.
+          ValueError: an override or delta names an unknown label, a position outside
+            ``[0, max_seq_len]``, a delta that is not an int in ``[-max_seq_len,
+            max_seq_len]``, or deltas for a manager whose RoPE is not M-RoPE.
           TypeError: ``rid`` is not hashable.
 
         Example:
@@ -184,8 +194,12 @@ class PositionManager(Resource):
         """
         check_hashable(rid, "rid")
         targets = self._positions_arg(overrides or {}, "overrides")
+        delta_targets = self._deltas_arg(deltas or {}, "deltas")
         self._streams.ingest(rid)
         self._raise_to(rid, targets)
+        if delta_targets:
+            slots, values = self._label_arrays(rid, delta_targets)
+            rules.set_deltas(self._streams.columns, slots, values)
 
     def remove_request(self, rid: Hashable) -> None:
         """Forget ``rid`` and free its slots (their counters go back to 0); unknown ids are ignored.
@@ -215,7 +229,7 @@ class PositionManager(Resource):
         if free:
             self.remove_request(rid)
         else:
-            self._streams.counters[list(slots)] = 0
+            rules.reset(self._streams.columns, np.asarray(slots))
 
     def position(self, rid: Hashable, label: str) -> int:
         """The next position of stream ``(rid, label)`` (committed counters, no device read).
@@ -319,13 +333,18 @@ class PositionManager(Resource):
     # ---------------------------------------------------------------- publish / admit
 
     def publish(self, request_id: Hashable) -> Optional[PublishedPositionInfo]:
-        """``{label: next position}`` of every stream of the request; None for an unknown request."""
+        """Where every stream of the request has reached; None for an unknown request.
+
+        Per label: the next position, the M-RoPE delta and the publish epoch (see
+        :mod:`torch_bridge.published`), with this manager's :meth:`fingerprint`.
+        """
         snapshot = self.publish_snapshot_for_step(request_id, None, None)
-        return None if snapshot is None else PublishedPositionInfo(dict(zip(self._labels, snapshot)))
+        return self.publish_from_snapshot(request_id, snapshot, None, None)
 
     def publish_snapshot_for_step(self, request_id: Hashable, node_name: Optional[str],
-                                  graph_walk: Optional[str]) -> Optional[Tuple[int, ...]]:
-        """A cheap record of what :meth:`publish` returns now: the counters as a tuple of ints.
+                                  graph_walk: Optional[str]) -> Optional[Tuple[Tuple[int, int, int], ...]]:
+        """A cheap record of what :meth:`publish` returns now: ``(position, delta, epoch)`` per
+        label, as a tuple.
 
         Returns None for an unknown request. Later counter changes do not alter it.
 
@@ -341,9 +360,12 @@ class PositionManager(Resource):
         slots = self._streams.slots_of(request_id)
         if slots is None:
             return None
-        return tuple(self._streams.counters[list(slots)].tolist())
+        columns = self._streams.columns
+        index = list(slots)
+        return tuple(zip(*(column[index].tolist() for column in columns)))
 
-    def publish_from_snapshot(self, request_id: Hashable, snapshot: Optional[Tuple[int, ...]],
+    def publish_from_snapshot(self, request_id: Hashable,
+                              snapshot: Optional[Tuple[Tuple[int, int, int], ...]],
                               node_name: Optional[str],
                               graph_walk: Optional[str]) -> Optional[PublishedPositionInfo]:
         """The :class:`PublishedPositionInfo` that :meth:`publish` returned when ``snapshot`` was taken.
@@ -354,24 +376,34 @@ class PositionManager(Resource):
         if snapshot is None:
             return None
         if (not isinstance(snapshot, tuple) or len(snapshot) != len(self._labels)
-                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                           for v in snapshot)):
-            raise TypeError(f"snapshot={snapshot!r} must be a tuple of {len(self._labels)} ints "
-                            "from publish_snapshot_for_step")
-        return PublishedPositionInfo(dict(zip(self._labels, snapshot)))
+                or not all(isinstance(r, tuple) and len(r) == 3 and all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in r)
+                    and r[0] >= 0 and r[2] >= 0 for r in snapshot)):
+            raise TypeError(f"snapshot={snapshot!r} must be a tuple of {len(self._labels)} "
+                            "(position, delta, epoch) int triples from publish_snapshot_for_step")
+        labels = self._labels
+        return PublishedPositionInfo(
+            {label: r[0] for label, r in zip(labels, snapshot)},
+            {label: r[1] for label, r in zip(labels, snapshot) if r[1]},
+            {label: r[2] for label, r in zip(labels, snapshot) if r[2]},
+            self.fingerprint())
 
     def admit_retrieve(self, rid: Hashable, node_name: Optional[str], graph_walk: Optional[str],
                        published: Optional[PublishedPositionInfo]) -> AdmitOutcome:
-        """Take on published counters: per label ``counter = max(counter, published)``.
+        """Take on published records, per label in epoch order.
 
-        Monotonic, so a stale echo of this node's own publication never rewinds a
-        stream. ``node_name`` and ``graph_walk`` do not change positions (a stream is
-        ``(rid, label)``).
+        A newer publish epoch wins even with a lower position (the publisher rolled
+        back); within an epoch ``counter = max(counter, published)``, so a stale echo of
+        this node's own publication never rewinds a stream (the seed's monotonic admit:
+        a publisher that never rolls back stays in epoch 0). The M-RoPE delta comes with
+        the position that wins. ``node_name`` and ``graph_walk`` do not change positions
+        (a stream is ``(rid, label)``).
 
         Returns:
           ``AdmitOutcome(True, True)`` when taken on (or nothing was published);
-          ``ok=False`` with a reason, and no change, for an unknown request or label or
-          a position outside ``[0, max_seq_len]``.
+          ``ok=False`` with a reason, and no change, for an unknown request or label, a
+          position outside ``[0, max_seq_len]``, a bad delta or epoch, or a record whose
+          fingerprint is not this manager's (it rotates another way).
 
         Raises:
           TypeError: ``published`` is not a PublishedPositionInfo (or None).
@@ -384,12 +416,46 @@ class PositionManager(Resource):
         check_hashable(rid, "rid")
         if rid not in self._streams:
             return AdmitOutcome(False, False, f"request_id={rid!r} was never ingested")
+        if published.fingerprint is not None and published.fingerprint != self.fingerprint():
+            return AdmitOutcome(False, False, "published.fingerprint differs from this manager's: "
+                                f"{published.fingerprint.hex()[:16]}... vs "
+                                f"{self.fingerprint().hex()[:16]}... (the publisher rotates another "
+                                "way: RoPE config or scheme)")
         try:
             targets = self._positions_arg(published.counters, "published.counters")
-        except ValueError as e:
+            deltas = self._deltas_arg(published.deltas, "published.deltas")
+            epochs = self._epochs_arg(published.epochs)
+        except (TypeError, ValueError) as e:
             return AdmitOutcome(False, False, str(e))
-        self._raise_to(rid, targets)
+        slots, positions = self._label_arrays(rid, targets)
+        labels = list(targets)
+        rules.admit(self._streams.columns, slots, positions,
+                    np.asarray([deltas.get(i, 0) for i in labels], np.int64),
+                    np.asarray([epochs.get(i, 0) for i in labels], np.int64))
         return AdmitOutcome(True, True)
+
+    def rollback(self, rid: Hashable, label: str, to_position: int) -> None:
+        """Rewind stream ``(rid, label)`` to ``to_position`` (rejected drafts, an engine's own
+        rewind): ``counter = min(counter, to_position)``.
+
+        A counter that moves back starts a new publish epoch, so the rewind reaches a node
+        that admitted this stream's earlier publication (its monotonic admit would keep
+        the old, larger position otherwise). Rolling back to where the stream is, or past
+        it, changes nothing.
+
+        Raises:
+          ValueError: unknown request or label, ``to_position`` not an int in
+            ``[0, max_seq_len]``, or the stream in a plan not yet committed (commit or
+            clear it first: its positions were numbered from the old counter).
+          TypeError: ``rid`` or ``label`` is not hashable.
+        """
+        slot = self._reader.slot(rid, label)
+        target = self._positions_arg({label: to_position}, "to_position")
+        for plan in (self._plans.current, self._plans.staged):
+            if plan is not None and slot in plan.commit.touched:
+                raise ValueError(f"stream ({rid!r}, {label!r}) is in a plan not yet committed: "
+                                 "commit it (or clear_preplan) before a rollback")
+        rules.rollback(self._streams.columns, np.asarray([slot]), np.asarray(list(target.values())))
 
     def apply_cached_prefix(self, rid: Hashable, node_name: Optional[str],
                             graph_walk: Optional[str], inputs: Any,
@@ -433,8 +499,9 @@ class PositionManager(Resource):
         plus their contents (positions, the commit still to apply, pending pre-forks).
 
         Returns:
-          ``{"counters": {(rid, label): int}``, ``"slots"``: every slot's counter (free
-          slots included), ``"requests"``: ``{rid: slots}``, ``"slot_map"``: capacity,
+          ``{"counters": {(rid, label): int}``, ``"slots"`` / ``"deltas"`` / ``"epochs"``:
+          every slot's counter, M-RoPE delta and publish epoch (free slots included),
+          ``"requests"``: ``{rid: slots}``, ``"slot_map"``: capacity,
           live, peak and free list, ``"current"`` / ``"staged"``: the plans (or None),
           ``"graph_buffers"``: ``{(graph_slot, plan_label): values}``,
           ``"plan_labels"``: every label ``apply_qk`` / ``pos_ids`` accept``}``.
@@ -454,6 +521,8 @@ class PositionManager(Resource):
                          for rid, slots in requests.items()
                          for label, slot in zip(self._labels, slots)},
             "slots": tuple(streams.counters.tolist()),
+            "deltas": tuple(streams.columns.deltas.tolist()),
+            "epochs": tuple(streams.columns.epochs.tolist()),
             "requests": requests,
             "slot_map": {"capacity": slot_map.capacity, "live": len(slot_map),
                          "peak": slot_map.peak, "free": slot_map.free_slots()},
@@ -488,13 +557,49 @@ class PositionManager(Resource):
             out[index] = int(position)
         return out
 
-    def _raise_to(self, rid: Hashable, targets: Dict[int, int]) -> None:
-        if not targets:
-            return
+    def _deltas_arg(self, values: Mapping[str, int], name: str) -> Dict[int, int]:
+        """``{label index: delta}`` of a ``{label: M-RoPE delta}`` argument, checked."""
+        if not isinstance(values, Mapping):
+            raise ValueError(f"{name}={values!r} must be a mapping {{label: delta}}")
+        if any(values.values()) and not self._mrope:
+            raise ValueError(f"{name}={dict(values)!r}: M-RoPE deltas need an M-RoPE config "
+                             "(config.rope with mrope_section)")
+        out = {}
+        for label, delta in values.items():
+            index = self._label_index.get(label) if isinstance(label, str) else None
+            if index is None:
+                raise ValueError(f"{name} names label={label!r}, not one of {list(self._labels)}")
+            if (not isinstance(delta, (int, np.integer)) or isinstance(delta, bool)
+                    or not -self.max_seq_len <= delta <= self.max_seq_len):
+                raise ValueError(f"{name}[{label!r}]={delta!r} must be an int in "
+                                 f"[-{self.max_seq_len}, {self.max_seq_len}]")
+            out[index] = int(delta)
+        return out
+
+    def _epochs_arg(self, values: Mapping[str, int]) -> Dict[int, int]:
+        if not isinstance(values, Mapping):
+            raise ValueError(f"published.epochs={values!r} must be a mapping {{label: epoch}}")
+        out = {}
+        for label, epoch in values.items():
+            index = self._label_index.get(label) if isinstance(label, str) else None
+            if index is None:
+                raise ValueError(f"published.epochs names label={label!r}, not one of "
+                                 f"{list(self._labels)}")
+            if (not isinstance(epoch, (int, np.integer)) or isinstance(epoch, bool)
+                    or not 0 <= epoch <= _MAX_SEQ_LEN):
+                raise ValueError(f"published.epochs[{label!r}]={epoch!r} must be an int >= 0")
+            out[index] = int(epoch)
+        return out
+
+    def _label_arrays(self, rid: Hashable, targets: Dict[int, int]) -> Tuple[np.ndarray, np.ndarray]:
+        """``(slots, values)`` of a request's ``{label index: value}``."""
         request = self._streams.slots_of(rid)
-        slots = np.asarray([request[i] for i in targets], np.int64)
-        values = np.asarray(list(targets.values()), np.int64)
-        rules.raise_to(self._streams.counters, slots, values)
+        return (np.asarray([request[i] for i in targets], np.int64),
+                np.asarray(list(targets.values()), np.int64))
+
+    def _raise_to(self, rid: Hashable, targets: Dict[int, int]) -> None:
+        if targets:
+            rules.raise_to(self._streams.columns, *self._label_arrays(rid, targets))
 
 
 def _torch_device(device: Any) -> torch.device:

@@ -115,13 +115,13 @@ class StepPlans:
 
     # -- planning ------------------------------------------------------------------
 
-    def base_counters(self, arrays: StepArrays, preplan: bool) -> np.ndarray:
+    def base_counters(self, arrays: StepArrays, preplan: bool) -> rules.Columns:
         """The counters a step's positions are numbered from, pre-forks applied (the
         counters themselves when nothing changes them: callers only read it).
 
         A preplan is numbered as if the current plan had committed (post-forks too).
         """
-        base = self._streams.counters
+        base = self._streams.columns
         speculative = preplan and self.current is not None
         if not (speculative or len(arrays.pre_src)):
             return base  # read only until install() keeps it
@@ -132,7 +132,7 @@ class StepPlans:
             rules.fork(base, arrays.pre_src, arrays.pre_dst)
         return base
 
-    def positions(self, base: np.ndarray, arrays: StepArrays) -> Dict[str, np.ndarray]:
+    def positions(self, base: rules.Columns, arrays: StepArrays) -> Dict[str, np.ndarray]:
         """int32 host positions of every plan label without explicit ones; checks the bound.
 
         Raises:
@@ -140,7 +140,7 @@ class StepPlans:
         """
         out = {}
         # Sufficient first: no counter is high enough for any view to pass the bound.
-        peak = int(base.max()) if len(base) else 0
+        peak = int(base.counters.max())
         for plan_label, label in arrays.labels.items():
             if plan_label in arrays.explicit:
                 continue
@@ -150,11 +150,11 @@ class StepPlans:
                                          label.num_tokens)
         return out
 
-    def _check_bounds(self, base: np.ndarray, arrays: StepArrays, plan_label: str) -> None:
+    def _check_bounds(self, base: rules.Columns, arrays: StepArrays, plan_label: str) -> None:
         label = arrays.labels[plan_label]
         if not len(label.slots):
             return
-        start = base[label.slots]
+        start = base.counters[label.slots]
         if self._scheme is Scheme.SEQUENTIAL:
             bad = start + label.counts > self.max_seq_len
         else:
@@ -166,13 +166,13 @@ class StepPlans:
                              f"position {int(start[i])} with {int(label.counts[i])} tokens passes "
                              f"max_seq_len={self.max_seq_len}")
 
-    def install(self, plan: Plan, preplan: bool, base: np.ndarray) -> None:
+    def install(self, plan: Plan, preplan: bool, base: rules.Columns) -> None:
         """Make ``plan`` staged (preplan) or current; a current plan's pre-forks apply now
         (``base`` holds them)."""
         if preplan:
             self.staged = plan
             return
-        self._streams.counters = base
+        self._streams.columns = base
         plan.pre_src = plan.pre_dst = plan.arrays.pre_src[:0]
         self.current, self.staged = plan, None
 
@@ -191,18 +191,18 @@ class StepPlans:
         if plan is None:
             raise ValueError("commit without a plan: call plan(step, ctx) for this step first")
         _check_same_step(step, plan.step)
-        counters = self._streams.counters.copy()
+        columns = self._streams.columns.copy()
         if staged_first and len(plan.pre_src):
-            rules.fork(counters, plan.pre_src, plan.pre_dst)
-        rules.apply_commit(counters, plan.commit, self._scheme, self._block_step)
+            rules.fork(columns, plan.pre_src, plan.pre_dst)
+        rules.apply_commit(columns, plan.commit, self._scheme, self._block_step)
         # Post-fork targets too: a fork can carry an overflowing counter to a stream whose
         # own advance did not overflow, after the source was overwritten.
-        touched = plan.commit.touched
+        touched, counters = plan.commit.touched, columns.counters
         if len(touched) and counters[touched].max() > self.max_seq_len:
             slot = int(touched[np.argmax(counters[touched])])
             raise ValueError(f"commit would move slot {slot} to {int(counters[slot])}, past "
                              f"max_seq_len={self.max_seq_len}")
-        self._streams.counters = counters
+        self._streams.columns = columns
         self.current = None
         if staged_first:
             self.staged = None
@@ -214,7 +214,7 @@ class StepPlans:
         if self.current is None and self.staged is not None:
             plan, self.staged = self.staged, None
             if len(plan.pre_src):
-                rules.fork(self._streams.counters, plan.pre_src, plan.pre_dst)
+                rules.fork(self._streams.columns, plan.pre_src, plan.pre_dst)
                 plan.pre_src = plan.pre_dst = plan.pre_src[:0]
             self.current = plan
         return self.current

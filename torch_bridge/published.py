@@ -1,14 +1,22 @@
 """``PublishedPositionInfo``: where each of a request's streams has reached, for another node.
 
 A node that hands a request over (disaggregated prefill -> decode, a CFG branch on its own
-GPU) publishes its counters; the receiving node admits them (``admit_retrieve``:
-per label ``counter = max(counter, published)``, so a stale echo never rewinds).
+GPU) publishes, per stream label, its next position, its M-RoPE delta (0 for 1-D RoPE)
+and its publish epoch; the receiving node admits them (``admit_retrieve``).
+
+The order of records (admit and :meth:`PublishedPositionInfo.update` alike): a newer epoch
+wins even with a lower position, within an epoch the larger position wins, an older epoch
+loses. Why: the seed's admit is a max-merge, so a stale echo of a node's own publication
+never rewinds it; but once a node has published positions that include draft tokens, a
+rollback of those drafts could then never reach the node that admitted them. A rollback
+that moves a counter back starts a new epoch; a user who never rolls back stays in epoch
+0, where the order is exactly the seed's max.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict
+from typing import Dict, Optional
 
 from torch_bridge.engine_types import PublishedInfo
 
@@ -17,29 +25,58 @@ __all__ = ["PublishedPositionInfo"]
 
 @dataclasses.dataclass
 class PublishedPositionInfo(PublishedInfo):
-    """Where each of a request's streams has reached: ``{label: next position}``.
+    """Where each of a request's streams has reached.
+
+    Attributes:
+      counters: ``{label: next position}`` (the seed's field).
+      deltas: ``{label: M-RoPE delta}``; a label left out has delta 0.
+      epochs: ``{label: publish epoch}``; a label left out is in epoch 0.
+      fingerprint: the publishing manager's ``fingerprint()`` (how it rotates), or None;
+        ``admit_retrieve`` refuses a record whose fingerprint differs from its own.
 
     Example:
       >>> a = PublishedPositionInfo({"text": 7})
       >>> a.update(PublishedPositionInfo({"text": 5, "image": 2}))
       >>> a.counters
       {'text': 7, 'image': 2}
+      >>> a.update(PublishedPositionInfo({"text": 6}, epochs={"text": 1}))  # a rollback won
+      >>> a.counters["text"], a.epochs["text"]
+      (6, 1)
     """
 
     counters: Dict[str, int] = dataclasses.field(default_factory=dict)
+    deltas: Dict[str, int] = dataclasses.field(default_factory=dict)
+    epochs: Dict[str, int] = dataclasses.field(default_factory=dict)
+    fingerprint: Optional[bytes] = None
 
     def clone(self) -> "PublishedPositionInfo":
         """An independent copy (for deferred sending)."""
-        return PublishedPositionInfo(dict(self.counters))
+        return PublishedPositionInfo(dict(self.counters), dict(self.deltas), dict(self.epochs),
+                                     self.fingerprint)
+
+    def record(self, label: str):
+        """``(position, delta, epoch)`` of one label."""
+        return self.counters[label], self.deltas.get(label, 0), self.epochs.get(label, 0)
 
     def update(self, other: "PublishedPositionInfo") -> None:
-        """Merge ``other`` in: per label, the larger position wins (positions never go back).
+        """Merge ``other`` in, per label in epoch order (see the module docstring): a newer
+        epoch wins, within one epoch the larger position (positions never go back).
 
         Raises:
           TypeError: ``other`` is not a PublishedPositionInfo.
         """
         if not isinstance(other, PublishedPositionInfo):
             raise TypeError(f"other must be a PublishedPositionInfo, got {type(other).__name__}")
-        for label, position in other.counters.items():
-            mine = self.counters.get(label)
-            self.counters[label] = position if mine is None else max(mine, position)
+        for label in other.counters:
+            position, delta, epoch = other.record(label)
+            if label in self.counters:
+                mine, _, my_epoch = self.record(label)
+                if epoch < my_epoch or (epoch == my_epoch and position <= mine):
+                    continue
+            self.counters[label] = position
+            if delta or label in self.deltas:
+                self.deltas[label] = delta
+            if epoch or label in self.epochs:
+                self.epochs[label] = epoch
+        if other.fingerprint is not None:
+            self.fingerprint = other.fingerprint

@@ -17,11 +17,11 @@ caller chooses whether that is a copy.
 Example:
   >>> import numpy as np
   >>> from jaxrope.positions import Scheme
-  >>> counters = np.array([5, 0, 2, 0])
-  >>> plan(counters, np.array([2, 0]), np.array([3, 1]), Scheme.SEQUENTIAL).tolist()
+  >>> columns = Columns(np.array([5, 0, 2, 0]), np.zeros(4, int), np.zeros(4, int))
+  >>> plan(columns, np.array([2, 0]), np.array([3, 1]), Scheme.SEQUENTIAL).tolist()
   [2, 3, 4, 5]
-  >>> commit(counters, np.array([2, 0]), np.array([3, 1]), Scheme.SEQUENTIAL, 1)
-  >>> counters.tolist()
+  >>> commit(columns, np.array([2, 0]), np.array([3, 1]), Scheme.SEQUENTIAL, 1)
+  >>> columns.counters.tolist()
   [6, 0, 5, 0]
 """
 
@@ -33,64 +33,114 @@ import numpy as np
 
 from jaxrope.positions import Scheme, SlotMap
 
-__all__ = ["CommitArrays", "StreamTable", "advance", "apply_commit", "commit", "fork", "plan",
-           "raise_to", "reset", "rollback"]
+__all__ = ["Columns", "CommitArrays", "StreamTable", "admit", "advance", "apply_commit", "commit",
+           "fork", "plan", "raise_to", "reset", "rollback", "set_deltas"]
 
 _EMPTY = np.zeros((0,), np.int64)
 _EMPTY.flags.writeable = False
 
 
-def plan(counters: np.ndarray, slots: np.ndarray, counts: np.ndarray, scheme: Scheme,
-         total: Optional[int] = None) -> np.ndarray:
+class Columns(NamedTuple):
+    """Every slot's record, int64 ``[capacity]`` each (the columns of ``jaxrope.PositionTable``):
+    the next position, the M-RoPE delta, the publish epoch."""
+
+    counters: np.ndarray
+    deltas: np.ndarray
+    epochs: np.ndarray
+
+    @classmethod
+    def zeros(cls, capacity: int) -> "Columns":
+        return cls(*(np.zeros(capacity, np.int64) for _ in cls._fields))
+
+    def copy(self) -> "Columns":
+        return Columns(*(column.copy() for column in self))
+
+    def grown(self, capacity: int) -> "Columns":
+        return Columns(*(np.pad(column, (0, capacity - len(column))) for column in self))
+
+
+def plan(columns: Columns, slots: np.ndarray, counts: np.ndarray, scheme: Scheme,
+         num_tokens: Optional[int] = None, mrope: bool = False) -> np.ndarray:
     """int32 positions of an ordered list of views (twin of ``positions.plan``).
 
     View ``v`` with ``counts[v]`` tokens gets ``counter + arange(n)`` (SEQUENTIAL) or
-    ``n`` copies of its counter (BLOCK); the result is ``[sum(counts)]``. ``total``:
+    ``n`` copies of its counter (BLOCK); the result is ``[sum(counts)]``, or for M-RoPE
+    ``[3, sum(counts)]`` with the stream's delta added on every row. ``num_tokens``:
     ``sum(counts)`` when the caller knows it.
     """
-    base = counters[slots]
-    if total is None:
-        total = int(counts.sum())
-    if total == len(counts) and (total == 0 or counts.max() == 1):
-        return base.astype(np.int32)  # every view one token (decode): nothing to repeat
-    if scheme is Scheme.BLOCK:
-        return np.repeat(base, counts).astype(np.int32)
-    starts = np.cumsum(counts) - counts
-    return (np.repeat(base - starts, counts) + np.arange(total)).astype(np.int32)
+    base = columns.counters[slots]
+    if mrope:
+        base = base + columns.deltas[slots]
+    if num_tokens is None:
+        num_tokens = int(counts.sum())
+    if num_tokens == len(counts) and (num_tokens == 0 or counts.max() == 1):
+        positions = base  # every view one token (decode): nothing to repeat
+    elif scheme is Scheme.BLOCK:
+        positions = np.repeat(base, counts)
+    else:
+        starts = np.cumsum(counts) - counts
+        positions = np.repeat(base - starts, counts) + np.arange(num_tokens)
+    positions = positions.astype(np.int32)
+    return np.broadcast_to(positions, (3, num_tokens)) if mrope else positions
 
 
-def advance(counters: np.ndarray, slots: np.ndarray, amounts: np.ndarray) -> None:
+def advance(columns: Columns, slots: np.ndarray, amounts: np.ndarray) -> None:
     """``counter += amount`` at ``slots``; repeated slots add up (twin of ``positions.advance``)."""
-    np.add.at(counters, slots, amounts)
+    np.add.at(columns.counters, slots, amounts)
 
 
-def commit(counters: np.ndarray, slots: np.ndarray, spans: np.ndarray, scheme: Scheme,
+def commit(columns: Columns, slots: np.ndarray, spans: np.ndarray, scheme: Scheme,
            block_step: int) -> None:
     """Advance by a step's segments: the span, or ``block_step`` for a non-empty BLOCK
     segment (twin of ``positions.commit``)."""
     if scheme is Scheme.BLOCK:
         spans = np.where(spans > 0, block_step, 0)
-    advance(counters, slots, spans)
+    advance(columns, slots, spans)
 
 
-def fork(counters: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
-    """Copy counters ``src -> dst`` pairwise, every source read first (twin of ``positions.fork``)."""
-    counters[dst] = counters[src]
+def fork(columns: Columns, src: np.ndarray, dst: np.ndarray) -> None:
+    """Copy counters and deltas ``src -> dst`` pairwise, every source read first (twin of
+    ``positions.fork``); epochs stay."""
+    columns.counters[dst] = columns.counters[src]
+    columns.deltas[dst] = columns.deltas[src]
 
 
-def raise_to(counters: np.ndarray, slots: np.ndarray, values: np.ndarray) -> None:
-    """``counter = max(counter, value)`` (twin of ``positions.raise_to``: admit, cached prefix)."""
-    np.maximum.at(counters, slots, values)
+def raise_to(columns: Columns, slots: np.ndarray, values: np.ndarray) -> None:
+    """``counter = max(counter, value)`` (twin of ``positions.raise_to``: cached prefix,
+    ingest overrides)."""
+    np.maximum.at(columns.counters, slots, values)
 
 
-def rollback(counters: np.ndarray, slots: np.ndarray, values: np.ndarray) -> None:
-    """``counter = min(counter, value)`` (twin of ``positions.rollback``)."""
-    np.minimum.at(counters, slots, values)
+def admit(columns: Columns, slots: np.ndarray, positions: np.ndarray, deltas: np.ndarray,
+          epochs: np.ndarray) -> None:
+    """Published ``(position, delta, epoch)`` records in epoch order (twin of
+    ``positions.admit``): a newer epoch wins, within one the larger position; distinct slots."""
+    counter, epoch = columns.counters[slots], columns.epochs[slots]
+    newer = epochs > epoch
+    take = newer | ((epochs == epoch) & (positions > counter))
+    columns.counters[slots] = np.where(take, positions, counter)
+    columns.deltas[slots] = np.where(take, deltas, columns.deltas[slots])
+    columns.epochs[slots] = np.where(newer, epochs, epoch)
 
 
-def reset(counters: np.ndarray, slots: np.ndarray) -> None:
-    """Counters at ``slots`` to 0 (twin of ``positions.reset``)."""
-    counters[slots] = 0
+def set_deltas(columns: Columns, slots: np.ndarray, deltas: np.ndarray) -> None:
+    """The M-RoPE deltas at ``slots`` (twin of ``positions.set_deltas``)."""
+    columns.deltas[slots] = deltas
+
+
+def rollback(columns: Columns, slots: np.ndarray, positions: np.ndarray) -> None:
+    """``counter = min(counter, position)``, a new epoch where it moved back (twin of
+    ``positions.rollback``); distinct slots."""
+    counter = columns.counters[slots]
+    target = np.minimum(counter, positions)
+    columns.counters[slots] = target
+    columns.epochs[slots] += target < counter
+
+
+def reset(columns: Columns, slots: np.ndarray) -> None:
+    """Every column at ``slots`` to 0 (twin of ``positions.reset``)."""
+    for column in columns:
+        column[slots] = 0
 
 
 class CommitArrays(NamedTuple):
@@ -129,15 +179,15 @@ class CommitArrays(NamedTuple):
                             self.fork_src[forks_kept], self.fork_dst[forks_kept])
 
 
-def apply_commit(counters: np.ndarray, step: CommitArrays, scheme: Scheme,
+def apply_commit(columns: Columns, step: CommitArrays, scheme: Scheme,
                  block_step: int) -> None:
     """A whole step's commit: segments, explicit advances, then post-forks (the
     composition ``positions.commit``, ``positions.advance``, ``positions.fork``)."""
-    commit(counters, step.slots, step.spans, scheme, block_step)
+    commit(columns, step.slots, step.spans, scheme, block_step)
     if len(step.adv_slots):
-        advance(counters, step.adv_slots, step.adv_amounts)
+        advance(columns, step.adv_slots, step.adv_amounts)
     if len(step.fork_src):
-        fork(counters, step.fork_src, step.fork_dst)
+        fork(columns, step.fork_src, step.fork_dst)
 
 
 class StreamTable:
@@ -148,7 +198,7 @@ class StreamTable:
       capacity: initial number of slots; doubles when full.
 
     Attributes:
-      counters: int64 ``[capacity]``, the next position of every slot (free slots 0).
+      columns: every slot's record (free slots all 0); ``counters`` is ``columns.counters``.
       slot_map: the :class:`jaxrope.SlotMap` ``(request_id, label) -> slot``.
       epoch: changes whenever a stream's slot may have (ingest, remove), so cached
         slot arrays can tell they are stale.
@@ -162,12 +212,17 @@ class StreamTable:
     def __init__(self, labels: Tuple[str, ...], capacity: int = 256):
         self.labels = labels
         self.slot_map = SlotMap(capacity)
-        self.counters = np.zeros(capacity, np.int64)
+        self.columns = Columns.zeros(capacity)
         self.epoch = 0
         self._requests: dict = {}
 
     def __contains__(self, rid: Hashable) -> bool:
         return rid in self._requests
+
+    @property
+    def counters(self) -> np.ndarray:
+        """Every slot's next position (``columns.counters``)."""
+        return self.columns.counters
 
     def slots_of(self, rid: Hashable) -> Optional[Tuple[int, ...]]:
         """The request's slots, one per label in label order, or None."""
@@ -182,8 +237,8 @@ class StreamTable:
         if rid in self._requests:
             return False
         self._requests[rid] = tuple(self.slot_map.acquire(rid, label) for label in self.labels)
-        if self.slot_map.capacity > self.counters.shape[0]:
-            self.counters = np.pad(self.counters, (0, self.slot_map.capacity - self.counters.shape[0]))
+        if self.slot_map.capacity > len(self.columns.counters):
+            self.columns = self.columns.grown(self.slot_map.capacity)
         self.epoch += 1
         return True
 
@@ -191,7 +246,7 @@ class StreamTable:
         """Free the request's slots (their counters back to 0); returns them."""
         slots = self._requests.pop(rid)
         self.slot_map.release(rid)
-        self.counters[list(slots)] = 0
+        reset(self.columns, np.asarray(slots))
         self.epoch += 1
         return slots
 
