@@ -22,6 +22,7 @@ import math
 import os
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -50,6 +51,17 @@ if transformers.__version__ != PINNED:
                            f"{transformers.__version__}")
     pytest.skip(f"the parity suite is pinned to transformers {PINNED}", allow_module_level=True)
 transformers.logging.set_verbosity_error()
+
+TOKENS = 16  # one shape per head size: jit compiles once per config, not per call
+
+# jitted: one XLA compile per config instead of one per primitive and shape.
+_rope = jax.jit(jr.apply_rope, static_argnames=("cfg", "backend"))
+
+
+def _apply(q, k, pos, cfg, backend="xla"):
+    out_q, out_k = _rope(jnp.asarray(q), jnp.asarray(k), jnp.asarray(pos), cfg=cfg, backend=backend)
+    return np.asarray(out_q), np.asarray(out_k)
+
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "hf_configs")
 ENTRIES = {e["model_id"]: e for e in (json.load(open(p)) for p in sorted(glob.glob(
@@ -199,15 +211,15 @@ def _assert_close(actual, expected, tol, what):
                              f"{actual[idx]!r} vs {expected[idx]!r} (tolerance {tol[idx]:.3g})")
 
 
-def _positions(rng, cfg, factors):
-    """A dozen positions: small ones, the LongRoPE boundary, random ones, the last."""
+def _positions(rng, cfg, factors="auto"):
+    """TOKENS positions: small ones, the LongRoPE boundary, random ones, the last."""
     top = cfg.max_position
     if factors == "short":
         top = cfg.scaling.original_max_position
-    picks = {0, 1, 2, 3, 17, min(100, top - 1), top - 1}
+    picks = [0, 1, 2, 3, 17, min(100, top - 1), top - 1]
     if factors == "long":
-        picks |= {cfg.scaling.original_max_position - 1, cfg.scaling.original_max_position}
-    picks |= set(rng.integers(0, top, 5).tolist())
+        picks += [cfg.scaling.original_max_position - 1, cfg.scaling.original_max_position]
+    picks += rng.integers(0, top, TOKENS - len(picks)).tolist()
     return np.array(sorted(picks), np.int32)
 
 
@@ -245,8 +257,7 @@ def test_rotation_matches_the_models_own_code(model_id, layer_type, factors, row
         np.testing.assert_allclose(inv_freq, hf_inv_freq, rtol=_float32_rate_error(cfg.theta),
                                    atol=0, err_msg=f"{model_id}: frequencies")
         assert attention == pytest.approx(hf_attention, rel=1e-12), f"{model_id}: attention factor"
-    out_q, out_k = (np.asarray(x) for x in jr.apply_rope(
-        jnp.asarray(q), jnp.asarray(k), jnp.asarray(pos), cfg, backend="xla"))
+    out_q, out_k = _apply(q, k, pos, cfg)
     _assert_close(_as_hf(row, cfg, out_q), hf_q, _as_hf(row, cfg, _hf_tolerance(cfg, pos, q)),
                   f"{model_id}: q vs transformers")
     _assert_close(_as_hf(row, cfg, out_k), hf_k, _as_hf(row, cfg, _hf_tolerance(cfg, pos, k)),
@@ -260,18 +271,15 @@ def test_rotation_matches_the_models_own_code(model_id, layer_type, factors, row
                                    err_msg=f"{model_id}: vs the float64 oracle")
 
 
-@pytest.mark.parametrize("model_id", ["microsoft/Phi-3.5-mini-instruct", "THUDM/chatglm3-6b-32k",
-                                      "meta-llama/Llama-4-Scout-17B-16E-Instruct",
-                                      "google/gemma-4-E2B-it"])
+@pytest.mark.parametrize("model_id", ["microsoft/Phi-4-mini-instruct", "THUDM/chatglm3-6b-32k"])
 def test_the_pallas_kernel_body_matches_xla_on_real_configs(model_id, rng):
     entry = ENTRIES[model_id]
     layer_type = entry.get("layer_types", [None])[0]
     cfg = jr.RopeConfig.from_hf(entry["config"], layer_type=layer_type)
     pos = _positions(rng, cfg, "auto")
     q, k = _inputs(rng, cfg, len(pos))
-    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(pos), cfg)
-    for x, y in zip(jr.apply_rope(*args, backend="interpret"), jr.apply_rope(*args, backend="xla")):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=2.0 ** -20)
+    for x, y in zip(_apply(q, k, pos, cfg, "interpret"), _apply(q, k, pos, cfg)):
+        np.testing.assert_allclose(x, y, rtol=0, atol=2.0 ** -20)
 
 
 @pytest.mark.parametrize("model_id", sorted(m for m, e in ENTRIES.items() if "refused" in e))
@@ -327,12 +335,11 @@ def test_every_table_row_rotates_like_the_code_it_cites(name, rng):
     for layer_type in (["sliding_attention", "full_attention"] if "layer_types" in config
                        else [None]):
         cfg = jr.RopeConfig.from_hf(config, layer_type=layer_type)
-        pos = np.array(sorted({0, 1, 5, 300, 4095, *rng.integers(0, 4096, 3).tolist()}), np.int32)
+        pos = _positions(rng, cfg)
         q, k = _inputs(rng, cfg, len(pos))
         hf_q, _, hf_inv_freq, _ = _reference(row, _hf_config(config), layer_type, q, k, pos)
-        out_q, _ = jr.apply_rope(jnp.asarray(q), jnp.asarray(k), jnp.asarray(pos), cfg,
-                                 backend="xla")
-        _assert_close(_as_hf(row, cfg, np.asarray(out_q)), hf_q,
+        out_q, _ = _apply(q, k, pos, cfg)
+        _assert_close(_as_hf(row, cfg, out_q), hf_q,
                       _as_hf(row, cfg, _hf_tolerance(cfg, pos, q)), f"{name}:{layer_type}")
 
 
@@ -367,12 +374,11 @@ def test_every_table_row_has_its_config_class_defaults(name):
 def _rotate(model_id, rng, **kw):
     entry = ENTRIES[model_id]
     cfg = jr.RopeConfig.from_hf(entry["config"], **kw)
-    pos = np.array([0, 1, 2, 3, 100, 1000, cfg.max_position - 1], np.int32)
+    pos = _positions(rng, cfg)
     q, k = _inputs(rng, cfg, len(pos))
     row = MODEL_TYPES[_model_type(entry["config"])]
     hf_q, _, _, _ = _reference(row, _hf_config(entry["config"]), kw.get("layer_type"), q, k, pos)
-    out_q = np.asarray(jr.apply_rope(jnp.asarray(q), jnp.asarray(k), jnp.asarray(pos), cfg,
-                                     backend="xla")[0])
+    out_q, _ = _apply(q, k, pos, cfg)
     return cfg, pos, q, out_q, hf_q
 
 
@@ -382,8 +388,7 @@ def test_cohere_command_r_and_glm4_9b_chat_hf_rotate_interleaved_pairs(model_id,
     assert cfg.interleave
     _assert_close(out_q, hf_q, _hf_tolerance(cfg, pos, q), model_id)
     halves = dataclasses.replace(cfg, interleave=False)
-    wrong = np.asarray(jr.apply_rope(jnp.asarray(q), jnp.asarray(q[:, :1]), jnp.asarray(pos),
-                                     halves, backend="xla")[0])
+    wrong, _ = _apply(q, q[:, :1], pos, halves)
     assert np.abs(wrong - hf_q).max() > 0.5  # the layout the old table picked is far off
 
 
@@ -427,17 +432,15 @@ def test_gemma4_full_attention_uses_global_head_dim(rng):
 def test_longrope_short_factors_match_transformers_within_the_original_length(model_id, rng):
     entry = ENTRIES[model_id]
     cfg = jr.RopeConfig.from_hf(entry["config"], longrope_factors="short")
-    pos = np.array([0, 1, 7, 100, 1000, 4095], np.int32)
+    pos = _positions(rng, cfg, "short")
     q, k = _inputs(rng, cfg, len(pos))
     hf_q, _, _, _ = _reference(MODEL_TYPES["phi3"], _hf_config(entry["config"]), None, q, k, pos)
-    out = np.asarray(jr.apply_rope(jnp.asarray(q), jnp.asarray(k), jnp.asarray(pos), cfg,
-                                   backend="xla")[0])
+    out, _ = _apply(q, k, pos, cfg)
     _assert_close(out, hf_q, _hf_tolerance(cfg, pos, q), model_id)
     # The default ("auto", vLLM's rule) serves 131072 positions with the long factors:
     # within the original length that is not what transformers computes.
     auto = jr.RopeConfig.from_hf(entry["config"])
-    far = np.asarray(jr.apply_rope(jnp.asarray(q), jnp.asarray(k), jnp.asarray(pos), auto,
-                                   backend="xla")[0])
+    far, _ = _apply(q, k, pos, auto)
     assert np.abs(far - hf_q).max() > 0.1
 
 
