@@ -170,14 +170,30 @@ def _reads(row: ModelRow) -> set:
     return read
 
 
-def _check_fields(fields: Mapping[str, Any], model_type: str, row: ModelRow) -> None:
+def _mrope_field(params: Mapping[str, Any], where: str) -> Optional[Tuple[str, Any]]:
+    """The first field of ``params`` (nested dicts included) that asks for M-RoPE."""
+    for key in ("rope_type", "type"):
+        if params.get(key) == "mrope":
+            return f"{where}{key}", params[key]
     for key in _MROPE_KEYS:
-        if fields.get(key) is not None:
-            raise NotImplementedError(f"{key}={fields[key]!r}: model_type={model_type!r} rotates "
-                                      "with M-RoPE, which from_hf does not support yet")
-    if row.mrope:
-        raise NotImplementedError(f"model_type={model_type!r} rotates with M-RoPE ({row.note}), "
-                                  "which from_hf does not support yet")
+        if params.get(key) is not None:
+            return f"{where}{key}", params[key]
+    for key in ("rope_scaling", "rope_parameters", *_LAYER_TYPES):
+        if isinstance(params.get(key), Mapping):
+            found = _mrope_field(params[key], f"{where}{key}.")
+            if found:
+                return found
+    return None
+
+
+def _check_fields(fields: Mapping[str, Any], model_type: str, row: ModelRow) -> None:
+    found = _mrope_field(fields, "")
+    if found or row.mrope:
+        name, value = found or ("model_type", model_type)
+        raise NotImplementedError(f"{name}={value!r}: M-RoPE is not yet supported by from_hf "
+                                  f"(this {model_type!r} config rotates with M-RoPE, which splits "
+                                  "the frequencies over temporal, height and width positions; a "
+                                  "1-D rotation would be right for text tokens only)")
     for field, value, reason in row.refuse:
         if fields.get(field) == value:
             raise ValueError(f"{field}={fields[field]!r}: {reason}")
@@ -423,12 +439,6 @@ def _one(fields: Mapping[str, Any], row: ModelRow, layer_type: Optional[str], wh
                          f"{params['rope_type']!r} disagree")
     if not isinstance(rope_type, str):
         raise TypeError(f"{where}.rope_type={rope_type!r} must be a string")
-    if rope_type == "mrope" or any(params.get(k) is not None for k in _MROPE_KEYS):
-        field = "rope_type" if rope_type == "mrope" else next(
-            k for k in _MROPE_KEYS if params.get(k) is not None)
-        raise NotImplementedError(f"{where}.{field}={params.get(field)!r}: model_type="
-                                  f"{model_type!r} rotates with M-RoPE, which from_hf does "
-                                  "not support yet")
     rope_type = row.rope_type_aliases.get(rope_type, rope_type)
     if rope_type not in _TYPE_KEYS:
         raise ValueError(f"{where}.rope_type={rope_type!r} is not one of {tuple(_TYPE_KEYS)}")

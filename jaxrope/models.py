@@ -122,7 +122,6 @@ _GPTJ_ALIASES = {"n_embd": "hidden_size", "n_head": "num_attention_heads",
 _GEMMA4_DEFAULT = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                       "rope_theta": 1000000.0}}
-_MROPE = "M-RoPE: mrope_section splits the frequencies over (temporal, height, width) positions"
 
 MODEL_TYPES: Dict[str, ModelRow] = {
     # -- NeoX halves: rotate_half = cat(-x[R/2:], x[:R/2]), cos/sin = cat(freqs, freqs).
@@ -260,7 +259,8 @@ for _name, _module, _cls in (("qwen2_vl", "qwen2_vl", "Qwen2VLRotaryEmbedding"),
                              ("glm4v", "glm4v", "Glm4vTextRotaryEmbedding"),
                              ("glm4v_moe", "glm4v_moe", "Glm4vMoeTextRotaryEmbedding")):
     MODEL_TYPES[_name] = MODEL_TYPES[_name + "_text"] = ModelRow(
-        source=(_module, _cls, "apply_rotary_pos_emb"), mrope=True, note=_MROPE)
+        source=(_module, _cls, "apply_rotary_pos_emb"), mrope=True,
+        note="M-RoPE: mrope_section splits the frequencies over (t, h, w) positions")
 
 # Multimodal wrappers whose text_config has the text model_type; a text_config without
 # one is read with the wrapper's row.
