@@ -1,7 +1,7 @@
 """Every public name is documented with an example, and the examples run.
 
 The public API is ``jaxrope.__all__`` and ``torch_bridge.__all__``. Doctests of
-jaxrope.config/apply/models run in tests/test_config.py and those of the
+jaxrope.config/apply/models/hf run in tests/test_config.py and those of the
 torch_bridge config/dlpack/engine_types/manager/rotate modules in
 tests/test_manager.py; this file runs the rest and checks that together they cover
 every module that defines a public name.
@@ -26,6 +26,7 @@ DOCTESTED_HERE = ("jaxrope.scaling", "jaxrope.positions", "jaxrope.backend", "ja
                   "jaxrope.errors",
                   "torch_bridge.triton_launch", "torch_bridge.device_counters")
 DOCTESTED_ELSEWHERE = ("jaxrope.config", "jaxrope.apply", "jaxrope.models",  # test_config.py
+                       "jaxrope.hf",
                        "torch_bridge.config", "torch_bridge.dlpack",  # test_manager.py
                        "torch_bridge.engine_types", "torch_bridge.manager",
                        "torch_bridge.rotate")
