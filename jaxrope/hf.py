@@ -113,10 +113,12 @@ def load_config(config: Any) -> Dict[str, Any]:
                     f"with to_dict() (a transformers config), got {type(config).__name__}")
 
 
-def _sub_config(raw: Mapping[str, Any]) -> Tuple[Dict[str, Any], str]:
+def _sub_config(raw: Mapping[str, Any]) -> Dict[str, Any]:
+    """``text_config`` when there is one (its model_type defaulting to the wrapper's),
+    else the top level."""
     text = raw.get("text_config")
     if text is None:
-        return dict(raw), "the top level"
+        return dict(raw)
     if not isinstance(text, Mapping):
         raise TypeError(f"text_config={text!r} must be a dict")
     text = dict(text)
@@ -125,7 +127,7 @@ def _sub_config(raw: Mapping[str, Any]) -> Tuple[Dict[str, Any], str]:
             raise ValueError(f"{key} differs between the top level ({raw[key]!r}) and "
                              f"text_config ({text[key]!r}); from_hf reads text_config")
     text.setdefault("model_type", raw.get("model_type"))
-    return text, "text_config"
+    return text
 
 
 def _row(fields: Mapping[str, Any], interleave: Optional[bool]) -> Tuple[str, ModelRow]:
@@ -267,7 +269,7 @@ def nope_layers(config: Any) -> Tuple[int, ...]:
       ValueError: the config lacks the fields that place the NoPE layers, or carries
         NoPE fields its model does not read.
     """
-    fields, _ = _sub_config(load_config(config))
+    fields = _sub_config(load_config(config))
     model_type, row = _row(fields, interleave=False)
     fields = _canonical(fields, row)
     _check_fields(fields, model_type, row)
@@ -295,7 +297,7 @@ def _rope_parameters(fields: Mapping[str, Any], row: ModelRow,
                          "keep one (transformers would use rope_scaling)")
     params, where = (legacy, "rope_scaling") if legacy else (modern, "rope_parameters")
     if not params and row.rope_parameters_default is not None:
-        params, where = _params_dict(row.rope_parameters_default, "rope_parameters"), where
+        params = _params_dict(row.rope_parameters_default, where)
     known = set(types or ()) | set(_LAYER_TYPES)
     nested = {k: v for k, v in params.items() if k in known and isinstance(v, (Mapping, type(None)))}
     if nested:
@@ -308,25 +310,30 @@ def _rope_parameters(fields: Mapping[str, Any], row: ModelRow,
             one = _params_dict(value, f"{where}.{layer_type}")
             if one.get("rope_theta") is None:
                 local = row.local_theta_key is not None and layer_type == "sliding_attention"
-                one["rope_theta"] = (as_float(fields.get(row.local_theta_key, row.local_theta_default),
-                                              row.local_theta_key)
-                                     if local else _theta(fields, row))
+                one["rope_theta"] = _local_theta(fields, row) if local else _theta(fields, row)
             out[layer_type] = (f"{where}.{layer_type}", one)
         return out
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = _theta(fields, row)
+    rope_type = params.get("rope_type", params.get("type"))
+    if row.rope_type_aliases.get(rope_type, rope_type) in ("yarn", "longrope", "llama3"):
+        # transformers: a top-level original_max_position_embeddings (or the config
+        # class's attribute) wins over the one inside the rope parameters.
+        top = fields.get("original_max_position_embeddings", row.original_max_position_default)
+        if top is not None:
+            params["original_max_position_embeddings"] = top
     if row.local_theta_key is not None:
         # Gemma 3's legacy layout: rope_scaling and rope_theta are the full layers',
         # rope_local_base_freq the sliding layers' base.
-        full = dict(params)
-        if full.get("rope_theta") is None:
-            full["rope_theta"] = _theta(fields, row)
-        local = fields.get(row.local_theta_key)
-        local = row.local_theta_default if local is None else local
-        return {"full_attention": (where, full),
-                "sliding_attention": (row.local_theta_key,
-                                      {"rope_type": "default", "rope_theta": local})}
-    if params.get("rope_theta") is None:
-        params["rope_theta"] = _theta(fields, row)
+        return {"full_attention": (where, params),
+                "sliding_attention": (row.local_theta_key, {"rope_type": "default",
+                                                            "rope_theta": _local_theta(fields, row)})}
     return {None: (where, params)}
+
+
+def _local_theta(fields: Mapping[str, Any], row: ModelRow) -> float:
+    value = fields.get(row.local_theta_key)
+    return row.local_theta_default if value is None else as_float(value, row.local_theta_key)
 
 
 def _theta(fields: Mapping[str, Any], row: ModelRow) -> float:
@@ -376,16 +383,15 @@ def _require(params: Mapping[str, Any], key: str, where: str, rope_type: str) ->
     return as_float(params[key], f"{where}.{key}")
 
 
-def _scaling(rope_type: str, params: Mapping[str, Any], where: str, fields: Mapping[str, Any],
-             row: ModelRow, trained: int, partial: Optional[float], longrope_factors: str):
+def _scaling(rope_type: str, params: Mapping[str, Any], where: str, trained: int,
+             partial: Optional[float], longrope_factors: str):
+    """The variant of ``rope_type`` from its parameters; ``trained`` is the config's length."""
     original = params.get("original_max_position_embeddings")
-    if rope_type in ("yarn", "longrope", "llama3") and where.count(".") == 0:
-        # transformers: a top-level original_max_position_embeddings (or the config
-        # class's attribute) wins over the one inside the rope parameters.
-        top = fields.get("original_max_position_embeddings", row.original_max_position_default)
-        original = top if top is not None else original
     if original is not None:
         original = as_int(original, f"{where}.original_max_position_embeddings")
+    elif rope_type in ("llama3", "longrope"):
+        raise ValueError(f"{where}.original_max_position_embeddings (or a top-level one) is "
+                         f"required for rope_type={rope_type!r}")
     if rope_type == "default":
         return None
     if rope_type == "linear":
@@ -394,9 +400,6 @@ def _scaling(rope_type: str, params: Mapping[str, Any], where: str, fields: Mapp
         return DynamicNTK(factor=_require(params, "factor", where, rope_type),
                           original_max_position=trained)
     if rope_type == "llama3":
-        if original is None:
-            raise ValueError(f"{where}.original_max_position_embeddings is required for "
-                             "rope_type='llama3'")
         return Llama3(factor=_require(params, "factor", where, rope_type),
                       low_freq_factor=_require(params, "low_freq_factor", where, rope_type),
                       high_freq_factor=_require(params, "high_freq_factor", where, rope_type),
@@ -413,9 +416,6 @@ def _scaling(rope_type: str, params: Mapping[str, Any], where: str, fields: Mapp
                     attention_factor=_number(params, "attention_factor", where),
                     truncate=True if truncate is None else truncate)
     if rope_type == "longrope":
-        if original is None:
-            raise ValueError(f"{where}.original_max_position_embeddings (or the top-level one) "
-                             "is required for rope_type='longrope'")
         for key in ("short_factor", "long_factor"):
             if params.get(key) is None:
                 raise ValueError(f"{where}.{key} is required for rope_type='longrope'")
@@ -481,7 +481,7 @@ def _one(fields: Mapping[str, Any], row: ModelRow, layer_type: Optional[str], wh
         raise ValueError(f"{row.max_position_key} is required (the length the model was "
                          "trained at); or pass max_position=")
     trained = as_int(trained, row.max_position_key)
-    scaling = _scaling(rope_type, params, where, fields, row, trained, partial, longrope_factors)
+    scaling = _scaling(rope_type, params, where, trained, partial, longrope_factors)
     if max_position is None:
         max_position = trained
         if isinstance(scaling, (Yarn, DynamicNTK)):
@@ -536,7 +536,7 @@ def from_hf(config: Any, *, layer_type: Optional[str] = None, max_position: Opti
                          f"{LONGROPE_FACTORS}")
     if max_position is not None:
         max_position = as_int(max_position, "max_position")
-    fields, _ = _sub_config(load_config(config))
+    fields = _sub_config(load_config(config))
     model_type, row = _row(fields, interleave)
     fields = _canonical(fields, row)
     _check_fields(fields, model_type, row)
