@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q "$(TORCH)"
-	$(VENV)/bin/pip install -q -e ".[test,bench,triton]"
+	$(VENV)/bin/pip install -q -e ".[test,bench,triton,hf]"
 	touch $@
 
 $(VENV312)/.installed: pyproject.toml
@@ -30,10 +30,11 @@ $(VENV312)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/python -m jaxrope.demo
 
-# The full CPU suite: core + torch bridge (its Triton kernel through Triton's interpreter),
-# on the default JAX of this Python.
+# The full CPU suite: core + torch bridge (its Triton kernel through Triton's interpreter)
+# + the parity suite against transformers, on the default JAX of this Python. The
+# REQUIRE variables turn a missing triton or transformers into failures, not skips.
 test: $(VENV)/.installed
-	JAXROPE_REQUIRE_TRITON=1 $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	JAXROPE_REQUIRE_TRITON=1 JAXROPE_REQUIRE_TRANSFORMERS=1 $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 # The core suite on the JAX version the GPU machine runs (torch tests skip there).
 test-core-jax011: $(VENV312)/.installed

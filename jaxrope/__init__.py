@@ -3,7 +3,7 @@
 The public API is the list below; every other module is an implementation detail.
 """
 
-from jaxrope import cases, models, positions
+from jaxrope import cases, hf, models, positions
 from jaxrope.apply import apply_rope
 from jaxrope.backend import BACKENDS
 from jaxrope.config import RopeConfig
@@ -28,6 +28,7 @@ __all__ = [
     "Yarn",
     "apply_rope",
     "cases",
+    "hf",
     "models",
     "positions",
 ]

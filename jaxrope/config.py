@@ -10,14 +10,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
+from jaxrope import cos_sin_cache as _cos_sin
 from jaxrope import frequencies as _frequencies
-from jaxrope.scaling import (SCALING_TYPES, DynamicNTK, Linear, Llama3, LongRope, Proportional,
-                             Scaling, Yarn)
+from jaxrope.numbers import as_float, as_int
+from jaxrope.scaling import SCALING_TYPES, DynamicNTK, LongRope, Scaling
 
 # Bumped whenever the arithmetic changes what a given config produces.
 _FINGERPRINT_VERSION = "jaxrope.rope/1"
@@ -41,8 +41,14 @@ class RopeConfig:
       scaling: None or one of :class:`Linear`, :class:`DynamicNTK`, :class:`Llama3`,
         :class:`Yarn`, :class:`LongRope`, :class:`Proportional`.
 
+    Numbers may be Python or numpy scalars (``np.int64(128)``); they are stored as
+    Python ``int`` / ``float``, so the config hashes and fingerprints the same either way.
+
     Raises:
-      ValueError: naming the field, for any inconsistent value.
+      TypeError: naming the field, for a value of the wrong type (``head_dim="128"``,
+        ``head_dim=128.0``, ``interleave=1``, ``scaling="llama3"``).
+      ValueError: naming the field, for a value out of range or inconsistent with
+        another field.
 
     Example:
       >>> import jaxrope as jr
@@ -60,28 +66,30 @@ class RopeConfig:
     scaling: Scaling = None
 
     def __post_init__(self) -> None:
-        head_dim = self.head_dim
-        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0 or head_dim % 2:
-            raise ValueError(f"head_dim={head_dim!r} must be a positive even int")
-        rotary_dim = head_dim if self.rotary_dim is None else self.rotary_dim
-        if (not isinstance(rotary_dim, int) or isinstance(rotary_dim, bool) or rotary_dim <= 0
-                or rotary_dim % 2 or rotary_dim > head_dim):
+        # One check per field, in field order; each stores the normalised value.
+        head_dim = as_int(self.head_dim, "head_dim")
+        if head_dim <= 0 or head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim!r} must be a positive even int")
+        object.__setattr__(self, "head_dim", head_dim)
+        rotary_dim = head_dim if self.rotary_dim is None else as_int(self.rotary_dim, "rotary_dim")
+        if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
             raise ValueError(f"rotary_dim={rotary_dim!r} must be even, > 0 and <= {head_dim=}")
         object.__setattr__(self, "rotary_dim", rotary_dim)
-        theta = self.theta
-        if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not math.isfinite(theta) or theta <= 0:
-            raise ValueError(f"theta={theta!r} must be a finite number > 0")
-        object.__setattr__(self, "theta", float(theta))
-        if not isinstance(self.interleave, bool):
-            raise ValueError(f"interleave={self.interleave!r} must be a bool")
-        max_position = self.max_position
-        if (not isinstance(max_position, int) or isinstance(max_position, bool) or max_position <= 0
-                or max_position > _frequencies.MAX_ACCURATE_POSITION):
-            raise ValueError(f"max_position={max_position!r} must be an int in "
+        theta = as_float(self.theta, "theta")
+        if theta <= 0:
+            raise ValueError(f"theta={self.theta!r} must be a finite number > 0")
+        object.__setattr__(self, "theta", theta)
+        if not isinstance(self.interleave, (bool, np.bool_)):
+            raise TypeError(f"interleave={self.interleave!r} must be a bool")
+        object.__setattr__(self, "interleave", bool(self.interleave))
+        max_position = as_int(self.max_position, "max_position")
+        if not 0 < max_position <= _frequencies.MAX_ACCURATE_POSITION:
+            raise ValueError(f"max_position={self.max_position!r} must be an int in "
                              f"[1, {_frequencies.MAX_ACCURATE_POSITION}]")
+        object.__setattr__(self, "max_position", max_position)
         if self.scaling is not None and not isinstance(self.scaling, SCALING_TYPES):
-            raise ValueError(f"scaling={self.scaling!r} must be None or one of "
-                             f"{[t.__name__ for t in SCALING_TYPES]}")
+            raise TypeError(f"scaling={self.scaling!r} must be None or one of "
+                            f"{[t.__name__ for t in SCALING_TYPES]}")
         if isinstance(self.scaling, LongRope):
             for name in ("short_factor", "long_factor"):
                 n = len(getattr(self.scaling, name))
@@ -97,12 +105,18 @@ class RopeConfig:
         """Float64 ``inv_freq`` ``[R/2]`` and the attention factor, HF semantics.
 
         ``seq_len`` matters only for :class:`DynamicNTK` (the base grows past the
-        trained length) and :class:`LongRope` (long factors past
+        trained length) and :class:`LongRope` with ``factors="auto"`` (long factors past
         ``original_max_position``); None is HF's value at initialisation.
         The attention factor multiplies cos and sin, as HF does.
+
+        Raises:
+          TypeError: ``seq_len`` is not None or an int.
+          ValueError: ``seq_len`` is negative.
         """
-        if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 0):
-            raise ValueError(f"seq_len={seq_len!r} must be None or a non-negative int")
+        if seq_len is not None:
+            seq_len = as_int(seq_len, "seq_len")
+            if seq_len < 0:
+                raise ValueError(f"seq_len={seq_len!r} must be None or a non-negative int")
         return _frequencies.compute(self.scaling, self.rotary_dim, self.theta, self.max_position,
                                     seq_len)
 
@@ -112,9 +126,43 @@ class RopeConfig:
         Dynamic NTK and LongRoPE change their frequencies with the sequence length.
         Switching mid-sequence would leave keys already in the KV cache rotated with
         the old frequencies, so (like vLLM) the choice is fixed once per config, at
-        the longest sequence it will serve.
+        the longest sequence it will serve (LongRoPE: see :class:`LongRope` ``factors``).
         """
         return self.frequencies(seq_len=self.max_position)
+
+    def cos_sin_cache(self, max_position: int, dtype: Any = np.float32) -> np.ndarray:
+        """The cos/sin table other RoPE kernels read, ``[max_position, R]``.
+
+        Row ``p`` is ``[cos(p f_0) .. cos(p f_{R/2-1}), sin(p f_0) .. sin(p f_{R/2-1})]``
+        times the attention factor, with ``f`` the :meth:`serving_frequencies` the
+        jaxrope kernels use; computed in float64, then cast to ``dtype``. This is
+        FlashInfer's ``apply_rope_with_cos_sin_cache_inplace(positions, query, key,
+        head_size, cos_sin_cache, is_neox)`` table (float32, ``is_neox = not
+        interleave``) and vLLM's ``RotaryEmbedding.cos_sin_cache`` (the same
+        ``[max_position, rotary_dim]`` cos-then-sin layout, in the model dtype).
+
+        Args:
+          max_position: rows ``[0, max_position)``, at most ``self.max_position``.
+          dtype: float32 (default), float64, float16 or bfloat16.
+
+        Raises:
+          TypeError: ``max_position`` is not an int.
+          ValueError: ``max_position`` is outside ``[1, self.max_position]`` or
+            ``dtype`` is not one of the above.
+
+        Example:
+          >>> import numpy as np, jaxrope as jr
+          >>> cache = jr.RopeConfig(head_dim=8, rotary_dim=4, theta=100.0).cos_sin_cache(3)
+          >>> cache.shape, cache.dtype
+          ((3, 4), dtype('float32'))
+          >>> np.allclose(cache[2], [np.cos(2), np.cos(0.2), np.sin(2), np.sin(0.2)])
+          True
+        """
+        max_position = as_int(max_position, "max_position")
+        if not 0 < max_position <= self.max_position:
+            raise ValueError(f"max_position={max_position} must be in [1, "
+                             f"{self.max_position}] (cfg.max_position)")
+        return _cos_sin.cos_sin_rows(self, np.arange(max_position), dtype)
 
     def fingerprint(self) -> bytes:
         """SHA-256 of a canonical description; equal configs give equal bytes everywhere.
@@ -126,25 +174,46 @@ class RopeConfig:
                              separators=(",", ":"))
         return hashlib.sha256(payload.encode()).digest()
 
-    # -- construction from a HF config.json ------------------------------------------
+    # -- construction from a HF config ------------------------------------------------
 
     @classmethod
-    def from_hf(cls, config: Mapping[str, Any], *, max_position: Optional[int] = None) -> "RopeConfig":
-        """Build from a HF ``config.json`` dict.
+    def from_hf(cls, config: Any, *, layer_type: Optional[str] = None,
+                max_position: Optional[int] = None, interleave: Optional[bool] = None,
+                longrope_factors: str = "auto") -> "RopeConfig":
+        """Build the rotation of a HF transformers model from its config.
 
-        Reads ``rope_theta`` (or ``rotary_emb_base``), ``rope_scaling`` or
-        ``rope_parameters`` (``rope_type`` or legacy ``type``), ``partial_rotary_factor``
-        (or ``rotary_pct``, or GPT-J's ``rotary_dim``), ``head_dim`` (else
-        ``hidden_size / num_attention_heads``), ``max_position_embeddings``.
-        DeepSeek-V2/V3 (``qk_rope_head_dim``) and GPT-J rotate interleaved pairs.
+        See :func:`jaxrope.hf.from_hf` for what is read from each model family, the
+        sub-config used (a nested ``text_config`` when present), per-layer-type
+        configs and what is refused.
 
-        ``max_position`` defaults to the length the scaled model serves:
-        ``max(max_position_embeddings, factor * original_max_position)``.
+        Args:
+          config: a ``config.json`` as a dict, a path to one (or to its directory),
+            or an object with ``to_dict()`` (a transformers ``PretrainedConfig``).
+          layer_type: the layer type to build (``"sliding_attention"``,
+            ``"full_attention"``, ...) for models whose layer types rotate differently.
+          max_position: positions to serve; default the length the model serves.
+          interleave: overrides the model table's layout (True: GPT-J pairs).
+          longrope_factors: :class:`LongRope` ``factors`` ("auto", "short", "long").
 
         Raises:
-          ValueError: naming the field for an unknown rope type or inconsistent values.
+          TypeError: ``config`` or a field has the wrong type.
+          ValueError: naming the field, for a value that cannot be honoured or is
+            inconsistent.
+          NotImplementedError: the model rotates in a way jaxrope does not implement
+            yet (M-RoPE).
+
+        Example:
+          >>> import jaxrope as jr
+          >>> cfg = jr.RopeConfig.from_hf({"model_type": "cohere", "hidden_size": 8192,
+          ...                              "num_attention_heads": 64, "rope_theta": 8e6,
+          ...                              "max_position_embeddings": 131072})
+          >>> cfg.head_dim, cfg.interleave, cfg.theta
+          (128, True, 8000000.0)
         """
-        return _from_hf(cls, config, max_position)
+        from jaxrope import hf  # hf builds RopeConfigs, so it imports this module
+
+        return hf.from_hf(config, layer_type=layer_type, max_position=max_position,
+                          interleave=interleave, longrope_factors=longrope_factors)
 
 
 def _canonical(value: Any) -> Any:
@@ -160,126 +229,3 @@ def _canonical(value: Any) -> Any:
         return {"type": type(value).__name__,
                 **{f.name: _canonical(getattr(value, f.name)) for f in dataclasses.fields(value)}}
     raise TypeError(f"cannot fingerprint {value!r}")
-
-
-_KNOWN_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
-_LEGACY_ROPE_TYPES = {"su": "longrope", "mrope": "default"}
-
-
-def _number(config: Mapping[str, Any], key: str, where: str, default: Any = None) -> Any:
-    value = config.get(key, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{where}{key}={value!r} must be a number")
-    return value
-
-
-def _require(params: Mapping[str, Any], key: str, rope_type: str) -> Any:
-    if params.get(key) is None:
-        raise ValueError(f"rope_scaling.{key} is required for rope_type={rope_type!r}")
-    return params[key]
-
-
-def _from_hf(cls, config: Mapping[str, Any], max_position: Optional[int]) -> RopeConfig:
-    if not isinstance(config, Mapping):
-        raise ValueError(f"config must be a dict (a HF config.json), got {type(config).__name__}")
-    params = config.get("rope_parameters")
-    if params is None:
-        params = config.get("rope_scaling")
-    if params is None:
-        params = {}
-    if not isinstance(params, Mapping):
-        raise ValueError(f"rope_scaling={params!r} must be a dict or null")
-    if "full_attention" in params and isinstance(params["full_attention"], Mapping):
-        raise ValueError("rope_parameters is per layer type (keys "
-                         f"{sorted(params)}); pass config with rope_parameters=<one layer type's dict>")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    rope_type = _LEGACY_ROPE_TYPES.get(rope_type, rope_type)
-    if rope_type not in _KNOWN_ROPE_TYPES:
-        raise ValueError(f"rope_scaling.rope_type={rope_type!r} is not one of {_KNOWN_ROPE_TYPES}")
-
-    theta = params.get("rope_theta", config.get("rope_theta", config.get("rotary_emb_base", 10000.0)))
-    _number({"rope_theta": theta}, "rope_theta", "")
-
-    deepseek = config.get("qk_rope_head_dim") is not None
-    if deepseek:
-        head_dim = config["qk_rope_head_dim"]
-    elif config.get("head_dim") is not None:
-        head_dim = config["head_dim"]
-    else:
-        hidden = config.get("hidden_size", config.get("n_embd"))
-        heads = config.get("num_attention_heads", config.get("n_head"))
-        if hidden is None or heads is None:
-            raise ValueError("config needs head_dim, or hidden_size and num_attention_heads")
-        if hidden % heads:
-            raise ValueError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}")
-        head_dim = hidden // heads
-
-    partial = params.get("partial_rotary_factor",
-                         config.get("partial_rotary_factor", config.get("rotary_pct")))
-    _number({"partial_rotary_factor": partial}, "partial_rotary_factor", "")
-    if partial is not None and not 0 < partial <= 1:
-        raise ValueError(f"partial_rotary_factor={partial!r} must be in (0, 1]")
-    gptj = config.get("model_type") == "gptj"
-    if rope_type == "proportional":
-        rotary_dim = head_dim  # the zero-frequency tail spans the rest of the head
-    elif gptj and config.get("rotary_dim") is not None:
-        rotary_dim = config["rotary_dim"]
-    elif partial is not None:
-        rotary_dim = int(head_dim * partial)
-        if rotary_dim <= 0 or rotary_dim % 2:
-            raise ValueError(f"partial_rotary_factor={partial!r} gives rotary_dim={rotary_dim} "
-                             f"for {head_dim=}; it must give a positive even rotary_dim")
-    else:
-        rotary_dim = head_dim
-    interleave = deepseek or gptj
-
-    max_pos_emb = _number(config, "max_position_embeddings", "", config.get("n_positions", 2048))
-    original = params.get("original_max_position_embeddings",
-                          config.get("original_max_position_embeddings"))
-    factor = _number(params, "factor", "rope_scaling.")
-
-    scaling: Scaling
-    if rope_type == "default":
-        scaling = None
-    elif rope_type == "linear":
-        scaling = Linear(factor=_require(params, "factor", rope_type))
-    elif rope_type == "dynamic":
-        scaling = DynamicNTK(factor=_require(params, "factor", rope_type),
-                             original_max_position=int(original or max_pos_emb))
-    elif rope_type == "llama3":
-        scaling = Llama3(factor=_require(params, "factor", rope_type),
-                         low_freq_factor=_require(params, "low_freq_factor", rope_type),
-                         high_freq_factor=_require(params, "high_freq_factor", rope_type),
-                         original_max_position=int(_require(params, "original_max_position_embeddings",
-                                                            rope_type)))
-    elif rope_type == "yarn":
-        original = int(original or max_pos_emb)
-        if factor is None:
-            factor = max_pos_emb / original
-        scaling = Yarn(factor=factor, original_max_position=original,
-                       beta_fast=params.get("beta_fast") or 32.0,
-                       beta_slow=params.get("beta_slow") or 1.0,
-                       mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
-                       attention_factor=params.get("attention_factor"),
-                       truncate=params.get("truncate", True))
-    elif rope_type == "longrope":
-        if original is None:
-            raise ValueError("original_max_position_embeddings is required for rope_type='longrope'")
-        scaling = LongRope(short_factor=tuple(_require(params, "short_factor", rope_type)),
-                           long_factor=tuple(_require(params, "long_factor", rope_type)),
-                           original_max_position=int(original),
-                           attention_factor=params.get("attention_factor"), factor=factor)
-    else:
-        scaling = Proportional(factor=factor or 1.0, partial_rotary_factor=partial or 1.0)
-
-    if max_position is None:
-        max_position = int(max_pos_emb)
-        scaled_original = getattr(scaling, "original_max_position", None)
-        scale = getattr(scaling, "factor", None)
-        if scaled_original is not None and scale is not None and not isinstance(scaling, LongRope):
-            max_position = max(max_position, int(scaled_original * scale))
-        max_position = min(max_position, _frequencies.MAX_ACCURATE_POSITION)
-    return cls(head_dim=int(head_dim), rotary_dim=int(rotary_dim), theta=float(theta),
-               interleave=interleave, max_position=max_position, scaling=scaling)

@@ -48,6 +48,10 @@ def _llama3(s: Llama3, rotary_dim, theta, _max_position, _seq_len) -> Frequencie
     high_freq_wavelen = s.original_max_position / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    if s.high_freq_factor == s.low_freq_factor:
+        # No band between (Llama 4 Scout): transformers' band is the single wavelength
+        # where both bounds meet, whose 0/0 smoothing it never reaches in practice.
+        return scaled, 1.0
     smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
         s.high_freq_factor - s.low_freq_factor)
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
@@ -93,7 +97,10 @@ def _longrope(s: LongRope, rotary_dim, theta, max_position, seq_len) -> Frequenc
         attention = 1.0
     else:
         attention = math.sqrt(1 + math.log(factor) / math.log(s.original_max_position))
-    use_long = bool(seq_len) and seq_len > s.original_max_position
+    if s.factors == "auto":
+        use_long = bool(seq_len) and seq_len > s.original_max_position
+    else:
+        use_long = s.factors == "long"
     ext = np.asarray(s.long_factor if use_long else s.short_factor, dtype=np.float64)
     return _base_inv_freq(theta, rotary_dim) / ext, float(attention)
 

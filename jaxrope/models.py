@@ -1,219 +1,269 @@
-"""RoPE-relevant fields of real HF ``config.json`` files, keyed by model id.
+"""How each HF ``model_type`` rotates: one row per model family, checked against its code.
 
-Each entry keeps only what decides rotary embeddings (``model_type``, head
-geometry, ``max_position_embeddings``, ``rope_theta`` / ``rotary_emb_base``,
-``rope_scaling`` / ``rope_parameters``, partial-rotary fields), with the values
-and spellings the published file uses, so that :meth:`RopeConfig.from_hf` is
-tested against what users actually load. The comment above each entry names the
-model and the public copy its numbers were checked against.
+The rotation layout (NeoX halves or GPT-J interleaved pairs) and which config fields
+carry the rotated head size, the base and the special rules are properties of a
+model's modeling code, not of its ``config.json``. Each row names the transformers
+5.24 modeling file, rotary class and apply function it was checked against
+(``tests/test_hf_parity.py`` runs exactly those against :meth:`RopeConfig.from_hf`),
+and its defaults are the config class's (checked there too). Remote-code models
+(``trust_remote_code``: ChatGLM, MiniCPM) name their own file and the transformers
+port that rotates the same way, which the parity suite uses.
+
+Adding a family is one row; an M-RoPE family is a row with ``mrope=True``, which
+``from_hf`` refuses until M-RoPE lands.
 
 Example:
-  >>> import jaxrope as jr
-  >>> from jaxrope.models import HF_CONFIGS
-  >>> cfg = jr.RopeConfig.from_hf(HF_CONFIGS["meta-llama/Llama-3.1-8B"])
-  >>> cfg.head_dim, cfg.rotary_dim, type(cfg.scaling).__name__
-  (128, 128, 'Llama3')
+  >>> from jaxrope.models import MODEL_TYPES
+  >>> MODEL_TYPES["cohere"].interleave, MODEL_TYPES["minicpm3"].interleave
+  (True, False)
+  >>> MODEL_TYPES["deepseek_v3"].head_dim_key
+  'qk_rope_head_dim'
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict
+import dataclasses
+from typing import Any, Dict, Mapping, Optional, Tuple
 
-__all__ = ["HF_CONFIGS"]
+from jaxrope.hf_examples import HF_CONFIGS
 
-# meta-llama/Llama-3.1-8B config.json; geometry and rope_scaling checked against
-# copies of the 8B config (32 heads, 8 KV heads, hidden 4096, 131072 positions).
-_LLAMA_3_1_8B = {
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 131072,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "factor": 8.0,
-        "high_freq_factor": 4.0,
-        "low_freq_factor": 1.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
+__all__ = ["HF_CONFIGS", "MODEL_TYPES", "ModelRow"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRow:
+    """One model family's rotation as its transformers code computes it.
+
+    Args:
+      source: ``(module, rotary class, apply function)`` under ``transformers.models``
+        whose code this row was checked against, e.g. ``("llama",
+        "LlamaRotaryEmbedding", "apply_rotary_pos_emb")``.
+      interleave: GPT-J pairs ``(x[2i], x[2i+1])`` (True) or NeoX halves (False).
+      note: what the code does that the fields alone do not say.
+      head_dim_key: the field holding the rotated head's size (``qk_rope_head_dim``
+        for MLA, ``kv_channels`` for ChatGLM), else ``head_dim`` or
+        ``hidden_size // num_attention_heads``.
+      head_dim_default: the config class's ``head_dim`` when the field is absent
+        (None: computed from ``hidden_size``).
+      partial_rotary: None when the rotated fraction is not read (the apply function
+        rotates the whole head; a ``partial_rotary_factor`` other than 1 is refused),
+        else its default when absent.
+      partial_key: the top-level field holding the fraction (GPT-NeoX: ``rotary_pct``;
+        inside the rope parameters it is always ``partial_rotary_factor``).
+      rotary_dim_key: GPT-J / CodeGen: the field giving the rotated dims directly.
+      theta_key: the field holding the base, None for a fixed base.
+      theta_default: the base when the field is absent.
+      theta_unit: multiplies the field (ChatGLM: ``10000 * rope_ratio``).
+      max_position_key / max_position_default: the trained length's field and default.
+      original_max_position_default: a config class attribute that transformers
+        puts over ``rope_scaling.original_max_position_embeddings`` (Phi-3: 4096).
+      interleave_key: a bool field choosing the layout (DeepSeek-V3 ``rope_interleave``,
+        default ``interleave``).
+      scaling: whether ``rope_scaling`` / ``rope_parameters`` are read at all.
+      rope_parameters_default: the config class's rope parameters when the config
+        has none (gpt-oss: YaRN; Gemma 4: per layer type).
+      rope_type_aliases: legacy ``rope_type`` names the config class rewrites.
+      aliases: the config class's ``attribute_map`` / legacy names: ``{old: canonical}``.
+      layer_pattern: when ``layer_types`` is absent, every ``n``-th layer is
+        ``full_attention`` and the others ``sliding_attention`` (``sliding_window_pattern``
+        overrides ``n``).
+      last_layer_full: the config class forces the last layer to ``full_attention``.
+      local_theta_key / local_theta_default: Gemma 3's base of the sliding layers.
+      full_head_dim_key / full_head_dim_default: Gemma 4's head size of the
+        ``full_attention`` layers.
+      nope: which layers do not rotate: ``"no_rope_layers"`` (a 0/1 list, 1 = RoPE,
+        else every ``no_rope_layer_interval``-th layer) or ``"full_attention"``.
+      refuse: ``((field, value, reason), ...)``: configs that do not use RoPE.
+      mrope: the family rotates with M-RoPE (multimodal 3-D positions).
+    """
+
+    source: Tuple[str, str, str]
+    interleave: bool = False
+    note: str = ""
+    head_dim_key: str = "head_dim"
+    head_dim_default: Optional[int] = None
+    partial_rotary: Optional[float] = None
+    partial_key: str = "partial_rotary_factor"
+    rotary_dim_key: Optional[str] = None
+    theta_key: Optional[str] = "rope_theta"
+    theta_default: float = 10000.0
+    theta_unit: float = 1.0
+    max_position_key: str = "max_position_embeddings"
+    max_position_default: Optional[int] = None
+    original_max_position_default: Optional[int] = None
+    interleave_key: Optional[str] = None
+    scaling: bool = True
+    rope_parameters_default: Optional[Mapping[str, Any]] = None
+    rope_type_aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    layer_pattern: Optional[int] = None
+    last_layer_full: bool = False
+    local_theta_key: Optional[str] = None
+    local_theta_default: Optional[float] = None
+    full_head_dim_key: Optional[str] = None
+    full_head_dim_default: Optional[int] = None
+    nope: Optional[str] = None
+    refuse: Tuple[Tuple[str, Any, str], ...] = ()
+    mrope: bool = False
+
+
+# The row for a model_type not in the table: NeoX halves, partial_rotary_factor read.
+# from_hf warns when it uses it (an explicit interleave= silences the warning).
+GENERIC = ModelRow(source=("llama", "LlamaRotaryEmbedding", "apply_rotary_pos_emb"),
+                   partial_rotary=1.0, note="not in the table: NeoX halves assumed")
+
+
+def _neox(module: str, cls: str, **kw) -> ModelRow:
+    return ModelRow(source=(module, cls, "apply_rotary_pos_emb"), **kw)
+
+
+_GPTJ_ALIASES = {"n_embd": "hidden_size", "n_head": "num_attention_heads",
+                 "n_positions": "max_position_embeddings"}
+_GEMMA4_DEFAULT = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                   "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                      "rope_theta": 1000000.0}}
+
+MODEL_TYPES: Dict[str, ModelRow] = {
+    # -- NeoX halves: rotate_half = cat(-x[R/2:], x[:R/2]), cos/sin = cat(freqs, freqs).
+    "llama": _neox("llama", "LlamaRotaryEmbedding", max_position_default=2048),
+    "mistral": _neox("mistral", "MistralRotaryEmbedding", max_position_default=131072),
+    "mixtral": _neox("mixtral", "MixtralRotaryEmbedding", theta_default=1e6,
+                     max_position_default=131072),
+    "qwen2": _neox("qwen2", "Qwen2RotaryEmbedding", max_position_default=32768),
+    "qwen2_moe": _neox("qwen2_moe", "Qwen2MoeRotaryEmbedding", max_position_default=32768),
+    "qwen3": _neox("qwen3", "Qwen3RotaryEmbedding", head_dim_default=128,
+                   max_position_default=32768),
+    "qwen3_moe": _neox("qwen3_moe", "Qwen3MoeRotaryEmbedding", max_position_default=32768),
+    "gemma": _neox("gemma", "GemmaRotaryEmbedding", head_dim_default=256,
+                   max_position_default=8192),
+    "gemma2": _neox("gemma2", "Gemma2RotaryEmbedding", head_dim_default=256,
+                    max_position_default=8192, layer_pattern=2,
+                    note="sliding and full layers rotate alike"),
+    "gemma3_text": _neox(
+        "gemma3", "Gemma3RotaryEmbedding", head_dim_default=256, max_position_default=131072,
+        theta_default=1e6, local_theta_key="rope_local_base_freq", local_theta_default=10000.0,
+        layer_pattern=6,
+        note="per layer type: legacy rope_scaling and rope_theta are the full_attention "
+             "layers', rope_local_base_freq the sliding_attention layers' base"),
+    "gemma4_text": ModelRow(
+        source=("gemma4", "Gemma4TextRotaryEmbedding", "apply_rotary_pos_emb"),
+        head_dim_default=256, max_position_default=131072, layer_pattern=6,
+        last_layer_full=True, full_head_dim_key="global_head_dim", full_head_dim_default=512,
+        rope_parameters_default=_GEMMA4_DEFAULT,
+        note="per layer type; full_attention layers run at global_head_dim (per_layer_config)"),
+    "gpt_oss": _neox("gpt_oss", "GptOssRotaryEmbedding", head_dim_default=64,
+                     theta_default=150000.0, max_position_default=131072,
+                     rope_parameters_default={"rope_type": "yarn", "factor": 32.0,
+                                              "beta_fast": 32.0, "beta_slow": 1.0,
+                                              "truncate": False,
+                                              "original_max_position_embeddings": 4096},
+                     note="_apply_rotary_emb: torch.chunk halves"),
+    "falcon": _neox("falcon", "FalconRotaryEmbedding", max_position_default=2048,
+                    aliases={"n_head": "num_attention_heads"},
+                    refuse=(("alibi", True, "alibi=true: this Falcon uses ALiBi attention "
+                                            "biases, not RoPE"),)),
+    "starcoder2": _neox("starcoder2", "Starcoder2RotaryEmbedding", max_position_default=4096),
+    "olmo2": _neox("olmo2", "Olmo2RotaryEmbedding", max_position_default=2048),
+    "granite": _neox("granite", "GraniteRotaryEmbedding", max_position_default=2048),
+    "smollm3": _neox("smollm3", "SmolLM3RotaryEmbedding", theta_default=2e6,
+                     max_position_default=32768, nope="no_rope_layers"),
+    "minicpm": _neox("llama", "LlamaRotaryEmbedding", max_position_default=2048,
+                     note="remote code openbmb/MiniCPM-2B modeling_minicpm.py: "
+                          "MiniCPMRotaryEmbedding + apply_rotary_pos_emb are Llama's"),
+    "minicpm3": _neox("minicpm3", "MiniCPM3RotaryEmbedding", head_dim_key="qk_rope_head_dim",
+                      head_dim_default=32, max_position_default=32768,
+                      note="MLA like DeepSeek-V2, but NeoX halves over qk_rope_head_dim"),
+    # -- NeoX halves over a leading fraction: q[..., :R] rotates, q[..., R:] passes.
+    "gpt_neox": _neox("gpt_neox", "GPTNeoXRotaryEmbedding", partial_rotary=0.25,
+                      partial_key="rotary_pct", theta_key="rotary_emb_base",
+                      max_position_default=2048,
+                      note="GPTNeoXConfig reads rotary_pct / rotary_emb_base, not the top-level "
+                           "partial_rotary_factor / rope_theta"),
+    "phi": _neox("phi", "PhiRotaryEmbedding", partial_rotary=0.5, max_position_default=2048),
+    "phi3": _neox("phi3", "Phi3RotaryEmbedding", partial_rotary=1.0, max_position_default=4096,
+                  original_max_position_default=4096,
+                  rope_type_aliases={"su": "longrope", "yarn": "longrope"},
+                  note="top-level original_max_position_embeddings (default 4096) wins"),
+    "stablelm": _neox("stablelm", "StableLmRotaryEmbedding", partial_rotary=0.25,
+                      max_position_default=4096),
+    "persimmon": _neox("persimmon", "PersimmonRotaryEmbedding", partial_rotary=0.5,
+                       max_position_default=16384),
+    "nemotron": _neox("nemotron", "NemotronRotaryEmbedding", partial_rotary=0.5,
+                      max_position_default=4096),
+    "glm4_moe": _neox("glm4_moe", "Glm4MoeRotaryEmbedding", partial_rotary=0.5,
+                      max_position_default=131072,
+                      note="GLM-4.5: halves, unlike glm / glm4"),
+    # -- GPT-J pairs: rotate_half on x[..., 0::2] / x[..., 1::2], cos/sin repeat_interleave.
+    "cohere": ModelRow(source=("cohere", "CohereRotaryEmbedding", "apply_rotary_pos_emb"),
+                       interleave=True, theta_default=500000.0, max_position_default=8192,
+                       note="emb = repeat_interleave(freqs, 2), rotate_half on ::2 / 1::2"),
+    "cohere2": ModelRow(source=("cohere2", "Cohere2RotaryEmbedding", "apply_rotary_pos_emb"),
+                        interleave=True, head_dim_default=128, max_position_default=8192,
+                        layer_pattern=4, nope="full_attention",
+                        note="only sliding_attention layers rotate; full_attention is NoPE"),
+    "glm": ModelRow(source=("glm", "GlmRotaryEmbedding", "apply_rotary_pos_emb"),
+                    interleave=True, partial_rotary=0.5, head_dim_default=128,
+                    max_position_default=131072,
+                    note="cos[..., :R/2].repeat_interleave(2): pairs over the first half"),
+    "glm4": ModelRow(source=("glm4", "Glm4RotaryEmbedding", "apply_rotary_pos_emb"),
+                     interleave=True, partial_rotary=0.5, head_dim_default=128,
+                     max_position_default=131072),
+    "chatglm": ModelRow(
+        source=("glm", "GlmRotaryEmbedding", "apply_rotary_pos_emb"), interleave=True,
+        head_dim_key="kv_channels", partial_rotary=0.5, theta_key="rope_ratio",
+        theta_default=1.0, theta_unit=10000.0, max_position_key="seq_length",
+        max_position_default=2048, scaling=False,
+        note="remote code THUDM/chatglm3-6b modeling_chatglm.py: RotaryEmbedding(dim="
+             "kv_channels // 2, base 10000 * rope_ratio) + apply_rotary_pos_emb (pairs); "
+             "transformers' GLM port rotates the same way"),
+    "ernie4_5": ModelRow(source=("ernie4_5", "Ernie4_5RotaryEmbedding", "apply_rotary_pos_emb"),
+                         interleave=True, head_dim_default=128, theta_default=500000.0,
+                         max_position_default=131072),
+    "helium": ModelRow(source=("helium", "HeliumRotaryEmbedding", "apply_rotary_pos_emb"),
+                       interleave=True, head_dim_default=128, theta_default=100000.0,
+                       max_position_default=4096),
+    "gptj": ModelRow(source=("gptj", "GPTJRotaryEmbedding", "apply_rotary_pos_emb"),
+                     interleave=True, rotary_dim_key="rotary_dim", theta_key=None,
+                     max_position_default=2048, scaling=False, aliases=_GPTJ_ALIASES,
+                     note="create_sinusoidal_positions: base 10000, no rope_scaling"),
+    "codegen": ModelRow(source=("codegen", "CodeGenRotaryEmbedding", "apply_rotary_pos_emb"),
+                        interleave=True, rotary_dim_key="rotary_dim", theta_key=None,
+                        max_position_default=2048, scaling=False, aliases=_GPTJ_ALIASES),
+    # -- Complex multiply of (x[2i], x[2i+1]) by freqs_cis: GPT-J pairs.
+    "llama4_text": ModelRow(source=("llama4", "Llama4TextRotaryEmbedding", "apply_rotary_emb"),
+                            interleave=True, head_dim_default=128, theta_default=500000.0,
+                            max_position_default=131072, nope="no_rope_layers",
+                            note="view_as_complex pairs; NoPE layers from no_rope_layers"),
+    "deepseek_v2": ModelRow(source=("deepseek_v2", "DeepseekV2RotaryEmbedding",
+                                    "apply_rotary_emb"),
+                            interleave=True, head_dim_key="qk_rope_head_dim", head_dim_default=64,
+                            max_position_default=2048, note="view_as_complex pairs"),
+    "deepseek_v3": ModelRow(
+        source=("deepseek_v3", "DeepseekV3RotaryEmbedding", "apply_rotary_pos_emb_interleave"),
+        interleave=True, head_dim_key="qk_rope_head_dim", head_dim_default=64,
+        max_position_default=4096, interleave_key="rope_interleave",
+        note="pairs (x[2i], x[2i+1]); the output is written de-interleaved (halves), a "
+             "permutation shared by q and k that leaves q.k unchanged"),
+    "glm4_moe_lite": ModelRow(
+        source=("glm4_moe_lite", "Glm4MoeLiteRotaryEmbedding", "apply_rotary_pos_emb_interleave"),
+        interleave=True, head_dim_key="qk_rope_head_dim", head_dim_default=64,
+        max_position_default=202752, interleave_key="rope_interleave",
+        note="DeepSeek-V3's MLA rotation"),
 }
 
-# Qwen/Qwen2.5-7B-Instruct config.json (hidden 3584, 28 heads, 4 KV heads, 32768
-# positions, theta 1e6) plus the rope_scaling block its model card ("Processing Long
-# Texts") tells users to add for contexts past 32768, with the legacy "type" key.
-_QWEN_2_5_7B_INSTRUCT_YARN = {
-    "model_type": "qwen2",
-    "hidden_size": 3584,
-    "num_attention_heads": 28,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 32768,
-    "rope_theta": 1000000.0,
-    "rope_scaling": {
-        "factor": 4.0,
-        "original_max_position_embeddings": 32768,
-        "type": "yarn",
-    },
-}
+# M-RoPE families: refused by from_hf until jaxrope implements M-RoPE.
+for _name, _module, _cls in (("qwen2_vl", "qwen2_vl", "Qwen2VLRotaryEmbedding"),
+                             ("qwen2_5_vl", "qwen2_5_vl", "Qwen2_5_VLRotaryEmbedding"),
+                             ("qwen3_vl", "qwen3_vl", "Qwen3VLTextRotaryEmbedding"),
+                             ("qwen3_vl_moe", "qwen3_vl_moe", "Qwen3VLMoeTextRotaryEmbedding"),
+                             ("glm4v", "glm4v", "Glm4vTextRotaryEmbedding"),
+                             ("glm4v_moe", "glm4v_moe", "Glm4vMoeTextRotaryEmbedding")):
+    MODEL_TYPES[_name] = MODEL_TYPES[_name + "_text"] = ModelRow(
+        source=(_module, _cls, "apply_rotary_pos_emb"), mrope=True,
+        note="M-RoPE: mrope_section splits the frequencies over (t, h, w) positions")
 
-# microsoft/Phi-3-mini-128k-instruct config.json (the June 2024 update, rope type
-# "longrope"). Factor lists checked against two public copies: Microsoft's LongRoPE
-# evaluation script (full lists) and llama.cpp-related notes quoting this config
-# (head and tail of both lists, GGUF attn_factor 1.190238118171692).
-_PHI_3_MINI_128K_INSTRUCT = {
-    "model_type": "phi3",
-    "hidden_size": 3072,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "max_position_embeddings": 131072,
-    "original_max_position_embeddings": 4096,
-    "rope_theta": 10000.0,
-    "rope_scaling": {
-        "long_factor": [
-            1.0700000524520874, 1.1200000047683716, 1.149999976158142, 1.4199999570846558,
-            1.5699999332427979, 1.7999999523162842, 2.129999876022339, 2.129999876022339,
-            3.009999990463257, 5.910000324249268, 6.950000286102295, 9.070000648498535,
-            9.930000305175781, 10.710000038146973, 11.130000114440918, 14.609999656677246,
-            15.409998893737793, 19.809999465942383, 37.279998779296875, 38.279998779296875,
-            38.599998474121094, 40.12000274658203, 46.20000457763672, 50.940006256103516,
-            53.66000747680664, 54.9373893737793, 56.89738845825195, 57.28738784790039,
-            59.98738479614258, 60.86738586425781, 60.887386322021484, 61.71739196777344,
-            62.91739273071289, 62.957393646240234, 63.41739273071289, 63.8173942565918,
-            63.83739471435547, 63.897396087646484, 63.93739700317383, 64.06739807128906,
-            64.11434936523438, 64.12435150146484, 64.15435028076172, 64.19435119628906,
-            64.24435424804688, 64.57435607910156, 64.69000244140625, 64.76000213623047,
-        ],
-        "short_factor": [
-            1.1, 1.1, 1.1, 1.3000000000000003,
-            1.3500000000000003, 1.3500000000000003, 1.4000000000000004, 1.5500000000000005,
-            2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001,
-            2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001,
-            2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001,
-            2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001,
-            2.000000000000001, 2.0500000000000007, 2.0500000000000007, 2.0500000000000007,
-            2.0500000000000007, 2.0500000000000007, 2.0500000000000007, 2.1000000000000005,
-            2.1000000000000005, 2.1500000000000004, 2.25, 2.25,
-            2.25, 2.25, 2.25, 2.3999999999999995,
-            2.4499999999999993, 2.499999999999999, 2.6999999999999984, 2.6999999999999984,
-            2.7499999999999982, 2.799999999999998, 2.8999999999999977, 3.049999999999997,
-        ],
-        "type": "longrope",
-    },
-}
-
-# deepseek-ai/DeepSeek-V2-Lite config.json: MLA with a 64-dim rotary part, YaRN
-# factor 40 over 4096 trained positions. Checked against a dump of the Lite(-Chat)
-# config and several repositories reproducing its rope_scaling block.
-_DEEPSEEK_V2_LITE = {
-    "model_type": "deepseek_v2",
-    "hidden_size": 2048,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "max_position_embeddings": 163840,
-    "rope_theta": 10000,
-    "rope_scaling": {
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "factor": 40,
-        "mscale": 0.707,
-        "mscale_all_dim": 0.707,
-        "original_max_position_embeddings": 4096,
-        "type": "yarn",
-    },
-}
-
-# deepseek-ai/DeepSeek-V2-Lite-Chat as transformers 5.7 serialises it: rope_theta
-# moved inside "rope_parameters", which carries both "rope_type" and "type".
-_DEEPSEEK_V2_LITE_CHAT_V5 = {
-    "model_type": "deepseek_v2",
-    "head_dim": 64,
-    "hidden_size": 2048,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "max_position_embeddings": 163840,
-    "rope_parameters": {
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "factor": 40,
-        "mscale": 0.707,
-        "mscale_all_dim": 0.707,
-        "original_max_position_embeddings": 4096,
-        "rope_theta": 10000,
-        "rope_type": "yarn",
-        "type": "yarn",
-    },
-}
-
-# meta-llama/Llama-3.1-8B in the transformers v5 layout: the same values as above,
-# with rope_scaling renamed rope_parameters and rope_theta moved into it (the layout
-# of the DeepSeek-V2-Lite-Chat v5.7 dump above).
-_LLAMA_3_1_8B_V5 = {
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 131072,
-    "rope_parameters": {
-        "factor": 8.0,
-        "high_freq_factor": 4.0,
-        "low_freq_factor": 1.0,
-        "original_max_position_embeddings": 8192,
-        "rope_theta": 500000.0,
-        "rope_type": "llama3",
-    },
-}
-
-# EleutherAI/gpt-neox-20b config.json: a quarter of each 96-dim head rotates, NeoX
-# halves, base given as rotary_emb_base.
-_GPT_NEOX_20B = {
-    "model_type": "gpt_neox",
-    "hidden_size": 6144,
-    "num_attention_heads": 64,
-    "max_position_embeddings": 2048,
-    "rotary_emb_base": 10000,
-    "rotary_pct": 0.25,
-}
-
-# EleutherAI/gpt-j-6b config.json: GPT-2 field names, 64 of 256 dims rotate in
-# interleaved pairs; no base field (10000).
-_GPT_J_6B = {
-    "model_type": "gptj",
-    "n_embd": 4096,
-    "n_head": 16,
-    "n_positions": 2048,
-    "rotary_dim": 64,
-}
-
-# google/gemma-4 E2B text config: rope_parameters is per layer type; this is its
-# "full_attention" type alone (proportional, a quarter of the frequencies nonzero,
-# theta 1e6) with the config's head_dim 256. In the real model that layer type runs
-# at global_head_dim (512): build it with head_dim=512 for that layer.
-_GEMMA_4_FULL_ATTENTION = {
-    "model_type": "gemma4_text",
-    "hidden_size": 1536,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 1,
-    "head_dim": 256,
-    "max_position_embeddings": 131072,
-    "rope_parameters": {
-        "partial_rotary_factor": 0.25,
-        "rope_theta": 1000000.0,
-        "rope_type": "proportional",
-    },
-}
-
-HF_CONFIGS: Dict[str, Dict[str, Any]] = {
-    "meta-llama/Llama-3.1-8B": _LLAMA_3_1_8B,
-    "meta-llama/Llama-3.1-8B@transformers-v5": _LLAMA_3_1_8B_V5,
-    "Qwen/Qwen2.5-7B-Instruct+yarn": _QWEN_2_5_7B_INSTRUCT_YARN,
-    "microsoft/Phi-3-mini-128k-instruct": _PHI_3_MINI_128K_INSTRUCT,
-    "deepseek-ai/DeepSeek-V2-Lite": _DEEPSEEK_V2_LITE,
-    "deepseek-ai/DeepSeek-V2-Lite-Chat@transformers-v5": _DEEPSEEK_V2_LITE_CHAT_V5,
-    "EleutherAI/gpt-neox-20b": _GPT_NEOX_20B,
-    "EleutherAI/gpt-j-6b": _GPT_J_6B,
-    "google/gemma-4-E2B:full_attention": _GEMMA_4_FULL_ATTENTION,
-}
+# Multimodal wrappers whose text_config has the text model_type; a text_config without
+# one is read with the wrapper's row.
+for _wrapper, _text in (("gemma3", "gemma3_text"), ("gemma4", "gemma4_text"),
+                        ("llama4", "llama4_text")):
+    MODEL_TYPES[_wrapper] = MODEL_TYPES[_text]

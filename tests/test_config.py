@@ -16,7 +16,11 @@ import pytest
 import jaxrope as jr
 import jaxrope.apply
 import jaxrope.config
+import jaxrope.cos_sin_cache
+import jaxrope.hf
+import jaxrope.hf_examples
 import jaxrope.models
+import jaxrope.numbers
 from jaxrope.apply import kernel_constants
 from jaxrope.frequencies import angle_tables
 from jaxrope.models import HF_CONFIGS
@@ -41,7 +45,7 @@ EXPECTED = {
         96, 96, False, 10000.0, 131072,
         jr.LongRope(short_factor=tuple(HF_CONFIGS[PHI3]["rope_scaling"]["short_factor"]),
                     long_factor=tuple(HF_CONFIGS[PHI3]["rope_scaling"]["long_factor"]),
-                    original_max_position=4096)),
+                    original_max_position=4096, factor=32.0)),
     # The rotary part of MLA is qk_rope_head_dim, in interleaved pairs.
     "deepseek-ai/DeepSeek-V2-Lite": (
         64, 64, True, 10000.0, 163840,
@@ -53,9 +57,6 @@ EXPECTED = {
                 mscale=0.707, mscale_all_dim=0.707)),
     "EleutherAI/gpt-neox-20b": (96, 24, False, 10000.0, 2048, None),
     "EleutherAI/gpt-j-6b": (256, 64, True, 10000.0, 2048, None),
-    # Proportional spans the whole head; only its frequencies stop at a quarter.
-    "google/gemma-4-E2B:full_attention": (
-        256, 256, False, 1e6, 131072, jr.Proportional(factor=1.0, partial_rotary_factor=0.25)),
 }
 
 
@@ -112,8 +113,8 @@ def test_rope_theta_inside_rope_parameters_wins_over_top_level():
 
 
 def test_no_rope_scaling_is_default_rope():
-    config = {"hidden_size": 2048, "num_attention_heads": 16, "rope_theta": 10000.0,
-              "max_position_embeddings": 4096, "rope_scaling": None}
+    config = {"model_type": "llama", "hidden_size": 2048, "num_attention_heads": 16,
+              "rope_theta": 10000.0, "max_position_embeddings": 4096, "rope_scaling": None}
     cfg = jr.RopeConfig.from_hf(config)
     assert cfg == jr.RopeConfig(head_dim=128, max_position=4096)
 
@@ -123,8 +124,8 @@ def test_no_rope_scaling_is_default_rope():
     ("dynamic", {"factor": 2.0}, jr.DynamicNTK(factor=2.0, original_max_position=4096)),
 ])
 def test_linear_and_dynamic_from_hf(rope_type, params, scaling):
-    config = {"hidden_size": 4096, "num_attention_heads": 32, "max_position_embeddings": 4096,
-              "rope_scaling": {"rope_type": rope_type, **params}}
+    config = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32,
+              "max_position_embeddings": 4096, "rope_scaling": {"rope_type": rope_type, **params}}
     assert jr.RopeConfig.from_hf(config).scaling == scaling
 
 
@@ -133,10 +134,16 @@ class TestMaxPositionPolicy:
         cfg = jr.RopeConfig.from_hf(HF_CONFIGS["meta-llama/Llama-3.1-8B"], max_position=1 << 20)
         assert cfg.max_position == 1 << 20
 
-    def test_scaled_length_is_capped_at_the_accurate_range(self):
+    def test_a_served_length_past_the_accurate_range_is_refused_not_clamped(self):
+        # Issue 14: 2**25 positions used to become 2**24 without a word.
         config = dict(HF_CONFIGS["Qwen/Qwen2.5-7B-Instruct+yarn"])
         config["rope_scaling"] = dict(config["rope_scaling"], factor=1024.0)
-        assert jr.RopeConfig.from_hf(config).max_position == 1 << 24
+        with pytest.raises(ValueError, match="max_position_embeddings=32768.*33554432"):
+            jr.RopeConfig.from_hf(config)
+        llama = dict(HF_CONFIGS["meta-llama/Llama-3.1-8B"], max_position_embeddings=1 << 25)
+        with pytest.raises(ValueError, match="max_position_embeddings=33554432"):
+            jr.RopeConfig.from_hf(llama)
+        assert jr.RopeConfig.from_hf(llama, max_position=1 << 24).max_position == 1 << 24
 
     def test_longrope_serves_max_position_embeddings(self):
         # Phi-3 already states the extended length as max_position_embeddings.
@@ -267,7 +274,8 @@ class TestHashableStatic:
             jr.Linear(2.0).factor = 3.0
 
 
-@pytest.mark.parametrize("module", [jaxrope.config, jaxrope.apply, jaxrope.models])
+@pytest.mark.parametrize("module", [jaxrope.config, jaxrope.apply, jaxrope.models, jaxrope.hf,
+                                    jaxrope.hf_examples, jaxrope.numbers, jaxrope.cos_sin_cache])
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS, raise_on_error=False)
     assert result.attempted > 0, f"{module.__name__} has no example"
@@ -287,17 +295,32 @@ class TestBadInputs:
         (dict(head_dim=64, rotary_dim=0), "rotary_dim"),
         (dict(head_dim=63), "head_dim"),
         (dict(head_dim=0), "head_dim"),
-        (dict(head_dim=64.0), "head_dim"),
         (dict(head_dim=64, theta=0.0), "theta"),
         (dict(head_dim=64, theta=-10000.0), "theta"),
         (dict(head_dim=64, theta=float("inf")), "theta"),
-        (dict(head_dim=64, interleave=1), "interleave"),
         (dict(head_dim=64, max_position=0), "max_position"),
-        (dict(head_dim=64, scaling="llama3"), "scaling"),
+        (dict(head_dim=64, max_position=(1 << 24) + 1), "max_position"),
         (dict(head_dim=64, rotary_dim=2, scaling=jr.DynamicNTK(2.0, 4096)), "rotary_dim"),
     ])
-    def test_rope_config_fields(self, kwargs, name):
+    def test_rope_config_bad_values(self, kwargs, name):
         with pytest.raises(ValueError, match=name):
+            jr.RopeConfig(**kwargs)
+
+    @pytest.mark.parametrize("kwargs, name", [
+        (dict(head_dim="128"), "head_dim='128'"),
+        (dict(head_dim=64.0), "head_dim=64.0"),
+        (dict(head_dim=True), "head_dim=True"),
+        (dict(head_dim=np.float64(64)), "head_dim"),
+        (dict(head_dim=64, rotary_dim="32"), "rotary_dim"),
+        (dict(head_dim=64, theta="1e4"), "theta"),
+        (dict(head_dim=64, theta=None), "theta"),
+        (dict(head_dim=64, interleave=1), "interleave"),
+        (dict(head_dim=64, max_position=4096.0), "max_position"),
+        (dict(head_dim=64, scaling="llama3"), "scaling='llama3'"),
+        (dict(head_dim=64, scaling={"rope_type": "linear"}), "scaling"),
+    ])
+    def test_rope_config_wrong_types(self, kwargs, name):
+        with pytest.raises(TypeError, match=name):
             jr.RopeConfig(**kwargs)
 
     @pytest.mark.parametrize("make, name", [
@@ -309,16 +332,30 @@ class TestBadInputs:
         (lambda: jr.Llama3(low_freq_factor=4.0, high_freq_factor=1.0), "high_freq_factor"),
         (lambda: jr.Yarn(factor=-1.0, original_max_position=4096), "factor"),
         (lambda: jr.Yarn(factor=4.0, original_max_position=4096, mscale=0.0), "mscale"),
-        (lambda: jr.Yarn(factor=4.0, original_max_position=4096, truncate="yes"), "truncate"),
         (lambda: jr.LongRope(short_factor=(1.0, 0.0), long_factor=(1.0, 1.0),
                              original_max_position=4096), "short_factor"),
-        (lambda: jr.LongRope(short_factor=1.0, long_factor=(1.0,),
-                             original_max_position=4096), "short_factor"),
+        (lambda: jr.LongRope((1.0,), (1.0,), 4096, factors="medium"), "factors"),
+        (lambda: jr.Llama3(low_freq_factor=4.0, high_freq_factor=1.0), "high_freq_factor"),
         (lambda: jr.Proportional(partial_rotary_factor=1.5), "partial_rotary_factor"),
         (lambda: jr.Proportional(factor=0.0), "factor"),
     ])
-    def test_scaling_fields(self, make, name):
+    def test_scaling_bad_values(self, make, name):
         with pytest.raises(ValueError, match=name):
+            make()
+
+    @pytest.mark.parametrize("make, name", [
+        (lambda: jr.Linear("2"), "Linear.factor='2'"),
+        (lambda: jr.Linear(True), "Linear.factor=True"),
+        (lambda: jr.DynamicNTK(factor=2.0, original_max_position=4096.0), "original_max_position"),
+        (lambda: jr.Yarn(factor=4.0, original_max_position=4096, truncate="yes"), "truncate"),
+        (lambda: jr.LongRope(short_factor=1.0, long_factor=(1.0,),
+                             original_max_position=4096), "short_factor"),
+        (lambda: jr.LongRope(short_factor=("1",), long_factor=(1.0,),
+                             original_max_position=4096), r"short_factor\[0\]"),
+        (lambda: jr.LongRope((1.0,), (1.0,), 4096, factors=None), "factors"),
+    ])
+    def test_scaling_wrong_types(self, make, name):
+        with pytest.raises(TypeError, match=name):
             make()
 
     @pytest.mark.parametrize("which", ["short_factor", "long_factor"])
@@ -334,6 +371,17 @@ class TestBadInputs:
             jr.RopeConfig.from_hf(config)
 
     @pytest.mark.parametrize("config, name", [
+        (_llama(rope_type="linear", factor="2"), "factor='2'"),
+        (dict(HF_CONFIGS["meta-llama/Llama-3.1-8B"], rope_theta="500000"), "rope_theta"),
+        (dict(HF_CONFIGS["meta-llama/Llama-3.1-8B"], rope_scaling=[8.0]), "rope_scaling"),
+        (dict(HF_CONFIGS["meta-llama/Llama-3.1-8B"], hidden_size=4096.0), "hidden_size"),
+        (_llama(rope_type=8), "rope_type"),
+    ])
+    def test_from_hf_wrong_types_name_the_field(self, config, name):
+        with pytest.raises(TypeError, match=name):
+            jr.RopeConfig.from_hf(config)
+
+    @pytest.mark.parametrize("config, name", [
         (_llama(rope_type="ntk-by-parts", factor=2.0), "rope_type"),
         (_llama(type="unknown"), "rope_type"),
         (_llama(rope_type="llama3", factor=8.0, high_freq_factor=4.0,
@@ -342,29 +390,154 @@ class TestBadInputs:
          "original_max_position_embeddings"),
         (_llama(rope_type="linear"), "factor"),
         (_llama(rope_type="linear", factor=0), "factor"),
-        (_llama(rope_type="linear", factor="2"), "factor"),
         (_llama(rope_type="longrope", short_factor=[1.0] * 64, long_factor=[1.0] * 64),
          "original_max_position_embeddings"),
         (_llama(rope_type="longrope", short_factor=[1.0] * 64,
                 original_max_position_embeddings=4096), "long_factor"),
         (dict(HF_CONFIGS["meta-llama/Llama-3.1-8B"], rope_theta=0.0), "theta"),
-        (dict(HF_CONFIGS["meta-llama/Llama-3.1-8B"], rope_theta="500000"), "rope_theta"),
-        (dict(HF_CONFIGS["meta-llama/Llama-3.1-8B"], rope_scaling=[8.0]), "rope_scaling"),
         (dict(HF_CONFIGS["EleutherAI/gpt-neox-20b"], rotary_pct=1.5), "partial_rotary_factor"),
         (dict(HF_CONFIGS["EleutherAI/gpt-neox-20b"], rotary_pct=0.0), "partial_rotary_factor"),
         # 96 * 0.33 = 31.68: an odd rotary_dim, which the pairs cannot cover.
         (dict(HF_CONFIGS["EleutherAI/gpt-neox-20b"], rotary_pct=0.33), "partial_rotary_factor"),
         (dict(HF_CONFIGS["EleutherAI/gpt-j-6b"], rotary_dim=512), "rotary_dim"),
-        ({"hidden_size": 100, "num_attention_heads": 3}, "num_attention_heads"),
-        ({"rope_theta": 10000.0}, "head_dim"),
-        ({"head_dim": 64, "rope_parameters": {
-            "full_attention": {"rope_type": "default"},
-            "sliding_attention": {"rope_type": "default"}}}, "rope_parameters"),
+        ({"model_type": "llama", "hidden_size": 100, "num_attention_heads": 3},
+         "num_attention_heads"),
+        ({"model_type": "llama", "rope_theta": 10000.0}, "head_dim"),
+        ({"model_type": "llama", "head_dim": 64, "max_position_embeddings": 4096,
+          "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+         "layer_type"),
     ])
     def test_from_hf_names_the_field(self, config, name):
         with pytest.raises(ValueError, match=name):
             jr.RopeConfig.from_hf(config)
 
-    def test_from_hf_needs_a_mapping(self):
-        with pytest.raises(ValueError, match="config"):
-            jr.RopeConfig.from_hf([("head_dim", 64)])
+    @pytest.mark.parametrize("config", [[("head_dim", 64)], 64, None])
+    def test_from_hf_needs_a_dict_a_path_or_a_config_object(self, config):
+        with pytest.raises(TypeError, match="config must be a dict"):
+            jr.RopeConfig.from_hf(config)
+
+
+class TestNumpyScalars:
+    def test_numpy_integers_and_floats_are_accepted_and_stored_as_python_numbers(self):
+        cfg = jr.RopeConfig(head_dim=np.int64(128), rotary_dim=np.int32(64),
+                            theta=np.float32(500000.0), interleave=np.bool_(True),
+                            max_position=np.int64(8192), scaling=jr.Linear(np.float64(2.0)))
+        plain = jr.RopeConfig(head_dim=128, rotary_dim=64, theta=500000.0, interleave=True,
+                              max_position=8192, scaling=jr.Linear(2.0))
+        for name in ("head_dim", "rotary_dim", "max_position"):
+            assert type(getattr(cfg, name)) is int, name
+        assert type(cfg.theta) is float and type(cfg.interleave) is bool
+        assert type(cfg.scaling.factor) is float
+        assert cfg == plain and hash(cfg) == hash(plain) and cfg.fingerprint() == plain.fingerprint()
+
+    def test_every_variant_normalises_numpy_fields(self):
+        variants = [
+            (jr.DynamicNTK(np.float32(2.0), np.int64(4096)), jr.DynamicNTK(2.0, 4096)),
+            (jr.Llama3(np.float64(8.0), np.int8(1), np.float32(4.0), np.int64(8192)), jr.Llama3()),
+            (jr.Yarn(np.float64(40.0), np.int32(4096), mscale=np.float64(0.707)),
+             jr.Yarn(40.0, 4096, mscale=0.707)),
+            (jr.LongRope(np.array([1.0, 2.0]), np.array([3.0, 4.0], np.float32), np.int64(4096),
+                         factor=np.float64(32.0)),
+             jr.LongRope((1.0, 2.0), (3.0, 4.0), 4096, factor=32.0)),
+            (jr.Proportional(np.float32(1.0), np.float64(0.25)), jr.Proportional(1.0, 0.25)),
+        ]
+        for numpy_made, plain in variants:
+            assert numpy_made == plain and hash(numpy_made) == hash(plain), plain
+            cfg = jr.RopeConfig(head_dim=4, scaling=numpy_made)
+            assert cfg.fingerprint() == jr.RopeConfig(head_dim=4, scaling=plain).fingerprint()
+
+    def test_frequencies_accepts_a_numpy_seq_len(self):
+        cfg = jr.RopeConfig.from_hf(HF_CONFIGS[PHI3])
+        np.testing.assert_array_equal(cfg.frequencies(seq_len=np.int64(4097))[0],
+                                      cfg.frequencies(seq_len=4097)[0])
+
+
+def test_llama3_with_equal_freq_factors_is_a_step():
+    # Llama 4 Scout: high_freq_factor == low_freq_factor == 1, which transformers accepts.
+    cfg = jr.RopeConfig(head_dim=128, theta=500000.0, max_position=1 << 20,
+                        scaling=jr.Llama3(factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0))
+    inv_freq, attention = cfg.frequencies()
+    base, _ = jr.RopeConfig(head_dim=128, theta=500000.0).frequencies()
+    long = 2 * np.pi / base > 8192
+    assert long.any() and (~long).any() and attention == 1.0
+    np.testing.assert_allclose(inv_freq[long], base[long] / 16.0, rtol=1e-15)
+    np.testing.assert_array_equal(inv_freq[~long], base[~long])
+
+
+class TestLongRopeFactors:
+    cfg = jr.RopeConfig.from_hf(HF_CONFIGS[PHI3])
+
+    def _with(self, factors, **changes):
+        scaling = dataclasses.replace(self.cfg.scaling, factors=factors)
+        return dataclasses.replace(self.cfg, scaling=scaling, **changes)
+
+    def test_auto_is_vllms_rule_long_factors_when_serving_past_the_original_length(self):
+        base, _ = jr.RopeConfig(head_dim=96).frequencies()
+        long = base / np.array(self.cfg.scaling.long_factor)
+        short = base / np.array(self.cfg.scaling.short_factor)
+        np.testing.assert_allclose(self.cfg.serving_frequencies()[0], long, rtol=1e-15)
+        within = dataclasses.replace(self.cfg, max_position=4096)
+        np.testing.assert_allclose(within.serving_frequencies()[0], short, rtol=1e-15)
+
+    def test_short_and_long_are_fixed_whatever_the_length(self):
+        for factors, want in (("short", self.cfg.scaling.short_factor),
+                              ("long", self.cfg.scaling.long_factor)):
+            for max_position in (4096, 131072):
+                cfg = self._with(factors, max_position=max_position)
+                for seq_len in (None, 1, 4097):
+                    inv_freq, _ = cfg.frequencies(seq_len=seq_len)
+                    base, _ = jr.RopeConfig(head_dim=96).frequencies()
+                    np.testing.assert_allclose(inv_freq, base / np.array(want), rtol=1e-15)
+
+    def test_the_attention_factor_does_not_depend_on_the_choice(self):
+        attentions = {self._with(f).serving_frequencies()[1] for f in ("auto", "short", "long")}
+        assert len(attentions) == 1
+
+    def test_from_hf_takes_the_choice(self):
+        cfg = jr.RopeConfig.from_hf(HF_CONFIGS[PHI3], longrope_factors="short")
+        assert cfg.scaling.factors == "short"
+        with pytest.raises(ValueError, match="longrope_factors"):
+            jr.RopeConfig.from_hf(HF_CONFIGS[PHI3], longrope_factors="mid")
+
+    def test_configs_that_differ_in_the_choice_differ_and_do_not_share_kernel_constants(self):
+        short, long = self._with("short"), self._with("long")
+        assert short != long and short.fingerprint() != long.fingerprint()
+        assert not np.array_equal(kernel_constants(short)[0], kernel_constants(long)[0])
+
+
+class TestCosSinCache:
+    def test_layout_is_cos_of_every_frequency_then_sin_times_the_attention_factor(self):
+        cfg = jr.RopeConfig.from_hf(HF_CONFIGS["Qwen/Qwen2.5-7B-Instruct+yarn"])
+        cache = cfg.cos_sin_cache(300)
+        inv_freq, attention = cfg.serving_frequencies()
+        assert cache.shape == (300, 128) and cache.dtype == np.float32 and attention > 1
+        angle = np.arange(300)[:, None] * inv_freq[None, :]
+        np.testing.assert_allclose(cache[:, :64], np.cos(angle) * attention, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(cache[:, 64:], np.sin(angle) * attention, rtol=0, atol=1e-6)
+
+    def test_flashinfer_adapter_uses_the_public_cache(self):
+        from jaxrope.testing import flashinfer as fp
+
+        cfg = jr.RopeConfig(head_dim=64, rotary_dim=32, scaling=jr.Llama3(), interleave=True)
+        pos = np.array([5, 0, 9, 5], np.int32)
+        table, rows = fp.cos_sin_cache(cfg, pos, dense=True)
+        np.testing.assert_array_equal(table[:10], cfg.cos_sin_cache(10))
+        np.testing.assert_array_equal(table[10], 0.0)  # the padding row FlashInfer over-reads
+        sparse, sparse_rows = fp.cos_sin_cache(cfg, pos, dense=False)
+        np.testing.assert_array_equal(sparse[sparse_rows], cfg.cos_sin_cache(10)[pos])
+
+    @pytest.mark.parametrize("dtype, want", [(np.float16, np.float16), ("float64", np.float64),
+                                             ("bfloat16", jnp.bfloat16)])
+    def test_other_dtypes_round_the_float64_values(self, dtype, want):
+        cfg = jr.RopeConfig(head_dim=16)
+        cache = cfg.cos_sin_cache(7, dtype)
+        assert cache.dtype == np.dtype(want)
+        exact = cfg.cos_sin_cache(7, np.float64)
+        np.testing.assert_array_equal(cache, exact.astype(want))
+
+    @pytest.mark.parametrize("args, error", [((0,), ValueError), ((131073,), ValueError),
+                                             ((7.0,), TypeError), ((7, np.int32), ValueError)])
+    def test_bad_arguments_are_refused_by_name(self, args, error):
+        with pytest.raises(error, match="max_position|dtype"):
+            jr.RopeConfig(head_dim=16).cos_sin_cache(*args)

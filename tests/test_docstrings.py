@@ -26,7 +26,8 @@ DOCTESTED_HERE = ("jaxrope.scaling", "jaxrope.positions", "jaxrope.backend", "ja
                   "torch_bridge.rope_manager", "torch_bridge.rotate", "torch_bridge.published",
                   "torch_bridge.streams", "torch_bridge.step_arrays", "torch_bridge.plans",
                   "torch_bridge.upload", "torch_bridge.demo")
-DOCTESTED_ELSEWHERE = ("jaxrope.config", "jaxrope.apply", "jaxrope.models")  # test_config.py
+DOCTESTED_ELSEWHERE = ("jaxrope.config", "jaxrope.apply", "jaxrope.models",  # test_config.py
+                       "jaxrope.hf")
 
 
 def _import(package: str) -> types.ModuleType:

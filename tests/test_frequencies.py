@@ -127,8 +127,17 @@ class TestLongRope:
         assert dataclasses.replace(self.cfg, scaling=scaling).frequencies()[1] == 1.25
 
     def test_no_extension_means_attention_factor_one(self):
-        cfg = dataclasses.replace(self.cfg, max_position=4096)
+        # A hand-built LongRope (factor None) takes its extension from max_position.
+        scaling = dataclasses.replace(self.cfg.scaling, factor=None)
+        cfg = dataclasses.replace(self.cfg, max_position=4096, scaling=scaling)
         assert cfg.frequencies()[1] == 1.0
+
+    def test_from_hf_takes_the_extension_from_the_config_not_max_position(self):
+        # Phi-3: 131072 / 4096, whatever length is served (transformers and vLLM agree).
+        assert self.cfg.scaling.factor == 32.0
+        cfg = dataclasses.replace(self.cfg, max_position=4096)
+        assert cfg.frequencies()[1] == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)),
+                                                     rel=RTOL)
 
 
 class TestYarn:
@@ -191,14 +200,16 @@ def test_llama3_bands():
 
 
 def test_proportional_rotates_a_prefix_and_zeroes_the_tail():
-    cfg = jr.RopeConfig.from_hf(HF_CONFIGS["google/gemma-4-E2B:full_attention"])
+    # Gemma 4's full_attention layers: global_head_dim 512, a quarter of the pairs rotate.
+    cfg = jr.RopeConfig(head_dim=512, theta=1e6,
+                        scaling=jr.Proportional(factor=1.0, partial_rotary_factor=0.25))
     inv_freq, attention = cfg.frequencies()
-    assert inv_freq.shape == (128,)
-    rotated = int(0.25 * 256 // 2)
+    assert inv_freq.shape == (256,)
+    rotated = int(0.25 * 512 // 2)
     np.testing.assert_array_equal(inv_freq[rotated:], 0.0)
     # The exponent runs over the whole head, not over the rotated prefix.
     np.testing.assert_allclose(inv_freq[:rotated],
-                               [1e6 ** (-2 * i / 256) for i in range(rotated)], rtol=RTOL)
+                               [1e6 ** (-2 * i / 512) for i in range(rotated)], rtol=RTOL)
     assert np.all(inv_freq[:rotated] > 0) and attention == 1.0
 
 
@@ -210,9 +221,9 @@ def test_proportional_factor_divides_the_rotated_prefix():
     np.testing.assert_array_equal(inv_freq[16:], 0.0)
 
 
-@pytest.mark.parametrize("seq_len", [-1, 1.5, "8"])
-def test_bad_seq_len_is_rejected_by_name(seq_len):
-    with pytest.raises(ValueError, match="seq_len"):
+@pytest.mark.parametrize("seq_len, error", [(-1, ValueError), (1.5, TypeError), ("8", TypeError)])
+def test_bad_seq_len_is_rejected_by_name(seq_len, error):
+    with pytest.raises(error, match="seq_len"):
         jr.RopeConfig(head_dim=64).frequencies(seq_len=seq_len)
 
 

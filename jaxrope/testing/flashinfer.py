@@ -45,6 +45,7 @@ import ml_dtypes
 import numpy as np
 
 import jaxrope as jr
+from jaxrope.cos_sin_cache import cos_sin_rows
 from jaxrope.scaling import SCALING_TYPES, Linear, Llama3
 
 from jaxrope.testing import oracle
@@ -196,11 +197,9 @@ def cos_sin_cache(cfg: jr.RopeConfig, pos_ids: np.ndarray, dense: bool) -> Tuple
     """
     positions = np.arange(int(pos_ids.max()) + 1) if dense else np.unique(pos_ids)
     rows = pos_ids if dense else np.searchsorted(positions, pos_ids)
-    inv_freq, attention = cfg.serving_frequencies()
-    angle = positions.astype(np.float64)[:, None] * inv_freq[None, :]
-    cache = np.concatenate([np.cos(angle), np.sin(angle)], axis=1) * attention
-    cache = np.concatenate([cache, np.zeros((1, cache.shape[1]))])
-    return cache.astype(np.float32), rows.astype(np.int32)
+    cache = cos_sin_rows(cfg, positions, np.float32)  # RopeConfig.cos_sin_cache's rows
+    cache = np.concatenate([cache, np.zeros((1, cache.shape[1]), np.float32)])
+    return cache, rows.astype(np.int32)
 
 
 # -- running FlashInfer and jaxrope ------------------------------------------------------

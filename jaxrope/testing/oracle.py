@@ -96,15 +96,20 @@ def yarn(theta: float, rotary_dim: int, *, factor: float, original_max_position:
 def longrope(theta: float, rotary_dim: int, *, short_factor: Sequence[float],
              long_factor: Sequence[float], original_max_position: int, max_position: int,
              seq_len: Optional[int], factor: Optional[float] = None,
-             attention_factor: Optional[float] = None) -> Tuple[np.ndarray, float]:
-    """Phi-3 LongRoPE: long factors once ``seq_len > original``; attention factor
-    ``sqrt(1 + ln(factor) / ln(original))`` with ``factor = max / original`` by default."""
+             attention_factor: Optional[float] = None,
+             factors: str = "auto") -> Tuple[np.ndarray, float]:
+    """Phi-3 LongRoPE: under ``factors="auto"`` long factors once ``seq_len > original``,
+    else the named set; attention factor ``sqrt(1 + ln(factor) / ln(original))`` with
+    ``factor = max / original`` by default."""
     if factor is None:
         factor = max_position / original_max_position
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1 else math.sqrt(
             1 + math.log(factor) / math.log(original_max_position))
-    use_long = seq_len is not None and seq_len > original_max_position
+    if factors == "auto":
+        use_long = seq_len is not None and seq_len > original_max_position
+    else:
+        use_long = factors == "long"
     divisors = long_factor if use_long else short_factor
     return default_inv_freq(theta, rotary_dim) / np.array(divisors, np.float64), float(attention_factor)
 
@@ -141,7 +146,7 @@ def frequencies(cfg, seq_len: Optional[int] = None) -> Tuple[np.ndarray, float]:
         return longrope(theta, r, short_factor=s.short_factor, long_factor=s.long_factor,
                         original_max_position=s.original_max_position,
                         max_position=cfg.max_position, seq_len=seq_len, factor=s.factor,
-                        attention_factor=s.attention_factor)
+                        attention_factor=s.attention_factor, factors=s.factors)
     if isinstance(s, Proportional):
         return proportional(theta, r, factor=s.factor, partial_rotary_factor=s.partial_rotary_factor)
     raise TypeError(f"no oracle for {s!r}")
