@@ -136,6 +136,11 @@ class JaxLoop:
         # Copies in the compiled loop mean a donation did not take: not in place.
         self.hlo_copies = self._fn.as_text().count(" copy(")
 
+    @property
+    def carry(self) -> Tuple[Any, ...]:
+        """The loop's current carry (its copies of ``carry`` after every call so far)."""
+        return self._state
+
     def __call__(self, count: int = 1) -> float:
         import jax
         start = time.perf_counter()
