@@ -1010,14 +1010,3 @@ def test_random_operation_sequences_match_a_python_model():
             assert counters(mgr, rid) == expected
         assert_consistent(mgr)
 
-
-# ---------------------------------------------------------------------------- docs
-
-
-@pytest.mark.parametrize("module", ["config", "dlpack", "engine_types", "manager", "rotate"])
-def test_docstring_examples_run(module):
-    import doctest
-    import importlib
-
-    result = doctest.testmod(importlib.import_module(f"torch_bridge.{module}"))
-    assert result.attempted > 0 and result.failed == 0
