@@ -82,9 +82,13 @@ POSITION_RANGE = 65536
 # In-place variants with an attention factor != 1 scale q and k at every application;
 # loops are capped so that values stay far from bf16's overflow (3.4e38).
 GROWTH_LIMIT = 1e30
-DTYPE_IDS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+DTYPES = ("bfloat16", "float16", "float32")
+UNROLL = 8  # applications per body of a JAX loop
 
 JAX_IMPLS = ("jaxrope", "jaxrope_plain", "jaxrope_mosaic", "xla", "xla_ceiling")
+# Implementations that rotate q and k in place, so an attention factor compounds.
+IN_PLACE_ROPE = ("jaxrope", "jaxrope_plain", "jaxrope_mosaic", "xla", "jaxrope_torch",
+                 "flashinfer", "flashinfer_cache")
 CEILINGS = ("ceiling", "xla_ceiling")
 PLOT_IMPLS = ("jaxrope", "jaxrope_torch", "jaxrope_mosaic", "xla", "flashinfer",
               "flashinfer_cache", "torch_eager", "ceiling", "ceiling_2pass", "xla_ceiling")
@@ -314,8 +318,11 @@ def growth_cap(cfg: RopeConfig, reps: int) -> int:
 
 def measure(task: Task, env: Env, inputs, args, estimate_s: float) -> Dict[str, Any]:
     """Times ``task`` by its method; returns the result's ``measured`` Timing and ``api``."""
-    cap = min(args.max_iters, growth_cap(task.cfg, args.reps))
+    cap = min(args.max_iters, growth_cap(task.cfg, args.reps)
+              if task.impl in IN_PLACE_ROPE else args.max_iters)
     n = args.iters or max(1, min(cap, round(args.rep_seconds / estimate_s)))
+    if not args.iters and n > UNROLL:
+        n -= n % UNROLL
     if task.impl in JAX_IMPLS:
         return _measure_jax(task, env, inputs, args, n)
     fn, api = torch_call(task, env, inputs)
@@ -356,7 +363,7 @@ def _measure_jax(task: Task, env: Env, inputs, args, n: int) -> Dict[str, Any]:
             state[:] = fn(state[0], state[1], pos)
         return dict(api=api, measured=timing.time_wall(
             call, lambda: jax.block_until_ready(state), iters=args.iters, reps=args.reps))
-    loop = timing.JaxLoop(step, carry, consts, iters=n, with_index=indexed)
+    loop = timing.JaxLoop(step, carry, consts, iters=n, unroll=UNROLL, with_index=indexed)
     if task.method == "kernel":
         loop(1)
         return dict(api=api, measured=timing.kernel_durations(lambda: loop(args.reps), n * args.reps))
@@ -391,19 +398,20 @@ def run(tasks: List[Task], env: Env, args, report: Dict[str, Any], out_dir: Path
     for index, (case, group) in enumerate(groups.items()):
         spent = args.budget_s and time.time() - started > args.budget_s
         inputs = None if spent else draw_inputs(case, args.dtype, args.seed + index)
-        estimate = _model_seconds(case, args.dtype, env.on_gpu)
+        estimate, measured = _model_seconds(case, args.dtype, env.on_gpu), False
         for task in group:
             if spent:
                 record(report, task, args.dtype, error=f"skipped: budget of {args.budget_s} s spent")
                 continue
+            start = time.time()
             try:
                 fields = measure(task, env, inputs, args, estimate)
             except Exception as e:  # noqa: BLE001 - one failed task must not end the run
                 record(report, task, args.dtype, error=f"{type(e).__name__}: {str(e)[:400]}")
                 continue
-            result = record(report, task, args.dtype, **fields)
-            if task.impl in CEILINGS and task.method != "wall":
-                estimate = min(estimate, result["median_us"] / 1e6)
+            result = record(report, task, args.dtype, elapsed_s=time.time() - start, **fields)
+            if task.impl in CEILINGS and task.method != "wall" and not measured:
+                estimate, measured = result["median_us"] / 1e6, True
             if args.progress:
                 print(f"{task.key}: {result['median_us']:.2f} us", file=sys.stderr, flush=True)
         gc.collect()
@@ -606,7 +614,8 @@ def write_outputs(report: Dict[str, Any], out_dir: Path, write_results: bool) ->
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.rope_bench",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny token counts (CPU, < 1 min)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny token counts, 2 applications per loop (CPU: minutes)")
     parser.add_argument("--out", default=str(BENCH_DIR / "out"), help="output folder")
     parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
     parser.add_argument("--cases", nargs="+", default=None, choices=sorted(BY_NAME),
@@ -615,11 +624,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="token counts for every section (default: each section's own)")
     parser.add_argument("--iters", type=int, default=None,
                         help="applications per loop or calls per sample (default: adaptive)")
-    parser.add_argument("--reps", type=int, default=5, help="samples per measurement")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="samples per measurement (default 5, --quick 2)")
     parser.add_argument("--rep-seconds", type=float, default=0.01,
                         help="target length of one loop call")
     parser.add_argument("--max-iters", type=int, default=1000)
-    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_IDS))
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="start no new shape after this many seconds (0: no limit)")
     parser.add_argument("--seed", type=int, default=0)
@@ -633,6 +643,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')}={value} must be >= 1")
+    if args.reps is None:
+        args.reps = 2 if args.quick else 5
     if args.quick:
         args.rep_seconds, args.max_iters = min(args.rep_seconds, 0.002), min(args.max_iters, 2)
     return args
