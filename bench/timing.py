@@ -406,6 +406,8 @@ def _jax_kernel_events(run: Callable[[], Any]) -> List[Tuple[str, float, float]]
 def _torch_kernel_events(run: Callable[[], Any]) -> List[Tuple[str, float, float]]:
     import torch
     from torch.profiler import ProfilerActivity, profile
+    if not torch.cuda.is_available():
+        raise RuntimeError("torch has no CUDA here: no kernels to profile")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
     return [(e.name, e.time_range.start * 1e3, e.time_range.elapsed_us() * 1e3)

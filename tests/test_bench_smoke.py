@@ -168,6 +168,16 @@ def test_torch_timers_fall_back_to_the_host_clock_without_cuda():
         t = timer(lambda: x.mul_(1.0), iters=20, reps=3)
         assert (t.n, t.iters) == (3, 20) and t.median_us > 0
         assert "host wall clock (no CUDA)" in t.method
+    with pytest.raises(RuntimeError, match="no kernels to profile"):
+        timing.kernel_durations(lambda: x.mul_(1.0), 1, profiler="torch")
+
+
+def test_jax_profiler_reads_the_trace_and_finds_no_gpu_kernel_on_a_cpu():
+    if jax.default_backend() != "cpu":
+        pytest.skip("on a GPU the profiler finds kernels: the GPU suite's rope_bench uses it")
+    loop = timing.JaxLoop(lambda x: (x * 1.5,), (jnp.ones(64),), iters=4)
+    with pytest.raises(RuntimeError, match="no kernel ran 8 times in the trace"):
+        timing.kernel_durations(lambda: loop(2), 8)
 
 
 def test_kernel_durations_count_only_kernels_that_ran_every_application():
