@@ -25,6 +25,8 @@ caches) always come first and are never timed.
   which records torch's kernels too) or torch's profiler.
 - :meth:`Timing.from_seconds` -- for spans a benchmark times itself (host time of
   ``plan`` + ``commit``, say).
+- :func:`run_info` and :func:`write_json` -- the date, command, versions and git commit
+  every result file records, and the atomic write of ``DIR/<name>.json``.
 
 Example (a benchmark in a few lines; ``python -m bench.<name> --out DIR`` then writes
 ``DIR/<name>.json``)::
@@ -33,7 +35,8 @@ Example (a benchmark in a few lines; ``python -m bench.<name> --out DIR`` then w
     t = timing.time_jax_loop(lambda q, k, pos: apply_rope(q, k, pos, cfg), (q, k), (pos,))
     g = timing.time_cuda_graph(lambda: flashinfer.apply_rope_pos_ids_inplace(tq, tk, tpos))
     print(t.median_us, g.median_us, t.method)
-    timing.write_json(out_dir, "my_bench", {"ours": t.as_dict(), "flashinfer": g.as_dict()})
+    timing.write_json(out_dir, "my_bench", {"info": timing.run_info("bench.my_bench", argv),
+                                            "ours": t.as_dict(), "flashinfer": g.as_dict()})
 """
 
 from __future__ import annotations
