@@ -26,7 +26,7 @@ set -u -o pipefail
 
 # The benchmarks, one a line: `python3 -m bench.<entry> --out <logdir>` writes <logdir>/<name>.json.
 BENCHES=(
-    "rope_bench --budget-s 420"
+    "rope_bench --budget-s 360"
     "accuracy"
 )
 
