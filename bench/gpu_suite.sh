@@ -1,40 +1,46 @@
 #!/usr/bin/env bash
-# The GPU run, one command: install FlashInfer from the wheels brought along, run the GPU
-# test suite, record the FlashInfer goldens, check them the way CI will, run the benchmark.
+# The GPU run: install FlashInfer from the wheels brought along, run every gpu-marked test,
+# record the FlashInfer goldens and check them the way CI will, run the demo on the GPU,
+# then the benchmarks.
 #
 #   bash bench/gpu_suite.sh <logdir> [step ...]
 #
-# Steps (default: all, in this order): install versions flashinfer tests goldens
-# golden-check bench. Every step runs even when an earlier one failed; each one's exit
-# code and time are summarised at the end, and the script exits non-zero if any failed.
+# Steps, in this order (default: all): install versions flashinfer tests goldens
+# golden-check demo bench. Every named step runs even when an earlier one
+# failed, each under its own timeout; the summary gives each one's exit code and time,
+# and the script exits non-zero if any failed. Everything lands in <logdir> (on the
+# device machine, use $OUT): gpu_suite.log, gpu_junit.xml, flashinfer_golden.npz (also
+# written to tests/data/), and one <name>.json (plus what else it writes) per benchmark.
 #
-# Needs, in the repository root: .whl/ holding flashinfer_python-0.5.3-py3-none-any.whl
-# and apache_tvm_ffi-0.1.x-cp312-...manylinux...whl (the GPU machine has no package index;
-# download them with the `pip download` line in the README). Writes into <logdir>:
-#   gpu_suite.log           everything printed (versions, nvidia-smi, pytest, summary)
-#   gpu_junit.xml           the GPU test suite's results
-#   flashinfer_golden.npz   the recorded goldens (also written to tests/data/)
-#   what bench/rope_bench.py --out <logdir> writes
-# Environment knobs: GPU_SUITE_TESTS (pytest paths, default "tests": every gpu-marked
-# test), GPU_SUITE_WORKERS (pytest-xdist workers, default 4; 0 runs serially),
-# GPU_SUITE_BENCH_ARGS (extra arguments for bench/rope_bench.py, e.g. "--budget-s 200").
-# The whole run can pass the device's 10-minute cap per command (the benchmark alone
-# budgets 480 s): then run it as two commands into one <logdir>, e.g.
-#   bash bench/gpu_suite.sh <logdir> install versions flashinfer tests goldens golden-check
-#   bash bench/gpu_suite.sh <logdir> install bench
+# Needs .whl/ in the repository root holding flashinfer_python-0.5.3-py3-none-any.whl and
+# apache_tvm_ffi-0.1.x-cp312-...manylinux...whl (the GPU machine has no package index;
+# the README's `pip download` line fetches them).
+# Knobs: GPU_SUITE_TESTS (pytest paths, default "tests"), GPU_SUITE_WORKERS (pytest-xdist
+# workers, default 4; 0 runs serially), GPU_SUITE_BENCHES (';'-separated entries replacing
+# BENCHES below, e.g. "rope_bench --sections kernel").
+# One command may hit the device's 10-minute cap; split the steps over two calls into the
+# same <logdir>, e.g.
+#   bash bench/gpu_suite.sh "$OUT" install versions flashinfer tests goldens golden-check demo
+#   bash bench/gpu_suite.sh "$OUT" install bench
 set -u -o pipefail
 
+# The benchmarks, one a line: `python3 -m bench.<entry> --out <logdir>` writes <logdir>/<name>.json.
+BENCHES=(
+    "rope_bench --budget-s 360"
+    "accuracy"
+    "bridge_bench"
+)
+
 if [ $# -lt 1 ]; then
-    echo "usage: bash bench/gpu_suite.sh <logdir> [install|versions|flashinfer|tests|goldens|golden-check|bench ...]" >&2
+    echo "usage: bash bench/gpu_suite.sh <logdir> [install|versions|flashinfer|tests|goldens|golden-check|demo|bench ...]" >&2
     exit 2
 fi
 LOGDIR=$(mkdir -p "$1" && cd "$1" && pwd) || { echo "cannot create $1" >&2; exit 2; }
 shift
-STEPS=${*:-install versions flashinfer tests goldens golden-check bench}
+STEPS=${*:-install versions flashinfer tests goldens golden-check demo bench}
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-LOG="$LOGDIR/gpu_suite.log"
-exec > >(tee -a "$LOG") 2>&1
+exec > >(tee -a "$LOGDIR/gpu_suite.log") 2>&1
 TEE_PID=$!
 
 export PYTHONPATH="/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -45,24 +51,23 @@ export JAXROPE_GPU_TESTS=1                   # tests/conftest.py: leave JAX on t
 export JAXROPE_REQUIRE_FLASHINFER=1          # a missing FlashInfer fails instead of skipping
 export PYTHONUNBUFFERED=1
 GOLDEN="$ROOT/tests/data/flashinfer_golden.npz"
-TESTS=${GPU_SUITE_TESTS:-tests}
-WORKERS=${GPU_SUITE_WORKERS:-4}
+if [ -n "${GPU_SUITE_BENCHES:-}" ]; then IFS=';' read -r -a BENCHES <<<"$GPU_SUITE_BENCHES"; fi
 
 SUMMARY=()
 FAILED=0
-run_step() {
-    local name=$1
-    shift
-    case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
+run_step() {  # run_step NAME TIMEOUT_S COMMAND...: only when NAME is one of the steps asked for
+    local name=$1 limit=$2
+    shift 2
+    case " $STEPS " in *" ${name%%:*} "*) ;; *) return 0 ;; esac
     echo
     echo "=== [$name] $(date -u +%FT%TZ)"
     local start=$SECONDS
-    "$@"
+    # Through bash -c so that a step may be one of the (exported) functions below.
+    timeout "$limit" bash -c '"$@"' "$name" "$@"
     local rc=$?
-    local took=$((SECONDS - start))
-    SUMMARY+=("$(printf '%-13s rc=%-3s %5ss' "$name" "$rc" "$took")")
+    SUMMARY+=("$(printf '%-28s rc=%-3s %5ss' "$name" "$rc" "$((SECONDS - start))")")
     [ "$rc" -eq 0 ] || FAILED=1
-    echo "=== [$name] rc=$rc in ${took}s"
+    echo "=== [$name] rc=$rc in $((SECONDS - start))s"
 }
 
 install_wheels() {
@@ -72,49 +77,33 @@ install_wheels() {
 }
 
 versions() {
-    python3 - <<'EOF'
-import importlib, platform
-print("python", platform.python_version())
-for name in ("numpy", "jax", "jaxlib", "torch", "triton", "flashinfer", "tvm_ffi", "ml_dtypes"):
-    try:
-        module = importlib.import_module(name)
-        print(f"{name:11s}", getattr(module, "__version__", "?"), getattr(module, "__file__", ""))
-    except Exception as e:
-        print(f"{name:11s} NOT IMPORTABLE: {type(e).__name__}: {e}")
-import jax, torch
-print("jax devices", jax.devices())
-print("torch cuda", torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name(0))
-EOF
+    python3 -c "import json, sys; from bench.timing import run_info; json.dump(run_info('gpu_suite', sys.argv[1:]), sys.stdout, indent=1)" "$STEPS"
     local rc=$?
+    echo
+    python3 -c "import jax, torch; print('jax', jax.devices(), '| torch cuda', torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name(0))" || rc=1
     nvidia-smi || true
-    "$CUDA_HOME/bin/nvcc" --version || true
     return $rc
 }
 
 flashinfer_build() {
     # Builds FlashInfer's rope module (JIT, ~1 min on a fresh machine) once, before the
-    # tests, so a build failure shows here and pytest workers find it built.
-    python3 - <<'EOF'
-import time
-import torch
-import flashinfer
+    # tests, so a build failure shows here and the pytest workers find it built.
+    python3 -c "
+import time, torch, flashinfer
 start = time.time()
-q = torch.randn(4, 2, 128, dtype=torch.bfloat16, device="cuda")
-k = torch.randn(4, 1, 128, dtype=torch.bfloat16, device="cuda")
-pos_ids = torch.arange(4, dtype=torch.int32, device="cuda")
-flashinfer.apply_rope_pos_ids_inplace(q, k, pos_ids)
+q, k = (torch.randn(4, h, 128, dtype=torch.bfloat16, device='cuda') for h in (2, 1))
+flashinfer.apply_rope_pos_ids_inplace(q, k, torch.arange(4, dtype=torch.int32, device='cuda'))
 torch.cuda.synchronize()
-print(f"FlashInfer {flashinfer.__version__}: rope module built and called in {time.time() - start:.1f}s")
-EOF
+print(f'FlashInfer {flashinfer.__version__}: rope module built and called in {time.time() - start:.1f}s')"
 }
 
 gpu_tests() {
     local parallel=()
-    if [ "$WORKERS" -gt 0 ] && python3 -c "import xdist" 2>/dev/null; then
-        parallel=(-n "$WORKERS")
+    if [ "${GPU_SUITE_WORKERS:-4}" -gt 0 ] && python3 -c "import xdist" 2>/dev/null; then
+        parallel=(-n "${GPU_SUITE_WORKERS:-4}")
     fi
     # shellcheck disable=SC2086
-    python3 -m pytest -m gpu $TESTS -q -ra -p no:cacheprovider "${parallel[@]}" \
+    python3 -m pytest -m gpu ${GPU_SUITE_TESTS:-tests} -q -ra -p no:cacheprovider "${parallel[@]}" \
         --junitxml="$LOGDIR/gpu_junit.xml" -o junit_family=xunit2
 }
 
@@ -128,23 +117,20 @@ golden_check() {
         python3 -m pytest -q -p no:cacheprovider tests/test_golden.py tests/test_conventions.py
 }
 
-bench() {
-    if [ ! -f bench/rope_bench.py ]; then
-        echo "bench/rope_bench.py not present: skipped"
-        return 0
-    fi
-    # shellcheck disable=SC2086
-    python3 -m bench.rope_bench --out "$LOGDIR" ${GPU_SUITE_BENCH_ARGS:-}
-}
-
+export ROOT LOGDIR GOLDEN STEPS
+export -f install_wheels versions flashinfer_build gpu_tests record_goldens golden_check
 echo "gpu_suite: steps [$STEPS] from $ROOT into $LOGDIR"
-run_step install install_wheels
-run_step versions versions
-run_step flashinfer flashinfer_build
-run_step tests gpu_tests
-run_step goldens record_goldens
-run_step golden-check golden_check
-run_step bench bench
+run_step install 120 install_wheels
+run_step versions 60 versions
+run_step flashinfer 180 flashinfer_build
+run_step tests 400 gpu_tests
+run_step goldens 120 record_goldens
+run_step golden-check 120 golden_check
+run_step demo 60 python3 -m jaxrope.demo --device cuda
+for entry in "${BENCHES[@]}"; do
+    # shellcheck disable=SC2086
+    run_step "bench:${entry%% *}" 540 python3 -m bench.$entry --out "$LOGDIR"
+done
 
 echo
 echo "=== summary"

@@ -3,7 +3,8 @@
 Each case is a layer shape plus a :class:`RopeConfig`: real model shapes, odd sizes
 (1, 17, 19 tokens; 3, 5 heads), head_dim 64/80/96/128/192/256/512, partial rotary and
 interleaved pairs, every scaling variant. Tests take the CPU-sized ``tokens``;
-benchmarks scale ``tokens`` up and keep the rest.
+benchmarks scale ``tokens`` up (``dataclasses.replace(case, tokens=16384)``) and keep
+the rest; ``default_d128`` (Llama-3-8B's heads, no scaling) is the benchmarks' target.
 
 Example:
   >>> from jaxrope.cases import BY_NAME
@@ -65,6 +66,7 @@ CASES: Tuple[Case, ...] = (
          RopeConfig(head_dim=192, max_position=16384,
                     scaling=DynamicNTK(factor=2.0, original_max_position=4096))),
     Case("default_d64", 1, 8, 1, RopeConfig(head_dim=64)),
+    Case("default_d128", 9, 32, 8, RopeConfig(head_dim=128)),
     Case("partial_half_d128", 19, 32, 8, RopeConfig(head_dim=128, rotary_dim=64)),
     Case("interleave_d96_partial", 17, 5, 5,
          RopeConfig(head_dim=96, rotary_dim=48, interleave=True)),

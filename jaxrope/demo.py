@@ -28,7 +28,8 @@ INSTALL_HINT = ("jaxrope.demo drives the PyTorch facade (torch_bridge) and needs
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the demo with ``argv`` (default: the command line); returns the exit status.
 
-    0: every check passed; 1: a mismatch; 2: torch is missing or the arguments are invalid.
+    0: every check passed; 1: a mismatch; 2: torch is missing, the arguments are invalid
+    or the device asked for is not there (the reason goes to stderr).
     """
     try:
         demo = importlib.import_module("torch_bridge.demo")
@@ -40,7 +41,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return demo.main(argv)
     except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 2
+        # argparse has printed its message and exits with a number; a SystemExit that
+        # carries the message itself (e.g. "--device cuda: JAX has no GPU backend") is
+        # the only word the user gets, so print it.
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,15 +1,28 @@
-"""The benchmark runs end to end on CPU in quick mode and writes a complete report."""
+"""The benchmarks run end to end on a CPU at tiny sizes, and the timing module measures.
 
+What the GPU run depends on: ``bench/gpu_suite.sh`` names benchmark modules that take
+``--out``; ``rope_bench`` writes a complete JSON report, its markdown and plot, renders a
+saved report identically and replaces only its own section of RESULTS.md; every timer
+returns a Timing whose numbers come from real calls.
+"""
+
+from __future__ import annotations
+
+import importlib
 import json
-import random
+import pathlib
+import re
+import shlex
 
 import jax
+import jax.numpy as jnp
 import pytest
 
-from bench import rope_bench
-from jaxrope.kernels import mosaic_gpu
+from bench import rope_bench, timing
+from jaxrope.cases import CASES
 
-CASE = "T8-H8x1-D128-bf16"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TOKENS = 8
 
 
 @pytest.fixture(scope="module")
@@ -18,74 +31,161 @@ def quick_run(tmp_path_factory):
     results_md = tmp_path_factory.mktemp("bench_results") / "RESULTS.md"
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(rope_bench, "RESULTS_MD", results_md)
-        rope_bench.main(["--quick", "--out", str(out), "--filter", "main/", CASE, "--iters", "2",
-                         "--reps", "2", "--no-progress", "--compile-workers", "0",
-                         "--seed", str(random.randrange(2**31))])
-    return out, results_md
+        report = rope_bench.main(["--quick", "--out", str(out), "--sections", "sweep", "cases",
+                                  "--cases", "default_d128", "qwen25_yarn", "--tokens",
+                                  str(TOKENS), "--iters", "2", "--reps", "2", "--seed", "3"])
+    return out, results_md, report
 
 
-def test_quick_run_writes_json_with_environment_and_positive_times(quick_run):
-    out, _ = quick_run
-    report = json.loads((out / "results.json").read_text())
-    assert {"run_id", "date", "command", "argv", "env", "plan", "results", "targets", "notes",
-            "elapsed_s"} <= set(report)
-    assert report["env"]["jax"] == jax.__version__
-    assert report["command"].startswith("python -m bench.rope_bench --quick")
+def test_quick_run_writes_a_report_with_versions_command_and_positive_times(quick_run):
+    out, _, _ = quick_run
+    report = json.loads((out / "rope_bench.json").read_text())
+    info = report["info"]
+    assert info["jax"] == jax.__version__ and info["date"] and info["python"]
+    assert info["command"].startswith("python -m bench.rope_bench --quick")
     results = report["results"]
-    assert {r["impl"] for r in results} >= {"jaxrope", "xla", "xla_ceiling"}
-    assert {r["section"] for r in results} == {"main", "ceiling"}
+    assert {r["impl"] for r in results if r["section"] == "sweep"} >= {"jaxrope", "xla",
+                                                                       "xla_ceiling"}
+    assert {(r["section"], r["case"]) for r in results} == {
+        ("sweep", "default_d128"), ("cases", "default_d128"), ("cases", "qwen25_yarn")}
     for r in results:
-        assert r["shape"] == CASE and not r.get("error"), r
-        assert r["iters"] == 2 and len(r["reps_us"]) == 2
-        assert r["median_us"] > 0 and r["tbps"] > 0
-        assert r["bytes"] == 2 * 8 * (8 + 1) * 128 * 2 + 8 * 4
-    jaxrope = next(r for r in results if r["impl"] == "jaxrope")
-    assert 0 < jaxrope["ceiling_fraction"] == jaxrope["ceiling_fractions"][jaxrope["ceiling_impl"]]
+        assert not r.get("error"), r
+        assert r["timing"]["iters"] == 2 and r["timing"]["n"] == 2, r
+        assert r["median_us"] > 0 and r["tbps"] > 0, r
+        case = next(c for c in CASES if c.name == r["case"])
+        assert r["bytes"] == 2 * TOKENS * (case.q_heads + case.k_heads) * case.head_dim * 2 + 4 * TOKENS
+    ours = next(r for r in results if r["key"] == f"sweep/jaxrope/default_d128/T{TOKENS}")
+    assert ours["ceiling_fraction"] > 0 and ours["api"] == "apply_rope backend=interpret"
+    yarn = next(r for r in results if r["key"] == f"cases/jaxrope/qwen25_yarn/T{TOKENS}")
+    assert yarn["ratio_plain"] > 0 and yarn["scaling"] == "Yarn"
 
 
-def test_quick_cpu_run_leaves_results_md_alone_and_writes_its_section_to_out(quick_run):
-    out, results_md = quick_run
+def test_quick_run_leaves_results_md_alone_and_writes_markdown_and_plot_to_out(quick_run):
+    out, results_md, _ = quick_run
     assert not results_md.exists()
-    section = (out / "results.md").read_text()
-    assert section.startswith("<!-- rope_bench:begin ") and CASE in section
+    markdown = (out / "rope_bench.md").read_text()
+    assert markdown.startswith(rope_bench.BEGIN) and rope_bench.END in markdown
+    assert "qwen25_yarn" in markdown and "Command: `python -m bench.rope_bench" in markdown
+    pytest.importorskip("matplotlib")
+    assert (out / "rope_tbps.png").stat().st_size > 0
 
 
-def test_from_json_renders_the_same_section(quick_run, tmp_path):
-    out, _ = quick_run
-    rope_bench.main(["--from-json", str(out / "results.json"), "--out", str(tmp_path)])
-    assert (tmp_path / "results.md").read_text() == (out / "results.md").read_text()
+def test_from_json_renders_the_same_markdown_and_writes_results_md(quick_run, tmp_path,
+                                                                   monkeypatch):
+    out, _, _ = quick_run
+    results_md = tmp_path / "RESULTS.md"
+    results_md.write_text(f"# head\n\n{rope_bench.BEGIN}\nold numbers\n{rope_bench.END}\n\n## kept\n")
+    monkeypatch.setattr(rope_bench, "RESULTS_MD", results_md)
+    monkeypatch.setattr(rope_bench, "RESULTS_PNG", tmp_path / "rope_tbps.png")
+    rope_bench.main(["--from-json", str(out / "rope_bench.json"), "--out", str(tmp_path / "o"),
+                     "--write-results"])
+    markdown = (out / "rope_bench.md").read_text()
+    assert (tmp_path / "o" / "rope_bench.md").read_text() == markdown
+    text = results_md.read_text()
+    assert text.startswith("# head\n") and text.endswith("## kept\n")
+    assert "old numbers" not in text and markdown.strip() in text
 
 
-def test_results_md_keeps_earlier_runs_and_replaces_a_rerun(tmp_path):
+def test_results_md_gets_a_section_appended_when_it_has_none(tmp_path):
     path = tmp_path / "RESULTS.md"
-
-    def section(run_id, body):
-        return f"<!-- rope_bench:begin {run_id} -->\n{body}\n<!-- rope_bench:end {run_id} -->\n"
-
-    rope_bench.update_results_md(path, section("a", "first"), "a")
-    rope_bench.update_results_md(path, section("b", "second"), "b")
-    rope_bench.update_results_md(path, section("a", "first again"), "a")
-    text = path.read_text()
-    assert text.startswith("# jaxrope benchmark results")
-    assert "first again" in text and "second" in text and "first\n" not in text
-    assert text.index("first again") < text.index("second")
+    path.write_text("# results\n")
+    section = f"{rope_bench.BEGIN}\nnew\n{rope_bench.END}\n"
+    rope_bench.update_results_md(path, section)
+    rope_bench.update_results_md(path, section.replace("new", "newer"))
+    assert path.read_text() == f"# results\n\n{rope_bench.BEGIN}\nnewer\n{rope_bench.END}\n"
 
 
-def test_full_plan_covers_84_shapes_and_filters_keep_their_ceilings():
+def test_full_plan_sweeps_the_target_and_covers_every_named_case():
     env = rope_bench.Env(on_gpu=True, torch=True, flashinfer=True, launcher=True)
-    tasks = rope_bench.build_tasks(rope_bench.FULL, "bfloat16", False, [], env)
-    assert len({t.shape for t in tasks if t.section == "main"}) == 84
-    assert {t.section for t in tasks} == {"main", "ceiling", "variants", "wall", "kernel"}
-    picked = rope_bench.build_tasks(rope_bench.FULL, "bfloat16", False,
-                                    ["main/", "T64-H32x8-D128"], env)
-    assert {(t.section, t.impl) for t in picked} == (
-        {("main", impl) for impl in rope_bench.MAIN_IMPLS if env.available(impl)}
-        | {("ceiling", impl) for impl in rope_bench.CEILING_IMPLS})
-    # The Mosaic GPU kernel: measured on a GPU wherever this JAX can build it (0.11 and
-    # newer), at the target layout only.
-    assert (("main", "jaxrope_mosaic") in {(t.section, t.impl) for t in picked}) == (
-        mosaic_gpu.unavailable() is None)
-    assert {t.shape.id[t.shape.id.index("-") + 1:] for t in tasks if t.impl == "jaxrope_mosaic"} <= {
-        "H32x8-D128-bf16"}
-    assert not rope_bench.Env(on_gpu=False).available("jaxrope_mosaic")
-    assert {t.shape.id for t in picked} == {"T64-H32x8-D128-bf16"}
+    tasks = rope_bench.plan_tasks(list(rope_bench.SECTIONS), None, None, False, env)
+    sweep = [t for t in tasks if t.section == "sweep"]
+    assert {t.case.name for t in sweep} == {rope_bench.TARGET}
+    assert {t.case.tokens for t in sweep} == {1, 8, 64, 512, 4096, 16384, 65536}
+    assert {t.case.name for t in tasks if t.section == "cases"} == {c.name for c in CASES}
+    assert {t.method for t in tasks if t.section in ("kernel", "cases")} == {"kernel"}
+    # XLA's unrolled fusions cannot be counted per application by the profiler.
+    assert not any(t.impl.startswith("xla") for t in tasks if t.method == "kernel")
+    # Per shape, the ceilings come first: they size the loops after them.
+    first = {}
+    for t in tasks:
+        first.setdefault(t.case, t)
+    assert all(t.impl in rope_bench.CEILINGS for t in first.values())
+    cpu = rope_bench.plan_tasks(["cases"], ["llama3_8b"], [16], False, rope_bench.Env(on_gpu=False))
+    assert {(t.impl, t.method, t.case.tokens) for t in cpu} == {
+        ("jaxrope", "loop", 16), ("jaxrope_plain", "loop", 16), ("xla_ceiling", "loop", 16)}
+
+
+def test_growth_cap_keeps_attention_scaled_loops_finite_and_refuses_too_many_reps():
+    yarn = next(c for c in CASES if c.name == "qwen25_yarn").cfg
+    plain = next(c for c in CASES if c.name == rope_bench.TARGET).cfg
+    assert rope_bench.growth_cap(plain, 5) > 10**6
+    cap = rope_bench.growth_cap(yarn, 5)
+    assert 1 <= cap < 100
+    with pytest.raises(ValueError, match="fewer --reps"):
+        rope_bench.growth_cap(yarn, 200)
+
+
+def _suite_benches():
+    script = (ROOT / "bench" / "gpu_suite.sh").read_text()
+    block = re.search(r"^BENCHES=\(\n(.*?)^\)", script, re.S | re.M).group(1)
+    return [shlex.split(line)[0] for line in block.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("entry", _suite_benches())
+def test_every_gpu_suite_benchmark_is_a_module_taking_out(entry, capsys):
+    module = importlib.import_module(f"bench.{entry.split()[0]}")
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0 and "--out" in capsys.readouterr().out, entry
+
+
+def test_jax_loop_times_real_applications_and_reports_its_method():
+    t = timing.time_jax_loop(lambda x, s: (x * s,), (jnp.ones(1024),), (jnp.float32(1.0),),
+                             iters=16, reps=3)
+    assert (t.n, t.iters, len(t.samples_us)) == (3, 16, 3)
+    assert 0 < t.p10_us <= t.median_us <= t.p90_us
+    assert t.method.startswith("jax fori_loop") and t.detail["compile_s"] > 0
+    json.dumps(t.as_dict())
+    loop = timing.JaxLoop(lambda x, i: (x + i,), (jnp.zeros(4, jnp.int32),), iters=5,
+                          with_index=True)
+    loop(2)
+    assert loop.carry[0].tolist() == [20] * 4  # 2 calls x (0 + 1 + 2 + 3 + 4)
+
+
+def test_wall_timer_and_samples_summary():
+    t = timing.time_wall(lambda: sum(range(1000)), iters=50, reps=4)
+    assert (t.n, t.iters) == (4, 50) and t.median_us > 0 and "50 calls" in t.method
+    with pytest.raises(ValueError, match="no samples"):
+        timing.Timing.from_seconds([], "empty")
+
+
+def test_torch_timers_fall_back_to_the_host_clock_without_cuda():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA: the GPU suite times the CUDA paths")
+    x = torch.ones(1024)
+    for timer in (timing.time_cuda, timing.time_cuda_graph):
+        t = timer(lambda: x.mul_(1.0), iters=20, reps=3)
+        assert (t.n, t.iters) == (3, 20) and t.median_us > 0
+        assert "host wall clock (no CUDA)" in t.method
+    with pytest.raises(RuntimeError, match="no kernels to profile"):
+        timing.kernel_durations(lambda: x.mul_(1.0), 1, profiler="torch")
+
+
+def test_jax_profiler_reads_the_trace_and_finds_no_gpu_kernel_on_a_cpu():
+    if jax.default_backend() != "cpu":
+        pytest.skip("on a GPU the profiler finds kernels: the GPU suite's rope_bench uses it")
+    loop = timing.JaxLoop(lambda x: (x * 1.5,), (jnp.ones(64),), iters=4)
+    with pytest.raises(RuntimeError, match="no kernel ran 8 times in the trace"):
+        timing.kernel_durations(lambda: loop(2), 8)
+
+
+def test_kernel_durations_count_only_kernels_that_ran_every_application():
+    events = [("rope", 10.0 * i, 100.0 + i) for i in range(6)] + [("counter", 5.0, 7.0)]
+    samples, kernels = timing.per_application(events, 3)
+    assert samples == [201.0, 205.0, 209.0]
+    assert kernels["counter"] == {"count": 1, "total_us": 0.007}
+    with pytest.raises(RuntimeError, match="no kernel ran 7 times"):
+        timing.per_application(events, 7)
+    with pytest.raises(ValueError, match="profiler="):
+        timing.kernel_durations(lambda: None, 1, profiler="nsight")

@@ -28,6 +28,13 @@ def _blocks(lang):
     return [code for block_lang, code in BLOCKS if block_lang == lang]
 
 
+def test_readme_names_the_extras_the_makefile_installs():
+    makefile = (ROOT / "Makefile").read_text()
+    installed = re.findall(r'pip install -q -e "\.\[([\w,]+)\]"', makefile)
+    described = re.findall(r"pip install -e \.\[([\w,]+)\]", README)
+    assert installed and described == installed[:1], (described, installed)
+
+
 def test_readme_has_the_two_setup_commands_first():
     first_bash = _blocks("bash")[0].split()
     assert first_bash == ["make", "demo", "make", "test"]

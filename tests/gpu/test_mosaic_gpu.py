@@ -34,10 +34,9 @@ def jax_gpu():
 
 
 @pytest.mark.parametrize("name", ["llama3_8b", "qwen25_yarn", "partial_half_d128", "head_dim_512"])
-def test_compiled_mosaic_kernel_rotates_in_place_like_the_oracle(jax_gpu, name):
+def test_compiled_mosaic_kernel_rotates_in_place_like_the_oracle(jax_gpu, name, rng):
     cfg = dataclasses.replace(BY_NAME[name].cfg, max_position=1 << 20)
     q_heads, k_heads = (32, 8) if name != "qwen25_yarn" else (28, 4)
-    rng = np.random.default_rng()
     q = jax.device_put(jnp.asarray(rng.standard_normal((257, q_heads, cfg.head_dim)),
                                    jnp.bfloat16), jax_gpu)
     k = jax.device_put(jnp.asarray(rng.standard_normal((257, k_heads, cfg.head_dim)),
