@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrope import backend as _backend
+from jaxrope import sharding as _sharding
 from jaxrope.config import RopeConfig
 from jaxrope.frequencies import angle_tables
 
@@ -108,7 +109,8 @@ def apply_rope(q, k, pos_ids, cfg: RopeConfig, backend: str = "auto"):
       ((5, 4, 64), dtype(bfloat16))
     """
     validate(q, k, pos_ids, cfg)
-    impl = _backend.resolve(backend, _platform(q))
+    pos_ids = jnp.asarray(pos_ids, jnp.int32)
+    impl = _sharding.per_shard(_backend.resolve(backend, _platform(q)), q, k, pos_ids)
     tables, attention = kernel_constants(cfg)
-    return impl(q, k, jnp.asarray(pos_ids, jnp.int32), jnp.asarray(tables),
+    return impl(q, k, pos_ids, jnp.asarray(tables),
                 rotary_dim=cfg.rotary_dim, interleave=cfg.interleave, attention_factor=attention)

@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrope import sharding as _sharding
+
 
 class Scheme(enum.Enum):
     """How a view's tokens are numbered.
@@ -152,6 +154,8 @@ def plan(table: PositionTable, slots: jax.Array, counts: jax.Array, out: jax.Arr
     if _scheme(scheme) is Scheme.SEQUENTIAL:
         base = base + token - starts[view]
     live = token < ends[-1] if counts.shape[0] else jnp.zeros_like(token, bool)
+    # Every device numbers the whole step; a sharded `out` keeps its own slice.
+    base, live = _sharding.like(out, base, live)
     return jnp.where(live, base, out.astype(jnp.int32))
 
 
