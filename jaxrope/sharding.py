@@ -61,10 +61,10 @@ Example:
   >>> q = jax.device_put(jnp.ones((4, 2, 64)), NamedSharding(mesh, P(None, "model")))
   >>> k = jax.device_put(jnp.ones((4, 1, 64)), NamedSharding(mesh, P()))
   >>> q2, k2 = jr.apply_rope(q, k, jnp.arange(4, dtype=jnp.int32), jr.RopeConfig(head_dim=64))
-  >>> q2.sharding.spec
-  PartitionSpec(None, 'model', None)
-  >>> local_specs(P(None, "model"), P(), P(), q.shape, k.shape, {"model": 1})
-  (PartitionSpec(None, 'model', None), PartitionSpec(None, None, None), PartitionSpec(None,))
+  >>> tuple(q2.sharding.spec)
+  (None, 'model', None)
+  >>> [tuple(s) for s in local_specs(P(None, "model"), P(), P(), q.shape, k.shape, {"model": 1})]
+  [(None, 'model', None), (None, None, None), (None,)]
 """
 
 from __future__ import annotations
