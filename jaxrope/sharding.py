@@ -29,13 +29,20 @@ How the per-shard call is made depends on where JAX shows the sharding:
   kernel runs inside ``jax.shard_map`` with those specs; its lowering holds the kernel
   itself (one ``sdy.manual_computation`` around it), so it can be inspected before
   compiling, and shape errors are raised at the ``apply_rope`` call.
-- **Auto mesh axes** (``AxisType.Auto``, the default): the type names the mesh but not
-  the spec; the compiler's propagation chooses shardings after tracing. The kernel is
-  wrapped in ``jax.experimental.custom_partitioning``, whose ``partition`` callback
-  receives the shardings the partitioner settled on, checks them with the same
-  :func:`local_specs` and returns the same per-shard call. The Shardy rule gives
+- **Auto mesh axes** (``AxisType.Auto``, what ``jax.sharding.Mesh`` makes by default;
+  ``jax.make_mesh`` defaults to Explicit in JAX 0.10 and 0.11): the type names the mesh
+  but not the spec; the compiler's propagation chooses shardings after tracing. The
+  kernel is wrapped in ``jax.experimental.custom_partitioning``, whose ``partition``
+  callback receives the shardings the partitioner settled on, checks them with the
+  same :func:`local_specs` and returns the same per-shard call. The Shardy rule gives
   q, k and ``pos_ids`` separate factors, so a conflict between them reaches that check
-  (and its error) instead of being resolved by a reshard.
+  (and its error) instead of being resolved by a reshard. Costs of this path: under
+  ``jit`` a refusal arrives when compiling, as a ``JaxRuntimeError`` carrying the
+  ``ValueError``'s message (outside ``jit`` the shardings are visible and it is a
+  plain ``ValueError`` at the call); the kernel is inserted by the partitioner, so
+  only the compiled module shows it; and a kernel with effects cannot run there
+  (``custom_partitioning`` does not lower the Mosaic GPU kernel's mutable refs:
+  ``BackendUnavailable``, use Explicit axes).
 
 Why not one mechanism: ``shard_map`` needs the specs at trace time, which Auto axes
 do not give; ``custom_partitioning`` traces its body once on the global, explicitly
