@@ -10,6 +10,7 @@ device's block inside one manual computation, with no collective.
 
 from __future__ import annotations
 
+import collections
 import re
 
 import jax
@@ -120,3 +121,27 @@ def test_over_two_devices_each_rotates_its_heads_in_one_kernel(monkeypatch):
     # tests/multidevice checks it), and the kernel writes over its inputs.
     assert text.count("jax.buffer_donor = true") == 2
     assert call.count("stablehlo.output_operand_alias") == 2
+
+
+def _compiled_program(text: str) -> collections.Counter:
+    """Every instruction's opcode (and custom-call target), counted over the module."""
+    ops = collections.Counter(re.findall(r"= \S+ ([a-z][\w-]*)\(", text))
+    ops.update(re.findall(r'custom_call_target="([^"]+)"', text))
+    return ops
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_over_a_one_device_mesh_both_paths_compile_to_the_plain_program(backend):
+    # Compiled on this CPU, so the Auto path (whose kernel the partitioner inserts) is
+    # covered too: the same instructions as the plain call, nothing added.
+    rope = jax.jit(lambda q, k, pos: jr.apply_rope(q, k, pos, CFG, backend=backend),
+                   donate_argnums=(0, 1))
+    q, k = jnp.zeros((16, 8, 128), jnp.bfloat16), jnp.zeros((16, 2, 128), jnp.bfloat16)
+    pos = jnp.zeros((16,), jnp.int32)
+    plain = _compiled_program(rope.lower(q, k, pos).compile().as_text())
+    for axis_type in (AxisType.Auto, AxisType.Explicit):
+        grid = jax.make_mesh((1,), ("model",), axis_types=(axis_type,), devices=jax.devices()[:1])
+        layout = NamedSharding(grid, P(None, "model"))
+        args = (jax.device_put(q, layout), jax.device_put(k, layout),
+                jax.device_put(pos, NamedSharding(grid, P())))
+        assert _compiled_program(rope.lower(*args).compile().as_text()) == plain, axis_type
