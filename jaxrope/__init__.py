@@ -3,7 +3,7 @@
 The public API is the list below; every other module is an implementation detail.
 """
 
-from jaxrope import cases, hf, models, positions
+from jaxrope import cases, hf, models, positions, wire
 from jaxrope.apply import apply_rope
 from jaxrope.backend import BACKENDS
 from jaxrope.config import RopeConfig
@@ -31,4 +31,5 @@ __all__ = [
     "hf",
     "models",
     "positions",
+    "wire",
 ]

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrope import backend as _backend
+from jaxrope import sharding as _sharding
 from jaxrope.config import RopeConfig
 from jaxrope.frequencies import angle_tables
 
@@ -90,13 +91,18 @@ def apply_rope(q, k, pos_ids, cfg: RopeConfig, backend: str = "auto"):
       returned unchanged. Math is float32 with frequencies from float64; cos and sin
       are multiplied by the variant's attention factor. Under ``jax.jit`` with ``q`` and
       ``k`` donated the result reuses their buffers (in place); without donation XLA
-      first copies them, so the caller's arrays are never modified.
+      first copies them, so the caller's arrays are never modified. On a device mesh
+      (q, k sharded over tokens and/or heads) each device rotates its own block, with no
+      collective and in place as well (:mod:`jaxrope.sharding`).
 
     Raises:
       TypeError: ``cfg`` is not a RopeConfig or an input is not an array.
-      ValueError: a shape, dtype, device or visible position is invalid.
+      ValueError: a shape, dtype, device or visible position is invalid, or a sharding
+        that would need communication (head_dim split, q and k tokens split
+        differently, an uneven split: :func:`jaxrope.sharding.local_specs`).
       BackendUnavailable: ``backend="pallas"`` off GPU, ``backend="mosaic"`` off
-        CUDA or on a layout it does not cover.
+        CUDA, on a layout it does not cover or on Auto mesh axes.
+      NotImplementedError: q is on a mesh mixing Auto and Explicit axes.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxrope as jr
@@ -108,7 +114,8 @@ def apply_rope(q, k, pos_ids, cfg: RopeConfig, backend: str = "auto"):
       ((5, 4, 64), dtype(bfloat16))
     """
     validate(q, k, pos_ids, cfg)
-    impl = _backend.resolve(backend, _platform(q))
+    pos_ids = jnp.asarray(pos_ids, jnp.int32)
+    impl = _sharding.per_shard(_backend.resolve(backend, _platform(q)), q, k, pos_ids)
     tables, attention = kernel_constants(cfg)
-    return impl(q, k, jnp.asarray(pos_ids, jnp.int32), jnp.asarray(tables),
+    return impl(q, k, pos_ids, jnp.asarray(tables),
                 rotary_dim=cfg.rotary_dim, interleave=cfg.interleave, attention_factor=attention)

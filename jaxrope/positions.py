@@ -40,6 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrope import sharding as _sharding
+
 # The padding slot: out of range for every table, however far it grows.
 PAD = int(np.iinfo(np.int32).max)
 # Negative slots are padding too (numpy-style wrapping would make -1 the last slot).
@@ -183,6 +185,9 @@ def plan(table: PositionTable, slots: jax.Array, counts: jax.Array, out: jax.Arr
     if _scheme(scheme) is Scheme.SEQUENTIAL:
         base = base + token - starts[view]
     live = token < ends[-1] if counts.shape[0] else jnp.zeros_like(token, bool)
+    base, live = jnp.broadcast_to(base, out.shape), jnp.broadcast_to(live, out.shape)
+    # Every device numbers the whole step; a sharded `out` keeps its own slice.
+    base, live = _sharding.like(out, base, live)
     return jnp.where(live, base, out.astype(jnp.int32))
 
 

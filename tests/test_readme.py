@@ -1,6 +1,8 @@
 """Every code block of README.md is executed or checked, so the README cannot rot.
 
-- ``python`` blocks run as written (the PyTorch one skips when torch is missing).
+- ``python`` blocks run as written (the PyTorch one skips when torch is missing); a block
+  whose preceding prose names ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
+  runs in a child interpreter with that flag, so it gets N CPU devices.
 - ``bash`` blocks: ``make X`` must be a real target (``make -n X``), ``bash S`` must be a
   syntactically valid script (``bash -n S``), and the ``pip download`` line must name
   the wheels ``bench/gpu_suite.sh`` installs (it needs the network, so it only runs
@@ -45,8 +47,27 @@ def test_python_block_runs(index):
     code = _blocks("python")[index]
     if "import torch" in code:
         pytest.importorskip("torch")
+    devices = _devices_wanted(index)
+    if devices:
+        # XLA fixes the CPU device count when its client starts, and this process's has
+        # one: run the block in a fresh interpreter with the count the prose names.
+        env = dict(os.environ, JAX_PLATFORMS="cpu",
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+        result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-6000:]
+        return
     namespace = {"__name__": f"readme_block_{index}"}
     exec(compile(code, f"README.md python block {index}", "exec"), namespace)
+
+
+def _devices_wanted(index: int) -> int:
+    """CPU devices python block ``index`` needs: the prose just before it names
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=N``, else 0."""
+    starts = [m.start() for m in re.finditer(r"```python\n", README)]
+    before = README[:starts[index]].rsplit("```", 1)[-1]
+    flag = re.search(r"XLA_FLAGS=--xla_force_host_platform_device_count=(\d+)", before)
+    return int(flag.group(1)) if flag else 0
 
 
 def _bash_lines():
