@@ -3,7 +3,7 @@
 The public API is the list below; every other module is an implementation detail.
 """
 
-from jaxrope import cases, models, positions
+from jaxrope import cases, models, mrope, positions
 from jaxrope.apply import apply_rope
 from jaxrope.backend import BACKENDS
 from jaxrope.config import RopeConfig
@@ -29,5 +29,6 @@ __all__ = [
     "apply_rope",
     "cases",
     "models",
+    "mrope",
     "positions",
 ]
