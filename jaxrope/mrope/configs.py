@@ -67,6 +67,25 @@ _QWEN3_VL_4B = {
     "vision_config": {"spatial_merge_size": 2, "temporal_patch_size": 2, "patch_size": 16},
 }
 
+# Qwen/Qwen3-VL-30B-A3B-Instruct config.json (the MoE: nested qwen3_vl_moe_text, head_dim
+# 128, hidden 2048, 32 heads, 4 KV heads, theta 5e6, interleaved [24, 20, 20]); checked
+# against a public loader test that copies the released file.
+_QWEN3_VL_30B_A3B = {
+    "model_type": "qwen3_vl_moe",
+    "text_config": {
+        "model_type": "qwen3_vl_moe_text",
+        "head_dim": 128,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 262144,
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20],
+                         "rope_type": "default"},
+        "rope_theta": 5000000,
+    },
+    "vision_config": {"spatial_merge_size": 2, "temporal_patch_size": 2, "patch_size": 16},
+}
+
 # zai-org/GLM-4.1V-9B-Thinking config.json (nested text_config: hidden 4096, 32 heads,
 # 2 KV heads, partial_rotary_factor 0.5, theta 10000, 65536 positions, [8, 12, 12]);
 # checked against public GLM-4V loader tests that copy its text config.
@@ -89,5 +108,6 @@ HF_VL_CONFIGS: Dict[str, Dict[str, Any]] = {
     "Qwen/Qwen2-VL-7B-Instruct": _QWEN2_VL_7B,
     "Qwen/Qwen2.5-VL-7B-Instruct": _QWEN2_5_VL_7B,
     "Qwen/Qwen3-VL-4B-Instruct": _QWEN3_VL_4B,
+    "Qwen/Qwen3-VL-30B-A3B-Instruct": _QWEN3_VL_30B_A3B,
     "zai-org/GLM-4.1V-9B-Thinking": _GLM_4_1V_9B,
 }
