@@ -191,29 +191,35 @@ def mrope_rows(mrope_section: Sequence[int], mrope_interleaved: bool) -> np.ndar
     return np.array(rows)
 
 
+def _slot_positions(pos: np.ndarray, mrope_section, mrope_interleaved) -> np.ndarray:
+    # [T, 1] for 1-D positions [T]; [T, R/2] for M-RoPE positions [3, T].
+    if mrope_section is None:
+        return pos[:, None]
+    return pos[mrope_rows(mrope_section, mrope_interleaved)].T
+
+
 def rope_oracle(x, pos, inv_freq, attention: float, rotary_dim: int, interleave: bool,
                 mrope_section: Optional[Sequence[int]] = None,
                 mrope_interleaved: bool = False) -> np.ndarray:
     """float64 ``[T, H, D]``: ``x`` rotated at ``pos`` ``[T]`` (M-RoPE: ``[3, T]``, see
     :func:`mrope_rows`); dims past ``rotary_dim`` copied."""
-    pos = np.asarray(pos, np.float64)
-    if mrope_section is None:
-        slot_pos = pos[:, None]
-    else:
-        slot_pos = pos[mrope_rows(mrope_section, mrope_interleaved)].T  # [T, R/2]
+    slot_pos = _slot_positions(np.asarray(pos, np.float64), mrope_section, mrope_interleaved)
     angle = slot_pos * np.asarray(inv_freq, np.float64)[None, :]
     return _rotate(np.asarray(x, np.float64), np.cos(angle) * attention, np.sin(angle) * attention,
                    rotary_dim, interleave)
 
 
 def rope_naive_float32(x, pos, inv_freq, attention: float, rotary_dim: int,
-                       interleave: bool) -> np.ndarray:
-    """float32 ``[T, H, D]`` the textbook way: ``cos(float32(pos) * float32(inv_freq))``.
+                       interleave: bool, mrope_section: Optional[Sequence[int]] = None,
+                       mrope_interleaved: bool = False) -> np.ndarray:
+    """float32 ``[T, H, D]`` the textbook way: ``cos(float32(pos) * float32(inv_freq))``
+    (``pos`` and the M-RoPE arguments as for :func:`rope_oracle`).
 
     What the accurate angle of the kernels avoids: the float32 product loses the angle
     at large positions (its ulp is 0.06 rad at 2**20).
     """
-    angle = np.asarray(pos, np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None, :]
+    slot_pos = _slot_positions(np.asarray(pos, np.float32), mrope_section, mrope_interleaved)
+    angle = slot_pos * np.asarray(inv_freq, np.float32)[None, :]
     factor = np.float32(attention)
     return _rotate(np.asarray(x, np.float32), np.cos(angle) * factor, np.sin(angle) * factor,
                    rotary_dim, interleave)
