@@ -102,14 +102,20 @@ def get_rope_index(model, mm_token_type_ids: np.ndarray, image_grid_thw: np.ndar
 
 
 def vision_position_ids(model, start: int, grid: Tuple[int, int, int],
-                        time_interval: Any = 1.0) -> np.ndarray:
-    """``model.get_vision_position_ids(start, grid, 1, merge, time_interval)``: int64
-    ``[3, tokens]`` of one grid; a float ``time_interval`` is passed as float32 tensor."""
+                        second_per_grid_t: Optional[float] = None) -> np.ndarray:
+    """``model.get_vision_position_ids`` of one grid at ``start``: int64 ``[3, tokens]``.
+
+    With ``second_per_grid_t`` (a Qwen2.5-VL video) the time interval is formed as
+    ``get_rope_index`` forms it, ``tokens_per_second`` times the float32 value its
+    processor hands over; otherwise the method's default interval.
+    """
     import torch
-    if not isinstance(time_interval, int):
-        time_interval = torch.tensor(time_interval, dtype=torch.float32)
-    merge = model.config.vision_config.spatial_merge_size
-    return model.get_vision_position_ids(start, torch.tensor(grid), 1, merge, time_interval).numpy()
+    vision = model.config.vision_config
+    extra = ()
+    if second_per_grid_t is not None:
+        extra = (vision.tokens_per_second * torch.tensor(second_per_grid_t, dtype=torch.float32),)
+    return model.get_vision_position_ids(start, torch.tensor(grid), 1, vision.spatial_merge_size,
+                                         *extra).numpy()
 
 
 def vl_config(config: Mapping[str, Any]):
