@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Optional
 
 import numpy as np
 import pytest
@@ -45,15 +45,17 @@ class Prompt(NamedTuple):
     tokens_per_second: int
 
 
-def generate(rng: np.random.Generator, family: str) -> Prompt:
+def generate(rng: np.random.Generator, family: str, like: Optional[Prompt] = None) -> Prompt:
     """0-4 images and 0-2 videos in random order between text runs, odd grids, several fps.
 
     Every vision grid is wrapped in text (vision start/end tokens, and for Qwen3-VL and
     GLM-4.1V a timestamp before each frame), as real prompts are: transformers reads
-    consecutive vision tokens as one grid.
+    consecutive vision tokens as one grid. ``like``: take its merge and tokens_per_second.
     """
     merge = int(rng.choice(MERGES))
     tokens_per_second = int(rng.choice(TOKENS_PER_SECOND))
+    if like is not None:
+        merge, tokens_per_second = like.merge, like.tokens_per_second
     items = ["image"] * int(rng.integers(0, 5)) + ["video"] * int(rng.integers(0, 3))
     rng.shuffle(items)
     parts, types, images, videos, seconds = [], [], [], [], []
@@ -170,6 +172,25 @@ def test_decoding_after_a_prompt_continues_where_prefilling_would(family, rng):
         np.testing.assert_array_equal(longer[:, length:],
                                       np.broadcast_to(np.arange(length, length + 3) + delta, (3, 3)))
         assert longer_delta == delta
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_continued_prompt_is_offset_by_where_it_starts_and_deltas_add(family, rng):
+    # What the counters rely on: a turn B after A (say a new image in a chat) is B alone
+    # shifted to A's next position L_A + delta_A, and the stream's delta becomes
+    # delta_A + delta_B; so a stream needs only (counter, delta) to continue.
+    for _ in range(100):
+        a = generate(rng, family)
+        b = generate(rng, family, like=a)
+        args = dict(family=family, spatial_merge_size=a.merge,
+                    tokens_per_second=a.tokens_per_second)
+        pos_a, delta_a = rope_index(a.parts, **args)
+        pos_b, delta_b = rope_index(b.parts, **args)
+        both, delta = rope_index(a.parts + b.parts, **args)
+        length = pos_a.shape[1]
+        np.testing.assert_array_equal(both[:, :length], pos_a)
+        np.testing.assert_array_equal(both[:, length:], pos_b + length + delta_a)
+        assert delta == delta_a + delta_b
 
 
 def test_the_spatial_advance_does_not_continue_where_decoding_does():
