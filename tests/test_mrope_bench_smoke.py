@@ -13,7 +13,9 @@ def test_quick_run_writes_timings_accuracy_and_targets(tmp_path):
     timed = {(r["layout"], r["impl"]): r for r in report["kernel"]}
     assert set(timed) == {("qwen2_vl_7b", "jaxrope_1d"), ("qwen2_vl_7b", "jaxrope_mrope"),
                           ("qwen2_vl_7b", "liger")}
-    assert "liger-kernel not found" in timed[("qwen2_vl_7b", "liger")]["skipped"]
+    liger = timed[("qwen2_vl_7b", "liger")]
+    assert "us" not in liger and ("liger-kernel not found" in liger["skipped"]  # with torch
+                                  or "liger needs torch and triton" in liger["skipped"])
     for impl in ("jaxrope_1d", "jaxrope_mrope"):
         assert timed[("qwen2_vl_7b", impl)]["us"] > 0
     # 2 (q + k) bf16 plus the positions: 4 bytes a token in 1-D, 12 with three rows.
