@@ -3,7 +3,7 @@
 The public API is the list below; every other module is an implementation detail.
 """
 
-from jaxrope import cases, hf, models, positions, wire
+from jaxrope import cases, hf, models, mrope, positions, wire
 from jaxrope.apply import apply_rope
 from jaxrope.backend import BACKENDS
 from jaxrope.config import RopeConfig
@@ -30,6 +30,7 @@ __all__ = [
     "cases",
     "hf",
     "models",
+    "mrope",
     "positions",
     "wire",
 ]

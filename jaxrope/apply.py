@@ -37,6 +37,23 @@ def _platform(x) -> str:
     return next(iter(devices)).platform
 
 
+def _check_pos_shape(shape: Tuple[int, ...], tokens: int, cfg: RopeConfig) -> None:
+    if cfg.mrope_section is None:
+        if shape == (3, tokens):
+            raise ValueError(
+                f"pos_ids.shape={shape} is M-RoPE positions [3, T], but cfg is a 1-D config "
+                f"(cfg.mrope_section=None); pass pos_ids [T] with T={tokens}, or a cfg with "
+                "mrope_section")
+        if shape != (tokens,):
+            raise ValueError(f"pos_ids.shape={shape} must be [T] with T={tokens}")
+    elif shape != (3, tokens):
+        raise ValueError(
+            f"pos_ids.shape={shape} must be [3, T] (t, h, w rows) with T={tokens} for an M-RoPE "
+            f"config (cfg.mrope_section={cfg.mrope_section}, "
+            f"cfg.mrope_interleaved={cfg.mrope_interleaved}); text tokens repeat their "
+            "position on all three rows")
+
+
 def validate(q, k, pos_ids, cfg: RopeConfig) -> None:
     """The boundary checks of :func:`apply_rope` (shapes, dtypes, visible positions)."""
     if not isinstance(cfg, RopeConfig):
@@ -56,14 +73,13 @@ def validate(q, k, pos_ids, cfg: RopeConfig) -> None:
         raise ValueError(f"k.dtype={k.dtype} must equal q.dtype={q.dtype}")
     if not hasattr(pos_ids, "shape") or not hasattr(pos_ids, "dtype"):
         raise TypeError(f"pos_ids must be an integer array, got {type(pos_ids).__name__}")
-    if pos_ids.ndim != 1 or pos_ids.shape[0] != q.shape[0]:
-        raise ValueError(f"pos_ids.shape={tuple(pos_ids.shape)} must be [T] with T={q.shape[0]}")
+    _check_pos_shape(tuple(pos_ids.shape), q.shape[0], cfg)
     if not jnp.issubdtype(pos_ids.dtype, jnp.integer):
         raise ValueError(f"pos_ids.dtype={pos_ids.dtype} must be an integer type (int32)")
     if isinstance(q, jax.Array) and isinstance(k, jax.Array) and not isinstance(
             q, jax.core.Tracer) and not isinstance(k, jax.core.Tracer) and q.devices() != k.devices():
         raise ValueError(f"q is on {q.devices()} but k is on {k.devices()}; put them on one device")
-    if not isinstance(pos_ids, jax.core.Tracer) and pos_ids.shape[0]:
+    if not isinstance(pos_ids, jax.core.Tracer) and pos_ids.size:
         values = np.asarray(pos_ids)
         low, high = int(values.min()), int(values.max())
         if low < 0 or high >= cfg.max_position:
@@ -77,9 +93,11 @@ def apply_rope(q, k, pos_ids, cfg: RopeConfig, backend: str = "auto"):
     Args:
       q: ``[T, Hq, D]`` float32, float16 or bfloat16, ``D == cfg.head_dim``.
       k: ``[T, Hk, D]``, same dtype and ``T`` as ``q``.
-      pos_ids: int ``[T]``, the position of each token, in ``[0, cfg.max_position)``.
-        Checked when the values are visible (not traced under ``jit``); traced
-        positions are not checked, and values at or past ``2**24`` lose angle accuracy.
+      pos_ids: int ``[T]``, the position of each token, in ``[0, cfg.max_position)``;
+        for an M-RoPE config (``cfg.mrope_section``) int ``[3, T]``, the t, h and w
+        rows (:func:`jaxrope.mrope.rope_index` gives them for a prompt). Checked when
+        the values are visible (not traced under ``jit``); traced positions are not
+        checked, and values at or past ``2**24`` lose angle accuracy.
       cfg: the :class:`RopeConfig`; static under ``jit``.
       backend: "auto" (Pallas on GPU, XLA elsewhere), "pallas", "xla", "interpret"
         (the Pallas kernel body run by the Pallas interpreter, any platform) or
@@ -97,9 +115,10 @@ def apply_rope(q, k, pos_ids, cfg: RopeConfig, backend: str = "auto"):
 
     Raises:
       TypeError: ``cfg`` is not a RopeConfig or an input is not an array.
-      ValueError: a shape, dtype, device or visible position is invalid, or a sharding
-        that would need communication (head_dim split, q and k tokens split
-        differently, an uneven split: :func:`jaxrope.sharding.local_specs`).
+      ValueError: a shape, dtype, device or visible position is invalid, ``pos_ids [T]``
+        for an M-RoPE config or ``[3, T]`` for a 1-D one, or a sharding that would need
+        communication (head_dim split, q and k tokens split differently, an uneven split:
+        :func:`jaxrope.sharding.local_specs`).
       BackendUnavailable: ``backend="pallas"`` off GPU, ``backend="mosaic"`` off
         CUDA, on a layout it does not cover or on Auto mesh axes.
       NotImplementedError: q is on a mesh mixing Auto and Explicit axes.
@@ -112,10 +131,15 @@ def apply_rope(q, k, pos_ids, cfg: RopeConfig, backend: str = "auto"):
       >>> q2, k2 = jr.apply_rope(q, k, jnp.arange(5, dtype=jnp.int32), cfg)
       >>> q2.shape, k2.dtype
       ((5, 4, 64), dtype(bfloat16))
+      >>> vl = jr.RopeConfig(head_dim=64, mrope_section=(8, 12, 12))
+      >>> q2, k2 = jr.apply_rope(q, k, jnp.zeros((3, 5), jnp.int32), vl)
+      >>> bool((q2 == q).all())  # position 0 on every row: no rotation
+      True
     """
     validate(q, k, pos_ids, cfg)
     pos_ids = jnp.asarray(pos_ids, jnp.int32)
     impl = _sharding.per_shard(_backend.resolve(backend, _platform(q)), q, k, pos_ids)
     tables, attention = kernel_constants(cfg)
     return impl(q, k, pos_ids, jnp.asarray(tables),
-                rotary_dim=cfg.rotary_dim, interleave=cfg.interleave, attention_factor=attention)
+                rotary_dim=cfg.rotary_dim, interleave=cfg.interleave, attention_factor=attention,
+                mrope_section=cfg.mrope_section, mrope_interleaved=cfg.mrope_interleaved)

@@ -5,12 +5,16 @@ Each case is a layer shape plus a :class:`RopeConfig`: real model shapes, odd si
 interleaved pairs, every scaling variant. Tests take the CPU-sized ``tokens``;
 benchmarks scale ``tokens`` up (``dataclasses.replace(case, tokens=16384)``) and keep
 the rest; ``default_d128`` (Llama-3-8B's heads, no scaling) is the benchmarks' target.
+``MROPE_CASES`` are the M-RoPE layouts (``pos_ids [3, T]``): sectioned, interleaved,
+GLM-4.1V's partial GPT-J pairs, partial NeoX halves, odd sizes.
 
 Example:
   >>> from jaxrope.cases import BY_NAME
   >>> case = BY_NAME["llama3_8b"]
   >>> case.tokens, case.q_heads, case.k_heads, case.head_dim
   (17, 32, 8, 128)
+  >>> BY_NAME["qwen2_vl_7b"].cfg.mrope_section
+  (16, 24, 24)
 """
 
 from __future__ import annotations
@@ -73,4 +77,29 @@ CASES: Tuple[Case, ...] = (
     Case("head_dim_512", 3, 2, 1, RopeConfig(head_dim=512)),
 )
 
-BY_NAME = {case.name: case for case in CASES}
+_MROPE_POSITIONS = 1 << 20
+
+MROPE_CASES: Tuple[Case, ...] = (
+    Case("qwen2_vl_7b", 17, 28, 4,
+         RopeConfig(head_dim=128, theta=1e6, max_position=_MROPE_POSITIONS,
+                    mrope_section=(16, 24, 24))),
+    Case("qwen3_vl_interleaved", 19, 32, 8,
+         RopeConfig(head_dim=128, theta=5e6, max_position=_MROPE_POSITIONS,
+                    mrope_section=(24, 20, 20), mrope_interleaved=True)),
+    # GLM-4.1V: half the head rotates, in GPT-J pairs.
+    Case("glm41v_partial_pairs", 5, 32, 2,
+         RopeConfig(head_dim=128, rotary_dim=64, interleave=True, max_position=_MROPE_POSITIONS,
+                    mrope_section=(8, 12, 12))),
+    Case("mrope_partial_halves", 3, 8, 8,
+         RopeConfig(head_dim=128, rotary_dim=64, max_position=_MROPE_POSITIONS,
+                    mrope_section=(8, 12, 12))),
+    Case("mrope_interleaved_d80_odd", 17, 5, 3,
+         RopeConfig(head_dim=80, theta=1e6, max_position=_MROPE_POSITIONS,
+                    mrope_section=(14, 13, 13), mrope_interleaved=True)),
+    Case("mrope_yarn_empty_w", 1, 4, 1,
+         RopeConfig(head_dim=64, theta=1e6, max_position=_MROPE_POSITIONS,
+                    scaling=Yarn(factor=4.0, original_max_position=32768),
+                    mrope_section=(16, 16, 0))),
+)
+
+BY_NAME = {case.name: case for case in CASES + MROPE_CASES}

@@ -40,13 +40,23 @@ class RopeConfig:
         policy: see :meth:`frequencies`). At most ``2**24``.
       scaling: None or one of :class:`Linear`, :class:`DynamicNTK`, :class:`Llama3`,
         :class:`Yarn`, :class:`LongRope`, :class:`Proportional`.
+      mrope_section: None (default: 1-D RoPE, ``pos_ids [T]``) or M-RoPE's
+        ``(s_t, s_h, s_w)``: ints >= 0 summing to ``R/2``, how many of the ``R/2``
+        frequency slots take their position from the t, h and w rows of
+        ``pos_ids [3, T]`` (Qwen2-VL ``(16, 24, 24)``). A list is stored as a tuple.
+      mrope_interleaved: False (default) gives slot ``j`` row t for ``j < s_t``, h for
+        ``j < s_t + s_h``, w otherwise (Qwen2-VL, Qwen2.5-VL, GLM-4.1V); True
+        interleaves them (Qwen3-VL): h where ``j % 3 == 1 and j < 3 * s_h``, w where
+        ``j % 3 == 2 and j < 3 * s_w``, t elsewhere. Either way both elements of a
+        pair (NeoX halves or GPT-J pairs, per ``interleave``) share the slot's position.
 
     Numbers may be Python or numpy scalars (``np.int64(128)``); they are stored as
     Python ``int`` / ``float``, so the config hashes and fingerprints the same either way.
 
     Raises:
       TypeError: naming the field, for a value of the wrong type (``head_dim="128"``,
-        ``head_dim=128.0``, ``interleave=1``, ``scaling="llama3"``).
+        ``head_dim=128.0``, ``interleave=1``, ``scaling="llama3"``, ``mrope_section`` not a
+        sequence of three ints, ``mrope_interleaved`` not a bool).
       ValueError: naming the field, for a value out of range or inconsistent with
         another field.
 
@@ -56,6 +66,8 @@ class RopeConfig:
       >>> inv_freq, attention = cfg.frequencies()
       >>> inv_freq.shape, attention
       ((64,), 1.0)
+      >>> jr.RopeConfig(head_dim=128, theta=1e6, mrope_section=[16, 24, 24]).mrope_section
+      (16, 24, 24)
     """
 
     head_dim: int
@@ -64,6 +76,8 @@ class RopeConfig:
     interleave: bool = False
     max_position: int = 131072
     scaling: Scaling = None
+    mrope_section: Optional[Tuple[int, int, int]] = None
+    mrope_interleaved: bool = False
 
     def __post_init__(self) -> None:
         # One check per field, in field order; each stores the normalised value.
@@ -98,6 +112,33 @@ class RopeConfig:
                                      f"{rotary_dim // 2}")
         if isinstance(self.scaling, DynamicNTK) and rotary_dim <= 2:
             raise ValueError(f"rotary_dim={rotary_dim} must be > 2 for DynamicNTK")
+        self._check_mrope(rotary_dim // 2)
+
+    def _check_mrope(self, slots: int) -> None:
+        section, interleaved = self.mrope_section, self.mrope_interleaved
+        if not isinstance(interleaved, bool):
+            raise TypeError(f"mrope_interleaved={interleaved!r} must be a bool")
+        if section is None:
+            if interleaved:
+                raise ValueError("mrope_interleaved=True needs an mrope_section")
+            return
+        if (not isinstance(section, (tuple, list)) or len(section) != 3
+                or any(not isinstance(s, int) or isinstance(s, bool) for s in section)):
+            raise TypeError(f"mrope_section={section!r} must be three ints (t, h, w slots)")
+        section = tuple(section)
+        object.__setattr__(self, "mrope_section", section)
+        if min(section) < 0 or sum(section) != slots:
+            raise ValueError(f"mrope_section={section} must be ints >= 0 summing to "
+                             f"rotary_dim // 2 = {slots}")
+        _, s_h, s_w = section
+        # Interleaved slots: h at 1, 4, ..., 3*s_h - 2 and w at 2, 5, ..., 3*s_w - 1; a
+        # run past the last slot would give its row fewer slots than its section says.
+        if interleaved and (3 * s_h > slots + 1 or 3 * s_w > slots):
+            raise ValueError(
+                f"mrope_section={section} with mrope_interleaved=True places h at slots "
+                f"j % 3 == 1, j < {3 * s_h} and w at j % 3 == 2, j < {3 * s_w}: both runs must "
+                f"end inside rotary_dim // 2 = {slots} slots (3 * s_h <= {slots + 1}, "
+                f"3 * s_w <= {slots})")
 
     # -- values -----------------------------------------------------------------------
 
@@ -170,7 +211,12 @@ class RopeConfig:
         Numbers are written by value with ``float.hex`` (40 and 40.0 alike), so no
         printing or numpy version can change the bytes.
         """
-        payload = json.dumps([_FINGERPRINT_VERSION, _canonical(self)], sort_keys=True,
+        description = _canonical(self)
+        if self.mrope_section is None:
+            # A 1-D config keeps the bytes it had before M-RoPE existed: prefix caches
+            # keyed by them stay valid.
+            del description["mrope_section"], description["mrope_interleaved"]
+        payload = json.dumps([_FINGERPRINT_VERSION, description], sort_keys=True,
                              separators=(",", ":"))
         return hashlib.sha256(payload.encode()).digest()
 

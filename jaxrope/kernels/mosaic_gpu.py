@@ -39,7 +39,7 @@ On CPU it runs in Mosaic GPU's interpreter (``interpret=True``), for tests.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -112,17 +112,21 @@ def _floor(x):
 
 
 def rope_mosaic(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
-                attention_factor: float, interpret: bool = False):
+                attention_factor: float, mrope_section: Optional[Tuple[int, int, int]] = None,
+                mrope_interleaved: bool = False, interpret: bool = False):
     """Rotate ``q [T, Hq, D]``, ``k [T, Hk, D]`` at ``pos_ids`` int32 ``[T]``; same contract
     as :func:`jaxrope.kernels.pallas_triton.rope_pallas` (in place when donated).
 
     Raises:
-      BackendUnavailable: a layout :func:`unsupported` names, or a JAX
+      BackendUnavailable: M-RoPE (``mrope_section``, not implemented here: the Pallas
+        kernel covers it), a layout :func:`unsupported` names, or a JAX
         :func:`unavailable` names.
     """
     num_tokens, q_heads, head_dim = q.shape
     k_heads = k.shape[1]
-    reason = unsupported(q_heads, k_heads, rotary_dim, interleave) or unavailable()
+    reason = ((mrope_section is not None and f"M-RoPE ({mrope_section=}, {mrope_interleaved=}) "
+               "is not implemented in the Mosaic GPU kernel; backend='pallas' runs it")
+              or unsupported(q_heads, k_heads, rotary_dim, interleave) or unavailable())
     if reason:
         raise BackendUnavailable(reason)
     from jax.experimental.pallas import mosaic_gpu as plgpu

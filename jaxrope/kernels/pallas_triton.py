@@ -23,6 +23,13 @@ The token count is read from a one-element array rather than baked in, so the co
 kernel depends on T only through the grid: the torch bridge compiles it once per head
 layout and launches it for any T (``torch_bridge.triton_launch``).
 
+M-RoPE (``mrope_section``): positions ``[3, T]`` enter flattened, row ``r`` of token
+``t`` at ``r * count + t``, so the row stride is the run-time count and the IR stays
+independent of T here too; a program loads its tokens' three rows and
+:func:`jaxrope.kernels.angle.cos_sin` picks one per frequency slot. The angle is still
+computed once per token block, so the extra work is two position loads and two selects
+per slot, against reads of every head. A 1-D call traces exactly the 1-D kernel.
+
 On the GPU, sine and cosine use the hardware approximations (``sin.approx.f32``): the
 angle is already reduced to ``[-pi, pi]``, where their absolute error (~1e-6) is far
 below what a bf16 or fp16 output can show and near float32 rounding of the products.
@@ -33,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -141,7 +148,8 @@ def _rope_kernel(count_ref, pos_ref, tables_ref, q_ref, k_ref, q_out_ref, k_out_
                  q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interleave: bool,
                  attention_factor: float, lanes: int, block_tokens: int,
                  heads_per_program: int, groups_per_program: int, q_programs: int,
-                 k_programs: int, token_loop: int, heads_major: bool, approx_trig: bool):
+                 k_programs: int, token_loop: int, heads_major: bool, approx_trig: bool,
+                 mrope_section: Optional[Tuple[int, int, int]], mrope_interleaved: bool):
     if heads_major:
         pid = pl.program_id(0)
         group, token_program = pid % (q_programs + k_programs), pid // (q_programs + k_programs)
@@ -167,8 +175,13 @@ def _rope_kernel(count_ref, pos_ref, tables_ref, q_ref, k_ref, q_out_ref, k_out_
         t0 = block * block_tokens
         tokens = pl.ds(t0, block_tokens)
         token_ok = t0 + jnp.arange(block_tokens) < count
-        pos = plgpu.load(pos_ref.at[tokens], mask=token_ok, other=0)
-        cos, sin = cos_sin(pos, *tables, attention_factor, **trig)
+        if mrope_section is None:
+            pos = plgpu.load(pos_ref.at[tokens], mask=token_ok, other=0)
+        else:
+            pos = tuple(plgpu.load(pos_ref.at[pl.ds(row * count + t0, block_tokens)],
+                                   mask=token_ok, other=0) for row in range(3))
+        cos, sin = cos_sin(pos, *tables, attention_factor, mrope_section=mrope_section,
+                           mrope_interleaved=mrope_interleaved, **trig)
         cos, sin = cos[:, None, :], sin[:, None, :]
 
         def load(first_head):
@@ -220,10 +233,12 @@ def _rope_kernel(count_ref, pos_ref, tables_ref, q_ref, k_ref, q_out_ref, k_out_
 
 
 def rope_pallas(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
-                attention_factor: float, interpret: bool = False,
+                attention_factor: float, mrope_section: Optional[Tuple[int, int, int]] = None,
+                mrope_interleaved: bool = False, interpret: bool = False,
                 config: BlockConfig | None = None):
     """Rotate ``q [T, Hq, D]``, ``k [T, Hk, D]`` at ``pos_ids`` int32 ``[T]``, in one launch.
 
+    With ``mrope_section`` (M-RoPE), ``pos_ids`` is int32 ``[3, T]`` (t, h, w rows).
     ``tables`` float32 ``[3, R/2]`` (:func:`jaxrope.frequencies.angle_tables`). Outputs
     alias q and k (``input_output_aliases``): in place when they are donated.
     ``config`` overrides :func:`block_config` (benchmarks sweep it).
@@ -242,7 +257,10 @@ def rope_pallas(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
         attention_factor=attention_factor, lanes=lanes, block_tokens=cfg.block_tokens,
         heads_per_program=cfg.heads_per_program, groups_per_program=cfg.groups_per_program,
         q_programs=q_programs, k_programs=k_programs, token_loop=cfg.token_loop,
-        heads_major=cfg.heads_major, approx_trig=not interpret)
+        heads_major=cfg.heads_major, approx_trig=not interpret, mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved)
+    if mrope_section is not None:
+        pos_ids = pos_ids.reshape(3 * num_tokens)
     q_out, k_out = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype)),

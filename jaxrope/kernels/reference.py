@@ -1,10 +1,13 @@
 """The XLA backend: RoPE in plain jnp, fused by XLA; also the kernels' test oracle on device.
 
 Same signature as every kernel in this package: ``(q, k, pos_ids, tables, *, rotary_dim,
-interleave, attention_factor) -> (q, k)``.
+interleave, attention_factor, mrope_section=None, mrope_interleaved=False) -> (q, k)``,
+with ``pos_ids [T]``, or ``[3, T]`` (t, h, w rows) when ``mrope_section`` is given.
 """
 
 from __future__ import annotations
+
+from typing import Optional, Tuple
 
 import jax.numpy as jnp
 
@@ -31,8 +34,14 @@ def _rotate(x, cos, sin, rotary_dim: int, interleave: bool):
 
 
 def rope_reference(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
-                   attention_factor: float):
-    """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` at ``pos_ids [T]``; tables ``[3, R/2]``."""
-    cos, sin = cos_sin(pos_ids.astype(jnp.int32), tables[0], tables[1], tables[2], attention_factor)
+                   attention_factor: float, mrope_section: Optional[Tuple[int, int, int]] = None,
+                   mrope_interleaved: bool = False):
+    """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` at ``pos_ids [T]`` (M-RoPE: ``[3, T]``);
+    tables ``[3, R/2]``."""
+    pos = pos_ids.astype(jnp.int32)
+    if mrope_section is not None:
+        pos = (pos[0], pos[1], pos[2])
+    cos, sin = cos_sin(pos, tables[0], tables[1], tables[2], attention_factor,
+                       mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
     return (_rotate(q, cos, sin, rotary_dim, interleave),
             _rotate(k, cos, sin, rotary_dim, interleave))

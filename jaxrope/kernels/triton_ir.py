@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Tuple
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,8 @@ class TritonKernel:
     """A Pallas kernel as Triton IR, plus what a launch needs.
 
     ``ttir`` takes pointer arguments in ``pallas_call`` operand order: inputs
-    ``(count, pos_ids, tables, q, k)`` then outputs ``(q, k)``.
+    ``(count, pos_ids, tables, q, k)`` then outputs ``(q, k)``; an M-RoPE kernel's
+    ``pos_ids`` is a contiguous int32 ``[3, count]``.
     """
 
     ttir: str
@@ -55,11 +56,14 @@ class TritonKernel:
 
 
 def export(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interleave: bool,
-           attention_factor: float, dtype, block: pallas_triton.BlockConfig) -> TritonKernel:
+           attention_factor: float, dtype, block: pallas_triton.BlockConfig,
+           mrope_section: Optional[Tuple[int, int, int]] = None,
+           mrope_interleaved: bool = False) -> TritonKernel:
     """Lower the kernel for one head layout and launch shape and return its Triton IR.
 
     The IR does not depend on the token count (read at run time from the ``count``
-    operand), so one export serves every T.
+    operand, which is also the row stride of M-RoPE positions), so one export serves
+    every T.
 
     Raises:
       BackendUnavailable: no GPU, or JAX's private lowering API changed.
@@ -86,11 +90,14 @@ def export(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interl
     def kernel_call(q, k, pos_ids, tables):
         return pallas_triton.rope_pallas(q, k, pos_ids, tables, rotary_dim=rotary_dim,
                                          interleave=interleave,
-                                         attention_factor=attention_factor, config=block)
+                                         attention_factor=attention_factor,
+                                         mrope_section=mrope_section,
+                                         mrope_interleaved=mrope_interleaved, config=block)
 
+    pos_shape = (tokens,) if mrope_section is None else (3, tokens)
     args = (jax.ShapeDtypeStruct((tokens, q_heads, head_dim), dtype),
             jax.ShapeDtypeStruct((tokens, k_heads, head_dim), dtype),
-            jax.ShapeDtypeStruct((tokens,), jnp.int32),
+            jax.ShapeDtypeStruct(pos_shape, jnp.int32),
             jax.ShapeDtypeStruct((3, rotary_dim // 2), jnp.float32))
     with _CAPTURE_LOCK:
         lowering.lower_jaxpr_to_triton_module = spy

@@ -10,6 +10,10 @@ float64 loop-free numpy transcription of the two layouts:
 
 each rotated by ``pos * inv_freq[i]``, then scaled by the attention factor;
 dims ``[R, D)`` are copied.
+
+M-RoPE (``mrope_section``): positions ``[3, T]`` and pair ``i`` takes its position from
+the row :func:`mrope_rows` gives it, written here from the definitions (sections laid
+end to end, or Qwen3-VL's interleaving) independently of the kernels' masks.
 """
 
 from __future__ import annotations
@@ -172,21 +176,55 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rotary_dim: int,
     return out
 
 
-def rope_oracle(x, pos, inv_freq, attention: float, rotary_dim: int, interleave: bool) -> np.ndarray:
-    """float64 ``[T, H, D]``: ``x`` rotated at ``pos`` ``[T]``; dims past ``rotary_dim`` copied."""
-    angle = np.asarray(pos, np.float64)[:, None] * np.asarray(inv_freq, np.float64)[None, :]
+def mrope_rows(mrope_section: Sequence[int], mrope_interleaved: bool) -> np.ndarray:
+    """int ``[R/2]``: the row (0 = t, 1 = h, 2 = w) each frequency pair takes its position from.
+
+    Sectioned: ``s_t`` zeros, ``s_h`` ones, ``s_w`` twos. Interleaved (Qwen3-VL): pair ``j``
+    is h when ``j % 3 == 1`` and ``j < 3 s_h``, w when ``j % 3 == 2`` and ``j < 3 s_w``, else t.
+    """
+    s_t, s_h, s_w = mrope_section
+    if not mrope_interleaved:
+        return np.repeat([0, 1, 2], [s_t, s_h, s_w])
+    rows = []
+    for j in range(s_t + s_h + s_w):
+        if j % 3 == 1 and j < 3 * s_h:
+            rows.append(1)
+        elif j % 3 == 2 and j < 3 * s_w:
+            rows.append(2)
+        else:
+            rows.append(0)
+    return np.array(rows)
+
+
+def _slot_positions(pos: np.ndarray, mrope_section, mrope_interleaved) -> np.ndarray:
+    # [T, 1] for 1-D positions [T]; [T, R/2] for M-RoPE positions [3, T].
+    if mrope_section is None:
+        return pos[:, None]
+    return pos[mrope_rows(mrope_section, mrope_interleaved)].T
+
+
+def rope_oracle(x, pos, inv_freq, attention: float, rotary_dim: int, interleave: bool,
+                mrope_section: Optional[Sequence[int]] = None,
+                mrope_interleaved: bool = False) -> np.ndarray:
+    """float64 ``[T, H, D]``: ``x`` rotated at ``pos`` ``[T]`` (M-RoPE: ``[3, T]``, see
+    :func:`mrope_rows`); dims past ``rotary_dim`` copied."""
+    slot_pos = _slot_positions(np.asarray(pos, np.float64), mrope_section, mrope_interleaved)
+    angle = slot_pos * np.asarray(inv_freq, np.float64)[None, :]
     return _rotate(np.asarray(x, np.float64), np.cos(angle) * attention, np.sin(angle) * attention,
                    rotary_dim, interleave)
 
 
 def rope_naive_float32(x, pos, inv_freq, attention: float, rotary_dim: int,
-                       interleave: bool) -> np.ndarray:
-    """float32 ``[T, H, D]`` the textbook way: ``cos(float32(pos) * float32(inv_freq))``.
+                       interleave: bool, mrope_section: Optional[Sequence[int]] = None,
+                       mrope_interleaved: bool = False) -> np.ndarray:
+    """float32 ``[T, H, D]`` the textbook way: ``cos(float32(pos) * float32(inv_freq))``
+    (``pos`` and the M-RoPE arguments as for :func:`rope_oracle`).
 
     What the accurate angle of the kernels avoids: the float32 product loses the angle
     at large positions (its ulp is 0.06 rad at 2**20).
     """
-    angle = np.asarray(pos, np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None, :]
+    slot_pos = _slot_positions(np.asarray(pos, np.float32), mrope_section, mrope_interleaved)
+    angle = slot_pos * np.asarray(inv_freq, np.float32)[None, :]
     factor = np.float32(attention)
     return _rotate(np.asarray(x, np.float32), np.cos(angle) * factor, np.sin(angle) * factor,
                    rotary_dim, interleave)
