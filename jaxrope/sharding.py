@@ -182,13 +182,20 @@ def per_shard(impl: Callable, q, k, pos_ids) -> Callable:
       ValueError: a sharding :func:`local_specs` refuses. With Auto axes under ``jit``
         the compiler's partitioning callback raises it, wrapped in a
         ``JaxRuntimeError``, when the call is compiled.
-      NotImplementedError: a mesh mixing Auto and Explicit axes.
+      NotImplementedError: a mesh mixing Auto and Explicit axes, or M-RoPE ``pos_ids
+        [3, T]`` on a mesh.
       BackendUnavailable: Auto axes and a kernel with effects (the Mosaic GPU kernel's
         mutable refs), which ``custom_partitioning`` cannot lower.
     """
     kind = _mesh_kind(jax.typeof(q).sharding.mesh)
     if kind is None:
         return impl
+    if pos_ids.ndim != 1:
+        # The per-shard specs are written for pos_ids [T]; an M-RoPE [3, T] would need its
+        # row axis kept whole. Refused rather than guessed.
+        raise NotImplementedError(
+            f"M-RoPE pos_ids.shape={tuple(pos_ids.shape)} with q on a mesh: sharded apply_rope "
+            "takes 1-D positions only; run M-RoPE under your own shard_map (check_vma=False)")
     if kind == AxisType.Explicit:
         return _explicit(impl, q, k, pos_ids)
     if not isinstance(q, jax.core.Tracer) and isinstance(q.sharding, NamedSharding):

@@ -235,3 +235,14 @@ def test_mosaic_kernel_runs_per_shard_on_explicit_axes_and_is_refused_on_auto(rn
     spec = NamedSharding(grid, P("data", "model"))
     with pytest.raises(jr.BackendUnavailable, match="custom_partitioning cannot lower"):
         jax.jit(call).lower(jax.device_put(q, spec), jax.device_put(k, spec), pos)
+
+
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+def test_mrope_positions_on_a_mesh_are_refused_with_the_reason(rng, axis_type):
+    grid = mesh(axis_type, (8,), ("data",))
+    cfg = jr.RopeConfig(head_dim=64, mrope_section=(8, 12, 12))
+    by_token = NamedSharding(grid, P("data"))
+    q = jax.device_put(jnp.asarray(rng.standard_normal((16, 4, 64)), jnp.float32), by_token)
+    k = jax.device_put(jnp.asarray(rng.standard_normal((16, 2, 64)), jnp.float32), by_token)
+    with pytest.raises(NotImplementedError, match="M-RoPE pos_ids.shape=\\(3, 16\\)"):
+        jr.apply_rope(q, k, jnp.zeros((3, 16), jnp.int32), cfg, backend="xla")
