@@ -36,6 +36,7 @@ import numpy as np
 from jaxrope import apply as _apply
 from jaxrope import backend as _backend
 from jaxrope.config import RopeConfig
+from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels.kv_reference import FP8
 
 LAYOUTS = ("NHD", "HND")
@@ -180,7 +181,9 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
       ValueError: a shape, dtype, device, layout, visible position, slot or scale is
         invalid.
       NotImplementedError: M-RoPE positions ``[3, T]`` (not yet fused).
-      BackendUnavailable: ``backend="pallas"`` off GPU, ``"mosaic"`` (no fused kernel).
+      BackendUnavailable: ``backend="pallas"`` off GPU or on an fp8 cache of 2-4 GiB
+        (:func:`jaxrope.kernels.kv_pallas.unsupported`; "auto" takes the XLA path
+        there), ``"mosaic"`` (no fused kernel).
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxrope as jr
@@ -215,15 +218,24 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
     quantized = jnp.dtype(caches[0].dtype) == FP8
     scales = jnp.stack([_scale("k_quant_scale", k_quant_scale, quantized),
                         _scale("v_quant_scale", v_quant_scale, quantized)])
-    impl = _backend.resolve(backend, _apply._platform(q), op="rope_append_kv")
+    platform = _apply._platform(q)
+    impl = _backend.resolve(backend, platform, op="rope_append_kv")
     tables, attention = _apply.kernel_constants(cfg)
     if combined:
         # [pages, 2, ...] -> [2 * pages, ...]: page p's keys are view page 2p, values 2p + 1.
         caches = (caches[0].reshape(-1, *caches[0].shape[2:]),)
-    q, caches = impl(q, k, v, jnp.asarray(pos_ids, jnp.int32), jnp.asarray(slots, jnp.int32),
-                     jnp.asarray(tables), scales, caches, layout=layout, page_size=page_size,
-                     components=2 if combined else 1, rotary_dim=cfg.rotary_dim,
-                     interleave=cfg.interleave, attention_factor=attention)
+    args = (q, k, v, jnp.asarray(pos_ids, jnp.int32), jnp.asarray(slots, jnp.int32),
+            jnp.asarray(tables), scales, caches)
+    kwargs = dict(layout=layout, page_size=page_size, components=2 if combined else 1,
+                  rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
+                  attention_factor=attention)
+    try:
+        q, caches = impl(*args, **kwargs)
+    except BackendUnavailable:
+        # "auto" takes the next path when the kernel declines (an fp8 cache of 2-4 GiB).
+        if backend != "auto":
+            raise
+        q, caches = _backend.resolve("xla", platform, op="rope_append_kv")(*args, **kwargs)
     if combined:
         return q, caches[0].reshape(kv_cache.shape)
     return q, tuple(caches)

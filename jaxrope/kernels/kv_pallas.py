@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels import pallas_triton
 from jaxrope.kernels.angle import cos_sin
 from jaxrope.kernels.kv_reference import FP8, to_cache_dtype
@@ -120,6 +121,21 @@ def block_config(num_tokens: int, q_heads: int, k_heads: int, lanes: int) -> App
                and math.prod(grid(num_tokens, q_heads, k_heads, block)) < _MIN_PROGRAMS):
             block = dataclasses.replace(block, **{field: getattr(block, field) // 2})
     return block
+
+
+def unsupported(cache) -> str | None:
+    """Why the Triton lowering cannot address ``cache``, or None when it can.
+
+    JAX's Pallas Triton lowering (0.10-0.11) indexes an array of at most 2**32 bytes
+    with int32 element offsets, which Triton sign-extends: for 1-byte elements (an fp8
+    cache) offsets past 2**31 elements, i.e. caches of (2 GiB, 4 GiB], would wrap to
+    negative addresses. Larger arrays get int64 offsets and are fine.
+    """
+    elements = math.prod(cache.shape)
+    if jnp.dtype(cache.dtype).itemsize == 1 and 2 ** 31 < elements <= 2 ** 32:
+        return (f"a {cache.dtype} cache of {elements} elements (2-4 GiB) would overflow the "
+                "int32 offsets of the Pallas Triton lowering; the XLA path handles it")
+    return None
 
 
 def _rope_append_kv_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, q_ref, k_ref,
@@ -265,6 +281,9 @@ def rope_append_kv_pallas(q, k, v, pos_ids, slots, tables, scales, caches, *, la
     """
     num_tokens, q_heads, head_dim = q.shape
     k_heads = k.shape[1]
+    declined = unsupported(caches[0])
+    if declined:
+        raise BackendUnavailable(declined)
     if num_tokens == 0:
         return q, tuple(caches)
     lanes = pallas_triton.lanes_for(rotary_dim)
