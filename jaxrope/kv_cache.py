@@ -190,7 +190,7 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
       >>> cfg = jr.RopeConfig(head_dim=64)
       >>> q = jnp.ones((3, 4, 64), jnp.bfloat16)
       >>> k = v = jnp.ones((3, 2, 64), jnp.bfloat16)
-      >>> cache = (jnp.zeros((4, 16, 2, 64), jnp.bfloat16),) * 2   # 4 pages of 16, NHD
+      >>> cache = tuple(jnp.zeros((4, 16, 2, 64), jnp.bfloat16) for _ in "kv")  # 4 pages of 16
       >>> step = jax.jit(jr.apply_rope_and_append_kv, static_argnames="cfg",
       ...                donate_argnums=(0, 4))
       >>> slots = jnp.array([17, -1, 40], jnp.int32)   # page 1 entry 1, skipped, page 2 entry 8

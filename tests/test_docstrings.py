@@ -23,7 +23,7 @@ PACKAGES = ("jaxrope", "torch_bridge")
 CONSTANT_HOMES = {("jaxrope", "BACKENDS"): "jaxrope.backend"}
 
 DOCTESTED_HERE = ("jaxrope.scaling", "jaxrope.positions", "jaxrope.backend", "jaxrope.cases",
-                  "jaxrope.errors",
+                  "jaxrope.errors", "jaxrope.kv_cache",
                   "torch_bridge.triton_launch", "torch_bridge.device_counters")
 DOCTESTED_ELSEWHERE = ("jaxrope.config", "jaxrope.apply", "jaxrope.models",  # test_config.py
                        "torch_bridge.config", "torch_bridge.dlpack",  # test_manager.py
