@@ -178,6 +178,24 @@ def test_the_cache_holds_what_apply_rope_returns_for_k(name, backend, rng):
     assert kv_oracle.ulps(k_rows, np.asarray(k_rope)[written]).max() <= 1
 
 
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_apply_rope_output_scattered_into_a_cache_under_jit(dtype_name, rng):
+    # The unfused pair in one jitted step. XLA CPU once fused the partial-rotary update
+    # x.at[..., :R].set(rotated) in place into x while reading it, and the scatter then
+    # stored half-overwritten pairs (relative error ~0.5).
+    cfg = BY_NAME["partial_half_d128"].cfg
+    q = jnp.asarray(rng.standard_normal((19, 8, 128)), DTYPES[dtype_name])
+    pos = rng.integers(0, 4096, 19).astype(np.int32)
+    slots = rng.permutation(40)[:19]
+
+    def step(q, pos, cache):
+        return cache.at[slots].set(jr.apply_rope(q, q[:, :1], pos, cfg, backend="xla")[0])
+
+    cache = jax.jit(step)(q, jnp.asarray(pos), jnp.zeros((40, 8, 128), q.dtype))
+    error = oracle.relative_error(np.asarray(cache)[slots], rope64(cfg, q, pos))
+    assert error < TOLERANCE[dtype_name], f"relative error {error:.3g}"
+
+
 def test_fp8_storage_rounds_to_nearest_even_and_saturates():
     # Every e4m3 value, the midpoints between neighbours (ties go to the even one) and a
     # float32 ulp either side of them, values past 448 (which must saturate, not become
