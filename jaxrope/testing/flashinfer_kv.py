@@ -132,8 +132,10 @@ def run_fp8_fused(cfg: jr.RopeConfig, q: np.ndarray, k: np.ndarray, v: np.ndarra
     tq, tk, tv = (_to_torch(x, dev) for x in (q, k, v))
     kc, vc = _to_torch(k_cache, dev), _to_torch(v_cache, dev)
     ids = _batch_tensors(batch, dev)
+    # No non-rotary part: None (FlashInfer makes the empty tensors itself).
+    q_nope, k_nope = (x[..., r:] if r < cfg.head_dim else None for x in (tq, tk))
     q_rope, q_nope = flashinfer.rope_quantize_fp8_append_paged_kv_cache(
-        tq[..., :r], tk[..., :r], tq[..., r:], tk[..., r:], tv, _to_torch(table, dev),
+        tq[..., :r], tk[..., :r], q_nope, k_nope, tv, _to_torch(table, dev),
         _to_torch(rows, dev), (kc, vc), ids["kv_indices"], ids["kv_indptr"],
         ids["batch_indices"], ids["positions"], is_neox=not cfg.interleave,
         quantize_dtype=torch.float8_e4m3fn, quant_scale_q=quant_scale_q,
