@@ -75,22 +75,25 @@ def paged_batch(rng: np.random.Generator, append_lengths: Sequence[int],
         page_size=page_size)
 
 
-def _to_torch(x: np.ndarray, device):
+def to_torch(x: np.ndarray, device):
+    """A torch copy of ``x`` on ``device`` (bf16 and fp8 through their bits)."""
     import torch
     if x.dtype == kv_oracle.E4M3:
         return torch.from_numpy(x.copy().view(np.uint8)).view(torch.float8_e4m3fn).to(device)
     return fp._to_torch(x, device)
 
 
-def _from_torch(t, dtype: np.dtype) -> np.ndarray:
+def from_torch(t, dtype: np.dtype) -> np.ndarray:
+    """numpy ``dtype`` of a torch tensor (fp8 tensors come back as ml_dtypes e4m3)."""
     import torch
     if t.dtype == torch.float8_e4m3fn:
         return t.detach().cpu().contiguous().view(torch.uint8).numpy().view(kv_oracle.E4M3)
     return fp._from_torch(t, dtype)
 
 
-def _batch_tensors(batch: PagedBatch, device):
-    return {name: _to_torch(getattr(batch, name), device)
+def batch_tensors(batch: PagedBatch, device):
+    """FlashInfer's index tensors of ``batch`` on ``device``, by field name."""
+    return {name: to_torch(getattr(batch, name), device)
             for name in ("kv_indices", "kv_indptr", "kv_last_page_len", "batch_indices",
                          "positions")}
 
@@ -104,16 +107,16 @@ def run_rope_then_append(cfg: jr.RopeConfig, q: np.ndarray, k: np.ndarray, v: np
     import torch
 
     dev = torch.device(fp.FLASHINFER_DEVICE)
-    tq, tk, tv = (_to_torch(x, dev) for x in (q, k, v))
-    kc, vc = _to_torch(k_cache, dev), _to_torch(v_cache, dev)
-    ids = _batch_tensors(batch, dev)
-    flashinfer.apply_rope_pos_ids_inplace(tq, tk, _to_torch(pos_ids, dev),
+    tq, tk, tv = (to_torch(x, dev) for x in (q, k, v))
+    kc, vc = to_torch(k_cache, dev), to_torch(v_cache, dev)
+    ids = batch_tensors(batch, dev)
+    flashinfer.apply_rope_pos_ids_inplace(tq, tk, to_torch(pos_ids, dev),
                                           **fp.flashinfer_kwargs("pos_ids", cfg))
     flashinfer.append_paged_kv_cache(tk, tv, ids["batch_indices"], ids["positions"], (kc, vc),
                                      ids["kv_indices"], ids["kv_indptr"], ids["kv_last_page_len"],
                                      kv_layout=layout)
     torch.cuda.synchronize()
-    return _from_torch(tq, q.dtype), _from_torch(kc, k_cache.dtype), _from_torch(vc, v_cache.dtype)
+    return from_torch(tq, q.dtype), from_torch(kc, k_cache.dtype), from_torch(vc, v_cache.dtype)
 
 
 def run_fp8_fused(cfg: jr.RopeConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray,
@@ -129,17 +132,17 @@ def run_fp8_fused(cfg: jr.RopeConfig, q: np.ndarray, k: np.ndarray, v: np.ndarra
     dev = torch.device(fp.FLASHINFER_DEVICE)
     r = cfg.rotary_dim
     table, rows = fp.cos_sin_cache(cfg, pos_ids, dense=False)
-    tq, tk, tv = (_to_torch(x, dev) for x in (q, k, v))
-    kc, vc = _to_torch(k_cache, dev), _to_torch(v_cache, dev)
-    ids = _batch_tensors(batch, dev)
+    tq, tk, tv = (to_torch(x, dev) for x in (q, k, v))
+    kc, vc = to_torch(k_cache, dev), to_torch(v_cache, dev)
+    ids = batch_tensors(batch, dev)
     # No non-rotary part: None (FlashInfer makes the empty tensors itself).
     q_nope, k_nope = (x[..., r:] if r < cfg.head_dim else None for x in (tq, tk))
     q_rope, q_nope = flashinfer.rope_quantize_fp8_append_paged_kv_cache(
-        tq[..., :r], tk[..., :r], q_nope, k_nope, tv, _to_torch(table, dev),
-        _to_torch(rows, dev), (kc, vc), ids["kv_indices"], ids["kv_indptr"],
+        tq[..., :r], tk[..., :r], q_nope, k_nope, tv, to_torch(table, dev),
+        to_torch(rows, dev), (kc, vc), ids["kv_indices"], ids["kv_indptr"],
         ids["batch_indices"], ids["positions"], is_neox=not cfg.interleave,
         quantize_dtype=torch.float8_e4m3fn, quant_scale_q=quant_scale_q,
         quant_scale_kv=quant_scale_kv, page_size=batch.page_size, kv_layout=layout)
     torch.cuda.synchronize()
-    q_fp8 = np.concatenate([_from_torch(q_rope, None), _from_torch(q_nope, None)], axis=-1)
-    return q_fp8, _from_torch(kc, None), _from_torch(vc, None)
+    q_fp8 = np.concatenate([from_torch(q_rope, None), from_torch(q_nope, None)], axis=-1)
+    return q_fp8, from_torch(kc, None), from_torch(vc, None)
