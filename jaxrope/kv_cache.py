@@ -195,8 +195,10 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
       ...                donate_argnums=(0, 4))
       >>> slots = jnp.array([17, -1, 40], jnp.int32)   # page 1 entry 1, skipped, page 2 entry 8
       >>> q, (k_cache, v_cache) = step(q, k, v, jnp.arange(3), cache, slots, cfg=cfg)
-      >>> float(v_cache[1, 1, 0, 0]), float(v_cache[0, 0, 0, 0]), float(k_cache[2, 8, 0, 0])
-      (1.0, 0.0, 1.0)
+      >>> float(v_cache[1, 1, 0, 0]), float(v_cache[0, 0, 0, 0])   # written, untouched
+      (1.0, 0.0)
+      >>> float(k_cache[1, 1, 0, 0]), float(k_cache[2, 8, 0, 0])   # cos(p) - sin(p), p = 0, 2
+      (1.0, -1.328125)
     """
     if _is_array(pos_ids) and pos_ids.ndim == 2 and pos_ids.shape[0] == 3:
         raise NotImplementedError(f"pos_ids.shape={tuple(pos_ids.shape)}: M-RoPE positions "
