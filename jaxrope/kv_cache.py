@@ -209,6 +209,8 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
     if v.shape != k.shape or v.dtype != k.dtype:
         raise ValueError(f"v ({tuple(v.shape)}, {v.dtype}) must match k ({tuple(k.shape)}, "
                          f"{k.dtype})")
+    if all(_visible(x) and isinstance(x, jax.Array) for x in (k, v)) and v.devices() != k.devices():
+        raise ValueError(f"v is on {v.devices()} but k is on {k.devices()}; put them on one device")
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
     caches, combined = _caches(kv_cache, layout, k)
