@@ -189,10 +189,11 @@ def _rope_append_kv_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, 
         a, b = values
         return [a * cos - b * sin, b * cos + a * sin]
 
-    def angle(t, tables):
+    def angle(t, turns):
+        # The one place a token's angle is formed (M-RoPE changes only this).
         pos = plgpu.load(pos_ref.at[t])
         trig = {"sin_cos": pallas_triton._sin_cos_approx} if approx_trig else {}
-        cos, sin = cos_sin(pos, *tables, attention_factor, **trig)
+        cos, sin = cos_sin(pos, *turns, attention_factor, **trig)
         return cos[None, :], sin[None, :]
 
     def cache_slot(t, token_ok, component):
@@ -221,12 +222,12 @@ def _rope_append_kv_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, 
             return
         jax.lax.fori_loop(0, token_loop, lambda i, c: (step(i), c)[1], 0)
 
-    def tables():
+    def load_turns():
         return [plgpu.load(tables_ref.at[jnp.int32(i)]) for i in range(3)]
 
     @pl.when(group < q_programs)
     def _():
-        turns = tables()
+        turns = load_turns()
 
         def body(t, token_ok):
             cos, sin = angle(t, turns)
@@ -240,7 +241,7 @@ def _rope_append_kv_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, 
         walk(body)
 
     def append(program, rotated: bool, value_ref, cache_ref, component, scale_index):
-        turns = tables() if rotated else None
+        turns = load_turns() if rotated else None
         scale = plgpu.load(scale_ref.at[jnp.int32(scale_index)]) if quantize else None
         pieces = (rotary + passthrough) if rotated else whole_row
 
