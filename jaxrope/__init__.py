@@ -8,6 +8,7 @@ from jaxrope.apply import apply_rope
 from jaxrope.backend import BACKENDS
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
+from jaxrope.kv_cache import apply_rope_and_append_kv
 from jaxrope.positions import PositionTable, Scheme, SlotMap
 from jaxrope.scaling import DynamicNTK, Linear, Llama3, LongRope, Proportional, Yarn
 
@@ -27,6 +28,7 @@ __all__ = [
     "SlotMap",
     "Yarn",
     "apply_rope",
+    "apply_rope_and_append_kv",
     "cases",
     "hf",
     "models",

@@ -29,7 +29,7 @@ import functools
 from typing import Callable
 
 from jaxrope.errors import BackendUnavailable
-from jaxrope.kernels import mosaic_gpu, pallas_triton, reference
+from jaxrope.kernels import kv_pallas, kv_reference, mosaic_gpu, pallas_triton, reference
 
 BACKENDS = ("auto", "pallas", "xla", "interpret", "mosaic")
 
@@ -40,16 +40,28 @@ _IMPLEMENTATIONS = {
     "mosaic": mosaic_gpu.rope_mosaic,
 }
 
+# The fused RoPE + paged KV-cache append (jaxrope.kv_cache); signature of
+# kv_reference.rope_append_kv_reference. No Mosaic GPU kernel yet.
+_APPEND_KV_IMPLEMENTATIONS = {
+    "xla": kv_reference.rope_append_kv_reference,
+    "pallas": kv_pallas.rope_append_kv_pallas,
+    "interpret": functools.partial(kv_pallas.rope_append_kv_pallas, interpret=True),
+}
 
-def resolve(backend: str, platform: str) -> Callable:
-    """The implementation for ``backend`` on ``platform`` ("cpu", "gpu", "cuda", ...).
+_OPS = {"rope": _IMPLEMENTATIONS, "rope_append_kv": _APPEND_KV_IMPLEMENTATIONS}
 
-    "auto" is the Pallas kernel on GPU and XLA elsewhere.
+
+def resolve(backend: str, platform: str, op: str = "rope") -> Callable:
+    """The implementation of ``op`` for ``backend`` on ``platform`` ("cpu", "gpu", "cuda", ...).
+
+    "auto" is the Pallas kernel on GPU and XLA elsewhere. ``op`` is "rope"
+    (:func:`jaxrope.apply_rope`) or "rope_append_kv"
+    (:func:`jaxrope.apply_rope_and_append_kv`).
 
     Raises:
       ValueError: unknown backend name.
-      BackendUnavailable: "pallas" on a platform without a Pallas GPU lowering, or
-        "mosaic" off CUDA.
+      BackendUnavailable: "pallas" on a platform without a Pallas GPU lowering,
+        "mosaic" off CUDA, or a backend without a kernel for ``op``.
 
     Example:
       >>> resolve("xla", "cpu").__name__
@@ -68,4 +80,8 @@ def resolve(backend: str, platform: str) -> Callable:
         raise BackendUnavailable(
             f"backend='mosaic' needs a CUDA GPU (Hopper or newer), the arrays are on "
             f"{platform!r}")
-    return _IMPLEMENTATIONS[backend]
+    implementations = _OPS[op]
+    if backend not in implementations:
+        raise BackendUnavailable(f"backend={backend!r} has no {op} kernel; use one of "
+                                 f"{('auto', *implementations)}")
+    return implementations[backend]

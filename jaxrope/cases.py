@@ -8,13 +8,19 @@ the rest; ``default_d128`` (Llama-3-8B's heads, no scaling) is the benchmarks' t
 ``MROPE_CASES`` are the M-RoPE layouts (``pos_ids [3, T]``): sectioned, interleaved,
 GLM-4.1V's partial GPT-J pairs, partial NeoX halves, odd sizes.
 
+``APPEND_CASES`` extend some of them with the paged KV cache that
+:func:`jaxrope.apply_rope_and_append_kv` writes: layout, page size, a combined
+``[pages, 2, ...]`` array or a pair, fp8, and how many tokens are padding (slot -1).
+
 Example:
-  >>> from jaxrope.cases import BY_NAME
+  >>> from jaxrope.cases import APPEND_BY_NAME, BY_NAME
   >>> case = BY_NAME["llama3_8b"]
   >>> case.tokens, case.q_heads, case.k_heads, case.head_dim
   (17, 32, 8, 128)
   >>> BY_NAME["qwen2_vl_7b"].cfg.mrope_section
   (16, 24, 24)
+  >>> APPEND_BY_NAME["llama3_hnd_p16"].case.name, APPEND_BY_NAME["llama3_hnd_p16"].layout
+  ('llama3_8b', 'HND')
 """
 
 from __future__ import annotations
@@ -103,3 +109,48 @@ MROPE_CASES: Tuple[Case, ...] = (
 )
 
 BY_NAME = {case.name: case for case in CASES + MROPE_CASES}
+
+
+@dataclasses.dataclass(frozen=True)
+class AppendCase:
+    """A :class:`Case` whose k and v also go into a paged cache (``pages`` of ``page_size``)."""
+
+    name: str
+    rope: str  # the name of the Case giving tokens, heads and config
+    layout: str = "NHD"
+    page_size: int = 16
+    combined: bool = False  # one [pages, 2, ...] array rather than a (k_cache, v_cache) pair
+    fp8: bool = False
+    padding: int = 1  # tokens (the last ones) given slot -1
+
+    @property
+    def case(self) -> Case:
+        return BY_NAME[self.rope]
+
+    @property
+    def pages(self) -> int:
+        """Room for every token twice over plus one page, so slots scatter and some stay free."""
+        return 2 * -(-self.case.tokens // self.page_size) + 1
+
+
+APPEND_CASES: Tuple[AppendCase, ...] = (
+    AppendCase("llama3_nhd_p16", "llama3_8b"),
+    AppendCase("llama3_hnd_p16", "llama3_8b", layout="HND"),
+    AppendCase("llama3_nhd_p1_combined", "llama3_8b", page_size=1, combined=True),
+    AppendCase("partial_half_hnd_p1", "partial_half_d128", layout="HND", page_size=1),
+    AppendCase("neox_quarter_nhd_combined", "neox_partial_quarter", combined=True, padding=3),
+    AppendCase("gptj_interleave_hnd_combined", "gptj_interleave", layout="HND", combined=True),
+    AppendCase("interleave_d96_nhd_p1", "interleave_d96_partial", page_size=1),
+    AppendCase("deepseek_interleave_nhd", "deepseek_v2_rope"),
+    AppendCase("linear_d80_hnd_one_token", "linear_x4", layout="HND", padding=0),
+    AppendCase("decode_d64_nhd_one_token", "default_d64", padding=0),
+    AppendCase("head_dim_512_hnd", "head_dim_512", layout="HND"),
+    AppendCase("yarn_all_padding", "qwen25_yarn", padding=19),
+    AppendCase("llama3_fp8_nhd", "llama3_8b", fp8=True),
+    AppendCase("partial_half_fp8_hnd_combined", "partial_half_d128", layout="HND", combined=True,
+               fp8=True),
+    AppendCase("gptj_fp8_nhd_p1", "gptj_interleave", page_size=1, fp8=True),
+    AppendCase("dynamic_d192_fp8_hnd", "dynamic_ntk", layout="HND", fp8=True, padding=2),
+)
+
+APPEND_BY_NAME = {case.name: case for case in APPEND_CASES}

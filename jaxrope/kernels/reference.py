@@ -30,7 +30,10 @@ def _rotate(x, cos, sin, rotary_dim: int, interleave: bool):
     rotated = rotated.astype(x.dtype)
     if rotary_dim == x.shape[-1]:
         return rotated
-    return x.at[..., :rotary_dim].set(rotated)
+    # Not x.at[..., :rotary_dim].set(rotated): XLA CPU (jaxlib 0.10.2, 0.11.2) fuses that
+    # update in place into x's buffer while still reading x, and a scatter of the result
+    # (a KV-cache write) then stores half-overwritten pairs.
+    return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
 
 
 def rope_reference(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +55,41 @@ class TritonKernel:
         return (*axes, 1, 1)[:3]
 
 
+def capture(fn, *specs) -> List[str]:
+    """The Triton IR text of each Pallas kernel in ``jax.jit(fn)`` lowered for CUDA on ``specs``.
+
+    Raises:
+      BackendUnavailable: no GPU target (off a GPU, JAX 0.11 needs an abstract one:
+        :func:`jaxrope.testing.lowering.cuda_target`), or JAX's private lowering API
+        changed.
+    """
+    try:
+        from jax._src.pallas.triton import pallas_call_registration as registration
+    except ImportError as e:  # pragma: no cover - depends on the installed JAX
+        raise BackendUnavailable(f"JAX {jax.__version__} has no Pallas Triton lowering: {e}") from e
+    lowering = getattr(registration, "lowering", None)
+    original = getattr(lowering, "lower_jaxpr_to_triton_module", None)
+    if original is None:
+        raise BackendUnavailable(f"JAX {jax.__version__}: Pallas Triton lowering entry point moved")
+    captured = []
+
+    def spy(*args, **kwargs):
+        result = original(*args, **kwargs)
+        captured.append(result.module.operation.get_asm())
+        return result
+
+    with _CAPTURE_LOCK:
+        lowering.lower_jaxpr_to_triton_module = spy
+        try:
+            # A fresh closure per capture: jit's caches must not skip the lowering.
+            jax.jit(lambda *a: fn(*a)).trace(*specs).lower(lowering_platforms=("cuda",))
+        except Exception as e:
+            raise BackendUnavailable(f"lowering the Pallas kernel failed: {e}") from e
+        finally:
+            lowering.lower_jaxpr_to_triton_module = original
+    return captured
+
+
 def export(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interleave: bool,
            attention_factor: float, dtype, block: pallas_triton.BlockConfig,
            mrope_section: Optional[Tuple[int, int, int]] = None,
@@ -68,24 +103,9 @@ def export(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interl
     Raises:
       BackendUnavailable: no GPU, or JAX's private lowering API changed.
     """
-    try:
-        from jax._src.pallas.triton import pallas_call_registration as registration
-    except ImportError as e:  # pragma: no cover - depends on the installed JAX
-        raise BackendUnavailable(f"JAX {jax.__version__} has no Pallas Triton lowering: {e}") from e
-    lowering = getattr(registration, "lowering", None)
-    original = getattr(lowering, "lower_jaxpr_to_triton_module", None)
-    if original is None:
-        raise BackendUnavailable(f"JAX {jax.__version__}: Pallas Triton lowering entry point moved")
-
     # Any T works (the IR reads the count at run time) as long as the grid has two token
     # blocks: Pallas folds program_id of a size-1 grid axis to the constant 0.
     tokens = 2 * block.block_tokens * block.token_loop
-    captured = []
-
-    def spy(*args, **kwargs):
-        result = original(*args, **kwargs)
-        captured.append(result.module.operation.get_asm())
-        return result
 
     def kernel_call(q, k, pos_ids, tables):
         return pallas_triton.rope_pallas(q, k, pos_ids, tables, rotary_dim=rotary_dim,
@@ -99,15 +119,7 @@ def export(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interl
             jax.ShapeDtypeStruct((tokens, k_heads, head_dim), dtype),
             jax.ShapeDtypeStruct(pos_shape, jnp.int32),
             jax.ShapeDtypeStruct((3, rotary_dim // 2), jnp.float32))
-    with _CAPTURE_LOCK:
-        lowering.lower_jaxpr_to_triton_module = spy
-        try:
-            # A fresh closure per export: jit's caches must not skip the lowering.
-            jax.jit(lambda *a: kernel_call(*a)).trace(*args).lower(lowering_platforms=("cuda",))
-        except Exception as e:
-            raise BackendUnavailable(f"lowering the Pallas kernel failed: {e}") from e
-        finally:
-            lowering.lower_jaxpr_to_triton_module = original
+    captured = capture(kernel_call, *args)
     if len(captured) != 1:
         raise BackendUnavailable(f"expected one Triton module, captured {len(captured)}")
     return TritonKernel(ttir=captured[0], block=block, q_heads=q_heads, k_heads=k_heads)

@@ -1,0 +1,313 @@
+"""The Pallas GPU kernel (Triton lowering) of RoPE fused with the paged KV-cache append.
+
+One launch, one pass over the bytes: q is read and written back rotated (in place
+through ``input_output_aliases``), k and v are read once, and the rotated k and the v
+are written straight into the paged cache at each token's slot. The unfused pair
+(rope in place, then an append kernel) reads k twice and writes it once more.
+
+Grid: one axis of ``token programs x head programs``, head-major (a token's programs
+are neighbours, as in :mod:`jaxrope.kernels.pallas_triton`: programs in flight together
+cover whole rows). Per token there are ``q_programs`` programs over q's heads, then
+``k_programs`` over k's and as many over v's (:func:`head_programs`). A program walks
+``token_loop`` tokens; per token it loads the position and the slot as scalars, forms
+cos/sin once (q and k programs, through the shared angle of
+:mod:`jaxrope.kernels.angle`) and moves ``groups_per_program`` groups of
+``heads_per_program`` heads, all loads issued before the first store.
+
+- q programs: dims ``[0, R)`` only (halves, or one contiguous span for interleaved
+  pairs); dims past ``R`` are never touched (q is aliased to the output).
+- k programs: the rotary dims rotated, dims ``[R, D)`` copied, both to the cache.
+- v programs: dims ``[0, D)`` copied to the cache.
+
+Caches arrive as the canonical views of :mod:`jaxrope.kv_cache`: NHD ``[pages *
+components, page_size, Hk, D]`` or HND ``[pages * components, Hk, page_size, D]``; a
+token's keys go to view page ``(slot // page_size) * components``, entry ``slot %
+page_size`` (values one view page further for a combined cache), each head row a block
+``[heads_per_program, lanes]`` in either layout. Slots outside ``[0, pages * page_size)``
+(negative: padding) mask the token's cache stores off. An fp8 cache stores
+``e4m3(clip(x * scale, -448, 448))`` (:func:`jaxrope.kernels.kv_reference.to_cache_dtype`,
+the same function as the XLA backend), scales read from the ``scales`` operand.
+
+For a launch outside JAX (the torch bridge, as :mod:`jaxrope.kernels.triton_ir` does for
+the rope kernel) the operands are, in order, ``(count, pos_ids, slots, tables, scales, q,
+k, v, *caches)`` then the outputs ``(q, *caches)``; ``count`` is read at run time, so the
+Triton IR depends on T only through the grid (:func:`grid`). It depends on the cache
+geometry (pages, page size, layout) and dtype, which an engine fixes once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Tuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxrope.errors import BackendUnavailable
+from jaxrope.kernels import pallas_triton
+from jaxrope.kernels.angle import cos_sin
+from jaxrope.kernels.kv_reference import FP8, to_cache_dtype
+
+# The rope kernel's measured sizes (pallas_triton.block_config), kept separate: this
+# kernel's byte mix differs (k and v read in full, cache rows written) and a sweep on the
+# GPU may move them. Programs wanted before growing them: two per SM of an H100/H200.
+_MIN_PROGRAMS = 264
+# Elements of one head group's half: one warp, one 8-byte bf16 vector per thread.
+_GROUP_ELEMENTS = 128
+# Elements of one program's half-block (2 KB of bf16 read).
+_PROGRAM_ELEMENTS = 512
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class AppendBlockConfig:
+    """Launch shape of one call of the fused kernel; its only tuning knobs."""
+
+    heads_per_program: int
+    # Head groups (of heads_per_program heads) one program moves per token, all loads
+    # issued before the first store, cos/sin computed once.
+    groups_per_program: int = 1
+    # Tokens one program walks in sequence (the angle tables are loaded once).
+    token_loop: int = 1
+    num_warps: int = 1
+    num_stages: int = 1
+
+
+def head_programs(q_heads: int, k_heads: int, block: AppendBlockConfig) -> Tuple[int, int, int]:
+    """Programs per token for q, for k and for v (in that order in the grid)."""
+    per_program = block.heads_per_program * block.groups_per_program
+    k_programs = -(-k_heads // per_program)
+    return -(-q_heads // per_program), k_programs, k_programs
+
+
+def grid(num_tokens: int, q_heads: int, k_heads: int, block: AppendBlockConfig) -> Tuple[int]:
+    """The launch grid ``(token programs * head programs,)``, head-major."""
+    token_programs = -(-num_tokens // block.token_loop)
+    return (token_programs * sum(head_programs(q_heads, k_heads, block)),)
+
+
+def block_config(num_tokens: int, q_heads: int, k_heads: int, lanes: int) -> AppendBlockConfig:
+    """The one heuristic for launch shapes; the rope kernel's rules, three head families.
+
+    - A head group fills 128 elements of a rotary half (``heads_per_program = 128 //
+      lanes``, at least 1, at most the heads there are): one 8-byte bf16 vector per
+      thread of one warp. The same groups serve v, whose rows (``D`` wide) are as long
+      as a q or k head's two halves at full rotary.
+    - A program moves ``512 // (heads_per_program * lanes)`` groups (four when the heads
+      fill a group): 2 KB of bf16 per half, every load before the first store, cos/sin
+      once.
+    - When a token needs at most one program per family (e.g. Hq=8 Hk=1 at D <= 128) a
+      program walks 8 tokens, so its setup is not paid per token.
+    - One warp per program, one stage (nothing to pipeline: each byte is touched once).
+    - Small T (decode): shorter token walks, then fewer groups, then fewer heads per
+      program, until the grid has two programs per SM.
+
+    Not yet swept on the GPU (bench/kv_append_bench.py measures this shape).
+    """
+    heads_per_program = max(1, min(_next_pow2(max(q_heads, k_heads)), _GROUP_ELEMENTS // lanes))
+    groups = max(1, _PROGRAM_ELEMENTS // (heads_per_program * lanes))
+    block = AppendBlockConfig(heads_per_program, groups)
+    if sum(head_programs(q_heads, k_heads, block)) <= 3:
+        block = dataclasses.replace(block, token_loop=8)
+    for field in ("token_loop", "groups_per_program", "heads_per_program"):
+        while (getattr(block, field) > 1
+               and math.prod(grid(num_tokens, q_heads, k_heads, block)) < _MIN_PROGRAMS):
+            block = dataclasses.replace(block, **{field: getattr(block, field) // 2})
+    return block
+
+
+def unsupported(cache) -> str | None:
+    """Why the Triton lowering cannot address ``cache``, or None when it can.
+
+    JAX's Pallas Triton lowering (0.10-0.11) indexes an array of at most 2**32 bytes
+    with int32 element offsets, which Triton sign-extends: for 1-byte elements (an fp8
+    cache) offsets past 2**31 elements, i.e. caches of (2 GiB, 4 GiB], would wrap to
+    negative addresses. Larger arrays get int64 offsets and are fine.
+    """
+    elements = math.prod(cache.shape)
+    if jnp.dtype(cache.dtype).itemsize == 1 and 2 ** 31 < elements <= 2 ** 32:
+        return (f"a {cache.dtype} cache of {elements} elements (2-4 GiB) would overflow the "
+                "int32 offsets of the Pallas Triton lowering; the XLA path handles it")
+    return None
+
+
+def _rope_append_kv_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, q_ref, k_ref,
+                           v_ref, *refs, q_heads: int, k_heads: int, head_dim: int,
+                           rotary_dim: int, interleave: bool, attention_factor: float,
+                           lanes: int, layout: str, page_size: int, components: int,
+                           num_slots: int, heads_per_program: int, groups_per_program: int,
+                           token_loop: int, q_programs: int, k_programs: int,
+                           approx_trig: bool):
+    # refs: the caches as inputs (aliased to the outputs, never read), then the outputs
+    # (q, *caches). The keys go to the first cache, the values to the last one, one view
+    # page further when both share it (components == 2).
+    q_out_ref, *cache_refs = refs[len(refs) // 2:]
+    pid = pl.program_id(0)
+    per_token = q_programs + 2 * k_programs
+    group, token_program = pid % per_token, pid // per_token
+    traced_zero = 0 * group
+    count = count_ref[0]
+    hp = heads_per_program
+    quantize = cache_refs[0].dtype == FP8
+
+    def piece(start: int, width: int, valid: int):
+        # A slice that may run past the last axis gets a traced start: its masked lanes
+        # are never dereferenced, but a static out-of-range slice is rejected at trace time.
+        begin = traced_zero + start if start + width > head_dim else start
+        return pl.ds(begin, width), (jnp.arange(width) < valid)[None, :]
+
+    half = rotary_dim // 2
+    if interleave:
+        # Pairs are adjacent: one contiguous load of the rotary span, split in registers.
+        rotary = (piece(0, 2 * lanes, rotary_dim),)
+    else:
+        rotary = (piece(0, lanes, half), piece(half, lanes, half))
+    passthrough = ((piece(rotary_dim, _next_pow2(head_dim - rotary_dim),
+                          head_dim - rotary_dim),) if rotary_dim < head_dim else ())
+    whole_row = (piece(0, _next_pow2(head_dim), head_dim),)
+
+    def heads_of(program, g, num_heads):
+        first = (program * groups_per_program + g) * hp
+        return pl.ds(first, hp), (first + jnp.arange(hp) < num_heads)[:, None]
+
+    def load(x_ref, t, heads, head_ok, pieces):
+        return [plgpu.load(x_ref.at[t, heads, dims], mask=head_ok & lane_ok, other=0)
+                .astype(jnp.float32) for dims, lane_ok in pieces]
+
+    def rotate(values, cos, sin):
+        if interleave:
+            pairs = values[0].reshape(hp, lanes, 2)
+            a, b = (p.reshape(hp, lanes) for p in jnp.split(pairs, 2, axis=-1))
+            return [jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(hp, 2 * lanes)]
+        a, b = values
+        return [a * cos - b * sin, b * cos + a * sin]
+
+    def angle(t, turns):
+        # The one place a token's angle is formed (M-RoPE changes only this).
+        pos = plgpu.load(pos_ref.at[t])
+        trig = {"sin_cos": pallas_triton._sin_cos_approx} if approx_trig else {}
+        cos, sin = cos_sin(pos, *turns, attention_factor, **trig)
+        return cos[None, :], sin[None, :]
+
+    def cache_slot(t, token_ok, component):
+        slot = plgpu.load(slot_ref.at[t])
+        ok = token_ok & (slot >= 0) & (slot < num_slots)
+        slot = jnp.where(ok, slot, 0)
+        # lax.div/rem: the slot is non-negative here, and jnp's floor division needs a
+        # sign op the Triton lowering lacks.
+        page = jax.lax.div(slot, page_size) * components + component
+        return ok, page, jax.lax.rem(slot, page_size)
+
+    def cache_at(cache_ref, page, entry, heads, dims):
+        if layout == "NHD":
+            return cache_ref.at[page, entry, heads, dims]
+        return cache_ref.at[page, heads, entry, dims]
+
+    def walk(body):
+        # body(t, token_ok) for each token of this program; t is clamped to a real token
+        # so scalar loads stay in bounds, token_ok masks the stores of the rest.
+        def step(i):
+            t = token_program * token_loop + i
+            body(jnp.minimum(t, count - 1), t < count)
+
+        if token_loop == 1:
+            step(traced_zero)
+            return
+        jax.lax.fori_loop(0, token_loop, lambda i, c: (step(i), c)[1], 0)
+
+    def load_turns():
+        return [plgpu.load(tables_ref.at[jnp.int32(i)]) for i in range(3)]
+
+    @pl.when(group < q_programs)
+    def _():
+        turns = load_turns()
+
+        def body(t, token_ok):
+            cos, sin = angle(t, turns)
+            groups = [heads_of(group, g, q_heads) for g in range(groups_per_program)]
+            loaded = [load(q_ref, t, heads, ok, rotary) for heads, ok in groups]
+            for (heads, head_ok), values in zip(groups, loaded):
+                for (dims, lane_ok), value in zip(rotary, rotate(values, cos, sin)):
+                    plgpu.store(q_out_ref.at[t, heads, dims], value.astype(q_out_ref.dtype),
+                                mask=token_ok & head_ok & lane_ok)
+
+        walk(body)
+
+    def append(program, rotated: bool, value_ref, cache_ref, component, scale_index):
+        turns = load_turns() if rotated else None
+        scale = plgpu.load(scale_ref.at[jnp.int32(scale_index)]) if quantize else None
+        pieces = (rotary + passthrough) if rotated else whole_row
+
+        def body(t, token_ok):
+            slot_ok, page, entry = cache_slot(t, token_ok, component)
+            groups = [heads_of(program, g, k_heads) for g in range(groups_per_program)]
+            loaded = [load(value_ref, t, heads, ok, pieces) for heads, ok in groups]
+            if rotated:
+                cos, sin = angle(t, turns)
+            for (heads, head_ok), values in zip(groups, loaded):
+                if rotated:
+                    values = rotate(values[:len(rotary)], cos, sin) + values[len(rotary):]
+                for (dims, lane_ok), value in zip(pieces, values):
+                    plgpu.store(cache_at(cache_ref, page, entry, heads, dims),
+                                to_cache_dtype(value, scale, cache_ref.dtype),
+                                mask=slot_ok & head_ok & lane_ok)
+
+        walk(body)
+
+    @pl.when((group >= q_programs) & (group < q_programs + k_programs))
+    def _():
+        append(group - q_programs, True, k_ref, cache_refs[0], 0, 0)
+
+    @pl.when(group >= q_programs + k_programs)
+    def _():
+        append(group - q_programs - k_programs, False, v_ref, cache_refs[-1], components - 1, 1)
+
+
+def rope_append_kv_pallas(q, k, v, pos_ids, slots, tables, scales, caches, *, layout: str,
+                          page_size: int, components: int, rotary_dim: int, interleave: bool,
+                          attention_factor: float, interpret: bool = False,
+                          config: AppendBlockConfig | None = None):
+    """Rotate q in place and write rotated k and v into the paged ``caches``, in one launch.
+
+    Arguments as :func:`jaxrope.kernels.kv_reference.rope_append_kv_reference`. Outputs
+    alias q and the caches (``input_output_aliases``): in place when they are donated.
+    ``config`` overrides :func:`block_config` (benchmarks sweep it).
+    """
+    num_tokens, q_heads, head_dim = q.shape
+    k_heads = k.shape[1]
+    declined = unsupported(caches[0])
+    if declined:
+        raise BackendUnavailable(declined)
+    if num_tokens == 0:
+        return q, tuple(caches)
+    lanes = pallas_triton.lanes_for(rotary_dim)
+    tables = jnp.pad(tables, ((0, 0), (0, lanes - tables.shape[1])))
+    cfg = config or block_config(num_tokens, q_heads, k_heads, lanes)
+    q_programs, k_programs, _ = head_programs(q_heads, k_heads, cfg)
+    kernel = functools.partial(
+        _rope_append_kv_kernel, q_heads=q_heads, k_heads=k_heads, head_dim=head_dim,
+        rotary_dim=rotary_dim, interleave=interleave, attention_factor=attention_factor,
+        lanes=lanes, layout=layout, page_size=page_size, components=components,
+        num_slots=caches[0].shape[0] // components * page_size,
+        heads_per_program=cfg.heads_per_program, groups_per_program=cfg.groups_per_program,
+        token_loop=cfg.token_loop, q_programs=q_programs, k_programs=k_programs,
+        approx_trig=not interpret)
+    first_cache = 8  # operand index of the first cache: after count .. v
+    aliases = {5: 0, **{first_cache + i: 1 + i for i in range(len(caches))}}
+    q_out, *caches = pl.pallas_call(
+        kernel,
+        out_shape=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, *caches)),
+        grid=grid(num_tokens, q_heads, k_heads, cfg),
+        input_output_aliases=aliases,
+        interpret=interpret,
+        name="jaxrope_rope_append_kv",
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    )(jnp.full((1,), num_tokens, jnp.int32), pos_ids, slots, tables, scales, q, k, v, *caches)
+    return q_out, tuple(caches)

@@ -1,0 +1,245 @@
+"""``apply_rope_and_append_kv``: RoPE fused with the paged KV-cache append, in one pass.
+
+After RoPE an engine writes the rotated k and the v into its paged KV cache; done as two
+kernels, k is read twice. This op rotates q (in place when donated) and writes the
+rotated k and the v into the cache at each token's slot in one launch on the GPU.
+
+Vocabulary and conventions:
+
+- **slots** (vLLM's ``slot_mapping``): int ``[T]``, token ``t`` goes to page
+  ``slots[t] // page_size``, entry ``slots[t] % page_size``; a negative slot (padding,
+  conventionally -1) writes nothing. FlashInfer's ``(kv_indices, kv_indptr,
+  batch_indices, positions)`` describe the same thing: ``slot = kv_indices[kv_indptr[b]
+  + p // page_size] * page_size + p % page_size`` for token ``(b, p)``.
+- **kv_cache**: FlashInfer's ``paged_kv_cache``: a tuple ``(k_cache, v_cache)`` of
+  ``[pages, page_size, Hk, D]`` arrays (``layout="NHD"``, FlashInfer's default) or
+  ``[pages, Hk, page_size, D]`` (``"HND"``), or one ``[pages, 2, page_size, Hk, D]``
+  (``[pages, 2, Hk, page_size, D]``) array holding keys at ``[:, 0]`` and values at
+  ``[:, 1]`` (vLLM's FlashInfer backend allocates this one).
+- **fp8**: a ``float8_e4m3fn`` cache stores ``e4m3(clip(x * k_quant_scale, -448, 448))``
+  (rounded to nearest even) for the float32 rotated k, likewise v with
+  ``v_quant_scale``: FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache``, whose
+  ``quant_scale_kv`` multiplies (vLLM's ``k_scale`` divides: pass its reciprocal).
+  FlashInfer's op also quantizes q into a new fp8 buffer; here q keeps its dtype and is
+  rotated in place.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrope import apply as _apply
+from jaxrope import backend as _backend
+from jaxrope.config import RopeConfig
+from jaxrope.errors import BackendUnavailable
+from jaxrope.kernels.kv_reference import FP8
+
+LAYOUTS = ("NHD", "HND")
+
+Cache = Union[jax.Array, Tuple[jax.Array, jax.Array]]
+
+
+def _is_array(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _visible(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _caches(kv_cache, layout: str, k) -> Tuple[Tuple, bool]:
+    """The cache arrays and whether they are one combined ``[pages, 2, ...]`` array."""
+    if isinstance(kv_cache, (tuple, list)):
+        if len(kv_cache) != 2 or not all(_is_array(c) for c in kv_cache):
+            raise TypeError(f"kv_cache must be a (k_cache, v_cache) pair of arrays or one array, "
+                            f"got a {type(kv_cache).__name__} of {len(kv_cache)}")
+        k_cache, v_cache = kv_cache
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.ndim != 4:
+                raise ValueError(f"{name}.shape={tuple(c.shape)} must be rank 4: "
+                                 f"{_layout_text(layout, False)}")
+        if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+            raise ValueError(f"v_cache ({tuple(v_cache.shape)}, {v_cache.dtype}) must match "
+                             f"k_cache ({tuple(k_cache.shape)}, {k_cache.dtype})")
+        caches, combined, name, entry_shape = (k_cache, v_cache), False, "k_cache", k_cache.shape
+    elif _is_array(kv_cache):
+        if kv_cache.ndim != 5 or kv_cache.shape[1] != 2:
+            raise ValueError(f"kv_cache.shape={tuple(kv_cache.shape)} must be "
+                             f"{_layout_text(layout, True)} (or pass a (k_cache, v_cache) pair)")
+        caches, combined, name = (kv_cache,), True, "kv_cache"
+        entry_shape = (kv_cache.shape[0], *kv_cache.shape[2:])
+    else:
+        raise TypeError(f"kv_cache must be a (k_cache, v_cache) pair of arrays or one array, "
+                        f"got {type(kv_cache).__name__}")
+    heads = entry_shape[2] if layout == "NHD" else entry_shape[1]
+    shape = tuple(caches[0].shape)
+    if heads != k.shape[1] or entry_shape[3] != k.shape[2]:
+        raise ValueError(f"{name}.shape={shape} must be {_layout_text(layout, combined)} with "
+                         f"Hk={k.shape[1]} and D={k.shape[2]} (k's heads and head_dim)")
+    dtype = jnp.dtype(caches[0].dtype)
+    if dtype not in (jnp.dtype(k.dtype), FP8):
+        raise ValueError(f"{name}.dtype={dtype} must be k's dtype ({k.dtype}) or float8_e4m3fn")
+    if _visible(k) and isinstance(k, jax.Array):
+        for c in caches:
+            if _visible(c) and isinstance(c, jax.Array) and c.devices() != k.devices():
+                raise ValueError(f"{name} is on {c.devices()} but k is on {k.devices()}; "
+                                 "put them on one device")
+    return caches, combined
+
+
+def _layout_text(layout: str, combined: bool) -> str:
+    rows = "page_size, Hk, D" if layout == "NHD" else "Hk, page_size, D"
+    return f"[pages, {'2, ' if combined else ''}{rows}] ({layout=})"
+
+
+def _page_size(caches, layout: str, combined: bool) -> int:
+    return caches[0].shape[2 if combined else 1] if layout == "NHD" else caches[0].shape[-2]
+
+
+def _check_slots(slots, num_tokens: int, num_slots: int) -> None:
+    if not _is_array(slots):
+        raise TypeError(f"slots must be an integer array, got {type(slots).__name__}")
+    if slots.ndim != 1 or slots.shape[0] != num_tokens:
+        raise ValueError(f"slots.shape={tuple(slots.shape)} must be [T] with T={num_tokens}")
+    if not jnp.issubdtype(slots.dtype, jnp.integer):
+        raise ValueError(f"slots.dtype={slots.dtype} must be an integer type (int32)")
+    if not _visible(slots) or not num_tokens:
+        return
+    values = np.asarray(slots).astype(np.int64)
+    if values.max() >= num_slots:
+        raise ValueError(f"slots must be < {num_slots} (pages * page_size) or negative "
+                         f"(skipped), got a maximum of {int(values.max())}")
+    taken = values[values >= 0]
+    unique, counts = np.unique(taken, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"slots must not repeat a slot (which write would win is undefined), "
+                         f"got {unique[counts > 1][:8].tolist()} more than once")
+
+
+def _scale(name: str, value, quantized: bool):
+    if not quantized:
+        if value is not None:
+            raise ValueError(f"{name}={value!r} applies only to a float8_e4m3fn cache; "
+                             "leave it None for a cache in k's dtype")
+        return jnp.float32(1.0)
+    if value is None:
+        return jnp.float32(1.0)
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) or _is_array(value)):
+        raise TypeError(f"{name} must be a float or a scalar array, got {type(value).__name__}")
+    if _is_array(value) and value.shape != ():
+        raise ValueError(f"{name}.shape={tuple(value.shape)} must be () (one scale per cache)")
+    if _visible(value):
+        number = float(np.asarray(value))
+        if not (math.isfinite(number) and number > 0):
+            raise ValueError(f"{name}={number!r} must be finite and > 0")
+    return jnp.asarray(value, jnp.float32)
+
+
+def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: RopeConfig, *,
+                             layout: str = "NHD", k_quant_scale=None, v_quant_scale=None,
+                             backend: str = "auto"):
+    """Rotate q and k by their positions and write the rotated k and the v into a paged cache.
+
+    Args:
+      q: ``[T, Hq, D]`` float32, float16 or bfloat16, ``D == cfg.head_dim``.
+      k: ``[T, Hk, D]``, same dtype and ``T`` as ``q``.
+      v: ``[T, Hk, D]``, same shape and dtype as ``k``.
+      pos_ids: int ``[T]``, the position of each token, in ``[0, cfg.max_position)``
+        (checked when visible, as in :func:`jaxrope.apply_rope`).
+      kv_cache: ``(k_cache, v_cache)``, each ``[pages, page_size, Hk, D]`` (NHD) or
+        ``[pages, Hk, page_size, D]`` (HND); or one array ``[pages, 2, page_size, Hk, D]``
+        (``[pages, 2, Hk, page_size, D]``) with keys at ``[:, 0]`` and values at ``[:, 1]``.
+        Dtype: k's, or ``float8_e4m3fn``.
+      slots: int ``[T]``: token ``t`` is written to page ``slots[t] // page_size``, entry
+        ``slots[t] % page_size``; a negative slot writes nothing (padding). Visible slots
+        must be below ``pages * page_size`` and not repeat; traced slots out of range are
+        skipped like negative ones.
+      cfg: the :class:`jaxrope.RopeConfig`; static under ``jit``.
+      layout: "NHD" (default, FlashInfer's) or "HND".
+      k_quant_scale, v_quant_scale: fp8 caches only (None otherwise): the cache stores
+        ``e4m3(clip(x * scale, -448, 448))``, FlashInfer's ``quant_scale_kv``; a float or
+        a scalar array (may be traced); default 1.
+      backend: "auto" (Pallas on GPU, XLA elsewhere), "pallas", "xla" or "interpret".
+
+    Returns:
+      ``(q, kv_cache)``: q rotated exactly as :func:`jaxrope.apply_rope` rotates it
+      (dims past ``cfg.rotary_dim`` unchanged), and the cache in the structure given
+      (a tuple, or the one array) with k rotated as ``apply_rope`` rotates it (then
+      quantized for fp8) and v written at every valid slot; every other entry unchanged.
+      k and v themselves are not returned. Under ``jax.jit`` with q and the cache donated
+      (``donate_argnums=(0, 4)``) the outputs reuse their buffers: q is rotated and the
+      cache written in place; without donation XLA copies them first, so the caller's
+      arrays never change.
+
+    Raises:
+      TypeError: ``cfg`` is not a RopeConfig, or an input is not an array (or a pair).
+      ValueError: a shape, dtype, device, layout, visible position, slot or scale is
+        invalid.
+      NotImplementedError: M-RoPE positions ``[3, T]`` (not yet fused).
+      BackendUnavailable: ``backend="pallas"`` off GPU or on an fp8 cache of 2-4 GiB
+        (:func:`jaxrope.kernels.kv_pallas.unsupported`; "auto" takes the XLA path
+        there), ``"mosaic"`` (no fused kernel).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxrope as jr
+      >>> cfg = jr.RopeConfig(head_dim=64)
+      >>> q = jnp.ones((3, 4, 64), jnp.bfloat16)
+      >>> k = v = jnp.ones((3, 2, 64), jnp.bfloat16)
+      >>> cache = tuple(jnp.zeros((4, 16, 2, 64), jnp.bfloat16) for _ in "kv")  # 4 pages of 16
+      >>> step = jax.jit(jr.apply_rope_and_append_kv, static_argnames="cfg",
+      ...                donate_argnums=(0, 4))
+      >>> slots = jnp.array([17, -1, 40], jnp.int32)   # page 1 entry 1, skipped, page 2 entry 8
+      >>> q, (k_cache, v_cache) = step(q, k, v, jnp.arange(3), cache, slots, cfg=cfg)
+      >>> float(v_cache[1, 1, 0, 0]), float(v_cache[0, 0, 0, 0])   # written, untouched
+      (1.0, 0.0)
+      >>> float(k_cache[1, 1, 0, 0]), float(k_cache[2, 8, 0, 0])   # cos(p) - sin(p), p = 0, 2
+      (1.0, -1.328125)
+    """
+    if _is_array(pos_ids) and pos_ids.ndim == 2 and pos_ids.shape[0] == 3:
+        raise NotImplementedError(f"pos_ids.shape={tuple(pos_ids.shape)}: M-RoPE positions "
+                                  "[3, T] are not fused with the KV append yet")
+    _apply.validate(q, k, pos_ids, cfg)
+    if not _is_array(v):
+        raise TypeError(f"v must be an array, got {type(v).__name__}")
+    if v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"v ({tuple(v.shape)}, {v.dtype}) must match k ({tuple(k.shape)}, "
+                         f"{k.dtype})")
+    if all(_visible(x) and isinstance(x, jax.Array) for x in (k, v)) and v.devices() != k.devices():
+        raise ValueError(f"v is on {v.devices()} but k is on {k.devices()}; put them on one device")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
+    caches, combined = _caches(kv_cache, layout, k)
+    page_size = _page_size(caches, layout, combined)
+    num_slots = caches[0].shape[0] * page_size
+    if num_slots >= 2 ** 31:
+        raise ValueError(f"the cache has {num_slots} slots; slots are int32, at most 2**31 - 1")
+    _check_slots(slots, q.shape[0], num_slots)
+    quantized = jnp.dtype(caches[0].dtype) == FP8
+    scales = jnp.stack([_scale("k_quant_scale", k_quant_scale, quantized),
+                        _scale("v_quant_scale", v_quant_scale, quantized)])
+    platform = _apply._platform(q)
+    impl = _backend.resolve(backend, platform, op="rope_append_kv")
+    tables, attention = _apply.kernel_constants(cfg)
+    if combined:
+        # [pages, 2, ...] -> [2 * pages, ...]: page p's keys are view page 2p, values 2p + 1.
+        caches = (caches[0].reshape(-1, *caches[0].shape[2:]),)
+    args = (q, k, v, jnp.asarray(pos_ids, jnp.int32), jnp.asarray(slots, jnp.int32),
+            jnp.asarray(tables), scales, caches)
+    kwargs = dict(layout=layout, page_size=page_size, components=2 if combined else 1,
+                  rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
+                  attention_factor=attention)
+    try:
+        q, caches = impl(*args, **kwargs)
+    except BackendUnavailable:
+        # "auto" takes the next path when the kernel declines (an fp8 cache of 2-4 GiB).
+        if backend != "auto":
+            raise
+        q, caches = _backend.resolve("xla", platform, op="rope_append_kv")(*args, **kwargs)
+    if combined:
+        return q, caches[0].reshape(kv_cache.shape)
+    return q, tuple(caches)

@@ -1,0 +1,573 @@
+"""apply_rope_and_append_kv on every named append case against the float64 oracle.
+
+The XLA reference and the Pallas kernel body (in its interpreter) run every case of
+``jaxrope.cases.APPEND_CASES`` in float32, float16 and bfloat16: q and the cache rows
+written against ``jaxrope.testing.oracle`` / ``kv_oracle``, every other cache entry
+bit for bit unchanged, and the two backends within one ulp of each other. The Triton
+lowering is checked off the GPU: lowered for an H200 (aliasing, T-independent IR) and,
+where Triton is installed, compiled to PTX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxrope as jr
+from jaxrope import apply as apply_module
+from jaxrope.cases import APPEND_BY_NAME, APPEND_CASES, BY_NAME, AppendCase
+from jaxrope.kernels import kv_pallas, kv_reference
+from jaxrope.testing import kv_oracle, oracle
+from jaxrope.testing.lowering import cuda_target, triton_modules
+
+DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
+# Relative error (norm) vs float64, as tests/test_apply.py: float32 math, then rounding.
+TOLERANCE = {"float32": 1e-5, "float16": 4e-4, "bfloat16": 2.5e-3}
+BACKENDS = ("xla", "interpret")
+FP8_SCALES = {"k_quant_scale": 0.75, "v_quant_scale": 150.0}  # v saturates past |v| ~ 3
+
+fused = jax.jit(jr.apply_rope_and_append_kv, static_argnames=("cfg", "layout", "backend"))
+
+
+@dataclasses.dataclass
+class Inputs:
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    pos: np.ndarray
+    slots: np.ndarray
+    kv_cache: object
+    scales: dict
+
+
+def cache_shape(case: AppendCase, pages: int | None = None):
+    c = case.case
+    rows = ((case.page_size, c.k_heads) if case.layout == "NHD" else (c.k_heads, case.page_size))
+    return (pages or case.pages, *rows, c.head_dim)
+
+
+def make_inputs(rng, case: AppendCase, dtype_name: str, max_position: int | None = None) -> Inputs:
+    c, dtype = case.case, DTYPES[dtype_name]
+    tokens = c.tokens
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+
+    pos = rng.integers(0, max_position or c.cfg.max_position, tokens).astype(np.int32)
+    slots = rng.permutation(case.pages * case.page_size)[:tokens].astype(np.int32)
+    slots[tokens - case.padding:] = -1
+    cache_dtype = jnp.float8_e4m3fn if case.fp8 else dtype
+    shape = cache_shape(case)
+    # Random old contents, so an entry written by mistake shows.
+    old = [jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(cache_dtype) for _ in range(2)]
+    kv_cache = jnp.stack(old, axis=1) if case.combined else tuple(old)
+    return Inputs(normal(tokens, c.q_heads, c.head_dim), normal(tokens, c.k_heads, c.head_dim),
+                  normal(tokens, c.k_heads, c.head_dim), pos, slots, kv_cache,
+                  FP8_SCALES if case.fp8 else {})
+
+
+def run(x: Inputs, case: AppendCase, backend: str, cfg=None):
+    return fused(x.q, x.k, x.v, jnp.asarray(x.pos), x.kv_cache, jnp.asarray(x.slots),
+                 cfg=cfg or case.case.cfg, layout=case.layout, backend=backend, **x.scales)
+
+
+def split(kv_cache):
+    """numpy ``(k_cache, v_cache)`` of a pair or of a combined array."""
+    if isinstance(kv_cache, tuple):
+        return tuple(np.asarray(c) for c in kv_cache)
+    both = np.asarray(kv_cache)
+    return both[:, 0], both[:, 1]
+
+
+def bits(x):
+    x = np.asarray(x)
+    return x.view(f"u{x.dtype.itemsize}")
+
+
+def rope64(cfg, x, pos):
+    inv_freq, attention = oracle.serving_frequencies(cfg)
+    return oracle.rope_oracle(np.asarray(x, np.float64), pos, inv_freq, attention,
+                              cfg.rotary_dim, cfg.interleave)
+
+
+def check_against_oracle(case: AppendCase, x: Inputs, out, dtype_name: str, cfg=None) -> None:
+    cfg = cfg or case.case.cfg
+    q_out, kv_out = out
+    assert isinstance(kv_out, tuple) != case.combined, "the cache comes back in the structure given"
+    new, old = split(kv_out), split(x.kv_cache)
+    written, page, entry = kv_oracle.entries(x.slots, case.pages, case.page_size)
+    assert written.sum() == case.case.tokens - case.padding
+    page, entry = page[written], entry[written]
+    np.testing.assert_array_equal(bits(q_out)[..., cfg.rotary_dim:], bits(x.q)[..., cfg.rotary_dim:],
+                                  err_msg="q: dims past rotary_dim changed")
+    k_rows, v_rows = (kv_oracle.rows(c, case.layout, page, entry) for c in new)
+    k_want = rope64(cfg, x.k, x.pos)[written]
+    if case.fp8:
+        scales = x.scales
+        ulps_k = kv_oracle.ulps(k_rows, kv_oracle.e4m3(k_want * scales["k_quant_scale"]))
+        v_want = kv_oracle.e4m3(np.asarray(x.v, np.float64)[written] * scales["v_quant_scale"])
+        ulps_v = kv_oracle.ulps(v_rows, v_want)
+        assert ulps_k.max(initial=0) <= 1 and ulps_v.max(initial=0) <= 1, (ulps_k.max(initial=0),
+                                                                          ulps_v.max(initial=0))
+        actual = [np.asarray(q_out, np.float64).ravel()]
+        expected = [rope64(cfg, x.q, x.pos).ravel()]
+    else:
+        np.testing.assert_array_equal(bits(k_rows)[..., cfg.rotary_dim:],
+                                      bits(x.k)[written][..., cfg.rotary_dim:],
+                                      err_msg="k: dims past rotary_dim must be copied")
+        np.testing.assert_array_equal(bits(v_rows), bits(x.v)[written], err_msg="v rows")
+        # One error over q and the k rows: a 1-token, 1-head k alone is too few values.
+        actual = [np.asarray(q_out, np.float64).ravel(), k_rows.astype(np.float64).ravel()]
+        expected = [rope64(cfg, x.q, x.pos).ravel(), k_want.ravel()]
+    error = oracle.relative_error(np.concatenate(actual), np.concatenate(expected))
+    assert error < TOLERANCE[dtype_name], f"relative error {error:.3g}"
+    for name, n, o in zip(("k_cache", "v_cache"), new, old):
+        untouched = ~kv_oracle.written_mask(n.shape, case.layout, page, entry)
+        np.testing.assert_array_equal(bits(n)[untouched], bits(o)[untouched],
+                                      err_msg=f"{name}: an entry no slot names changed")
+
+
+def assert_within_one_ulp(a, b, label: str) -> None:
+    a, b = np.asarray(a), np.asarray(b)
+    worst = kv_oracle.ulps(a, b).max(initial=0)
+    assert worst <= 1, f"{label}: xla and interpret differ by {worst} ulp"
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("case", APPEND_CASES, ids=lambda c: c.name)
+def test_every_append_case_matches_the_oracle_on_both_backends(case, dtype_name, rng):
+    x = make_inputs(rng, case, dtype_name)
+    outs = {backend: run(x, case, backend) for backend in BACKENDS}
+    for out in outs.values():
+        check_against_oracle(case, x, out, dtype_name)
+    for a, b in zip(jax.tree.leaves(outs["xla"]), jax.tree.leaves(outs["interpret"])):
+        assert_within_one_ulp(a, b, case.name)
+
+
+@pytest.mark.parametrize("name", ["llama3_fp8_nhd", "gptj_interleave_hnd_combined",
+                                  "dynamic_d192_fp8_hnd"])
+def test_bf16_stays_at_the_rounding_floor_near_a_million_positions(name, rng):
+    case = APPEND_BY_NAME[name]
+    cfg = dataclasses.replace(case.case.cfg, max_position=1 << 20)
+    x = make_inputs(rng, case, "bfloat16")
+    x.pos = rng.integers(1 << 19, 1 << 20, case.case.tokens).astype(np.int32)
+    for backend in BACKENDS:
+        check_against_oracle(case, x, run(x, case, backend, cfg), "bfloat16", cfg)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["llama3_nhd_p1_combined", "interleave_d96_nhd_p1",
+                                  "gptj_interleave_hnd_combined"])
+def test_the_cache_holds_what_apply_rope_returns_for_k(name, backend, rng):
+    # One rotation rule: on one backend, the fused q and the k written into the cache are
+    # apply_rope's outputs (within an ulp: XLA may vectorise sin/cos differently in
+    # another program).
+    case = APPEND_BY_NAME[name]
+    x = make_inputs(rng, case, "bfloat16")
+    q_out, kv_out = run(x, case, backend)
+    q_rope, k_rope = jr.apply_rope(x.q, x.k, jnp.asarray(x.pos), case.case.cfg, backend=backend)
+    written, page, entry = kv_oracle.entries(x.slots, case.pages, case.page_size)
+    k_rows = kv_oracle.rows(split(kv_out)[0], case.layout, page[written], entry[written])
+    assert kv_oracle.ulps(np.asarray(q_out), np.asarray(q_rope)).max() <= 1
+    assert kv_oracle.ulps(k_rows, np.asarray(k_rope)[written]).max() <= 1
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_apply_rope_output_scattered_into_a_cache_under_jit(dtype_name, rng):
+    # The unfused pair in one jitted step. XLA CPU once fused the partial-rotary update
+    # x.at[..., :R].set(rotated) in place into x while reading it, and the scatter then
+    # stored half-overwritten pairs (relative error ~0.5).
+    cfg = BY_NAME["partial_half_d128"].cfg
+    q = jnp.asarray(rng.standard_normal((19, 8, 128)), DTYPES[dtype_name])
+    pos = rng.integers(0, 4096, 19).astype(np.int32)
+    slots = rng.permutation(40)[:19]
+
+    def step(q, pos, cache):
+        return cache.at[slots].set(jr.apply_rope(q, q[:, :1], pos, cfg, backend="xla")[0])
+
+    cache = jax.jit(step)(q, jnp.asarray(pos), jnp.zeros((40, 8, 128), q.dtype))
+    error = oracle.relative_error(np.asarray(cache)[slots], rope64(cfg, q, pos))
+    assert error < TOLERANCE[dtype_name], f"relative error {error:.3g}"
+
+
+def test_fp8_storage_rounds_to_nearest_even_and_saturates():
+    # Every e4m3 value, the midpoints between neighbours (ties go to the even one) and a
+    # float32 ulp either side of them, values past 448 (which must saturate, not become
+    # NaN: e4m3fn has no infinity) and tiny ones.
+    finite = np.arange(256, dtype=np.uint8).view(kv_oracle.E4M3).astype(np.float64)
+    finite = np.unique(finite[np.isfinite(finite)])
+    mids = (finite[:-1] + finite[1:]) / 2
+    x = np.concatenate([finite, mids, np.nextafter(mids.astype(np.float32), np.inf),
+                        np.nextafter(mids.astype(np.float32), -np.inf), [464.0, 1e4, -1e30, 3e-5]])
+    x = x.astype(np.float32)
+    got = np.asarray(kv_reference.to_cache_dtype(jnp.asarray(x), jnp.float32(1.0), jnp.float8_e4m3fn))
+    np.testing.assert_array_equal(bits(got), bits(kv_oracle.e4m3(x.astype(np.float64))))
+    assert np.isfinite(got.astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_scales_multiply_before_saturating(backend, rng):
+    case = APPEND_BY_NAME["llama3_fp8_nhd"]
+    x = make_inputs(rng, case, "bfloat16")
+    x.scales = {"k_quant_scale": 1e4, "v_quant_scale": 1e-3}
+    _, kv_out = run(x, case, backend)
+    written, page, entry = kv_oracle.entries(x.slots, case.pages, case.page_size)
+    k_rows, v_rows = (kv_oracle.rows(c, case.layout, page[written], entry[written])
+                      for c in split(kv_out))
+    k_want = kv_oracle.e4m3(rope64(case.case.cfg, x.k, x.pos)[written] * 1e4)
+    v_want = kv_oracle.e4m3(np.asarray(x.v, np.float64)[written] * 1e-3)
+    assert kv_oracle.ulps(k_rows, k_want).max() <= 1 and kv_oracle.ulps(v_rows, v_want).max() <= 1
+    magnitudes = np.abs(k_rows.astype(np.float64))
+    # |k| > 448 / 1e4 for all but ~4% of N(0, 1) values.
+    assert np.isfinite(magnitudes).all() and (magnitudes == 448).mean() > 0.9, "k * 1e4 saturates"
+    assert np.abs(v_rows.astype(np.float64)).max() < 0.01, "v * 1e-3 shrinks (a divide would grow it)"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("combined", [False, True], ids=["pair", "combined"])
+def test_donated_q_and_cache_are_updated_in_place(backend, combined, rng):
+    case = dataclasses.replace(APPEND_BY_NAME["llama3_nhd_p16"], combined=combined)
+    x = make_inputs(rng, case, "bfloat16")
+    want = run(x, case, backend)
+    in_place = jax.jit(jr.apply_rope_and_append_kv, static_argnames=("cfg", "layout", "backend"),
+                       donate_argnums=(0, 4))
+    donated = (x.q, x.kv_cache)
+    pointers = [a.unsafe_buffer_pointer() for a in jax.tree.leaves(donated)]
+    out = in_place(x.q, x.k, x.v, jnp.asarray(x.pos), x.kv_cache, jnp.asarray(x.slots),
+                   cfg=case.case.cfg, layout=case.layout, backend=backend)
+    assert all(a.is_deleted() for a in jax.tree.leaves(donated))
+    assert [a.unsafe_buffer_pointer() for a in jax.tree.leaves(out)] == pointers, "not in place"
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_without_donation_the_inputs_are_untouched(backend, rng):
+    case = APPEND_BY_NAME["llama3_hnd_p16"]
+    x = make_inputs(rng, case, "bfloat16")
+    before = [np.array(a) for a in jax.tree.leaves((x.q, x.kv_cache))]
+    run(x, case, backend)
+    for a, b in zip(jax.tree.leaves((x.q, x.kv_cache)), before):
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_traced_slots_out_of_range_write_nothing(backend, rng):
+    case = APPEND_BY_NAME["llama3_nhd_p16"]
+    x = make_inputs(rng, case, "float32")
+    num_slots = case.pages * case.page_size
+    x.slots[:3] = [num_slots, num_slots + 5, -7]   # traced under jit: not checked, skipped
+    _, kv_out = run(x, case, backend)
+    written, page, entry = kv_oracle.entries(x.slots, case.pages, case.page_size)
+    assert written.sum() == case.case.tokens - 3 - case.padding
+    k_cache, v_cache = split(kv_out)
+    np.testing.assert_array_equal(
+        bits(kv_oracle.rows(v_cache, case.layout, page[written], entry[written])),
+        bits(x.v)[written])
+    for new, old in zip((k_cache, v_cache), split(x.kv_cache)):
+        untouched = ~kv_oracle.written_mask(new.shape, case.layout, page[written], entry[written])
+        np.testing.assert_array_equal(bits(new)[untouched], bits(old)[untouched])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_tokens_change_nothing(backend, rng):
+    case = APPEND_BY_NAME["llama3_nhd_p16"]
+    x = make_inputs(rng, case, "bfloat16")
+    empty = jnp.zeros((0, case.case.q_heads, 128), jnp.bfloat16)
+    kv = jnp.zeros((0, case.case.k_heads, 128), jnp.bfloat16)
+    q_out, kv_out = jr.apply_rope_and_append_kv(empty, kv, kv, jnp.zeros(0, jnp.int32),
+                                                x.kv_cache, jnp.zeros(0, jnp.int32),
+                                                case.case.cfg, backend=backend)
+    assert q_out.shape == empty.shape
+    for a, b in zip(kv_out, x.kv_cache):
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize("config", [(1, 1, 1), (4, 1, 1), (2, 3, 1), (1, 2, 4), (8, 1, 3)],
+                         ids=lambda c: "hp{}-g{}-loop{}".format(*c))
+@pytest.mark.parametrize("name", ["llama3_hnd_p16", "gptj_interleave_hnd_combined",
+                                  "interleave_d96_nhd_p1", "dynamic_d192_fp8_hnd"])
+def test_every_launch_shape_gives_the_same_result(name, config, rng):
+    # Launch shapes only regroup work: head groups past the last head, token walks past
+    # the last token and several groups per program must all give the one-group result.
+    case = APPEND_BY_NAME[name]
+    x = make_inputs(rng, case, "float32")
+    c = case.case
+    tables, attention = apply_module.kernel_constants(c.cfg)
+    k_cache, v_cache = split(x.kv_cache)
+    if case.combined:
+        caches = (jnp.asarray(np.stack([k_cache, v_cache], 1).reshape(-1, *k_cache.shape[1:])),)
+    else:
+        caches = (jnp.asarray(k_cache), jnp.asarray(v_cache))
+
+    def launch(block):
+        return kv_pallas.rope_append_kv_pallas(
+            x.q, x.k, x.v, jnp.asarray(x.pos), jnp.asarray(x.slots), jnp.asarray(tables),
+            jnp.asarray([0.75, 150.0], jnp.float32), caches, layout=case.layout,
+            page_size=case.page_size, components=2 if case.combined else 1,
+            rotary_dim=c.cfg.rotary_dim, interleave=c.cfg.interleave, attention_factor=attention,
+            interpret=True, config=block)
+
+    want = launch(kv_pallas.AppendBlockConfig(1))
+    got = launch(kv_pallas.AppendBlockConfig(*config))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def test_launch_shape_heuristic():
+    lanes = 64  # rotary_dim 128
+    big = kv_pallas.block_config(16384, 32, 8, lanes)
+    assert big == kv_pallas.AppendBlockConfig(2, 4, 1)
+    assert kv_pallas.head_programs(32, 8, big) == (4, 1, 1)
+    # 64 tokens of Hq=32 Hk=8: 6 programs a token already fill two per SM.
+    assert kv_pallas.block_config(64, 32, 8, lanes) == big
+    # Few heads: a program walks 8 tokens; at 64 tokens that grid is too small, so the
+    # walk, then the groups shrink until it has 264 programs (4 + 1 + 1 a token).
+    assert kv_pallas.block_config(1 << 16, 8, 1, lanes) == kv_pallas.AppendBlockConfig(2, 4, 8)
+    assert kv_pallas.block_config(64, 8, 1, lanes) == kv_pallas.AppendBlockConfig(2, 1, 1)
+    assert kv_pallas.grid(64, 8, 1, kv_pallas.AppendBlockConfig(2, 1, 1)) == (384,)
+
+
+# -- the Triton lowering, off the GPU -----------------------------------------------------
+
+def _specs(case: AppendCase, tokens: int, dtype=jnp.bfloat16):
+    c = case.case
+    sds = jax.ShapeDtypeStruct
+    cache_dtype = jnp.float8_e4m3fn if case.fp8 else dtype
+    shape = cache_shape(case)
+    kv = (sds((shape[0], 2, *shape[1:]), cache_dtype) if case.combined
+          else (sds(shape, cache_dtype), sds(shape, cache_dtype)))
+    return (sds((tokens, c.q_heads, c.head_dim), dtype), sds((tokens, c.k_heads, c.head_dim), dtype),
+            sds((tokens, c.k_heads, c.head_dim), dtype), sds((tokens,), jnp.int32), kv,
+            sds((tokens,), jnp.int32))
+
+
+def _on_gpu(monkeypatch):
+    # The public op picks its backend from the arrays' platform; pretend it is a GPU.
+    monkeypatch.setattr(apply_module, "_platform", lambda x: "gpu")
+
+
+def _pallas_call(case: AppendCase):
+    scales = FP8_SCALES if case.fp8 else {}
+    return lambda q, k, v, pos, kv, slots: jr.apply_rope_and_append_kv(
+        q, k, v, pos, kv, slots, case.case.cfg, layout=case.layout, backend="pallas", **scales)
+
+
+LOWERED = ["llama3_nhd_p16", "llama3_hnd_p16", "llama3_nhd_p1_combined", "partial_half_fp8_hnd_combined",
+           "gptj_fp8_nhd_p1", "interleave_d96_nhd_p1", "linear_d80_hnd_one_token"]
+
+
+@pytest.mark.parametrize("name", LOWERED)
+def test_lowers_for_cuda_with_q_and_the_cache_aliased(name, monkeypatch):
+    _on_gpu(monkeypatch)
+    case = APPEND_BY_NAME[name]
+    specs = _specs(case, 64)
+    with cuda_target():
+        text = jax.jit(_pallas_call(case), donate_argnums=(0, 4)).trace(*specs).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text and "jaxrope_rope_append_kv" in text
+    donated = 1 + len(jax.tree.leaves(specs[4]))
+    assert len(re.findall(r"tf\.aliasing_output = \d+", text)) == donated, "q and the cache alias"
+
+
+def _ptx(ttir: str, path, block: kv_pallas.AppendBlockConfig) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    path.write_text(ttir)
+    return triton.compile(str(path), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": block.num_warps,
+                                   "num_stages": block.num_stages}).asm["ptx"]
+
+
+@pytest.mark.requires_triton
+def test_the_compiled_kernel_does_not_depend_on_the_token_count(monkeypatch, tmp_path):
+    # The torch bridge compiles one kernel per head layout and cache and launches it for
+    # any T (count read at run time): the PTX for 64 and 4096 tokens must be the same.
+    # (The Triton IR differs only in whole-array block starts, 0 * T, that Triton folds.)
+    _on_gpu(monkeypatch)
+    case = APPEND_BY_NAME["llama3_hnd_p16"]
+    block = kv_pallas.block_config(4096, 32, 8, 64)
+    tables, attention = apply_module.kernel_constants(case.case.cfg)
+
+    def kernel(q, k, v, pos, kv, slots):
+        return kv_pallas.rope_append_kv_pallas(
+            q, k, v, pos, slots, jnp.asarray(tables), jnp.ones(2, jnp.float32), kv,
+            layout="HND", page_size=16, components=1, rotary_dim=128, interleave=False,
+            attention_factor=attention, config=block)
+
+    ptx = []
+    for tokens in (64, 4096):
+        [ttir] = triton_modules(kernel, *_specs(case, tokens))
+        ptx.append(_ptx(ttir, tmp_path / "kernel.ttir", block))
+    assert _code(ptx[0]) == _code(ptx[1])
+
+
+def _code(ptx: str) -> str:
+    # The instructions, without debug info (file paths from Triton's compile cache).
+    code = ptx.split(".section")[0]
+    return "\n".join(line for line in code.splitlines()
+                     if not re.match(r"\s*\.(file|loc)\b", line))
+
+
+@pytest.mark.requires_triton
+@pytest.mark.parametrize("name", ["llama3_nhd_p16", "partial_half_fp8_hnd_combined",
+                                  "gptj_fp8_nhd_p1"])
+def test_the_kernel_compiles_to_ptx_for_sm90(name, monkeypatch, tmp_path):
+    # Triton's own passes (TTIR -> PTX for sm_90) run on the CPU: the kernel uses the
+    # hardware sine/cosine, and an fp8 cache the saturating e4m3 conversion FlashInfer uses.
+    _on_gpu(monkeypatch)
+    case = APPEND_BY_NAME[name]
+    [ttir] = triton_modules(_pallas_call(case), *_specs(case, 64))
+    ptx = _ptx(ttir, tmp_path / "kernel.ttir", kv_pallas.block_config(
+        64, case.case.q_heads, case.case.k_heads, case.case.cfg.rotary_dim // 2))
+    assert "sin.approx.f32" in ptx and "cos.approx.f32" in ptx
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == case.fp8
+    assert re.search(r"st\.global\.v[24]", ptx), "cache rows should be stored in vectors"
+
+
+def test_fp8_caches_of_2_to_4_gib_take_the_xla_path(monkeypatch):
+    # JAX's Triton lowering would address them with wrapping int32 offsets.
+    _on_gpu(monkeypatch)
+    case = APPEND_BY_NAME["llama3_fp8_nhd"]
+    pages = (3 << 30) // (16 * 8 * 128)  # 3 GiB of fp8 per cache
+    specs = list(_specs(case, 64))
+    sds = jax.ShapeDtypeStruct
+    specs[4] = (sds((pages, 16, 8, 128), jnp.float8_e4m3fn),) * 2
+    assert "2-4 GiB" in kv_pallas.unsupported(specs[4][0])
+    assert kv_pallas.unsupported(sds((2 * pages, 16, 8, 128), jnp.float8_e4m3fn)) is None
+    assert kv_pallas.unsupported(sds((pages, 16, 8, 128), jnp.bfloat16)) is None
+    with pytest.raises(jr.BackendUnavailable, match="2-4 GiB"):
+        jax.eval_shape(_pallas_call(case), *specs)
+    auto = lambda *a: jr.apply_rope_and_append_kv(*a[:6], case.case.cfg, **FP8_SCALES)  # noqa: E731
+    jaxpr = str(jax.make_jaxpr(auto)(*specs))
+    assert "pallas_call" not in jaxpr and "scatter" in jaxpr
+
+
+# -- the FlashInfer page-table convention -------------------------------------------------
+
+def test_flashinfer_page_tables_map_to_slots():
+    # FlashInfer's append_paged_kv_cache docstring example: 4 requests appending 45, 8,
+    # 25 and 22 tokens into pages [0, 8) (3, 1, 2 and 2 pages), page_size 16, the
+    # requests' cached lengths equal to what they append.
+    from jaxrope.testing import flashinfer_kv
+    batch = flashinfer_kv.PagedBatch(
+        kv_indices=np.arange(8, dtype=np.int32), kv_indptr=np.array([0, 3, 4, 6, 8], np.int32),
+        kv_last_page_len=np.array([13, 8, 9, 6], np.int32), page_size=16,
+        batch_indices=np.repeat(np.arange(4), [45, 8, 25, 22]).astype(np.int32),
+        positions=np.concatenate([np.arange(n) for n in (45, 8, 25, 22)]).astype(np.int32))
+    slots = batch.slots
+    assert slots[:45].tolist() == list(range(45))          # pages 0-2
+    assert slots[45:53].tolist() == list(range(48, 56))    # page 3
+    assert slots[53:78].tolist() == list(range(64, 89))    # pages 4-5
+    assert slots[78:].tolist() == list(range(96, 118))     # pages 6-7
+
+
+def test_paged_batches_give_distinct_slots_on_shuffled_pages(rng):
+    from jaxrope.testing import flashinfer_kv
+    batch = flashinfer_kv.paged_batch(rng, append_lengths=[1, 19, 204, 4], cached_lengths=[0, 5, 16, 300],
+                                      pages=64, page_size=16)
+    assert len(np.unique(batch.slots)) == 228 and batch.slots.min() >= 0
+    assert batch.slots.max() < 64 * 16
+    # Token i of request b sits at KV position cached_b + i.
+    assert batch.positions[batch.batch_indices == 3].tolist() == [300, 301, 302, 303]
+
+
+# -- bad inputs ----------------------------------------------------------------------------
+
+class TestBadInputs:
+    cfg = jr.RopeConfig(head_dim=64, max_position=4096)
+
+    def _inputs(self, layout="NHD", cache_dtype=jnp.bfloat16):
+        q = jnp.zeros((3, 4, 64), jnp.bfloat16)
+        k = v = jnp.zeros((3, 2, 64), jnp.bfloat16)
+        shape = (4, 16, 2, 64) if layout == "NHD" else (4, 2, 16, 64)
+        cache = (jnp.zeros(shape, cache_dtype), jnp.zeros(shape, cache_dtype))
+        return dict(q=q, k=k, v=v, pos_ids=jnp.arange(3, dtype=jnp.int32), kv_cache=cache,
+                    slots=jnp.array([0, 5, -1], jnp.int32), cfg=self.cfg)
+
+    def _raises(self, exc, text, **changes):
+        args = {**self._inputs(), **changes}
+        kwargs = {key: args.pop(key) for key in ("layout", "k_quant_scale", "v_quant_scale", "backend")
+                  if key in args}
+        with pytest.raises(exc, match=re.escape(text)):
+            jr.apply_rope_and_append_kv(args["q"], args["k"], args["v"], args["pos_ids"],
+                                        args["kv_cache"], args["slots"], args["cfg"],
+                                        **{"backend": "xla", **kwargs})
+
+    def test_rope_arguments_are_checked_as_apply_rope_checks_them(self):
+        self._raises(ValueError, "k.shape[0]", k=jnp.zeros((4, 2, 64), jnp.bfloat16))
+        self._raises(ValueError, "pos_ids must lie in [0, 4096)",
+                     pos_ids=jnp.array([0, 4096, 1], jnp.int32))
+        self._raises(TypeError, "cfg", cfg={"head_dim": 64})
+
+    def test_v_must_match_k(self):
+        self._raises(ValueError, "v ((3, 2, 32), bfloat16) must match k",
+                     v=jnp.zeros((3, 2, 32), jnp.bfloat16))
+        self._raises(ValueError, "v ((3, 2, 64), float16) must match k",
+                     v=jnp.zeros((3, 2, 64), jnp.float16))
+        self._raises(TypeError, "v must be an array", v=[[0.0]])
+
+    def test_layout_must_be_nhd_or_hnd(self):
+        self._raises(ValueError, "layout='NDH' must be one of ('NHD', 'HND')", layout="NDH")
+
+    def test_cache_must_be_a_pair_or_one_combined_array(self):
+        cache = self._inputs()["kv_cache"]
+        self._raises(TypeError, "kv_cache must be a (k_cache, v_cache) pair", kv_cache=cache[:1])
+        self._raises(TypeError, "kv_cache must be a (k_cache, v_cache) pair", kv_cache={"k": 1})
+        self._raises(ValueError, "kv_cache.shape=(4, 16, 2, 64) must be [pages, 2, page_size, Hk, D]",
+                     kv_cache=cache[0])
+        self._raises(ValueError, "k_cache.shape=(4, 16, 128) must be rank 4",
+                     kv_cache=(cache[0].reshape(4, 16, 128), cache[1]))
+        self._raises(ValueError, "v_cache ((4, 16, 2, 32), bfloat16) must match k_cache",
+                     kv_cache=(cache[0], cache[1][..., :32]))
+
+    def test_cache_rows_must_fit_k_in_the_layout(self):
+        cache = self._inputs("HND")["kv_cache"]   # [pages, Hk, page_size, D] read as NHD
+        self._raises(ValueError, "k_cache.shape=(4, 2, 16, 64) must be [pages, page_size, Hk, D] "
+                     "(layout='NHD') with Hk=2 and D=64", kv_cache=cache)
+        self._raises(ValueError, "kv_cache.shape=(4, 2, 16, 4, 64) must be [pages, 2, Hk, page_size, D]"
+                     " (layout='HND') with Hk=2", kv_cache=jnp.zeros((4, 2, 16, 4, 64), jnp.bfloat16),
+                     layout="HND")
+
+    def test_cache_dtype_is_k_dtype_or_fp8(self):
+        self._raises(ValueError, "k_cache.dtype=float16 must be k's dtype (bfloat16) or float8_e4m3fn",
+                     kv_cache=self._inputs(cache_dtype=jnp.float16)["kv_cache"])
+
+    def test_slots_are_int_one_per_token(self):
+        self._raises(ValueError, "slots.shape=(2,) must be [T] with T=3", slots=jnp.zeros(2, jnp.int32))
+        self._raises(ValueError, "slots.dtype=float32 must be an integer type",
+                     slots=jnp.zeros(3, jnp.float32))
+        self._raises(TypeError, "slots must be an integer array", slots=[0, 1, 2])
+
+    def test_visible_slots_stay_in_the_cache_and_do_not_repeat(self):
+        self._raises(ValueError, "slots must be < 64 (pages * page_size) or negative (skipped), got a "
+                     "maximum of 64", slots=jnp.array([0, 64, -1], jnp.int32))
+        self._raises(ValueError, "slots must not repeat a slot", slots=jnp.array([7, 7, -1], jnp.int32))
+
+    def test_scales_only_for_fp8_and_positive(self):
+        self._raises(ValueError, "k_quant_scale=0.5 applies only to a float8_e4m3fn cache",
+                     k_quant_scale=0.5)
+        fp8 = self._inputs(cache_dtype=jnp.float8_e4m3fn)["kv_cache"]
+        self._raises(ValueError, "v_quant_scale=0.0 must be finite and > 0", kv_cache=fp8,
+                     v_quant_scale=0.0)
+        self._raises(ValueError, "k_quant_scale=inf must be finite", kv_cache=fp8,
+                     k_quant_scale=float("inf"))
+        self._raises(ValueError, "k_quant_scale.shape=(2,) must be ()", kv_cache=fp8,
+                     k_quant_scale=jnp.ones(2))
+        self._raises(TypeError, "v_quant_scale must be a float", kv_cache=fp8, v_quant_scale="1")
+
+    def test_mrope_positions_are_not_fused_yet(self):
+        self._raises(NotImplementedError, "M-RoPE positions [3, T]",
+                     pos_ids=jnp.zeros((3, 3), jnp.int32))
+
+    def test_backends(self):
+        self._raises(ValueError, "backend='triton' must be one of", backend="triton")
+        if jax.default_backend() != "gpu":
+            self._raises(jr.BackendUnavailable, "backend='pallas' needs a GPU", backend="pallas")
+        self._raises(NotImplementedError, "mosaic", backend="mosaic")
