@@ -29,6 +29,9 @@ BENCHES=(
     "rope_bench --budget-s 360"
     "accuracy"
     "bridge_bench"
+    "mrope_bench"
+    "kv_append_bench"
+    "shard_bench"
 )
 
 if [ $# -lt 1 ]; then
