@@ -42,52 +42,76 @@ import torch
 
 from torch_bridge.engine_types import GraphSlot
 
-__all__ = ["PositionUpload"]
+__all__ = ["PositionUpload", "RingCursor"]
 
 _RING_INTS = 1 << 20
 _RING_SLOTS = 8
 
 
+class RingCursor:
+    """Where the next span of a ring of ``parts`` equal parts goes (the ring's arithmetic).
+
+    A span never straddles two parts. :meth:`take` returns the span's start and, when
+    the span opens a new part, that part's index (its previous lap's copies must have
+    completed before it is written).
+
+    Example:
+      >>> cursor = RingCursor(size=8, parts=2)   # parts [0, 4) and [4, 8)
+      >>> [cursor.take(n) for n in (3, 1, 2, 4, 5)]
+      [(0, None), (3, None), (4, 1), (0, 0), (None, None)]
+    """
+
+    def __init__(self, size: int, parts: int):
+        self.part_size, self.parts = size // parts, parts
+        self.part, self.offset = 0, 0
+
+    def take(self, n: int) -> Tuple[Optional[int], Optional[int]]:
+        """``(start, entered part or None)`` of a span of ``n``; ``(None, None)`` when ``n``
+        is larger than a part."""
+        if n > self.part_size:
+            return None, None
+        entered = None
+        if self.offset + n > (self.part + 1) * self.part_size:
+            self.part = (self.part + 1) % self.parts
+            self.offset = self.part * self.part_size
+            entered = self.part
+        start = self.offset
+        self.offset += n
+        return start, entered
+
+
 class _PinnedRing:
-    """A page-locked int32 ring, reused only after its earlier copies have completed."""
+    """A page-locked int32 ring, a part reused only after its earlier copies completed."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.tensor = torch.empty((_RING_INTS,), dtype=torch.int32, pin_memory=True)
         self.host = self.tensor.numpy()
-        self.part = _RING_INTS // _RING_SLOTS
-        self.offset = 0
+        self.cursor = RingCursor(_RING_INTS, _RING_SLOTS)
         # Per part: the events recorded when the write position last left it.
         self.done: List[List[torch.cuda.Event]] = [[] for _ in range(_RING_SLOTS)]
-        self.streams: List[torch.cuda.Stream] = []
+        self.streams: List[int] = []  # raw streams that copied from the current part
 
-    def span(self, n: int, stream: torch.cuda.Stream) -> Optional[int]:
-        """Start of a pinned ``[n]`` span to write and copy from on ``stream``; None if ``n``
-        exceeds a part."""
-        if n > self.part:
+    def span(self, n: int, stream: int) -> Optional[int]:
+        """Start of a pinned ``[n]`` span to write and copy from on raw stream ``stream``;
+        None if ``n`` exceeds a part."""
+        left = self.cursor.part
+        start, entered = self.cursor.take(n)
+        if start is None:
             return None
-        part = self.offset // self.part
-        if self.offset + n > (part + 1) * self.part:
-            self._leave(part)
-            part = (part + 1) % _RING_SLOTS
-            self.offset = part * self.part
-            for event in self.done[part]:
+        if entered is not None:
+            events = []
+            for raw in self.streams:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.ExternalStream(raw, device=self.device))
+                events.append(event)
+            self.done[left], self.streams = events, []
+            for event in self.done[entered]:
                 event.synchronize()  # a lap ago: normally complete long since
-            self.done[part] = []
+            self.done[entered] = []
         if stream not in self.streams:
             self.streams.append(stream)
-        start = self.offset
-        self.offset += n
         return start
-
-    def _leave(self, part: int) -> None:
-        events = []
-        for stream in self.streams:
-            event = torch.cuda.Event()
-            event.record(stream)
-            events.append(event)
-        self.done[part] = events
-        self.streams = []
 
 
 class PositionUpload:
@@ -100,6 +124,7 @@ class PositionUpload:
     def __init__(self, device: torch.device):
         self.device = device
         self._ring = _PinnedRing(device) if device.type == "cuda" else None
+        self._index = device.index if device.type == "cuda" else None
         self.graph_buffers: Dict[Tuple[GraphSlot, str], torch.Tensor] = {}
 
     def step(self, computed: Mapping[str, np.ndarray], explicit: Mapping[str, torch.Tensor],
@@ -156,7 +181,8 @@ class PositionUpload:
 
     def check_not_capturing(self) -> None:
         """Raise RuntimeError under CUDA-graph capture (see the module docstring)."""
-        if self._ring is not None and torch.cuda.is_current_stream_capturing():
+        # torch's C entry point: the public wrapper re-checks lazy initialisation per call.
+        if self._ring is not None and torch._C._cuda_isCurrentStreamCapturing():
             raise RuntimeError("plan under CUDA-graph capture: the position copy from pinned "
                                "host memory cannot be captured; plan outside the capture into a "
                                "graph slot (StepContext.graph_slot) and replay reads its buffer")
@@ -174,8 +200,8 @@ class PositionUpload:
             into[:n].copy_(source)
             return into
         ring = self._ring
-        stream = torch.cuda.current_stream(self.device)
-        start = ring.span(n, stream)
+        # The raw stream handle: building a torch.cuda.Stream per step costs microseconds.
+        start = ring.span(n, torch._C._cuda_getCurrentRawStream(self._index))
         if start is None:
             # Larger than a ring part: a pinned buffer of its own, which torch's caching
             # host allocator keeps alive until the copy has completed.
@@ -183,6 +209,6 @@ class PositionUpload:
         else:
             ring.host[start:start + n] = positions
             span = ring.tensor[start:start + n]
-        target = torch.empty((n,), dtype=torch.int32, device=self.device) if into is None else into[:n]
+        target = torch.empty(n, dtype=torch.int32, device=self.device) if into is None else into[:n]
         target.copy_(span, non_blocking=True)
         return target if into is None else into
