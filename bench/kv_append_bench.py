@@ -271,7 +271,7 @@ def torch_runs(x: Inputs, rep_seconds: float, reps: int, notes: List[str]) -> Li
                                          ids["kv_last_page_len"], kv_layout="NHD")
 
     def fused_fp8():
-        flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+        flashinfer.rope.rope_quantize_fp8_append_paged_kv_cache(
             q, k, None, None, v, table, rows, fp8_caches, ids["kv_indices"], ids["kv_indptr"],
             ids["batch_indices"], ids["positions"], is_neox=True,
             quantize_dtype=torch.float8_e4m3fn, quant_scale_kv=0.37, page_size=PAGE_SIZE,

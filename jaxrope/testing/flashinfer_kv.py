@@ -137,7 +137,8 @@ def run_fp8_fused(cfg: jr.RopeConfig, q: np.ndarray, k: np.ndarray, v: np.ndarra
     ids = batch_tensors(batch, dev)
     # No non-rotary part: None (FlashInfer makes the empty tensors itself).
     q_nope, k_nope = (x[..., r:] if r < cfg.head_dim else None for x in (tq, tk))
-    q_rope, q_nope = flashinfer.rope_quantize_fp8_append_paged_kv_cache(
+    # FlashInfer 0.5.3 keeps this op in flashinfer.rope (not re-exported at the top level).
+    q_rope, q_nope = flashinfer.rope.rope_quantize_fp8_append_paged_kv_cache(
         tq[..., :r], tk[..., :r], q_nope, k_nope, tv, to_torch(table, dev),
         to_torch(rows, dev), (kc, vc), ids["kv_indices"], ids["kv_indptr"],
         ids["batch_indices"], ids["positions"], is_neox=not cfg.interleave,
