@@ -191,7 +191,10 @@ class StepPlans:
         if plan is None:
             raise ValueError("commit without a plan: call plan(step, ctx) for this step first")
         _check_same_step(step, plan.step)
-        columns = self._streams.columns.copy()
+        columns = self._streams.columns
+        # Only forks write deltas: a plain commit copies the counters alone.
+        forks = len(plan.commit.fork_src) or (staged_first and len(plan.pre_src))
+        columns = columns.copy() if forks else columns._replace(counters=columns.counters.copy())
         if staged_first and len(plan.pre_src):
             rules.fork(columns, plan.pre_src, plan.pre_dst)
         rules.apply_commit(columns, plan.commit, self._scheme, self._block_step)

@@ -74,13 +74,15 @@ def plan(columns: Columns, slots: np.ndarray, counts: np.ndarray, scheme: Scheme
     if num_tokens is None:
         num_tokens = int(counts.sum())
     if num_tokens == len(counts) and (num_tokens == 0 or counts.max() == 1):
-        positions = base  # every view one token (decode): nothing to repeat
+        positions = base.astype(np.int32)  # every view one token (decode): nothing to repeat
     elif scheme is Scheme.BLOCK:
-        positions = np.repeat(base, counts)
+        positions = np.repeat(base.astype(np.int32), counts)
     else:
+        # int32 from the start: a prefill step is tens of thousands of tokens, and each
+        # pass over them counts.
         starts = np.cumsum(counts) - counts
-        positions = np.repeat(base - starts, counts) + np.arange(num_tokens)
-    positions = positions.astype(np.int32)
+        positions = np.arange(num_tokens, dtype=np.int32)
+        positions += np.repeat((base - starts).astype(np.int32), counts)
     return np.broadcast_to(positions, (3, num_tokens)) if mrope else positions
 
 
