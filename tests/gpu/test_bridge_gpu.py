@@ -173,25 +173,28 @@ def test_non_contiguous_q_takes_the_documented_copy_path(device, launcher):
 
 def test_positions_stay_right_when_the_host_laps_the_pinned_ring(device, launcher):
     """The host runs far ahead of a late device and rewrites every ring part: each step's
-    positions must still be its own (a part is reused only once its copies completed)."""
+    positions must still be its own (a part is reused only once its copies completed).
+
+    Steps of 16384 tokens fill a ring part (131072 ints) exactly every 8 steps, the case
+    the first ring got wrong; one step of 200k tokens takes the path for spans larger
+    than a part."""
     mgr = make(device, launcher)
     rids = [f"r{i}" for i in range(4)]
     for rid in rids:
         mgr.ingest_request(rid)
-    steps, outputs = [], []
+    outputs, wanted = [], []
     torch.cuda.synchronize()
     torch.cuda._sleep(100_000_000)  # the device is ~50 ms late
-    spans = [40_000, 90_000, 1, 70_000]  # one step of 200k tokens: a ring part holds 131072
-    for _ in range(8):  # 1.6M positions, more than the 1M of the ring
+    plans = [[4096] * 4] * 40 + [[40_000, 90_000, 1, 70_000]] + [[4096, 8192, 2048, 2048]] * 40
+    for spans in plans:  # 1.5M positions, more than the 1M of the ring
         step = PositionStep([Segment(rid, "text", n) for rid, n in zip(rids, spans)])
         ctx = StepContext(tuple(rids))
         starts = [mgr.position(rid, "text") for rid in rids]
         outputs.append(mgr.plan(step, ctx)["text"])
-        steps.append(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, spans)]))
+        wanted.append(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, spans)]))
         mgr.commit(step, ctx)
-        spans = spans[1:] + spans[:1]
     torch.cuda.synchronize()
-    for got, want in zip(outputs, steps):
+    for got, want in zip(outputs, wanted):
         np.testing.assert_array_equal(got.cpu().numpy(), want)
 
 
