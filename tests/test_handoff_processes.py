@@ -12,6 +12,7 @@ record does not cover, a damaged or foreign record.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import signal
@@ -25,8 +26,8 @@ import torch.distributed as dist  # noqa: E402
 import jaxrope as jr  # noqa: E402
 from jaxrope import wire  # noqa: E402
 from torch_bridge import PositionConfig, PublishedPositionInfo, RopeManager  # noqa: E402
-from torch_bridge.demo.disagg import (DisaggReport, DisaggSpec, new_node,  # noqa: E402
-                                      run_in_process, verify)
+from torch_bridge.demo.disagg import (DecodeNode, DisaggReport, DisaggSpec,  # noqa: E402
+                                      new_node, prefill, run_in_process, verify)
 from torch_bridge.demo.disagg_processes import run  # noqa: E402
 from torch_bridge.demo.model import TOLERANCE  # noqa: E402
 from torch_bridge.handoff import Handoff, RecordStore  # noqa: E402
@@ -154,6 +155,17 @@ def test_a_record_of_another_rope_config_is_refused_at_admit():
 
     report = run_in_process(SMALL, between=foreign)
     assert any("resume r0: published record refused (fingerprint)" in f for f in report.failures)
+
+
+def test_a_shipped_record_of_another_rope_config_is_refused_and_not_decoded():
+    handoffs = prefill(SMALL, new_node(SMALL, "prefill"), lambda row: None)
+    info = PublishedPositionInfo.from_bytes(handoffs[0].record)
+    info.fingerprint = RopeManager(PositionConfig(rope=jr.RopeConfig(head_dim=128)), "cpu").fingerprint()
+    rows = []
+    node = DecodeNode(SMALL, RecordStore(dist.HashStore()), rows.append)
+    assert node.step([dataclasses.replace(handoffs[0], record=info.to_bytes())]) is False
+    assert rows[0]["failures"][0].startswith("admit r0: published record refused (fingerprint)")
+    assert node.node.mgr.requests() == [] and node.failed
 
 
 def test_verify_catches_a_repeated_or_missing_decode_position():

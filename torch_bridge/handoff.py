@@ -132,9 +132,10 @@ def recv_handoff(src: int, group: Optional[dist.ProcessGroup] = None,
     """
     header = torch.empty(_HEADER_FIELDS, dtype=torch.int64, device=device)
     dist.recv(header, src, group=group)
-    rid_size, record_size, count, n, heads, dim, code = header.tolist()
-    if min(header.tolist()) < 0 or code >= len(_DTYPES):
-        raise RuntimeError(f"handoff header {header.tolist()} is not one send_handoff writes")
+    fields = header.tolist()
+    rid_size, record_size, count, n, heads, dim, code = fields
+    if min(fields) < 0 or code >= len(_DTYPES):
+        raise RuntimeError(f"handoff header {fields} is not one send_handoff writes")
     payload = torch.empty(rid_size + record_size, dtype=torch.uint8, device=device)
     ids = torch.empty(count, dtype=torch.int64, device=device)
     k = torch.empty((n, heads, dim), dtype=_DTYPES[code], device=device)

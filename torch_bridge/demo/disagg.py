@@ -224,7 +224,7 @@ class DecodeNode:
             self._rebuild(row, resumed)
             row = StepRow(self.steps, self.node.name)
         if not self.running:
-            if row.events:
+            if row.events or row.failures:
                 self._log(row, "decode", positions={}, published=True)
             return False
         self._decode(row)
@@ -245,11 +245,11 @@ class DecodeNode:
         mgr.ingest_request(rid)
         outcome = mgr.admit_retrieve(rid, "prefill", None, handoff.record)
         position = mgr.position(rid, "main")
-        if not outcome.ok:
-            row.failures.append(f"admit {rid}: {outcome.reason}")
-        elif position != len(handoff.ids):
-            row.failures.append(f"admit {rid}: position {position} != {len(handoff.ids)} "
-                                "shipped prompt tokens")
+        if not outcome.ok or position != len(handoff.ids):
+            row.failures.append(f"admit {rid}: " + (outcome.reason or f"position {position} != "
+                                                    f"{len(handoff.ids)} shipped prompt tokens"))
+            mgr.remove_request(rid)   # refused: it does not run here
+            return None
         self.node.streams[rid, "main"] = Stream(list(handoff.ids), handoff.k, handoff.v)
         self.running[rid] = _Running(index, max_new, [])
         row.events.append(f"admit {rid} @{position} ({len(handoff.record)} bytes)")

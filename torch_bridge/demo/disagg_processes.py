@@ -94,16 +94,18 @@ def _prefill_process(port: int, spec: DisaggSpec) -> int:
     handoffs = prefill(spec, new_node(spec, "prefill"), keep)
     failed = any(row["failures"] for row in rows)
     for session in range(_MAX_SESSIONS):
-        try:
-            with join_session(store, session, rank=0, timeout=_PEER_TIMEOUT):
+        # A rendezvous that fails (no decode process came) raises out of the process.
+        with join_session(store, session, rank=0, timeout=_PEER_TIMEOUT):
+            try:
                 dist.send(torch.tensor([len(handoffs)]), 1)
                 for handoff in handoffs:
                     send_handoff(handoff, 1)
                 done = torch.zeros(1, dtype=torch.int64)
                 dist.recv(done, 1)
-            return 1 if failed else 0
-        except RuntimeError as e:   # the decode process died: serve its next incarnation
-            store.set(f"lost/{session}", str(e).splitlines()[0][:200])
+            except RuntimeError as e:   # the decode process died: serve its next incarnation
+                store.set(f"lost/{session}", str(e).splitlines()[0][:200])
+                continue
+        return 1 if failed else 0
     return 1
 
 
@@ -113,7 +115,8 @@ def _decode_process(port: int, spec: DisaggSpec, incarnation: int,
 
     def hold() -> None:
         store.set(f"held/{incarnation}", "1")
-        time.sleep(10 * _PEER_TIMEOUT)   # killed here; never returns in a run
+        time.sleep(_PEER_TIMEOUT)   # the owner kills this process here
+        raise SystemExit(f"decode{incarnation}: held {_PEER_TIMEOUT:g} s and not killed")
 
     node = DecodeNode(spec, RecordStore(store), _logger(store, f"decode{incarnation}"),
                       hold_after=hold_after, hold=hold)
