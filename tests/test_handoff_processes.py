@@ -160,7 +160,8 @@ def test_a_record_of_another_rope_config_is_refused_at_admit():
 def test_a_shipped_record_of_another_rope_config_is_refused_and_not_decoded():
     handoffs = prefill(SMALL, new_node(SMALL, "prefill"), lambda row: None)
     info = PublishedPositionInfo.from_bytes(handoffs[0].record)
-    info.fingerprint = RopeManager(PositionConfig(rope=jr.RopeConfig(head_dim=128)), "cpu").fingerprint()
+    other = RopeManager(PositionConfig(rope=jr.RopeConfig(head_dim=128)), "cpu")
+    info.fingerprint = other.fingerprint()
     rows = []
     node = DecodeNode(SMALL, RecordStore(dist.HashStore()), rows.append)
     assert node.step([dataclasses.replace(handoffs[0], record=info.to_bytes())]) is False

@@ -1,4 +1,4 @@
-"""A request handed between processes: its position record and its rotated KV, over torch.distributed.
+"""A request handed between processes: its position record and rotated KV, over torch.distributed.
 
 Disaggregated serving prefills a request on one process and decodes it on another. What
 crosses over, per request (:class:`Handoff`): the record of where its streams stand

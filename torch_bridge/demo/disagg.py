@@ -25,8 +25,11 @@ Example:
   >>> report = run_in_process(DisaggSpec(requests=((9, 4), (5, 3)), kill_after=2))
   >>> report.failures
   []
-  >>> [(row["kind"], row["positions"]) for row in report.rows["decode1"]]
-  [('recover', {'r0': 9, 'r1': 5}), ('decode', {'r0': 11, 'r1': 6}), ('decode', {'r0': 12, 'r1': 7})]
+  >>> for row in report.rows["decode1"]:
+  ...     print(row["kind"], row["positions"])
+  recover {'r0': 9, 'r1': 5}
+  decode {'r0': 11, 'r1': 6}
+  decode {'r0': 12, 'r1': 7}
   >>> report.bytes_per_stream
   16.5
 """

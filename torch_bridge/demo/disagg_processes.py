@@ -54,7 +54,8 @@ from torch_bridge.handoff import RecordStore, join_session, recv_handoff, send_h
 __all__ = ["LOOPBACK", "main", "run"]
 
 LOOPBACK = "127.0.0.1"
-_MODULE = "torch_bridge.demo.disagg_processes"   # the children run it with -m (__name__ is __main__ there)
+# The children run this module with -m (where __name__ is "__main__").
+_MODULE = "torch_bridge.demo.disagg_processes"
 # A process's store operations and gloo calls give up after this long (a hung peer).
 _PEER_TIMEOUT = 60.0
 # Decode incarnations the prefill process serves before it gives up.
