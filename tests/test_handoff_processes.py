@@ -52,6 +52,7 @@ def _decode_rows(report, name, published=None):
 def test_the_two_process_run_passes_its_checks(report):
     assert report.failures == []
     assert report.exit_codes == {"prefill": 0, "decode0": -signal.SIGKILL, "decode1": 0}
+    assert len(report.lost) == 1   # the prefill process saw the first decode process die
 
 
 def test_every_prefill_and_decode_step_matches_the_float64_recompute(report):

@@ -262,6 +262,7 @@ class DecodeNode:
         """Re-prefill what the dead node had decoded (its KV died with it), then resume
         each request from its last published record."""
         mgr = self.node.mgr
+        starts = {rid: mgr.position(rid, "main") for rid, _, _ in resumed}
         self.node.step(row, [(rid, "main", ids) for rid, _, ids in resumed])
         for rid, record, ids in resumed:
             self.running[rid].decoded = list(ids)
@@ -277,8 +278,7 @@ class DecodeNode:
                 row.failures.append(f"resume {rid}: position {position}, its record {claimed}, "
                                     f"KV rebuilt to {cached}")
             row.events.append(f"resume {rid} @{position} ({len(ids)} decoded)")
-        self._log(row, "recover", positions={rid: mgr.position(rid, "main") - len(ids)
-                                             for rid, _, ids in resumed}, published=False)
+        self._log(row, "recover", positions=starts, published=False)
 
     # ------------------------------------------------------------------ decode
 
@@ -321,6 +321,7 @@ class DisaggReport:
         dicts (``decode1``: the restarted decode node).
       records: each request's last published ``(record bytes, decoded ids)``.
       exit_codes: each process's exit status (``-9``: killed); empty in one process.
+      lost: per gloo session whose decode peer died, the error the prefill process saw.
       failures: what :func:`verify` found wrong; empty on a pass.
       bytes_per_stream: bytes a stream takes in the largest final record (beyond its
         44-byte header and checksum).
@@ -330,6 +331,7 @@ class DisaggReport:
     rows: Dict[str, List[dict]]
     records: Dict[str, Tuple[bytes, List[int]]]
     exit_codes: Dict[str, Optional[int]] = dataclasses.field(default_factory=dict)
+    lost: List[str] = dataclasses.field(default_factory=list)
     failures: List[str] = dataclasses.field(default_factory=list)
     bytes_per_stream: float = 0.0
 

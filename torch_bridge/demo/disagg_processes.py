@@ -219,7 +219,12 @@ def run(spec: DisaggSpec = DisaggSpec(), *, timeout: float = 120.0) -> DisaggRep
             rows = {name: _rows(store, name) for name in names}
             records = {rid: r for rid in spec.rids
                        if (r := RecordStore(store).latest(rid)) is not None}
-            report = verify(DisaggReport(spec, rows, records, exit_codes))
+            lost = [store.get(f"lost/{s}").decode() for s in range(len(names) - 1)
+                    if store.check([f"lost/{s}"])]
+            report = verify(DisaggReport(spec, rows, records, exit_codes, lost))
+            if len(lost) != len(names) - 2:
+                report.failures.append(f"the prefill process lost {len(lost)} decode peers, "
+                                       f"want {len(names) - 2}: {lost}")
             want = {"prefill": 0, "decode0": 0 if spec.kill_after is None else -signal.SIGKILL,
                     "decode1": 0}
             for name, code in exit_codes.items():
@@ -272,6 +277,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for row in rows:
             print(f"{name:<8} {row['step']:>3} {row['kind']:<8} {str(row['positions']):<40} "
                   f"{row['error']:.1e}  {', '.join(row['events'])}")
+    for session, error in enumerate(report.lost):
+        print(f"prefill: session {session}'s decode peer died: {error}")
     summary = (f"{sum(map(len, report.rows.values()))} steps, {len(spec.requests)} requests, "
                f"{report.bytes_per_stream:g} bytes a stream, tolerance {TOLERANCE:.0e}, "
                f"exit codes {report.exit_codes}, {time.perf_counter() - started:.1f} s")
