@@ -36,12 +36,12 @@ A record decodes only if it is exactly what :func:`encode` writes for some input
 trailing bytes. Every refusal raises :class:`WireFormatError`, whose ``reason`` names
 the check and whose message says where.
 
-For the torch bridge: ``PublishedPositionInfo.to_bytes()`` is
-``encode(mgr.fingerprint(), [StreamRecord(label, position) for label, position in
-counters.items()])``; ``from_bytes`` is ``decode(data, expect_fingerprint=
-mgr.fingerprint())``, and ``admit_retrieve`` turns a ``WireFormatError`` into
-``AdmitOutcome(ok=False, reason=str(error))`` (``error.reason == "fingerprint"`` for a
-record from another configuration, anything else for a damaged one).
+For the torch bridge: ``PublishedPositionInfo.to_bytes()`` is ``encode(info.fingerprint,
+[StreamRecord(label, position, delta, epoch) for each label of info.counters])``;
+``admit_retrieve`` of bytes decodes them with ``expect_fingerprint=mgr.fingerprint()``
+and turns a ``WireFormatError`` into ``AdmitOutcome(ok=False, ready=False, reason=...)``
+naming ``error.reason`` (``"fingerprint"`` for a record from another configuration,
+anything else for a damaged one).
 
 Example:
   >>> import jaxrope as jr

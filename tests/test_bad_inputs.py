@@ -676,3 +676,44 @@ def test_state_snapshot_sees_every_kind_of_change():
         before = mgr.state_snapshot()
         mutate(mgr)
         assert mgr.state_snapshot() != before
+
+
+# ------------------------------------------------------------------------------ records as bytes
+
+
+def _record_bytes(mutate=lambda data: data, rope=None):
+    sender = busy_manager() if rope is None else RopeManager(
+        PositionConfig(rope=rope, labels=LABELS), "cpu", max_seq_len=MAX_SEQ_LEN, launcher="jax")
+    if rope is not None:
+        sender.ingest_request("a")
+    return mutate(sender.publish("a").to_bytes())
+
+
+@needs_torch
+@pytest.mark.parametrize("data,fragment", [
+    (lambda: _record_bytes(lambda d: d[:-1]), "(truncated): truncated at byte"),
+    (lambda: _record_bytes(lambda d: d[:50] + bytes((d[50] ^ 4,)) + d[51:]),
+     "(checksum): checksum mismatch"),
+    (lambda: _record_bytes(lambda d: d + b"\x00"), "(length): 1 bytes between"),
+    (lambda: _record_bytes(rope=jr.RopeConfig(head_dim=HEAD_DIM, theta=1e4, max_position=1024)),
+     "(fingerprint): fingerprint mismatch"),
+    (lambda: b"", "(truncated)"),
+    (lambda: b"{'cond': 5}", "(magic): bad magic"),
+], ids=["truncated", "bit flip", "trailing byte", "foreign fingerprint", "empty", "not a record"])
+def test_admit_of_unusable_record_bytes_reports_and_changes_nothing(data, fragment):
+    data = data()
+    mgr, twin = busy_manager(), busy_manager()
+    before = mgr.state_snapshot()
+    outcome = mgr.admit_retrieve("a", "node", "walk", data)
+    assert (outcome.ok, outcome.ready) == (False, False) and fragment in outcome.reason, outcome
+    assert mgr.state_snapshot() == before
+    assert finish(mgr) == finish(twin)
+
+
+@needs_torch
+def test_admit_of_a_record_as_str_raises_and_changes_nothing():
+    mgr = busy_manager()
+    before = mgr.state_snapshot()
+    with pytest.raises(TypeError, match="PublishedPositionInfo, bytes or None, got str"):
+        mgr.admit_retrieve("a", None, None, "JRPR")
+    assert mgr.state_snapshot() == before

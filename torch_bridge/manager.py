@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import Any, Dict, Hashable, List, Optional, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
 
 from jaxrope.positions import PositionTable
+from jaxrope.wire import WireFormatError
 from torch_bridge.config import PositionConfig
 from torch_bridge.engine_types import (AdmitOutcome, EngineInfo, GraphSlot, PositionStep, Resource,
                                        ResourceSpec, StepContext)
@@ -389,7 +390,7 @@ class PositionManager(Resource):
             self.fingerprint())
 
     def admit_retrieve(self, rid: Hashable, node_name: Optional[str], graph_walk: Optional[str],
-                       published: Optional[PublishedPositionInfo]) -> AdmitOutcome:
+                       published: Union[PublishedPositionInfo, bytes, None]) -> AdmitOutcome:
         """Take on published records, per label in epoch order.
 
         A newer publish epoch wins even with a lower position (the publisher rolled
@@ -397,23 +398,31 @@ class PositionManager(Resource):
         this node's own publication never rewinds a stream (the seed's monotonic admit:
         a publisher that never rolls back stays in epoch 0). The M-RoPE delta comes with
         the position that wins. ``node_name`` and ``graph_walk`` do not change positions
-        (a stream is ``(rid, label)``).
+        (a stream is ``(rid, label)``). ``published`` may be the record's bytes
+        (:meth:`PublishedPositionInfo.to_bytes`, as another process sent them).
 
         Returns:
           ``AdmitOutcome(True, True)`` when taken on (or nothing was published);
           ``ok=False`` with a reason, and no change, for an unknown request or label, a
-          position outside ``[0, max_seq_len]``, a bad delta or epoch, or a record whose
-          fingerprint is not this manager's (it rotates another way).
+          position outside ``[0, max_seq_len]``, a bad delta or epoch, a record whose
+          fingerprint is not this manager's (it rotates another way), or bytes that are
+          not an intact record (truncated, corrupted: :mod:`jaxrope.wire` says why).
 
         Raises:
-          TypeError: ``published`` is not a PublishedPositionInfo (or None).
+          TypeError: ``published`` is not a PublishedPositionInfo, bytes or None.
         """
         if published is None:
             return AdmitOutcome(True, True)
-        if not isinstance(published, PublishedPositionInfo):
-            raise TypeError(f"published must be a PublishedPositionInfo or None, got "
-                            f"{type(published).__name__}")
         check_hashable(rid, "rid")
+        if isinstance(published, (bytes, bytearray, memoryview)):
+            try:
+                published = PublishedPositionInfo.from_bytes(
+                    published, expect_fingerprint=self.fingerprint())
+            except WireFormatError as e:
+                return AdmitOutcome(False, False, f"published record refused ({e.reason}): {e}")
+        if not isinstance(published, PublishedPositionInfo):
+            raise TypeError(f"published must be a PublishedPositionInfo, bytes or None, got "
+                            f"{type(published).__name__}")
         if rid not in self._streams:
             return AdmitOutcome(False, False, f"request_id={rid!r} was never ingested")
         if published.fingerprint is not None and published.fingerprint != self.fingerprint():

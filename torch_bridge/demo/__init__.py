@@ -54,7 +54,9 @@ Exit status 0 when every check passes, 1 on any mismatch.
 Modules: :mod:`~torch_bridge.demo.model` (the attention layer and its float64
 recompute), :mod:`~torch_bridge.demo.node` (a serving node and the prefix cache),
 :mod:`~torch_bridge.demo.trace` (the scripted trace), :mod:`~torch_bridge.demo.cli`
-(arguments and the report).
+(arguments and the report). Prefill and decode as two processes, the decode one killed
+and restarted: :mod:`~torch_bridge.demo.disagg` (the nodes, the resume, the checks) and
+:mod:`~torch_bridge.demo.disagg_processes` (``python -m torch_bridge.demo.disagg_processes``).
 
 Example:
   >>> import contextlib, io
