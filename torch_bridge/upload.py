@@ -179,7 +179,7 @@ class PositionUpload:
         """
         n, size = positions.shape[-1], positions.size
         if positions.ndim > 1 or not positions.flags.writeable:
-            positions = np.ascontiguousarray(positions)  # a plan's broadcast rows: one block
+            positions = np.array(positions, order="C")  # a plan's broadcast rows: one block
         if self._ring is None:
             source = torch.from_numpy(positions)
             if into is None:
