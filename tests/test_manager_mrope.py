@@ -271,3 +271,44 @@ def test_apply_qk_after_a_handoff_rotates_the_decode_token_at_counter_minus_182(
     assert np.abs(want - lost).max() > 0.1
     decode_node.apply_qk(q, k, "text")
     np.testing.assert_allclose(q.numpy(), want, rtol=0, atol=2e-5)
+
+
+# -- the Triton launcher's M-RoPE rules, on CPU (the launch itself: tests/gpu) -------------
+
+
+def test_the_kernel_block_is_the_tensor_itself_or_a_contiguous_copy_of_its_first_columns():
+    from torch_bridge.triton_launch import mrope_block
+
+    buffer = torch.arange(24, dtype=torch.int32).view(3, 8)  # a graph slot's [3, N] buffer
+    assert mrope_block(buffer, 8) is buffer  # a replay over the whole bucket
+    block = mrope_block(buffer, 5)
+    assert block.is_contiguous() and block.tolist() == buffer[:, :5].tolist()
+    # The kernel of count 5 reads row r of token t at r * 5 + t.
+    flat = block.flatten().tolist()
+    assert [flat[r * 5 + t] for r in range(3) for t in range(5)] == buffer[:, :5].flatten().tolist()
+
+
+@pytest.mark.requires_triton
+def test_the_launcher_exports_each_mrope_layout_as_its_own_kernel(monkeypatch):
+    from jaxrope.kernels import triton_ir
+    from torch_bridge.triton_launch import TritonLauncher
+
+    calls = []
+
+    def recording_export(**kwargs):
+        calls.append(kwargs)
+        raise jr.BackendUnavailable("recorded by the test")
+
+    monkeypatch.setattr(triton_ir, "export", recording_export)
+    launcher = TritonLauncher()
+    sectioned = jr.RopeConfig(head_dim=128, theta=5e6, mrope_section=(24, 20, 20))
+    configs = [sectioned, jr.RopeConfig(head_dim=128, theta=5e6, mrope_section=(24, 20, 20),
+                                        mrope_interleaved=True),
+               jr.RopeConfig(head_dim=128, theta=5e6, mrope_section=(16, 24, 24)),
+               jr.RopeConfig(head_dim=128, theta=5e6)]
+    for cfg in configs + [sectioned]:
+        with pytest.raises(jr.BackendUnavailable, match="recorded"):
+            launcher._prepare((64, 4, 128), 2, torch.bfloat16, torch.device("cpu"), cfg, None)
+    # One export per layout (the repeated config's failure is cached under its key).
+    assert [(c["mrope_section"], c["mrope_interleaved"]) for c in calls] == [
+        ((24, 20, 20), False), ((24, 20, 20), True), ((16, 24, 24), False), (None, False)]
