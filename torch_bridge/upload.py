@@ -199,6 +199,9 @@ class PositionUpload:
         if into is None:
             target = torch.empty(positions.shape, dtype=torch.int32, device=self.device)
         else:
-            target = into[..., :n]  # M-RoPE: rows of a graph buffer, strided by its width
+            # M-RoPE: the rows of a [3, N] graph buffer, N apart; torch lands the one
+            # host->device copy in a contiguous staging tensor and scatters it on the
+            # same stream (the tail past n keeps its values).
+            target = into[..., :n]
         target.copy_(span, non_blocking=True)
         return target if into is None else into
