@@ -11,6 +11,8 @@ VENV312  ?= .venv312
 TORCH    ?= torch==2.13.0
 JAX011   ?= jax==0.11.2
 PYTEST_ARGS ?=
+# Arguments of the demo, e.g. `make demo DEMO_ARGS="--model qwen2.5-vl"` (the M-RoPE trace).
+DEMO_ARGS ?=
 
 .PHONY: demo test test-core-jax011 bench gpu clean
 
@@ -28,7 +30,7 @@ $(VENV312)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/python -m jaxrope.demo
+	$(VENV)/bin/python -m jaxrope.demo $(DEMO_ARGS)
 
 # The full CPU suite: core + torch bridge (its Triton kernel through Triton's interpreter)
 # + the parity suite against transformers, on the default JAX of this Python. The

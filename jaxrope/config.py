@@ -246,7 +246,7 @@ class RopeConfig:
           ValueError: naming the field, for a value that cannot be honoured or is
             inconsistent.
           NotImplementedError: the model rotates in a way jaxrope does not implement
-            yet (M-RoPE).
+            (an M-RoPE layout :mod:`jaxrope.mrope.hf` does not know, e.g. GLM-4.5V's).
 
         Example:
           >>> import jaxrope as jr

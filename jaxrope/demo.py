@@ -2,7 +2,8 @@
 
 Usage::
 
-  python -m jaxrope.demo [--model {llama3.1,qwen2.5-yarn,phi3-longrope,deepseek-v2}]
+  python -m jaxrope.demo [--model {llama3.1,qwen2.5-yarn,phi3-longrope,deepseek-v2,
+                                   qwen2-vl,qwen2.5-vl,qwen3-vl,glm-4.1v}]
                          [--steps N] [--device {auto,cpu,cuda}] [--seed S]
 
 The demo drives the PyTorch facade, so its implementation lives in

@@ -17,11 +17,19 @@ What is read, for every model family of :data:`jaxrope.models.MODEL_TYPES`:
   of each type, ``original_max_position_embeddings`` as transformers resolves it;
 - the trained length ``max_position_embeddings`` (``n_positions``, ``seq_length``).
 
+- M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE), GLM-4.1V): ``mrope_section``,
+  ``mrope_interleaved`` and the pair layout through :func:`jaxrope.mrope.hf_mrope_args`
+  (its one table of layouts), the M-RoPE keys (and ``rope_type`` "mrope") taken out
+  of the rope parameters before the rest is read as above; the config rotates
+  ``pos_ids [3, T]``.
+
 Nothing is dropped silently: a RoPE field the model's code does not read, an unknown
 ``rope_type``, or an unknown key inside the rope parameters raises ``ValueError``
-naming it (keys known not to affect the rotation, :data:`IGNORED_KEYS`, warn). M-RoPE
-configs raise ``NotImplementedError``. An unknown ``model_type`` is read as NeoX halves
-with a warning.
+naming it (keys known not to affect the rotation, :data:`IGNORED_KEYS`, warn). An
+M-RoPE config of a model type whose layout :mod:`jaxrope.mrope.hf` does not know
+(GLM-4.5V's ``glm4v_moe``, or M-RoPE fields on a 1-D model) raises
+``NotImplementedError`` naming the field. An unknown ``model_type`` is read as NeoX
+halves with a warning.
 
 Example:
   >>> import jaxrope as jr
@@ -31,6 +39,10 @@ Example:
   >>> cfg = jr.RopeConfig.from_hf(glm)
   >>> cfg.head_dim, cfg.rotary_dim, cfg.interleave
   (128, 64, True)
+  >>> from jaxrope.mrope import HF_VL_CONFIGS
+  >>> vl = jr.RopeConfig.from_hf(HF_VL_CONFIGS["Qwen/Qwen3-VL-4B-Instruct"])
+  >>> vl.mrope_section, vl.mrope_interleaved, vl.theta
+  ((24, 20, 20), True, 5000000.0)
   >>> nope_layers({"model_type": "llama4_text", "num_hidden_layers": 8, "no_rope_layers": []})
   (3, 7)
 """
@@ -45,6 +57,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 from jaxrope import frequencies as _frequencies
 from jaxrope.config import RopeConfig
 from jaxrope.models import GENERIC, MODEL_TYPES, ModelRow
+from jaxrope.hf_mrope import split_mrope
 from jaxrope.numbers import as_float, as_int
 from jaxrope.scaling import (LONGROPE_FACTORS, DynamicNTK, Linear, Llama3, LongRope, Proportional,
                              Yarn)
@@ -84,7 +97,6 @@ _TYPE_KEYS: Mapping[str, Tuple[str, ...]] = {
     "proportional": ("factor",),
 }
 _COMMON_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
-_MROPE_KEYS = ("mrope_section", "mrope_interleaved")
 _LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
@@ -172,30 +184,7 @@ def _reads(row: ModelRow) -> set:
     return read
 
 
-def _mrope_field(params: Mapping[str, Any], where: str) -> Optional[Tuple[str, Any]]:
-    """The first field of ``params`` (nested dicts included) that asks for M-RoPE."""
-    for key in ("rope_type", "type"):
-        if params.get(key) == "mrope":
-            return f"{where}{key}", params[key]
-    for key in _MROPE_KEYS:
-        if params.get(key) is not None:
-            return f"{where}{key}", params[key]
-    for key in ("rope_scaling", "rope_parameters", *_LAYER_TYPES):
-        if isinstance(params.get(key), Mapping):
-            found = _mrope_field(params[key], f"{where}{key}.")
-            if found:
-                return found
-    return None
-
-
 def _check_fields(fields: Mapping[str, Any], model_type: str, row: ModelRow) -> None:
-    found = _mrope_field(fields, "")
-    if found or row.mrope:
-        name, value = found or ("model_type", model_type)
-        raise NotImplementedError(f"{name}={value!r}: M-RoPE is not yet supported by from_hf "
-                                  f"(this {model_type!r} config rotates with M-RoPE, which splits "
-                                  "the frequencies over temporal, height and width positions; a "
-                                  "1-D rotation would be right for text tokens only)")
     for field, value, reason in row.refuse:
         if fields.get(field) == value:
             raise ValueError(f"{field}={fields[field]!r}: {reason}")
@@ -205,6 +194,17 @@ def _check_fields(fields: Mapping[str, Any], model_type: str, row: ModelRow) -> 
             raise ValueError(f"{key}={fields[key]!r} is not read by model_type={model_type!r} "
                              f"(its code: {'.'.join(row.source[:2])}); jaxrope will not "
                              "guess what it would change")
+
+
+def _read(config: Any, interleave: Optional[bool]):
+    """``(fields, model_type, row, mrope args or None)`` of a config, checked."""
+    raw = load_config(config)
+    fields = _sub_config(raw)
+    model_type, row = _row(fields, interleave)
+    fields = _canonical(fields, row)
+    fields, mrope = split_mrope(raw, fields, model_type, mrope_model=row.mrope)
+    _check_fields(fields, model_type, row)
+    return fields, model_type, row, mrope
 
 
 # -- layer types ------------------------------------------------------------------------
@@ -269,10 +269,7 @@ def nope_layers(config: Any) -> Tuple[int, ...]:
       ValueError: the config lacks the fields that place the NoPE layers, or carries
         NoPE fields its model does not read.
     """
-    fields = _sub_config(load_config(config))
-    model_type, row = _row(fields, interleave=False)
-    fields = _canonical(fields, row)
-    _check_fields(fields, model_type, row)
+    fields, _, row, _ = _read(config, interleave=False)
     return _nope(fields, row)
 
 
@@ -432,7 +429,8 @@ def _scaling(rope_type: str, params: Mapping[str, Any], where: str, trained: int
 
 def _one(fields: Mapping[str, Any], row: ModelRow, layer_type: Optional[str], where: str,
          params: Mapping[str, Any], *, model_type: str, max_position: Optional[int],
-         interleave: bool, longrope_factors: str) -> RopeConfig:
+         interleave: bool, longrope_factors: str,
+         mrope: Optional[Mapping[str, Any]]) -> RopeConfig:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if "type" in params and "rope_type" in params and params["type"] != params["rope_type"]:
         raise ValueError(f"{where}.type={params['type']!r} and {where}.rope_type="
@@ -494,8 +492,11 @@ def _one(fields: Mapping[str, Any], row: ModelRow, layer_type: Optional[str], wh
                              f"{max_position}, past the 2**24 that jaxrope's angle keeps "
                              f"accurate; pass max_position=<= {_frequencies.MAX_ACCURATE_POSITION}")
     theta = as_float(params["rope_theta"], f"{where}.rope_theta")
+    sections = {} if mrope is None else {"mrope_section": mrope["mrope_section"],
+                                         "mrope_interleaved": mrope["mrope_interleaved"]}
     return RopeConfig(head_dim=head_dim, rotary_dim=rotary_dim, theta=theta,
-                      interleave=interleave, max_position=max_position, scaling=scaling)
+                      interleave=interleave, max_position=max_position, scaling=scaling,
+                      **sections)
 
 
 def _summary(cfg: RopeConfig) -> str:
@@ -507,7 +508,9 @@ def from_hf(config: Any, *, layer_type: Optional[str] = None, max_position: Opti
             interleave: Optional[bool] = None, longrope_factors: str = "auto") -> RopeConfig:
     """The :class:`RopeConfig` of a HF model's attention layers (see the module docstring).
 
-    Reads ``text_config`` when the config has one, else the top level. Models whose
+    Reads ``text_config`` when the config has one, else the top level. An M-RoPE
+    model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE), GLM-4.1V) gives a config with
+    ``mrope_section`` set, for ``pos_ids [3, T]``. Models whose
     layer types rotate differently (Gemma 3: base of the sliding layers; Gemma 4:
     head size and rope parameters per type) need ``layer_type``; with None they raise
     and list the types. Layers without RoPE (Llama 4, SmolLM 3, Cohere 2's full
@@ -520,10 +523,13 @@ def from_hf(config: Any, *, layer_type: Optional[str] = None, max_position: Opti
       TypeError: ``config`` is none of a dict, a path and a config object; a field or
         argument has the wrong type.
       ValueError: naming the field: a RoPE field the model's code does not read, an
-        unknown rope type or key, inconsistent values, a served length past ``2**24``
-        (pass ``max_position``), or a ``layer_type`` that is unknown, does not rotate,
-        or is missing where the layer types differ.
-      NotImplementedError: M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4.1V).
+        unknown rope type or key, inconsistent values (an ``mrope_section`` that does
+        not sum to ``rotary_dim / 2``, an ``mrope_interleaved`` the model's code
+        contradicts), a served length past ``2**24`` (pass ``max_position``), or a
+        ``layer_type`` that is unknown, does not rotate, or is missing where the layer
+        types differ.
+      NotImplementedError: an M-RoPE layout :mod:`jaxrope.mrope.hf` does not know
+        (GLM-4.5V's ``glm4v_moe``, M-RoPE fields on a 1-D model).
     """
     if interleave is not None and not isinstance(interleave, bool):
         raise TypeError(f"interleave={interleave!r} must be None or a bool")
@@ -536,10 +542,9 @@ def from_hf(config: Any, *, layer_type: Optional[str] = None, max_position: Opti
                          f"{LONGROPE_FACTORS}")
     if max_position is not None:
         max_position = as_int(max_position, "max_position")
-    fields = _sub_config(load_config(config))
-    model_type, row = _row(fields, interleave)
-    fields = _canonical(fields, row)
-    _check_fields(fields, model_type, row)
+    fields, model_type, row, mrope = _read(config, interleave)
+    if interleave is None and mrope is not None:
+        interleave = mrope["interleave"]
     if interleave is None:
         interleave = row.interleave
         if row.interleave_key is not None and fields.get(row.interleave_key) is not None:
@@ -574,7 +579,7 @@ def from_hf(config: Any, *, layer_type: Optional[str] = None, max_position: Opti
         where, params = per_type[key]
         return _one(fields, row, kind, where, params, model_type=model_type,
                     max_position=max_position, interleave=interleave,
-                    longrope_factors=longrope_factors)
+                    longrope_factors=longrope_factors, mrope=mrope)
 
     if layer_type is not None:
         return build(layer_type)

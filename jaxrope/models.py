@@ -9,8 +9,9 @@ and its defaults are the config class's (checked there too). Remote-code models
 (``trust_remote_code``: ChatGLM, MiniCPM) name their own file and the transformers
 port that rotates the same way, which the parity suite uses.
 
-Adding a family is one row; an M-RoPE family is a row with ``mrope=True``, which
-``from_hf`` refuses until M-RoPE lands.
+Adding a family is one row; an M-RoPE family is a row with ``mrope=True``, whose pair
+layout, sections and interleaving come from :mod:`jaxrope.mrope.hf` (``from_hf``
+refuses one that table does not know).
 
 Example:
   >>> from jaxrope.models import MODEL_TYPES
@@ -74,7 +75,8 @@ class ModelRow:
       nope: which layers do not rotate: ``"no_rope_layers"`` (a 0/1 list, 1 = RoPE,
         else every ``no_rope_layer_interval``-th layer) or ``"full_attention"``.
       refuse: ``((field, value, reason), ...)``: configs that do not use RoPE.
-      mrope: the family rotates with M-RoPE (multimodal 3-D positions).
+      mrope: the family rotates with M-RoPE (multimodal positions ``[3, T]``); its
+        ``interleave`` is not read (the layout is :func:`jaxrope.mrope.hf_mrope_args`').
     """
 
     source: Tuple[str, str, str]
@@ -251,16 +253,31 @@ MODEL_TYPES: Dict[str, ModelRow] = {
         note="DeepSeek-V3's MLA rotation"),
 }
 
-# M-RoPE families: refused by from_hf until jaxrope implements M-RoPE.
-for _name, _module, _cls in (("qwen2_vl", "qwen2_vl", "Qwen2VLRotaryEmbedding"),
-                             ("qwen2_5_vl", "qwen2_5_vl", "Qwen2_5_VLRotaryEmbedding"),
-                             ("qwen3_vl", "qwen3_vl", "Qwen3VLTextRotaryEmbedding"),
-                             ("qwen3_vl_moe", "qwen3_vl_moe", "Qwen3VLMoeTextRotaryEmbedding"),
-                             ("glm4v", "glm4v", "Glm4vTextRotaryEmbedding"),
-                             ("glm4v_moe", "glm4v_moe", "Glm4vMoeTextRotaryEmbedding")):
+# -- M-RoPE: positions [3, T]. The pair layout, the sections and their interleaving are
+# jaxrope.mrope.hf's table (one place); a row gives what the 1-D reader needs. The
+# rotary classes rotate the whole head (partial_rotary_factor refused) except GLM-4V's,
+# which read rope_parameters.partial_rotary_factor (default 1.0, GLM-4.1V says 0.5).
+_MROPE_ROWS = {
+    "qwen2_vl": dict(source=("qwen2_vl", "Qwen2VLRotaryEmbedding", "apply_rotary_pos_emb"),
+                     theta_default=1e6, max_position_default=32768),
+    "qwen2_5_vl": dict(source=("qwen2_5_vl", "Qwen2_5_VLRotaryEmbedding", "apply_rotary_pos_emb"),
+                       theta_default=1e6, max_position_default=32768),
+    "qwen3_vl": dict(source=("qwen3_vl", "Qwen3VLTextRotaryEmbedding", "apply_rotary_pos_emb"),
+                     head_dim_default=128, theta_default=500000.0, max_position_default=128000),
+    "qwen3_vl_moe": dict(source=("qwen3_vl_moe", "Qwen3VLMoeTextRotaryEmbedding",
+                                 "apply_rotary_pos_emb"),
+                         head_dim_default=128, theta_default=500000.0,
+                         max_position_default=128000),
+    "glm4v": dict(source=("glm4v", "Glm4vTextRotaryEmbedding", "apply_rotary_pos_emb"),
+                  partial_rotary=1.0, max_position_default=32768),
+    # Not in jaxrope.mrope's table (GLM-4.5V rotates NeoX halves): from_hf refuses it.
+    "glm4v_moe": dict(source=("glm4v_moe", "Glm4vMoeTextRotaryEmbedding", "apply_rotary_pos_emb"),
+                      partial_rotary=0.5, max_position_default=65536),
+}
+for _name, _fields in _MROPE_ROWS.items():
     MODEL_TYPES[_name] = MODEL_TYPES[_name + "_text"] = ModelRow(
-        source=(_module, _cls, "apply_rotary_pos_emb"), mrope=True,
-        note="M-RoPE: mrope_section splits the frequencies over (t, h, w) positions")
+        mrope=True, note="M-RoPE: layout, sections and interleaving from jaxrope.mrope.hf",
+        **_fields)
 
 # Multimodal wrappers whose text_config has the text model_type; a text_config without
 # one is read with the wrapper's row.

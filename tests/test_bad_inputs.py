@@ -563,7 +563,7 @@ def test_bridge_bad_input_raises_naming_the_argument_and_changes_nothing(case):
 
 
 def test_the_catalogue_is_large_and_its_names_distinct():
-    names = [c.name for c in CORE_CASES + BRIDGE_CASES]
+    names = [c.name for c in CORE_CASES + BRIDGE_CASES + MROPE_CASES]
     assert len(names) == len(set(names))
     assert len(CORE_CASES) >= 25 and (torch is None or len(BRIDGE_CASES) >= 25)
 
@@ -717,3 +717,113 @@ def test_admit_of_a_record_as_str_raises_and_changes_nothing():
     with pytest.raises(TypeError, match="PublishedPositionInfo, bytes or None, got str"):
         mgr.admit_retrieve("a", None, None, "JRPR")
     assert mgr.state_snapshot() == before
+
+
+# ------------------------------------------------------------------------------ M-RoPE manager
+
+# An M-RoPE manager with a current plan: "a" decodes at counter 40 + delta -30 and "b" takes
+# a 2-token prompt chunk as explicit [3, 2] positions (t, h, w rows).
+MROPE_CURRENT_POSITIONS = {"cond": [[10, 0, 1], [10, 0, 2], [10, 0, 3]]}
+
+
+def mrope_manager() -> "RopeManager":
+    rope = jr.RopeConfig(head_dim=HEAD_DIM, theta=5e5, max_position=1024, mrope_section=(4, 2, 2))
+    mgr = RopeManager(PositionConfig(rope=rope, labels=LABELS), "cpu", max_seq_len=MAX_SEQ_LEN,
+                      launcher="jax")
+    mgr.ingest_request("a", {"cond": 40}, deltas={"cond": -30})
+    mgr.ingest_request("b", deltas={"cond": -1})
+    explicit = torch.tensor([[0, 1], [0, 2], [0, 3]])
+    planned = _plan(mgr, _seg(("a", "cond", 1), ("b", "cond", 2)),
+                    pos_ids=torch.cat([torch.full((3, 1), 10), explicit], dim=1))
+    assert planned["cond"].tolist() == MROPE_CURRENT_POSITIONS["cond"]
+    return mgr
+
+
+def mrope_finish(mgr):
+    gen = torch.Generator().manual_seed(next(_SEEDS))
+    q, k = torch.randn(3, 3, HEAD_DIM, generator=gen), torch.randn(3, 2, HEAD_DIM, generator=gen)
+    inv_freq, attention = oracle.serving_frequencies(mgr.rope)
+    want = oracle.rope_oracle(q.numpy(), np.asarray(MROPE_CURRENT_POSITIONS["cond"]), inv_freq,
+                              attention, HEAD_DIM, False, mgr.rope.mrope_section, False)
+    mgr.apply_qk(q, k, "cond")
+    np.testing.assert_allclose(q.numpy(), want, rtol=0, atol=2e-5)
+    mgr.commit(PositionStep(_seg(("a", "cond", 1), ("b", "cond", 2))), StepContext())
+    state = mgr.state_snapshot()
+    return {key: state[key] for key in ("counters", "slots", "deltas", "epochs", "requests")}
+
+
+def _mrope_cases():
+    S = _seg
+    rows = torch.tensor([[0, 1], [0, 2], [0, 3]])
+    return [
+        Bad("M-RoPE: explicit 1-D pos_ids",
+            lambda m: _plan(m, S(("b", "cond", 2)), pos_ids={"cond": torch.arange(2)}), ValueError,
+            "step.pos_ids['cond'].shape=(2,) is 1-D positions [n], but this manager rotates with "
+            "M-RoPE (config.rope.mrope_section): pass [3, 2]"),
+        Bad("M-RoPE: explicit pos_ids of the wrong length",
+            lambda m: _plan(m, S(("b", "cond", 1)), pos_ids={"cond": rows}), ValueError,
+            "step.pos_ids['cond'].shape=(3, 2) must be [3, 1] (the plan label's tokens)"),
+        Bad("M-RoPE: explicit pos_ids with two rows",
+            lambda m: _plan(m, S(("b", "cond", 2)), pos_ids={"cond": rows[:2]}), ValueError,
+            "step.pos_ids['cond'].shape=(2, 2) must be [3, 2]"),
+        Bad("M-RoPE: explicit pos_ids negative on the w row",
+            lambda m: _plan(m, S(("b", "cond", 2)), pos_ids={"cond": rows * torch.tensor([[1], [1], [-1]])}),
+            ValueError, "step.pos_ids['cond'] has values in [-3, 2]"),
+        Bad("M-RoPE: a decode plan at a negative counter + delta",
+            lambda m: _plan(m, S(("c", "cond", 1))), ValueError,
+            "('c', 'cond') of plan label 'cond' at counter + M-RoPE delta -5 with 1 tokens",
+            setup=lambda m: m.ingest_request("c", deltas={"cond": -5})),
+        Bad("M-RoPE: a delta past max_seq_len", lambda m: m.ingest_request("a", deltas={"cond": 65}),
+            ValueError, "deltas['cond']=65 must be an int in [-64, 64]"),
+        Bad("M-RoPE: a float delta", lambda m: m.ingest_request("a", deltas={"cond": -2.0}),
+            ValueError, "deltas['cond']=-2.0"),
+        Bad("M-RoPE: more q tokens than the [3, n] plan holds",
+            lambda m: m.apply_qk(*_qk(4), "cond"), ValueError,
+            "q has 4 tokens but plan label 'cond' has 3 planned positions"),
+        Bad("M-RoPE: explicit [3, n] past the graph bucket",
+            lambda m: _plan(m, S(("b", "cond", 5)), graph=GRAPH,
+                            pos_ids={"cond": torch.zeros((3, 5), dtype=torch.int32)}),
+            ValueError, "plan label 'cond' has 5 tokens, more than graph bucket num_tokens=4"),
+        Bad("1-D: explicit M-RoPE pos_ids [3, n]",
+            lambda m: _plan(busy_manager(), S(("b", "cond", 2)), pos_ids={"cond": rows}),
+            ValueError, "step.pos_ids['cond'].shape=(3, 2) is M-RoPE positions [3, n], but this "
+                        "manager's RoPE is 1-D (config.rope.mrope_section is None): pass [2]"),
+    ]
+
+
+MROPE_CASES = _mrope_cases() if torch is not None else []
+
+
+@needs_torch
+@pytest.mark.parametrize("case", MROPE_CASES, ids=lambda c: c.name)
+def test_mrope_bad_input_raises_naming_the_argument_and_changes_nothing(case):
+    mgr, twin = mrope_manager(), mrope_manager()
+    if case.setup is not None:
+        case.setup(mgr)
+        case.setup(twin)
+    before = mgr.state_snapshot()
+    with pytest.raises(case.error) as raised:
+        case.call(mgr)
+    assert case.fragment in str(raised.value), str(raised.value)
+    assert mgr.state_snapshot() == before
+    assert mrope_finish(mgr) == mrope_finish(twin)
+
+
+@needs_torch
+def test_the_mrope_busy_state_is_what_the_cases_assume():
+    state = mrope_finish(mrope_manager())
+    assert state["counters"] == {("a", "cond"): 41, ("a", "uncond"): 0, ("b", "cond"): 2,
+                                 ("b", "uncond"): 0}
+    slots = state["requests"]
+    assert [state["deltas"][s] for s in slots["a"] + slots["b"]] == [-30, 0, -1, 0]
+
+
+@needs_torch
+def test_admit_of_a_bad_delta_into_an_mrope_manager_reports_and_changes_nothing():
+    mgr = mrope_manager()
+    before = mgr.state_snapshot()
+    for deltas, fragment in (({"cond": 99}, "published.deltas['cond']=99"),
+                             ({"image": -3}, "published.deltas names label='image'")):
+        outcome = mgr.admit_retrieve("a", None, None, PublishedPositionInfo({"cond": 50}, deltas=deltas))
+        assert not outcome.ok and fragment in outcome.reason, outcome
+        assert mgr.state_snapshot() == before

@@ -53,6 +53,7 @@ needs_torch = pytest.mark.skipif(demo is None,
                                  reason="torch is not installed (the demo drives torch_bridge)")
 # The --model choices, spelled out so that the parametrization exists without torch.
 MODEL_CHOICES = ("deepseek-v2", "llama3.1", "phi3-longrope", "qwen2.5-yarn")
+VL_MODEL_CHOICES = ("glm-4.1v", "qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 
 
 # Each run draws its own fixed seed: a run of the suite repeats exactly.
@@ -77,6 +78,7 @@ def rows(out: str):
 @needs_torch
 def test_model_choices_are_the_demos():
     assert sorted(demo.MODELS) == list(MODEL_CHOICES)
+    assert sorted(demo.VL_MODELS) == list(VL_MODEL_CHOICES)
 
 
 @needs_torch
@@ -167,3 +169,71 @@ def test_the_bridge_demo_runs_as_a_module_and_prints_its_usage():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "usage:" in result.stdout and "--model" in result.stdout
+
+
+# -- the M-RoPE trace: an image and a video, chunked prefill, decode, a handoff -------------
+
+
+def _vl_min_steps():
+    from torch_bridge.demo import multimodal
+    assert multimodal.MIN_STEPS <= demo.MIN_STEPS  # the CLI checks --steps against the larger
+    return str(demo.MIN_STEPS)
+
+
+@needs_torch
+@pytest.mark.parametrize("model", VL_MODEL_CHOICES)
+def test_the_mrope_demo_passes_prefill_handoff_and_decode_on_each_vl_model(capsys, model):
+    status, out = run_demo(capsys, "--model", model, "--steps", _vl_min_steps())
+    assert status == 0, out
+    assert demo.VL_MODELS[model] in out.splitlines()[0] and "M-RoPE mrope_section=" in out
+    verdict = out.splitlines()[-1]
+    assert verdict.startswith("verdict: PASS — 10 steps on 2 nodes, 2 requests"), verdict
+    error = float(re.search(r"max error (\S+)", verdict)[1])
+    assert 0 < error <= demo.TOLERANCE
+    table = rows(out)
+    delta = int(re.search(r"arrive v0 \(191 tokens, delta (-\d+)\)", table[0, "main"])[1])
+    assert delta < 0
+    assert [table[s, "prefill"].split(",")[0] for s in range(3)] == [
+        "prefill v0[0:64]", "prefill v0[64:128]", "prefill v0[128:191]"]
+    assert f"publish v0 @191 delta {delta}" in table[2, "prefill"]
+    assert f"admit v0 @191 delta {delta}" in table[3, "main"]
+    assert "decode 1" in table[3, "main"] and "prefill v1[48:74]" in table[3, "main"]
+    assert "graph slot0 2/8" in table[4, "main"] and "graph slot1 2/8" in table[5, "main"]
+    assert "stale admit v0 @191: stays 194" in table[6, "main"]
+    # Step 3 plans v0's first decode token at 191 + delta on every row, the step's largest
+    # position (v1's prompt chunk lies below it).
+    assert re.search(rf"^\s*3 main\s+2\s+27\s+\d+\.\.{191 + delta}\s", out, re.M), out
+    assert "FAIL" not in out
+
+
+@needs_torch
+def test_the_mrope_demo_fails_when_the_decode_node_loses_the_delta(capsys):
+    # SGLang #8094 / Dynamo #5281: the handoff record arrives without its delta, so the
+    # decode node rotates at counter + 0.
+    status, out = run_demo(capsys, "--model", "qwen2.5-vl", "--steps", _vl_min_steps(),
+                           "--inject-fault")
+    assert status == 1
+    table = rows(out)
+    assert "FAULT: admit drops the delta" in table[3, "main"] and "admit v0 @191 delta 0" in table[3, "main"]
+    assert "v0 attention error" in table[3, "main"]
+    assert re.search(r"v0 delta 0 != the prompt's -\d+", table[3, "main"])
+    assert "first at step 3 (main): v0 attention error" in out.splitlines()[-1]
+    assert all("FAIL" not in table[s, node] for s, node in table if s < 3)  # prefill was right
+
+
+@needs_torch
+def test_the_mrope_demo_fails_when_a_prefill_rotates_image_tokens_as_text(capsys, monkeypatch):
+    # A prompt chunk planned with its t row on all three rows (1-D positions for an image):
+    # the recompute at the sequence's [3, L] positions must see it.
+    plan = RopeManager.plan
+
+    def one_row_plan(self, step, ctx):
+        out = plan(self, step, ctx)
+        if "chunk" in out:
+            out["chunk"][1:] = out["chunk"][0]
+        return out
+
+    monkeypatch.setattr(RopeManager, "plan", one_row_plan)
+    status, out = run_demo(capsys, "--model", "qwen2.5-vl", "--steps", _vl_min_steps())
+    assert status == 1
+    assert "v0 attention error" in rows(out)[0, "prefill"]

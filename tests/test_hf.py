@@ -18,6 +18,7 @@ import pytest
 import jaxrope as jr
 from jaxrope import hf
 from jaxrope.models import MODEL_TYPES
+from jaxrope.mrope import HF_VL_CONFIGS, hf_mrope_args, hf_text_config
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "hf_configs")
 ENTRIES = {e["model_id"]: e for e in (json.load(open(p)) for p in sorted(glob.glob(
@@ -52,6 +53,17 @@ EXPECTED = {
     "tiiuae/falcon-7b": (64, 64, False, 10000.0, 2048, None),
     "meta-llama/Llama-3.2-1B": (64, 64, False, 500000.0, 131072, jr.Llama3),
     "google/gemma-2-9b": (256, 256, False, 10000.0, 8192, None),
+    "Qwen/Qwen2-VL-7B-Instruct": (128, 128, False, 1e6, 32768, None),
+    "Qwen/Qwen2.5-VL-7B-Instruct": (128, 128, False, 1e6, 128000, None),
+    "Qwen/Qwen3-VL-8B-Instruct": (128, 128, False, 5e6, 262144, None),
+    "THUDM/GLM-4.1V-9B-Thinking": (128, 64, True, 10000.0, 65536, None),
+}
+# model id -> (mrope_section, mrope_interleaved) of the M-RoPE configs; every other is 1-D.
+MROPE = {
+    "Qwen/Qwen2-VL-7B-Instruct": ((16, 24, 24), False),
+    "Qwen/Qwen2.5-VL-7B-Instruct": ((16, 24, 24), False),
+    "Qwen/Qwen3-VL-8B-Instruct": ((24, 20, 20), True),
+    "THUDM/GLM-4.1V-9B-Thinking": ((8, 12, 12), False),
 }
 
 
@@ -62,16 +74,13 @@ def test_each_family_reads_its_own_fields(model_id):
     assert (cfg.head_dim, cfg.rotary_dim, cfg.interleave) == (head_dim, rotary_dim, interleave)
     assert (cfg.theta, cfg.max_position) == (theta, max_position)
     assert type(cfg.scaling) is (type(None) if scaling is None else scaling)
+    assert (cfg.mrope_section, cfg.mrope_interleaved) == MROPE.get(model_id, (None, False))
 
 
-def test_every_real_config_is_read_or_refused_without_a_warning():
+def test_every_real_config_is_read_without_a_warning():
     for model_id, entry in ENTRIES.items():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            if "refused" in entry:
-                with pytest.raises(NotImplementedError, match="M-RoPE"):
-                    jr.RopeConfig.from_hf(entry["config"])
-                continue
             for layer_type in entry.get("layer_types", [None]):
                 assert isinstance(jr.RopeConfig.from_hf(entry["config"], layer_type=layer_type),
                                   jr.RopeConfig), model_id
@@ -99,11 +108,77 @@ def test_llama4_reads_the_nested_text_config_and_equal_freq_factors():
     assert cfg.interleave and cfg.scaling == jr.Llama3(16.0, 1.0, 1.0, 8192)
 
 
-@pytest.mark.parametrize("model_id", sorted(m for m, e in ENTRIES.items() if "refused" in e))
-def test_mrope_models_are_refused_never_read_as_1d(model_id):
-    with pytest.raises(NotImplementedError, match=r"^(rope_scaling|text_config)?.*mrope.*"
-                                                   "M-RoPE is not yet supported by from_hf"):
-        jr.RopeConfig.from_hf(_config(model_id))
+@pytest.mark.parametrize("model_id", sorted(MROPE))
+def test_mrope_models_are_read_with_their_sections_never_as_1d(model_id):
+    # Issue 14: rope_type "mrope" became "default" and the sections were dropped, a
+    # rotation right for text tokens only. The layouts are jaxrope.mrope's table.
+    cfg = jr.RopeConfig.from_hf(_config(model_id))
+    assert cfg.mrope_section is not None and sum(cfg.mrope_section) == cfg.rotary_dim // 2
+    assert hf_mrope_args(_config(model_id)) == {
+        "mrope_section": cfg.mrope_section, "mrope_interleaved": cfg.mrope_interleaved,
+        "interleave": cfg.interleave}
+    assert hf.nope_layers(_config(model_id)) == ()
+
+
+@pytest.mark.parametrize("name", sorted(HF_VL_CONFIGS))
+def test_the_vl_configs_of_jaxrope_mrope_read_as_their_mapping_says(name):
+    config = HF_VL_CONFIGS[name]
+    cfg = jr.RopeConfig.from_hf(config)
+    args = hf_mrope_args(config)
+    assert (cfg.mrope_section, cfg.mrope_interleaved, cfg.interleave) == (
+        args["mrope_section"], args["mrope_interleaved"], args["interleave"])
+    assert cfg.max_position == hf_text_config(config)["max_position_embeddings"]
+
+
+def test_glm41v_rotates_the_half_its_partial_rotary_factor_names():
+    config = _config("THUDM/GLM-4.1V-9B-Thinking")
+    text = config["text_config"]
+    assert jr.RopeConfig.from_hf(config).rotary_dim == 64
+    # The transformers v5 layout: the fraction inside rope_parameters.
+    nested = {k: v for k, v in text.items() if k not in ("partial_rotary_factor", "rope_scaling")}
+    nested["rope_parameters"] = dict(text["rope_scaling"], partial_rotary_factor=0.5)
+    assert jr.RopeConfig.from_hf(nested) == jr.RopeConfig.from_hf(config)
+    # Without one the rotary class rotates the whole head (default 1.0): its 64 slots
+    # do not fit the [8, 12, 12] sections, which transformers would fail on too.
+    with pytest.raises(ValueError, match=r"mrope_section=\(8, 12, 12\) must be ints >= 0 summing "
+                                         "to rotary_dim // 2 = 64"):
+        jr.RopeConfig.from_hf({k: v for k, v in text.items() if k != "partial_rotary_factor"})
+
+
+def test_qwen_vl_rotary_classes_rotate_the_whole_head_so_a_fraction_is_refused():
+    config = dict(_config("Qwen/Qwen2-VL-7B-Instruct"), partial_rotary_factor=0.5)
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5 is not read by "
+                                         "model_type='qwen2_vl'"):
+        jr.RopeConfig.from_hf(config)
+
+
+def test_qwen2_5_vl_long_context_yarn_keeps_its_sections():
+    # Qwen2.5-VL's model card: YaRN past 32768 tokens, the sections inside the same block.
+    config = _config("Qwen/Qwen2.5-VL-7B-Instruct")
+    config["rope_scaling"] = {"type": "yarn", "mrope_section": [16, 24, 24], "factor": 4,
+                              "original_max_position_embeddings": 32768}
+    cfg = jr.RopeConfig.from_hf(config)
+    assert cfg.mrope_section == (16, 24, 24) and cfg.scaling.factor == 4.0
+    assert cfg.scaling.original_max_position == 32768 and cfg.max_position == 131072
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"model_type": "glm4v_moe", "text_config": {
+        "model_type": "glm4v_moe_text", "hidden_size": 4096, "num_attention_heads": 32,
+        "max_position_embeddings": 65536, "partial_rotary_factor": 0.5,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [8, 12, 12]}}},
+     r"^rope_scaling\.mrope_section=\[8, 12, 12\]: jaxrope implements the M-RoPE layouts"),
+    ({"model_type": "glm4v_moe", "hidden_size": 4096, "num_attention_heads": 32},
+     r"^model_type='glm4v_moe' \(its code rotates with M-RoPE\)"),
+    ({"model_type": "ernie4_5_vl", "hidden_size": 4096, "num_attention_heads": 32,
+      "max_position_embeddings": 4096, "rope_scaling": {"mrope_section": [22, 22, 20]}},
+     r"not of model_type='ernie4_5_vl'"),
+])
+def test_mrope_layouts_jaxrope_mrope_does_not_know_are_refused(config, match):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ernie4_5_vl is not in the table either
+        with pytest.raises(NotImplementedError, match=match):
+            jr.RopeConfig.from_hf(config)
 
 
 @pytest.mark.parametrize("params, field", [
@@ -111,12 +186,27 @@ def test_mrope_models_are_refused_never_read_as_1d(model_id):
     ({"rope_type": "default", "mrope_section": [16, 24, 24]}, "mrope_section"),
     ({"rope_type": "default", "mrope_interleaved": True}, "mrope_interleaved"),
 ])
-def test_mrope_fields_are_refused_by_name_on_any_model(params, field):
+def test_mrope_fields_on_a_1d_model_are_refused_by_name(params, field):
     config = dict(_config("Qwen/Qwen2.5-7B-Instruct"), rope_scaling=params)
-    with pytest.raises(NotImplementedError, match=field):
+    with pytest.raises(NotImplementedError, match=f"{field}.*not of model_type='qwen2'"):
         jr.RopeConfig.from_hf(config)
     with pytest.raises(NotImplementedError, match="mrope_section"):
         jr.RopeConfig.from_hf(dict(_config("Qwen/Qwen2.5-7B-Instruct"), mrope_section=[16, 24, 24]))
+
+
+def test_mrope_keys_where_the_model_code_does_not_read_them_are_refused():
+    config = _config("Qwen/Qwen2-VL-7B-Instruct")
+    with pytest.raises(ValueError, match="mrope_section=.* at the top level is not read"):
+        jr.RopeConfig.from_hf(dict(config, mrope_section=[16, 24, 24]))
+    qwen3 = _config("Qwen/Qwen3-VL-8B-Instruct")
+    qwen3["text_config"]["rope_scaling"]["mrope_interleaved"] = False
+    with pytest.raises(ValueError, match="mrope_interleaved=False contradicts"):
+        jr.RopeConfig.from_hf(qwen3)
+
+
+def test_an_interleave_override_changes_the_pairs_not_the_sections():
+    cfg = jr.RopeConfig.from_hf(_config("THUDM/GLM-4.1V-9B-Thinking"), interleave=False)
+    assert not cfg.interleave and cfg.mrope_section == (8, 12, 12)
 
 
 def test_gemma3_layer_types_differ_in_base_and_scaling():

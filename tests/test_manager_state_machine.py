@@ -16,8 +16,14 @@ the plan bookkeeping itself:
 - commit: ``positions.commit`` (spans or block_step), ``positions.advance`` (explicit
   advance), then ``positions.fork`` (post-forks); the staged plan becomes current (its
   pre-forks apply);
-- admit / cached prefix / ingest overrides: ``positions.raise_to``; removal drops the
-  request from plans made earlier; reset: ``positions.reset``.
+- admit: ``positions.admit`` (epoch order, the delta with the winning position); cached
+  prefix / ingest overrides: ``positions.raise_to``; ingest deltas:
+  ``positions.set_deltas``; removal drops the request from plans made earlier; reset:
+  ``positions.reset``.
+
+The M-RoPE machines (``mrope_section`` set) plan ``[3, n]`` positions: ``positions.plan``
+into a ``[3, N]`` out (counter + delta on every row), explicit ``[3, n]`` prompt chunks,
+and every stream's delta and epoch compared after each rule too.
 
 After every rule the manager must agree with the model on every counter (``position``,
 ``publish``, ``mgr.table``), on the positions of the current and staged plans, and hold
@@ -58,6 +64,10 @@ Stream = Tuple[str, str]
 # True nine times in ten (hypothesis favours small integers, so no integers(0, 9) here).
 MOSTLY = st.sampled_from((True,) * 9 + (False,))
 POSITIONS = st.one_of(st.integers(0, 12), st.integers(MAX_SEQ_LEN - 2, MAX_SEQ_LEN + 2))
+# M-RoPE deltas: mostly negative (an image's tokens outnumber its positions), sometimes
+# positive (a long video), sometimes out of range.
+DELTAS = st.one_of(st.integers(-12, 3), st.integers(MAX_SEQ_LEN - 1, MAX_SEQ_LEN + 2).map(
+    lambda d: -d))
 
 
 @dataclasses.dataclass
@@ -81,8 +91,8 @@ class Model:
     """The expected state: counters in a core PositionTable, changed only by the core's
     transitions; the plan bookkeeping (current, staged, dropped) kept here."""
 
-    def __init__(self, scheme: Scheme, block_step: int):
-        self.scheme, self.block_step = scheme, block_step
+    def __init__(self, scheme: Scheme, block_step: int, mrope: bool = False):
+        self.scheme, self.block_step, self.mrope = scheme, block_step, mrope
         self.slot_map = SlotMap(4)
         self.table = core.init(4)
         self.current: Optional[ModelPlan] = None
@@ -97,10 +107,15 @@ class Model:
     def slot(self, rid: str, label: str) -> int:
         return self.slot_map.find(rid, label)
 
-    def counters(self, table: Optional[core.PositionTable] = None) -> Dict[str, Dict[str, int]]:
-        values = np.asarray((self.table if table is None else table).counters).tolist()
+    def counters(self, table: Optional[core.PositionTable] = None,
+                 column: str = "counters") -> Dict[str, Dict[str, int]]:
+        values = np.asarray(getattr(self.table if table is None else table, column)).tolist()
         return {rid: {label: values[self.slot(rid, label)] for label in LABELS}
                 for rid in self.requests}
+
+    def deltas(self, rid: str) -> Dict[str, int]:
+        """The request's non-zero M-RoPE deltas (what publish lists)."""
+        return {label: d for label, d in self.counters(column="deltas")[rid].items() if d}
 
     def ingest(self, rid: str) -> None:
         for label in LABELS:
@@ -111,12 +126,19 @@ class Model:
     def forget(self, rid: str) -> None:
         self.table = core.reset(self.table, _slots(self.slot_map.release(rid)))
 
-    def admit(self, rid: str, positions: Dict[str, int], epochs: Dict[str, int]) -> None:
+    def admit(self, rid: str, positions: Dict[str, int], epochs: Dict[str, int],
+              deltas: Dict[str, int]) -> None:
         if positions:
             labels = list(positions)
             self.table = core.admit(self.table, _slots([self.slot(rid, l) for l in labels]),
-                                    _slots([positions[l] for l in labels]), _slots([0] * len(labels)),
+                                    _slots([positions[l] for l in labels]),
+                                    _slots([deltas.get(l, 0) for l in labels]),
                                     _slots([epochs.get(l, 0) for l in labels]))
+
+    def set_deltas(self, rid: str, deltas: Dict[str, int]) -> None:
+        if deltas:
+            self.table = core.set_deltas(self.table, _slots([self.slot(rid, l) for l in deltas]),
+                                         _slots(list(deltas.values())))
 
     def raise_to(self, rid: str, values: Dict[str, int]) -> None:
         if values:
@@ -156,18 +178,21 @@ class Model:
     def positions(self, views, table) -> Optional[Dict[str, List[int]]]:
         """Each plan label's positions, or None when a view passes max_seq_len (SEQUENTIAL:
         counter + tokens > max_seq_len, an empty view included; BLOCK: a non-empty view
-        at a counter >= max_seq_len)."""
+        at a counter >= max_seq_len). M-RoPE: ``[3, n]`` from counter + delta, which a
+        non-empty view must also keep >= 0."""
         out = {}
         for plan_label, records in views.items():
             counts = [n for *_, n in records]
             slots = _slots([self.slot(rid, label) for rid, label, _ in records])
-            bases = core.read(table, slots).tolist()
-            for base, n in zip(bases, counts):
+            bases = core.read(table, slots)
+            if self.mrope:
+                bases = bases + core.read(table, slots, "deltas")
+            for base, n in zip(bases.tolist(), counts):
                 if (base + n > MAX_SEQ_LEN if self.scheme is Scheme.SEQUENTIAL
-                        else n and base >= MAX_SEQ_LEN):
+                        else n and base >= MAX_SEQ_LEN) or (n and base < 0):
                     return None
-            out[plan_label] = core.plan(table, slots, _slots(counts),
-                                        jnp.zeros((sum(counts),), jnp.int32),
+            shape = (3, sum(counts)) if self.mrope else (sum(counts),)
+            out[plan_label] = core.plan(table, slots, _slots(counts), jnp.zeros(shape, jnp.int32),
                                         scheme=self.scheme).tolist()
         return out
 
@@ -210,15 +235,18 @@ class ManagerMachine(RuleBasedStateMachine):
     scheme = Scheme.SEQUENTIAL
     block_step = 1
     device = "cpu"
+    mrope_section: Optional[Tuple[int, int, int]] = None  # M-RoPE: positions [3, n]
 
     def __init__(self):
         super().__init__()
-        rope = jr.RopeConfig(head_dim=HEAD_DIM, theta=1e4, max_position=1024)
+        rope = jr.RopeConfig(head_dim=HEAD_DIM, theta=1e4, max_position=1024,
+                             mrope_section=self.mrope_section)
         config = PositionConfig(rope=rope, labels=LABELS, scheme=self.scheme,
                                 block_step=self.block_step)
         self.mgr = RopeManager(config, self.device, max_seq_len=MAX_SEQ_LEN,
                                launcher="jax" if self.device == "cpu" else "auto")
-        self.model = Model(self.scheme, self.block_step)
+        self.mrope = self.mrope_section is not None
+        self.model = Model(self.scheme, self.block_step, self.mrope)
         self.snapshots: List[Tuple[str, Any, Dict[str, int]]] = []
 
     # -------------------------------------------------------------- helpers
@@ -239,10 +267,12 @@ class ManagerMachine(RuleBasedStateMachine):
             call(*args, **kwargs)
         assert self.mgr.state_snapshot() == before
 
-    def _plan(self, spec, preplan: bool) -> None:
+    def _plan(self, spec, preplan: bool, explicit: Optional[List[List[int]]] = None) -> None:
+        """Plan ``spec``; ``explicit``: the M-RoPE rows of a one-label step's prompt chunk."""
         segments, views, pre_forks, post_forks, advance = spec
         model = self.model
-        step = PositionStep([Segment(*s) for s in segments], advance=advance)
+        pos_ids = None if explicit is None else torch.tensor(explicit, device=self.device)
+        step = PositionStep([Segment(*s) for s in segments], advance=advance, pos_ids=pos_ids)
         kv = None if views is None else {
             label: KVPlanOutput([KVView(*v) for v in records],
                                 pre_forks=[Fork(*f) for f in pre_forks] if i == 0 else (),
@@ -266,7 +296,8 @@ class ManagerMachine(RuleBasedStateMachine):
             if preplan and model.current is not None:
                 base, _ = model.committed(model.current, base)
             base = model.forked(base, pre_forks)
-            positions = model.positions(views, base)
+            positions = model.positions(views, base) if explicit is None else {
+                next(iter(views)): explicit}
             valid = positions is not None
         if not valid:
             self.expect_failure(self.mgr.plan, step, ctx)
@@ -285,17 +316,36 @@ class ManagerMachine(RuleBasedStateMachine):
     @initialize()
     def ingest_two(self):
         for rid in RIDS[:2]:
-            self.ingest(rid, {})
+            self.ingest(rid, {}, {})
 
     @rule(rid=st.sampled_from(RIDS),
-          overrides=st.dictionaries(st.sampled_from(LABELS), POSITIONS, max_size=2))
-    def ingest(self, rid, overrides):
-        if any(v > MAX_SEQ_LEN for v in overrides.values()):
-            self.expect_failure(self.mgr.ingest_request, rid, overrides)
+          overrides=st.dictionaries(st.sampled_from(LABELS), POSITIONS, max_size=2),
+          deltas=st.dictionaries(st.sampled_from(LABELS), DELTAS, max_size=2))
+    def ingest(self, rid, overrides, deltas):
+        deltas = deltas if self.mrope else {}
+        if (any(v > MAX_SEQ_LEN for v in overrides.values())
+                or any(abs(d) > MAX_SEQ_LEN for d in deltas.values())):
+            self.expect_failure(self.mgr.ingest_request, rid, overrides, deltas=deltas)
             return
-        self.mgr.ingest_request(rid, overrides)
+        self.mgr.ingest_request(rid, overrides, deltas=deltas)
         self.model.ingest(rid)
         self.model.raise_to(rid, overrides)
+        self.model.set_deltas(rid, deltas)
+
+    @precondition(lambda self: self.mrope)
+    @rule(data=st.data())
+    def prefill_chunk(self, data):
+        """A prompt chunk of a live request with explicit [3, n] positions (rope_index's)."""
+        live = self.live()
+        if not live:
+            return
+        rid, label = data.draw(st.sampled_from(live)), data.draw(st.sampled_from(LABELS))
+        n = data.draw(st.integers(1, 4))
+        rows = data.draw(st.lists(st.lists(st.integers(0, MAX_SEQ_LEN - 1), min_size=n,
+                                           max_size=n), min_size=3, max_size=3))
+        segment = [(rid, label, n)]
+        self._plan((segment, None, [], [], None), preplan=data.draw(st.booleans()),
+                   explicit=rows)
 
     @rule(data=st.data())
     def plan(self, data):
@@ -355,6 +405,8 @@ class ManagerMachine(RuleBasedStateMachine):
         info = self.mgr.publish(rid)
         expected = self.model.counters().get(rid)
         assert (info is None) if expected is None else (info.counters == expected)
+        if info is not None:
+            assert info.deltas == self.model.deltas(rid)
 
     @rule(rid=st.sampled_from(RIDS))
     def snapshot(self, rid):
@@ -362,29 +414,33 @@ class ManagerMachine(RuleBasedStateMachine):
         expected = self.model.counters().get(rid)
         assert (record is None) == (expected is None)
         if record is not None:
-            self.snapshots.append((rid, record, dict(expected)))
+            self.snapshots.append((rid, record, (dict(expected), self.model.deltas(rid))))
 
     @rule(data=st.data())
     def publish_from_snapshot(self, data):
         if not self.snapshots:
             return
         rid, record, expected = data.draw(st.sampled_from(self.snapshots))
-        assert self.mgr.publish_from_snapshot(rid, record, "node", "walk").counters == expected
+        info = self.mgr.publish_from_snapshot(rid, record, "node", "walk")
+        assert (info.counters, info.deltas) == expected
 
     @rule(data=st.data(), published=st.dictionaries(st.sampled_from(LABELS), POSITIONS, max_size=2),
-          epochs=st.dictionaries(st.sampled_from(LABELS), st.integers(0, 2), max_size=2))
-    def admit(self, data, published, epochs):
+          epochs=st.dictionaries(st.sampled_from(LABELS), st.integers(0, 2), max_size=2),
+          deltas=st.dictionaries(st.sampled_from(LABELS), DELTAS, max_size=2))
+    def admit(self, data, published, epochs, deltas):
         rid = self.pick(data)
         before = self.mgr.state_snapshot()
         epochs = {label: e for label, e in epochs.items() if label in published}
+        deltas = {label: d for label, d in deltas.items() if label in published and self.mrope}
         outcome = self.mgr.admit_retrieve(rid, "node", "walk",
-                                          PublishedPositionInfo(published, epochs=epochs))
-        valid = rid in self.model.requests and all(v <= MAX_SEQ_LEN for v in published.values())
+                                          PublishedPositionInfo(published, deltas, epochs))
+        valid = (rid in self.model.requests and all(v <= MAX_SEQ_LEN for v in published.values())
+                 and all(abs(d) <= MAX_SEQ_LEN for d in deltas.values()))
         assert outcome.ok == valid and outcome.ready == valid
         if not valid:
             assert self.mgr.state_snapshot() == before
             return
-        self.model.admit(rid, published, epochs)
+        self.model.admit(rid, published, epochs, deltas)
 
     @rule(data=st.data(), label=st.sampled_from(LABELS), to=POSITIONS)
     def rollback(self, data, label, to):
@@ -452,15 +508,18 @@ class ManagerMachine(RuleBasedStateMachine):
             self.expect_failure(self.mgr.apply_qk, ones, ones.clone(), label)
             return
         model.promote()
-        positions = plan.positions[label]
-        tokens = data.draw(st.integers(0, len(positions)))
+        positions = np.asarray(plan.positions[label], np.int64)  # [n], M-RoPE [3, n]
+        tokens = data.draw(st.integers(0, positions.shape[-1]))
         seed = data.draw(st.integers(0, 2**31 - 1))
         gen = torch.Generator().manual_seed(seed)
         q = (torch.randn(tokens, 2, HEAD_DIM, generator=gen) + 0.5).to(self.device)
         k = (torch.randn(tokens, 1, HEAD_DIM, generator=gen) + 0.5).to(self.device)
-        inv_freq, attention = oracle.serving_frequencies(self.mgr.rope)
-        want = [oracle.rope_oracle(x.cpu().numpy(), np.asarray(positions[:tokens], np.int64), inv_freq,
-                                   attention, HEAD_DIM, False) for x in (q, k)]
+        rope = self.mgr.rope
+        inv_freq, attention = oracle.serving_frequencies(rope)
+        want = [oracle.rope_oracle(x.cpu().numpy(), positions[..., :tokens], inv_freq, attention,
+                                   HEAD_DIM, False, rope.mrope_section, rope.mrope_interleaved)
+                for x in (q, k)]
+        positions = plan.positions[label]
         assert self.mgr.pos_ids(label).tolist() == positions
         self.mgr.apply_qk(q, k, label)
         np.testing.assert_allclose(q.cpu().numpy(), want[0], rtol=0, atol=2e-5)
@@ -480,6 +539,8 @@ class ManagerMachine(RuleBasedStateMachine):
             lambda: mgr.plan(PositionStep([Segment(rid, "cond", 1)],
                                           pos_ids=torch.tensor([MAX_SEQ_LEN], device=self.device)),
                              StepContext()),
+            lambda: mgr.plan(PositionStep([Segment(rid, "cond", 1)], pos_ids=torch.full(
+                (3, 1), MAX_SEQ_LEN if self.mrope else 0, device=self.device)), StepContext()),
             lambda: mgr.apply_cached_prefix(rid, None, None, None, {"cond": -1}),
             lambda: mgr.ingest_request(rid, {"image": 1}),
             lambda: mgr.position(rid, "image"),
@@ -500,16 +561,20 @@ class ManagerMachine(RuleBasedStateMachine):
                     for label, value in counters.items()}
         assert state["counters"] == expected
         table = np.asarray(mgr.table.counters).tolist()
-        epochs = np.asarray(model.table.epochs).tolist()
-        for rid in model_counters:
-            want = tuple(epochs[model.slot(rid, label)] for label in LABELS)
-            assert tuple(state["epochs"][s] for s in state["requests"][rid]) == want
+        for column in ("epochs", "deltas"):
+            values = np.asarray(getattr(model.table, column)).tolist()
+            for rid in model_counters:
+                want = tuple(values[model.slot(rid, label)] for label in LABELS)
+                assert tuple(state[column][s] for s in state["requests"][rid]) == want, column
+                assert tuple(np.asarray(getattr(mgr.table, column))[list(state["requests"][rid])]
+                             .tolist()) == want, column
         for rid, counters in model_counters.items():
             assert mgr.publish(rid).counters == counters
             assert {label: mgr.position(rid, label) for label in LABELS} == counters
             assert [table[s] for s in state["requests"][rid]] == [counters[l] for l in LABELS]
         live_slots = {slot for slots in state["requests"].values() for slot in slots}
-        assert all(v == 0 for slot, v in enumerate(state["slots"]) if slot not in live_slots)
+        for column in ("slots", "deltas", "epochs"):
+            assert all(v == 0 for slot, v in enumerate(state[column]) if slot not in live_slots)
         assert max(state["slots"]) <= MAX_SEQ_LEN
         assert state["slot_map"]["live"] == len(LABELS) * len(model_counters)
         for name in ("current", "staged"):
@@ -524,6 +589,17 @@ class BlockManagerMachine(ManagerMachine):
     block_step = 3
 
 
+class MropeManagerMachine(ManagerMachine):
+    """M-RoPE: [3, n] plans at counter + delta on every row, deltas set at ingest, carried by
+    admit / publish / snapshots / forks, explicit [3, n] prompt chunks."""
+    mrope_section = (2, 1, 1)
+
+
+class MropeBlockManagerMachine(MropeManagerMachine):
+    scheme = Scheme.BLOCK
+    block_step = 2
+
+
 _FAST = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 TestManagerMatchesTheModel = ManagerMachine.TestCase
@@ -531,4 +607,11 @@ TestManagerMatchesTheModel.settings = settings(max_examples=100, stateful_step_c
 
 TestBlockManagerMatchesTheModel = BlockManagerMachine.TestCase
 TestBlockManagerMatchesTheModel.settings = settings(max_examples=40, stateful_step_count=40, **_FAST)
+
+TestMropeManagerMatchesTheModel = MropeManagerMachine.TestCase
+TestMropeManagerMatchesTheModel.settings = settings(max_examples=50, stateful_step_count=50, **_FAST)
+
+TestMropeBlockManagerMatchesTheModel = MropeBlockManagerMachine.TestCase
+TestMropeBlockManagerMatchesTheModel.settings = settings(max_examples=20, stateful_step_count=40,
+                                                         **_FAST)
 

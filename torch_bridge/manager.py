@@ -89,12 +89,14 @@ class PositionManager(Resource):
         self._labels = config.labels
         self._label_index = {label: i for i, label in enumerate(config.labels)}
         self._plan_labels_seen = set(config.labels)
-        self._streams = StreamTable(config.labels, _INITIAL_SLOTS)
-        self._reader = StepReader(self._streams, config.kv_resource)
-        self._plans = StepPlans(self._streams, config.scheme, config.block_step, self.max_seq_len)
-        self._upload = PositionUpload(self.device)
-        self._fingerprint: Optional[bytes] = None
+        # M-RoPE (config.rope.mrope_section): every position tensor is [3, n], t, h, w rows.
         self._mrope = getattr(config.rope, "mrope_section", None) is not None
+        self._streams = StreamTable(config.labels, _INITIAL_SLOTS)
+        self._reader = StepReader(self._streams, config.kv_resource, self._mrope)
+        self._plans = StepPlans(self._streams, config.scheme, config.block_step, self.max_seq_len,
+                                self._mrope)
+        self._upload = PositionUpload(self.device, self._mrope)
+        self._fingerprint: Optional[bytes] = None
 
     # ---------------------------------------------------------------- construction
 
@@ -235,15 +237,37 @@ class PositionManager(Resource):
     def position(self, rid: Hashable, label: str) -> int:
         """The next position of stream ``(rid, label)`` (committed counters, no device read).
 
+        For M-RoPE this stays the counter, the stream's length in tokens (what commits
+        advance and the KV cache holds); the rotation position of its next token is
+        ``position + delta`` (:meth:`delta`).
+
         Raises:
           ValueError: unknown request or label.
         """
         return int(self._streams.counters[self._reader.slot(rid, label)])
 
+    def delta(self, rid: Hashable, label: str) -> int:
+        """The M-RoPE delta of stream ``(rid, label)``: its next computed token rotates at
+        ``position(rid, label) + delta`` on all three rows (0 for 1-D RoPE).
+
+        Raises:
+          ValueError: unknown request or label.
+
+        Example:
+          >>> import jaxrope as jr
+          >>> from torch_bridge import PositionConfig
+          >>> rope = jr.RopeConfig(head_dim=8, mrope_section=(2, 1, 1))
+          >>> mgr = PositionManager(PositionConfig(rope=rope), "cpu")
+          >>> mgr.ingest_request("r0", {"text": 200}, deltas={"text": -182})
+          >>> mgr.position("r0", "text"), mgr.delta("r0", "text")
+          (200, -182)
+        """
+        return int(self._streams.columns.deltas[self._reader.slot(rid, label)])
+
     # ---------------------------------------------------------------- plan / commit
 
     def plan(self, step: PositionStep, ctx: StepContext) -> Dict[str, torch.Tensor]:
-        """Position ids of a step, one int32 vector per plan label, on the device.
+        """Position ids of a step, one int32 tensor per plan label, on the device.
 
         Plan labels and token order come from the KV plan output
         ``ctx.plan_results[config.kv_resource]`` (``{plan_label: KVPlanOutput}``), or,
@@ -252,12 +276,18 @@ class PositionManager(Resource):
         ``counter + arange(n)`` (SEQUENTIAL) or ``n`` copies of ``counter`` (BLOCK).
         Explicit ``step.pos_ids`` win for the labels they name.
 
+        M-RoPE (``config.rope.mrope_section``): each tensor is ``[3, n]`` (t, h, w rows);
+        a computed view gets ``counter + delta`` (+ ``arange(n)``) on all three rows (a
+        decode token after an image prompt), and a prompt chunk comes as explicit
+        ``[3, n]`` pos_ids (slices of :func:`jaxrope.mrope.rope_index`).
+
         The positions are computed on the host and reach the device in one
         non-blocking copy on torch's current stream (:mod:`torch_bridge.upload`).
-        Without a graph slot each vector is ``[n]`` for the plan label's ``n`` live
-        tokens. Under ``ctx.graph_slot`` it is the static buffer of ``(graph_slot,
-        plan_label)``, ``[bucket.num_tokens]``: the first ``n`` entries are written,
-        the rest keep their previous values.
+        Without a graph slot each tensor is ``[n]`` (M-RoPE ``[3, n]``, contiguous) for the
+        plan label's ``n`` live tokens. Under ``ctx.graph_slot`` it is the static buffer of
+        ``(graph_slot, plan_label)``, ``[bucket.num_tokens]`` (M-RoPE ``[3,
+        bucket.num_tokens]``): the first ``n`` tokens are written, the rest keep their
+        previous values.
 
         ``ctx.is_preplan`` stages the plan (for step N+1 while step N runs): its
         positions are computed from the counters as they will be once the current
@@ -274,9 +304,11 @@ class PositionManager(Resource):
             not a 3-tuple.
           ValueError: a request never ingested, an unknown label, a negative count,
             a stream with two views in one plan label, two forks into one stream from
-            different sources, explicit pos_ids of the wrong shape/dtype/device or
-            outside ``[0, max_seq_len)`` (checked with one host read), more tokens than
-            the graph bucket holds, or positions past ``max_seq_len``.
+            different sources, explicit pos_ids of the wrong shape/dtype/device (``[n]``
+            for an M-RoPE manager, ``[3, n]`` for a 1-D one) or outside ``[0,
+            max_seq_len)`` (checked with one host read), more tokens than the graph
+            bucket holds, or positions past ``max_seq_len`` (M-RoPE: or a negative
+            ``counter + delta``).
           RuntimeError: called on CUDA under CUDA-graph capture (nothing changes; plan
             outside the capture into a graph slot, replay reads its buffer).
         """
@@ -319,7 +351,8 @@ class PositionManager(Resource):
         self._plans.clear_preplan()
 
     def pos_ids(self, label: str) -> Optional[torch.Tensor]:
-        """The current plan's position ids for plan label ``label``, or None if it has none.
+        """The current plan's position ids for plan label ``label`` (int32 ``[n]``, M-RoPE
+        ``[3, n]``; a graph slot's whole buffer), or None if it has none.
 
         A staged plan becomes current here when there is no current one.
 
@@ -486,10 +519,11 @@ class PositionManager(Resource):
 
     @property
     def table(self) -> PositionTable:
-        """The committed counters as a :class:`jaxrope.PositionTable` (int32 ``[capacity]``, on
-        JAX's default device)."""
+        """The committed records as a :class:`jaxrope.PositionTable` (counters, M-RoPE deltas and
+        publish epochs, int32 ``[capacity]``, on JAX's default device)."""
         import jax.numpy as jnp
-        return PositionTable(jnp.asarray(self._streams.counters.astype(np.int32)))
+        return PositionTable(*(jnp.asarray(column.astype(np.int32))
+                               for column in self._streams.columns))
 
     @property
     def labels(self) -> Tuple[str, ...]:

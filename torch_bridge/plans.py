@@ -104,12 +104,16 @@ class StepPlans:
       streams: the manager's streams (the counters this changes).
       scheme, block_step: the numbering scheme (:class:`jaxrope.Scheme`).
       max_seq_len: no position may reach it; no counter may pass it.
+      mrope: plan M-RoPE positions: int32 ``[3, n]`` per plan label, ``counter + delta``
+        (+ ``arange`` for SEQUENTIAL) on all three rows, each in ``[0, max_seq_len)``.
     """
 
-    def __init__(self, streams: StreamTable, scheme: Scheme, block_step: int, max_seq_len: int):
+    def __init__(self, streams: StreamTable, scheme: Scheme, block_step: int, max_seq_len: int,
+                 mrope: bool = False):
         self._streams = streams
         self._scheme, self._block_step = scheme, block_step
         self.max_seq_len = max_seq_len
+        self._mrope = mrope
         self.current: Optional[Plan] = None
         self.staged: Optional[Plan] = None
 
@@ -133,38 +137,48 @@ class StepPlans:
         return base
 
     def positions(self, base: rules.Columns, arrays: StepArrays) -> Dict[str, np.ndarray]:
-        """int32 host positions of every plan label without explicit ones; checks the bound.
+        """int32 host positions of every plan label without explicit ones (``[n]``, M-RoPE
+        ``[3, n]``); checks the bound.
 
         Raises:
-          ValueError: a view would reach past ``max_seq_len``.
+          ValueError: a view would reach past ``max_seq_len`` (M-RoPE: or below 0, a
+            negative delta on a counter that has not reached the prompt's end).
         """
         out = {}
-        # Sufficient first: no counter is high enough for any view to pass the bound.
-        peak = int(base.counters.max())
+        # Sufficient first: no counter is high enough (nor, with M-RoPE deltas, low
+        # enough) for any view to pass the bound.
+        starts = base.counters + base.deltas if self._mrope else base.counters
+        peak, low = int(starts.max()), int(starts.min())
         for plan_label, label in arrays.labels.items():
             if plan_label in arrays.explicit:
                 continue
-            if peak + label.num_tokens > self.max_seq_len:
-                self._check_bounds(base, arrays, plan_label)
+            if peak + label.num_tokens > self.max_seq_len or low < 0:
+                self._check_bounds(starts, arrays, plan_label)
             out[plan_label] = rules.plan(base, label.slots, label.counts, self._scheme,
-                                         label.num_tokens)
+                                         label.num_tokens, mrope=self._mrope)
         return out
 
-    def _check_bounds(self, base: rules.Columns, arrays: StepArrays, plan_label: str) -> None:
+    def _check_bounds(self, starts: np.ndarray, arrays: StepArrays, plan_label: str) -> None:
         label = arrays.labels[plan_label]
         if not len(label.slots):
             return
-        start = base.counters[label.slots]
+        start = starts[label.slots]
         if self._scheme is Scheme.SEQUENTIAL:
             bad = start + label.counts > self.max_seq_len
         else:
             bad = (label.counts > 0) & (start >= self.max_seq_len)
+        bad |= (label.counts > 0) & (start < 0)
         if bad.any():
             i = int(np.argmax(bad))
             rid, stream_label = arrays.groups[plan_label][i][:2]
-            raise ValueError(f"stream ({rid!r}, {stream_label!r}) of plan label {plan_label!r} at "
-                             f"position {int(start[i])} with {int(label.counts[i])} tokens passes "
-                             f"max_seq_len={self.max_seq_len}")
+            stream = f"stream ({rid!r}, {stream_label!r}) of plan label {plan_label!r}"
+            if self._mrope:
+                raise ValueError(f"{stream} at counter + M-RoPE delta {int(start[i])} with "
+                                 f"{int(label.counts[i])} tokens leaves [0, max_seq_len="
+                                 f"{self.max_seq_len}) (a decode plan needs the prompt in: plan "
+                                 "the prompt with explicit [3, n] pos_ids)")
+            raise ValueError(f"{stream} at position {int(start[i])} with {int(label.counts[i])} "
+                             f"tokens passes max_seq_len={self.max_seq_len}")
 
     def install(self, plan: Plan, preplan: bool, base: rules.Columns) -> None:
         """Make ``plan`` staged (preplan) or current; a current plan's pre-forks apply now

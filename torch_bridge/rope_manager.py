@@ -129,8 +129,10 @@ class RopeManager(PositionManager):
         Args:
           q: ``[T, Hq, D]`` or ``[T, Hq * D]``, float32/float16/bfloat16, on ``device``.
           k: ``[T, Hk, D]`` or ``[T, Hk * D]``, same dtype, device and ``T``.
-          label: a plan label of the current plan; token ``t`` gets ``pos_ids(label)[t]``.
-            ``T`` may be less than the planned tokens (the first ``T`` are used).
+          label: a plan label of the current plan; token ``t`` gets ``pos_ids(label)[t]``
+            (M-RoPE: column ``t`` of the ``[3, n]`` rows, ``config.rope.mrope_section``
+            splitting the frequencies over them). ``T`` may be less than the planned
+            tokens (the first ``T`` are used).
           rotary_dim, interleave, rope_scale, rope_theta, low_freq_factor,
             high_freq_factor, old_context_len: per-call overrides with FlashInfer's
             meaning (see :class:`torch_bridge.rotate.ConfigCache`).

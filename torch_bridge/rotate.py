@@ -39,8 +39,9 @@ class Launcher(Protocol):
 
     ``rotate_(q, k, pos_ids, cfg)``: ``q [T, Hq, D]``, ``k [T, Hk, D]`` (validated by
     the manager: same dtype and device, ``D == cfg.head_dim``), ``pos_ids`` int32
-    ``[N >= T]`` on the same device, of which the first ``T`` are used; rotates q and
-    k in place. Raises :class:`jaxrope.BackendUnavailable` to decline (the manager then
+    ``[N >= T]`` on the same device, of which the first ``T`` are used (M-RoPE, when
+    ``cfg.mrope_section`` is set: ``[3, N]``, the first ``T`` of each row); rotates q
+    and k in place. Raises :class:`jaxrope.BackendUnavailable` to decline (the manager then
     runs the JAX path); any other exception propagates.
 
     Optionally also ``bind(q, k, cfg) -> run``: after a successful ``rotate_`` the
@@ -71,10 +72,10 @@ class Launcher(Protocol):
 
     def rotate_(self, q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor,
                 cfg: RopeConfig) -> None:
-        """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place at ``pos_ids[:T]`` under ``cfg``.
+        """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place at ``pos_ids[..., :T]`` under ``cfg``.
 
-        ``pos_ids`` is int32 ``[N >= T]`` on q's device; q and k share dtype (float32,
-        float16 or bfloat16) and device, and ``D == cfg.head_dim``.
+        ``pos_ids`` is int32 ``[N >= T]`` (M-RoPE: ``[3, N]``) on q's device; q and k share
+        dtype (float32, float16 or bfloat16) and device, and ``D == cfg.head_dim``.
 
         Raises:
           BackendUnavailable: to decline this call; the manager then runs the JAX path.
@@ -180,9 +181,11 @@ class ConfigCache:
 
 
 def _rotate(q, k, pos_ids, tables, *, impl, rotary_dim: int, interleave: bool,
-            attention_factor: float):
-    return impl(q, k, pos_ids[:q.shape[0]], tables, rotary_dim=rotary_dim,
-                interleave=interleave, attention_factor=attention_factor)
+            attention_factor: float, mrope_section, mrope_interleaved: bool):
+    # pos_ids [N] or M-RoPE [3, N]: the first T tokens of every row.
+    return impl(q, k, pos_ids[..., :q.shape[0]], tables, rotary_dim=rotary_dim,
+                interleave=interleave, attention_factor=attention_factor,
+                mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
 
 
 class JaxRotation:
@@ -203,7 +206,8 @@ class JaxRotation:
         self.device = device
         self.impl = _backend.resolve(backend, device.platform)
         self.call = InPlace(_rotate, 2, static_argnames=("impl", "rotary_dim", "interleave",
-                                                         "attention_factor"))
+                                                         "attention_factor", "mrope_section",
+                                                         "mrope_interleaved"))
         self._tables: Dict[RopeConfig, Tuple[jax.Array, float]] = {}
 
     @staticmethod
@@ -222,9 +226,11 @@ class JaxRotation:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, pos_ids: jax.Array, cfg: RopeConfig,
                  allow_copy: bool = True) -> None:
-        """Rotate ``q [T, Hq, D]``, ``k [T, Hk, D]`` in place at ``pos_ids[:T]`` (int32 ``[>= T]``)."""
+        """Rotate ``q [T, Hq, D]``, ``k [T, Hk, D]`` in place at ``pos_ids[..., :T]`` (int32
+        ``[N >= T]``; M-RoPE ``[3, N]``)."""
         tables, attention = self.constants(cfg)
         self.call([q, k], pos_ids, tables, allow_copy=allow_copy, impl=self.impl,
                   rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
-                  attention_factor=attention)
+                  attention_factor=attention, mrope_section=cfg.mrope_section,
+                  mrope_interleaved=cfg.mrope_interleaved)
 

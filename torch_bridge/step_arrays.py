@@ -89,11 +89,14 @@ class StepReader:
     Args:
       streams: the manager's streams (slot lookups).
       kv_resource: the name of the KV planner's entry in ``StepContext.plan_results``.
+      mrope: the manager rotates with M-RoPE: explicit positions are ``[3, n]`` (t, h, w
+        rows), not ``[n]``.
     """
 
-    def __init__(self, streams: StreamTable, kv_resource: str):
+    def __init__(self, streams: StreamTable, kv_resource: str, mrope: bool = False):
         self._streams = streams
         self._kv_resource = kv_resource
+        self._mrope = mrope
         self._last_views: Dict[str, Tuple[int, Tuple[Any, ...], LabelArrays]] = {}
 
     # -- slots of records ----------------------------------------------------------
@@ -280,12 +283,7 @@ class StepReader:
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{where} must be a torch.Tensor, got {type(tensor).__name__}")
             num_tokens = labels[plan_label].num_tokens
-            if tensor.ndim != 1 or tensor.dtype not in (torch.int32, torch.int64):
-                raise ValueError(f"{where} has shape={tuple(tensor.shape)} dtype={tensor.dtype}; "
-                                 f"expected int32 or int64 [{num_tokens}]")
-            if tensor.shape[0] != num_tokens:
-                raise ValueError(f"{where}.shape={tuple(tensor.shape)} must be [{num_tokens}] (the plan "
-                                 "label's tokens)")
+            self._check_explicit_shape(where, tensor, num_tokens)
             if tensor.device != device:
                 raise ValueError(f"{where} is on {tensor.device}, expected {device}")
             if tensor.numel():
@@ -296,6 +294,23 @@ class StepReader:
                                      f"[0, {max_seq_len}) (max_seq_len)")
             out[plan_label] = tensor.to(torch.int32).contiguous()
         return out
+
+    def _check_explicit_shape(self, where: str, tensor: torch.Tensor, num_tokens: int) -> None:
+        want = f"[3, {num_tokens}]" if self._mrope else f"[{num_tokens}]"
+        shape = tuple(tensor.shape)
+        if tensor.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{where} has shape={shape} dtype={tensor.dtype}; expected int32 or "
+                             f"int64 {want}")
+        if self._mrope and tensor.ndim == 1:
+            raise ValueError(f"{where}.shape={shape} is 1-D positions [n], but this manager "
+                             f"rotates with M-RoPE (config.rope.mrope_section): pass {want}, the "
+                             "t, h and w rows (a text token repeats its position on all three)")
+        if not self._mrope and tensor.ndim == 2 and tensor.shape[0] == 3:
+            raise ValueError(f"{where}.shape={shape} is M-RoPE positions [3, n], but this "
+                             f"manager's RoPE is 1-D (config.rope.mrope_section is None): pass "
+                             f"{want}")
+        if shape != ((3, num_tokens) if self._mrope else (num_tokens,)):
+            raise ValueError(f"{where}.shape={shape} must be {want} (the plan label's tokens)")
 
 
 def _counts(values: Sequence[Any], name: str) -> np.ndarray:

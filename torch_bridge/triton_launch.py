@@ -13,6 +13,13 @@ IR promises 32-byte-aligned pointers).
 
 Launch before capturing a CUDA graph at least once per shape bucket: compiling and
 allocating the tables inside a capture is not supported.
+
+M-RoPE (``cfg.mrope_section``): the kernel exported with the config's sections reads row
+``r`` of token ``t`` at ``r * count + t`` with ``count = T``, so its positions must be one
+contiguous ``[3, T]`` block. A ``[3, N]`` buffer with ``N > T`` (a plan with more tokens
+than q, a graph slot's buffer) is launched on ``pos_ids[:, :T]`` made contiguous (one
+small device copy on the same stream, capturable); with ``N == T`` (a graph replay over
+the whole bucket) the buffer itself.
 """
 
 from __future__ import annotations
@@ -121,10 +128,14 @@ class TritonLauncher:
         lanes = pallas_triton.lanes_for(cfg.rotary_dim)
         block = block or pallas_triton.block_config(num_tokens, q_heads, k_heads, lanes)
         _, attention = kernel_constants(cfg)
-        compiled, exported = self._compiled((q_heads, k_heads, head_dim, cfg, dtype, block), dict(
+        export_kwargs = dict(
             q_heads=q_heads, k_heads=k_heads, head_dim=head_dim, rotary_dim=cfg.rotary_dim,
             interleave=cfg.interleave, attention_factor=attention,
-            dtype=str(dtype).removeprefix("torch."), block=block))
+            dtype=str(dtype).removeprefix("torch."), block=block,
+            mrope_section=cfg.mrope_section, mrope_interleaved=cfg.mrope_interleaved)
+        # Keyed by everything the IR is exported from (the M-RoPE sections and their
+        # interleaving included); the frequencies are a run-time table, keyed by cfg.
+        compiled, exported = self._compiled(tuple(export_kwargs.items()), export_kwargs)
         tables = self._device_tables(cfg, device, lanes)
         counts = self._counts.get(device)
         if counts is None:
@@ -149,7 +160,13 @@ class TritonLauncher:
             launch(pos_ptr, q_ptr, k_ptr)
             return True
 
-        return run
+        if cfg.mrope_section is None:
+            return run
+
+        def run_mrope(q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor) -> bool:
+            return run(q, k, mrope_block(pos_ids, q.shape[0]))
+
+        return run_mrope
 
     def rotate_(self, q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor,
                 cfg: RopeConfig, block: Optional[pallas_triton.BlockConfig] = None) -> None:
@@ -165,6 +182,8 @@ class TritonLauncher:
         """
         if q.shape[0] == 0:
             return
+        if cfg.mrope_section is not None:
+            pos_ids = mrope_block(pos_ids, q.shape[0])
         for name, t in (("q", q), ("k", k), ("pos_ids", pos_ids)):
             if not t.is_cuda:
                 raise BackendUnavailable(f"{name} is on {t.device}: the launcher needs CUDA")
@@ -189,6 +208,15 @@ class TritonLauncher:
                     launch = self._launches[key] = self._prepare(q_shape, k_heads, q.dtype,
                                                                  q.device, cfg, block)
         return launch
+
+
+def mrope_block(pos_ids: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The contiguous ``[3, tokens]`` block an M-RoPE kernel of count ``tokens`` reads, from
+    ``pos_ids [3, N >= tokens]``: the tensor itself when ``N == tokens``, else a copy of
+    its first ``tokens`` columns (never the ``[3, N]`` buffer: its rows sit ``N`` apart)."""
+    if pos_ids.shape[-1] == tokens and pos_ids.is_contiguous():
+        return pos_ids
+    return pos_ids[:, :tokens].contiguous()
 
 
 class _Launch:

@@ -14,13 +14,17 @@ part again (a full lap later) it waits for that event, so a copy still in flight
 never overwritten. A lap is 4 MiB of positions, so that wait is normally long
 satisfied.
 
-CUDA-graph buffers (static per (graph slot, plan label)) are written by the same copy;
-tokens past the live count keep their old values. A copy from pinned memory cannot be
+CUDA-graph buffers (static per (graph slot, plan label), ``[bucket.num_tokens]``, or
+``[3, bucket.num_tokens]`` for an M-RoPE manager) are written by the same copy; tokens
+past the live count keep their old values. A copy from pinned memory cannot be
 captured into a CUDA graph (a replay would re-read a span the host has since reused),
 so :meth:`PositionUpload.check_not_capturing` refuses a plan under capture: plan
 outside the capture into a graph slot's buffer, and the replay reads it.
 
 Off CUDA a step's positions are a fresh numpy array wrapped by ``torch.from_numpy``.
+
+M-RoPE positions (``[3, n]``: t, h, w rows) travel the same way, each plan label's block
+contiguous (row ``r`` of token ``t`` at ``r * n + t``, what the kernel reads).
 
 Example:
   >>> import numpy as np, torch
@@ -30,6 +34,8 @@ Example:
   >>> buffer = torch.full((5,), -1, dtype=torch.int32)
   >>> upload.to_device(np.array([7, 8], np.int32), into=buffer).tolist()
   [7, 8, -1, -1, -1]
+  >>> upload.to_device(np.array([[1, 2], [3, 4], [5, 6]], np.int32)).tolist()
+  [[1, 2], [3, 4], [5, 6]]
 """
 
 from __future__ import annotations
@@ -119,12 +125,14 @@ class PositionUpload:
 
     Args:
       device: the manager's torch device.
+      mrope: positions are M-RoPE ``[3, n]``: graph buffers are ``[3, bucket.num_tokens]``.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, mrope: bool = False):
         self.device = device
         self._ring = _PinnedRing(device) if device.type == "cuda" else None
         self._index = device.index if device.type == "cuda" else None
+        self._rows = (3,) if mrope else ()
         self.graph_buffers: Dict[Tuple[GraphSlot, str], torch.Tensor] = {}
 
     def step(self, computed: Mapping[str, np.ndarray], explicit: Mapping[str, torch.Tensor],
@@ -132,10 +140,11 @@ class PositionUpload:
              ) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
         """A step's positions on the device, per plan label in ``order``.
 
-        ``computed``: host positions; ``explicit``: device tensors given by the step.
-        Without a graph slot, computed labels share one copy (one device tensor, a view
-        per label) and explicit ones are used as given; under ``graph`` every label is
-        written into its static ``[bucket.num_tokens]`` buffer.
+        ``computed``: host positions; ``explicit``: device tensors given by the step
+        (``[n]``, M-RoPE ``[3, n]``). Without a graph slot, computed labels share one
+        copy (one device tensor, a contiguous view per label) and explicit ones are used
+        as given; under ``graph`` every label is written into its static
+        ``[bucket.num_tokens]`` (M-RoPE ``[3, bucket.num_tokens]``) buffer.
 
         Returns ``({plan_label: tensor}, {plan_label: most tokens apply_qk accepts})``.
         Raises ValueError, changing nothing, when a label has more tokens than the bucket.
@@ -144,7 +153,7 @@ class PositionUpload:
             size = graph.bucket.num_tokens
             for plan_label in order:
                 tokens = (computed[plan_label] if plan_label in computed
-                          else explicit[plan_label]).shape[0]
+                          else explicit[plan_label]).shape[-1]
                 if tokens > size:
                     raise ValueError(f"plan label {plan_label!r} has {tokens} tokens, more than "
                                      f"graph bucket num_tokens={size}")
@@ -155,7 +164,7 @@ class PositionUpload:
                     tensors[plan_label] = self.to_device(computed[plan_label], into=buffer)
                 else:
                     given = explicit[plan_label]
-                    buffer[:given.shape[0]].copy_(given)
+                    buffer[..., :given.shape[-1]].copy_(given)
                     tensors[plan_label] = buffer
             return tensors, dict.fromkeys(order, size)
         tensors = dict(explicit)
@@ -163,20 +172,21 @@ class PositionUpload:
             (plan_label, host), = computed.items()
             tensors[plan_label] = self.to_device(host)
         elif computed:
-            joined = self.to_device(np.concatenate(list(computed.values())))
+            # One copy; each label's block stays contiguous ([3, n] row-major for M-RoPE).
+            joined = self.to_device(np.concatenate([host.ravel() for host in computed.values()]))
             start = 0
             for plan_label, host in computed.items():
-                tensors[plan_label] = joined[start:start + host.shape[0]]
-                start += host.shape[0]
+                tensors[plan_label] = joined[start:start + host.size].view(host.shape)
+                start += host.size
         return ({plan_label: tensors[plan_label] for plan_label in order},
-                {plan_label: tensors[plan_label].shape[0] for plan_label in order})
+                {plan_label: tensors[plan_label].shape[-1] for plan_label in order})
 
     def _graph_buffer(self, graph: GraphSlot, plan_label: str) -> torch.Tensor:
         key = (graph, plan_label)
         buffer = self.graph_buffers.get(key)
         if buffer is None:
             buffer = self.graph_buffers[key] = torch.zeros(
-                (graph.bucket.num_tokens,), dtype=torch.int32, device=self.device)
+                (*self._rows, graph.bucket.num_tokens), dtype=torch.int32, device=self.device)
         return buffer
 
     def check_not_capturing(self) -> None:
@@ -188,27 +198,36 @@ class PositionUpload:
                                "graph slot (StepContext.graph_slot) and replay reads its buffer")
 
     def to_device(self, positions: np.ndarray, into: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``positions`` (int32 ``[n]``, host) on the device: a new tensor, or ``into[:n]`` written.
+        """``positions`` (int32 ``[n]`` or ``[3, n]``, host) on the device: a new contiguous
+        tensor, or ``into[..., :n]`` written.
 
-        Returns the new ``[n]`` tensor, or ``into`` itself.
+        Returns the new tensor, or ``into`` itself.
         """
-        n = positions.shape[0]
+        n, size = positions.shape[-1], positions.size
+        if positions.ndim > 1 or not positions.flags.writeable:
+            positions = np.array(positions, order="C")  # a plan's broadcast rows: one block
         if self._ring is None:
             source = torch.from_numpy(positions)
             if into is None:
                 return source
-            into[:n].copy_(source)
+            into[..., :n].copy_(source)
             return into
         ring = self._ring
         # The raw stream handle: building a torch.cuda.Stream per step costs microseconds.
-        start = ring.span(n, torch._C._cuda_getCurrentRawStream(self._index))
+        start = ring.span(size, torch._C._cuda_getCurrentRawStream(self._index))
         if start is None:
             # Larger than a ring part: a pinned buffer of its own, which torch's caching
             # host allocator keeps alive until the copy has completed.
             span = torch.from_numpy(positions).pin_memory()
         else:
-            ring.host[start:start + n] = positions
-            span = ring.tensor[start:start + n]
-        target = torch.empty(n, dtype=torch.int32, device=self.device) if into is None else into[:n]
+            ring.host[start:start + size] = positions.ravel()
+            span = ring.tensor[start:start + size].view(positions.shape)
+        if into is None:
+            target = torch.empty(positions.shape, dtype=torch.int32, device=self.device)
+        else:
+            # M-RoPE: the rows of a [3, N] graph buffer, N apart; torch lands the one
+            # host->device copy in a contiguous staging tensor and scatters it on the
+            # same stream (the tail past n keeps its values).
+            target = into[..., :n]
         target.copy_(span, non_blocking=True)
         return target if into is None else into

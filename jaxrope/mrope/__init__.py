@@ -4,7 +4,8 @@ HF config fields.
 - :func:`rope_index`: positions ``[3, L]`` and the decode delta of a prompt given as
   :class:`Text`, :class:`Image` and :class:`Video` parts (:mod:`jaxrope.mrope.index`);
 - :func:`hf_mrope_args`, :func:`hf_index_args`, :func:`hf_text_config`: what a HF
-  ``config.json`` says about M-RoPE (:mod:`jaxrope.mrope.hf`);
+  ``config.json`` says about M-RoPE, for the model types :data:`HF_MODEL_TYPES`
+  (:mod:`jaxrope.mrope.hf`; :meth:`jaxrope.RopeConfig.from_hf` reads them through it);
 - :data:`HF_VL_CONFIGS`: real VL configs' RoPE fields (:mod:`jaxrope.mrope.configs`).
 
 The rotation itself is :func:`jaxrope.apply_rope` with a :class:`jaxrope.RopeConfig`
@@ -22,12 +23,13 @@ Example:
 """
 
 from jaxrope.mrope.configs import HF_VL_CONFIGS
-from jaxrope.mrope.hf import hf_index_args, hf_mrope_args, hf_text_config
+from jaxrope.mrope.hf import HF_MODEL_TYPES, hf_index_args, hf_mrope_args, hf_text_config
 from jaxrope.mrope.index import ADVANCES, FAMILIES, Image, Text, Video, rope_index
 
 __all__ = [
     "ADVANCES",
     "FAMILIES",
+    "HF_MODEL_TYPES",
     "HF_VL_CONFIGS",
     "Image",
     "Text",

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
 
-__all__ = ["hf_index_args", "hf_mrope_args", "hf_text_config"]
+__all__ = ["HF_MODEL_TYPES", "hf_index_args", "hf_mrope_args", "hf_text_config"]
 
 
 class _Layout(NamedTuple):
@@ -57,6 +57,8 @@ _LAYOUTS = {
     "qwen3_vl_moe": _Layout("qwen3_vl", True, False, (24, 20, 20)),
     "glm4v": _Layout("glm4v", False, True, (8, 12, 12)),
 }
+# The model types whose M-RoPE layout is known (their ``_text`` configs too).
+HF_MODEL_TYPES: Tuple[str, ...] = tuple(sorted(_LAYOUTS))
 # transformers' Qwen2_5_VLVisionConfig default, for a config that omits it.
 _DEFAULT_TOKENS_PER_SECOND = 4
 _DEFAULT_SPATIAL_MERGE = 2

@@ -8,7 +8,8 @@ Two references, for the model types of :mod:`jaxrope.mrope.hf`:
   under test; no weights matter to them;
 - :func:`rotate`: the text model's rotary class, built from a real ``config.json`` dict
   through transformers' config class, and the ``apply_rotary_pos_emb`` of the same
-  modeling module (each family's pair layout and section recomposition).
+  modeling module (each family's pair layout and section recomposition);
+  :func:`frequencies`: that rotary class's ``inv_freq`` and attention factor.
 
 torch and transformers are imported inside the functions (``jaxrope.testing`` must
 import without them).
@@ -30,6 +31,8 @@ _CLASSES = {
     "qwen3_vl_moe": ("qwen3_vl_moe", "Qwen3VLMoeConfig", "Qwen3VLMoeModel",
                      "Qwen3VLMoeTextRotaryEmbedding"),
     "glm4v": ("glm4v", "Glm4vConfig", "Glm4vModel", "Glm4vTextRotaryEmbedding"),
+    # GLM-4.5V: M-RoPE jaxrope refuses (NeoX halves); :func:`rotate` shows what it computes.
+    "glm4v_moe": ("glm4v_moe", "Glm4vMoeConfig", "Glm4vMoeModel", "Glm4vMoeTextRotaryEmbedding"),
 }
 
 # The smallest text and vision towers each class accepts; get_rope_index reads only the
@@ -124,14 +127,25 @@ def vl_config(config: Mapping[str, Any]):
     return _config_class(config["model_type"])(**fields)
 
 
+def _rotary(config: Mapping[str, Any]):
+    model_type = config["model_type"]
+    return getattr(_module(model_type), _CLASSES[model_type][3])(vl_config(config).text_config)
+
+
+def frequencies(config: Mapping[str, Any]) -> Tuple[np.ndarray, float]:
+    """The rotary class's float32 ``inv_freq [R/2]`` and ``attention_scaling`` for a
+    ``config.json`` dict (its scaling type applied, as the model builds it)."""
+    rotary = _rotary(config)
+    return rotary.inv_freq.numpy(), float(rotary.attention_scaling)
+
+
 def rotate(config: Mapping[str, Any], q: np.ndarray, k: np.ndarray,
            pos_ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """float32 ``q [T, Hq, D]``, ``k [T, Hk, D]`` rotated at ``pos_ids [3, T]`` by the
     family's rotary class and ``apply_rotary_pos_emb``, as its attention layer calls them."""
     import torch
-    model_type = config["model_type"]
-    module = _module(model_type)
-    rotary = getattr(module, _CLASSES[model_type][3])(vl_config(config).text_config)
+    module = _module(config["model_type"])
+    rotary = _rotary(config)
     qt = torch.as_tensor(np.asarray(q, np.float32)).permute(1, 0, 2)[None]  # [1, H, T, D]
     kt = torch.as_tensor(np.asarray(k, np.float32)).permute(1, 0, 2)[None]
     with torch.no_grad():

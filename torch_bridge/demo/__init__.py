@@ -3,18 +3,23 @@
 Usage::
 
   make demo                      # creates .venv on first use, then runs the line below
-  python -m jaxrope.demo [--model {llama3.1,qwen2.5-yarn,phi3-longrope,deepseek-v2}]
+  python -m jaxrope.demo [--model {llama3.1,qwen2.5-yarn,phi3-longrope,deepseek-v2,
+                                   qwen2-vl,qwen2.5-vl,qwen3-vl,glm-4.1v}]
                          [--steps N] [--device {auto,cpu,cuda}] [--seed S]
 
   --model   the real RoPE config (default llama3.1: Llama-3.1-8B's llama3 scaling;
             qwen2.5-yarn, phi3-longrope (Phi-3-mini-128k), deepseek-v2 (V2-Lite, YaRN,
-            interleaved pairs))
+            interleaved pairs)); the M-RoPE models run the multimodal trace of
+            :mod:`~torch_bridge.demo.multimodal` (an image and a video, chunked
+            prefill at explicit [3, n] positions, decode at counter + delta, a
+            handoff that carries the delta)
   --steps   main-node steps, >= 7 (default 14); past the scripted trace a new request
             arrives every 4 steps, every other one a prefix-cache hit
   --device  auto (default): CUDA when torch and JAX both see a GPU, else CPU
   --seed    weights and token ids (default 0)
-  --inject-fault  for tests: the prefix-cache probe claims one token too many, so the
-            run must FAIL
+  --inject-fault  for tests: the prefix-cache probe claims one token too many (M-RoPE
+            models: the decode node admits the handoff without its delta), so the run
+            must FAIL
 
 Two serving nodes share one tiny attention layer (random weights, 4 query heads,
 2 KV heads, the model's real ``head_dim`` and RoPE config from
@@ -53,10 +58,12 @@ Exit status 0 when every check passes, 1 on any mismatch.
 
 Modules: :mod:`~torch_bridge.demo.model` (the attention layer and its float64
 recompute), :mod:`~torch_bridge.demo.node` (a serving node and the prefix cache),
-:mod:`~torch_bridge.demo.trace` (the scripted trace), :mod:`~torch_bridge.demo.cli`
-(arguments and the report). Prefill and decode as two processes, the decode one killed
-and restarted: :mod:`~torch_bridge.demo.disagg` (the nodes, the resume, the checks) and
-:mod:`~torch_bridge.demo.disagg_processes` (``python -m torch_bridge.demo.disagg_processes``).
+:mod:`~torch_bridge.demo.trace` (the scripted trace),
+:mod:`~torch_bridge.demo.multimodal` (the M-RoPE trace and its nodes),
+:mod:`~torch_bridge.demo.cli` (arguments and the report). Prefill and decode as two
+processes, the decode one killed and restarted: :mod:`~torch_bridge.demo.disagg` (the
+nodes, the resume, the checks) and :mod:`~torch_bridge.demo.disagg_processes`
+(``python -m torch_bridge.demo.disagg_processes``).
 
 Example:
   >>> import contextlib, io
@@ -66,8 +73,8 @@ Example:
   >>> status, out.getvalue().splitlines()[-1].startswith("verdict: PASS")
   (0, True)
 """
-from torch_bridge.demo.cli import MODELS, main
+from torch_bridge.demo.cli import MODELS, VL_MODELS, main
 from torch_bridge.demo.model import TOLERANCE
 from torch_bridge.demo.trace import MIN_STEPS, TRACE
 
-__all__ = ["MIN_STEPS", "MODELS", "TOLERANCE", "TRACE", "main"]
+__all__ = ["MIN_STEPS", "MODELS", "TOLERANCE", "TRACE", "VL_MODELS", "main"]

@@ -11,11 +11,12 @@ import torch
 
 from jaxrope.config import RopeConfig
 from jaxrope.models import HF_CONFIGS
+from torch_bridge.demo import multimodal
 from torch_bridge.demo.model import KV_HEADS, Q_HEADS, TOLERANCE
 from torch_bridge.demo.node import GRAPH_BUCKET, StepRow
 from torch_bridge.demo.trace import BUDGET, MIN_STEPS, Trace
 
-__all__ = ["MODELS", "main"]
+__all__ = ["MODELS", "VL_MODELS", "main"]
 
 MODELS = {
     "llama3.1": "meta-llama/Llama-3.1-8B",
@@ -23,6 +24,8 @@ MODELS = {
     "phi3-longrope": "microsoft/Phi-3-mini-128k-instruct",
     "deepseek-v2": "deepseek-ai/DeepSeek-V2-Lite",
 }
+# M-RoPE models: the multimodal trace (torch_bridge.demo.multimodal).
+VL_MODELS = multimodal.MODELS
 
 def _pick_device(choice: str) -> Tuple[torch.device, Optional[str]]:
     """The device to run on, and a note when "auto" had to fall back to the CPU."""
@@ -45,16 +48,18 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m jaxrope.demo",
         description="Drive torch_bridge.RopeManager through a multi-request serving trace and "
                     "check a tiny attention layer against a float64 recompute at every step.")
-    parser.add_argument("--model", choices=sorted(MODELS), default="llama3.1",
-                        help="real RoPE config to use (default: llama3.1)")
+    parser.add_argument("--model", choices=sorted(MODELS) + sorted(VL_MODELS), default="llama3.1",
+                        help="real RoPE config to use (default: llama3.1); the M-RoPE models "
+                             f"{', '.join(sorted(VL_MODELS))} run the image + video trace")
     parser.add_argument("--steps", type=int, default=14,
                         help=f"main-node steps to run, >= {MIN_STEPS} (default: 14)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: CUDA when torch and JAX both see a GPU, else CPU")
     parser.add_argument("--seed", type=int, default=0, help="weights and token ids (default: 0)")
     parser.add_argument("--inject-fault", action="store_true",
-                        help="for tests: the prefix-cache probe claims one token too many, so "
-                             "a request's positions are off by one and the run must FAIL")
+                        help="for tests: the prefix-cache probe claims one token too many (M-RoPE "
+                             "models: the decode node admits the handoff without its delta), so "
+                             "a request's positions are off and the run must FAIL")
     return parser
 
 
@@ -74,19 +79,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     device, note = _pick_device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False   # TF32 matmuls would exceed the tolerance
-    name = MODELS[args.model]
-    rope = RopeConfig.from_hf(HF_CONFIGS[name])
     started = time.perf_counter()
-    trace = Trace(rope, device, args.seed, args.inject_fault)
+    if args.model in VL_MODELS:
+        name = VL_MODELS[args.model]
+        trace = multimodal.MultimodalTrace(args.model, device, args.seed, args.inject_fault)
+        title, budget = trace.describe(), multimodal.BUDGET
+    else:
+        name = MODELS[args.model]
+        rope = RopeConfig.from_hf(HF_CONFIGS[name])
+        trace = Trace(rope, device, args.seed, args.inject_fault)
+        scaling = type(rope.scaling).__name__ if rope.scaling is not None else "default"
+        title = (f"{scaling}, head_dim={rope.head_dim}, rotary_dim={rope.rotary_dim}, "
+                 f"interleave={rope.interleave}")
+        budget = BUDGET
     mgr = trace.main.mgr
     rotation = (type(mgr.launcher).__name__ if mgr.launcher is not None
                 else f"JAX ({'Pallas' if device.type == 'cuda' else 'XLA'})")
-    scaling = type(rope.scaling).__name__ if rope.scaling is not None else "default"
-    print(f"jaxrope demo: {name} ({scaling}, head_dim={rope.head_dim}, "
-          f"rotary_dim={rope.rotary_dim}, interleave={rope.interleave}, "
-          f"attention factor {trace.layer.attention:.4f})")
+    print(f"jaxrope demo: {name} ({title}, attention factor {trace.layer.attention:.4f})")
     print(f"device {device}, rotation {rotation}, q/k float32, {Q_HEADS} q heads / {KV_HEADS} "
-          f"kv heads, budget {BUDGET['main']} tokens/step, graph bucket {GRAPH_BUCKET.num_tokens}")
+          f"kv heads, budget {budget['main']} tokens/step, graph bucket {GRAPH_BUCKET.num_tokens}")
     if note:
         print(f"note: {note}")
     print(f"{'step':>4} {'node':<7} {'reqs':>4} {'tokens':>6} {'positions':>9} {'max err':>8}"

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from jaxrope.config import RopeConfig
+from jaxrope.testing import oracle
 
 __all__ = ["HIDDEN", "KV_HEADS", "Layer", "Q_HEADS", "Stream", "TOLERANCE", "VOCAB"]
 
@@ -72,15 +73,19 @@ class Layer:
         scores = scores.masked_fill(future, float("-inf"))
         return (scores.softmax(-1) @ v.transpose(0, 1)).transpose(0, 1)
 
-    def recompute(self, ids: Sequence[int], last: int) -> np.ndarray:
+    def recompute(self, ids: Sequence[int], last: int,
+                  positions: Optional[np.ndarray] = None) -> np.ndarray:
         """float64 attention output ``[last, Hq, D]`` of a stream's last tokens, from scratch.
 
-        Every token of ``ids`` is projected again and rotated at its absolute position
-        (its index), so nothing computed by the manager or the caches is reused.
+        Every token of ``ids`` is projected again and rotated at its absolute position:
+        its index, or ``positions`` (``[len(ids)]``; for an M-RoPE config ``[3, len(ids)]``,
+        the t, h, w rows of the whole sequence), so nothing computed by the manager or the
+        caches is reused.
         """
         x = self.emb32.astype(np.float64)[np.asarray(ids)]
         total, d = len(ids), self.head_dim
-        pos = np.arange(total, dtype=np.float64)
+        pos = np.arange(total, dtype=np.float64) if positions is None else np.asarray(
+            positions, np.float64)
         q = self._rotate((x @ self.w32["q"].astype(np.float64)).reshape(total, Q_HEADS, d), pos)
         k = self._rotate((x @ self.w32["k"].astype(np.float64)).reshape(total, KV_HEADS, d), pos)
         v = (x @ self.w32["v"].astype(np.float64)).reshape(total, KV_HEADS, d)
@@ -95,7 +100,12 @@ class Layer:
 
     def _rotate(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
         r = self.rope.rotary_dim
-        angle = pos[:, None, None] * self.inv_freq[None, None, :]
+        if pos.ndim == 2:  # M-RoPE: frequency slot j at row mrope_rows[j]'s position
+            rows = oracle.mrope_rows(self.rope.mrope_section, self.rope.mrope_interleaved)
+            pos = pos[rows].T  # [L, R/2]
+        else:
+            pos = pos[:, None]
+        angle = (pos * self.inv_freq[None, :])[:, None, :]
         cos, sin = np.cos(angle) * self.attention, np.sin(angle) * self.attention
         out = x.copy()
         first, second = ((slice(0, r, 2), slice(1, r, 2)) if self.rope.interleave
