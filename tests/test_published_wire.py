@@ -53,7 +53,7 @@ def run_step(mgr, segments):
 def busy_receiver() -> RopeManager:
     """Two requests with non-zero positions, deltas and epochs, a plan in flight."""
     mgr = manager()
-    mgr.ingest_request("a", deltas={"text": -7, "image": 3})
+    mgr.ingest_request("a", {"text": 10}, deltas={"text": -7, "image": 3})
     mgr.ingest_request("b")
     run_step(mgr, [("a", "text", 20), ("a", "image", 9), ("b", "cfg", 4)])
     mgr.rollback("a", "text", 15)
@@ -83,7 +83,7 @@ def test_a_real_publication_round_trips_at_13_bytes_a_stream_plus_its_label():
     long_label = "ä" * 24  # 48 bytes in UTF-8: the longest label the format carries
     labels = LABELS + (long_label,)
     sender = manager(labels)
-    sender.ingest_request("r", deltas={"text": -12, "video": 5})
+    sender.ingest_request("r", {"text": 20}, deltas={"text": -12, "video": 5})
     run_step(sender, [("r", "text", 30), ("r", "image", 64), ("r", long_label, 3)])
     run_step(sender, [("r", "text", 1), ("r", "video", 2)])
     sender.rollback("r", "image", 60)          # a new epoch on one stream
@@ -132,7 +132,7 @@ def test_a_record_without_a_fingerprint_or_with_orphan_deltas_is_refused():
 
 def test_admit_takes_bytes_bytearray_and_memoryview_as_it_takes_the_object():
     sender = manager()   # text: further on in an older epoch (stale); image: rolled back
-    sender.ingest_request("a", deltas={"text": -7, "image": 3})
+    sender.ingest_request("a", {"text": 10}, deltas={"text": -7, "image": 3})
     run_step(sender, [("a", "text", 40), ("a", "image", 2)])
     sender.rollback("a", "image", 1)
     data = sender.publish("a").to_bytes()
