@@ -28,7 +28,8 @@ from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels import pallas_triton, triton_ir
 from torch_bridge.triton_runtime import ALIGN as _ALIGN
-from torch_bridge.triton_runtime import CountTable, KernelCache, KernelLaunch, LaunchRecords
+from torch_bridge.triton_runtime import (AngleTables, CountTable, KernelCache, KernelLaunch,
+                                         LaunchRecords)
 
 # Launch records kept (one per distinct shape, config and device); past this the cache
 # starts over rather than grow with every token count an engine ever uses.
@@ -52,23 +53,13 @@ class TritonLauncher:
 
     def __init__(self):
         self._kernels = KernelCache("rope")
-        self._tables: Dict[Tuple[RopeConfig, torch.device], torch.Tensor] = {}
+        self._tables = AngleTables()
         self._counts: Dict[torch.device, CountTable] = {}
         # signature -> (kernel launch, count pointer, tables pointer)
         self._launches = LaunchRecords(_MAX_LAUNCHES)
 
     def _compiled(self, key: Tuple, export_kwargs: dict):
         return self._kernels.get(key, lambda: triton_ir.export(**export_kwargs))
-
-    def _device_tables(self, cfg: RopeConfig, device: torch.device, lanes: int) -> torch.Tensor:
-        key = (cfg, device)
-        tables = self._tables.get(key)
-        if tables is None:
-            host, _ = kernel_constants(cfg)
-            tables = torch.zeros((3, lanes), dtype=torch.float32)
-            tables[:, :host.shape[1]] = torch.from_numpy(host.copy())
-            tables = self._tables[key] = tables.to(device)
-        return tables
 
     def _prepare(self, q_shape: Tuple[int, int, int], k_heads: int, dtype: torch.dtype,
                  device: torch.device, cfg: RopeConfig,
@@ -81,7 +72,7 @@ class TritonLauncher:
             q_heads=q_heads, k_heads=k_heads, head_dim=head_dim, rotary_dim=cfg.rotary_dim,
             interleave=cfg.interleave, attention_factor=attention,
             dtype=str(dtype).removeprefix("torch."), block=block))
-        tables = self._device_tables(cfg, device, lanes)
+        tables = self._tables.get(cfg, device, lanes)
         counts = self._counts.get(device)
         if counts is None:
             counts = self._counts[device] = CountTable(device)

@@ -9,6 +9,7 @@ torch's current stream. The pieces they share live here:
   remembered, so it is not retried on every call);
 - :class:`CountTable`: a device pointer to any token count (the kernels read T from
   memory, so one compiled kernel serves every T);
+- :class:`AngleTables`: a config's angle tables on a device, padded to the kernel's lanes;
 - :class:`KernelLaunch`: one compiled kernel bound to a grid, launched through Triton's
   C entry point on torch's current raw stream;
 - :class:`LaunchRecords`: the per-signature launch records, built once (under a lock,
@@ -27,9 +28,12 @@ from typing import Any, Callable, Dict, Hashable, Tuple
 
 import torch
 
+from jaxrope.apply import kernel_constants
+from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 
-__all__ = ["ALIGN", "CountTable", "KernelCache", "KernelLaunch", "LaunchRecords", "import_triton"]
+__all__ = ["ALIGN", "AngleTables", "CountTable", "KernelCache", "KernelLaunch", "LaunchRecords",
+           "import_triton"]
 
 # Pallas marks every pointer of the exported kernels tt.divisibility = 32.
 ALIGN = 32
@@ -69,6 +73,28 @@ class CountTable:
             rows = self._make(1 << count.bit_length())
             self.tables.append(rows)
         return rows.data_ptr() + count * ALIGN
+
+
+class AngleTables:
+    """Per (config, device): the float32 angle tables ``[3, lanes]`` the kernels read.
+
+    :func:`jaxrope.apply.kernel_constants`' tables, zero-padded to ``lanes`` columns (the
+    exported kernels load whole lane blocks). Never freed: a captured CUDA graph may
+    hold their pointers.
+    """
+
+    def __init__(self):
+        self._tables: Dict[Tuple[RopeConfig, torch.device], torch.Tensor] = {}
+
+    def get(self, cfg: RopeConfig, device: torch.device, lanes: int) -> torch.Tensor:
+        key = (cfg, device)
+        tables = self._tables.get(key)
+        if tables is None:
+            host, _ = kernel_constants(cfg)
+            tables = torch.zeros((3, lanes), dtype=torch.float32)
+            tables[:, :host.shape[1]] = torch.from_numpy(host.copy())
+            tables = self._tables[key] = tables.to(device)
+        return tables
 
 
 class KernelCache:
