@@ -29,6 +29,7 @@ BENCHES=(
     "rope_bench --budget-s 360"
     "accuracy"
     "bridge_bench"
+    "kv_append_bench"
 )
 
 if [ $# -lt 1 ]; then
