@@ -51,7 +51,7 @@ class RopeManager(PositionManager):
         ``rotate_(q, k, pos_ids, cfg)`` (see :class:`torch_bridge.rotate.Launcher`).
         It also picks ``apply_qk_and_append_kv``'s (``kv_launcher``): "auto" the fused
         kernel's Triton launcher on CUDA, "jax" none, an object itself if it has
-        ``rotate_and_append_kv_`` (see :mod:`torch_bridge.kv_launch`), else none.
+        ``rotate_and_append_kv_`` (see :class:`torch_bridge.KVLauncher`), else none.
       backend: the jaxrope backend of the JAX path ("auto", "pallas", "xla", "interpret").
       allow_copy: let the JAX path stage non-contiguous or misaligned q/k through a
         contiguous copy (written back in place); False raises instead.

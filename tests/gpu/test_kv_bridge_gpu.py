@@ -319,7 +319,8 @@ def test_captured_in_a_cuda_graph_and_replayed_on_new_inputs(device):
     mgr.apply_qk_and_append_kv(q, k, v, LABEL, cache, slots)  # once outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: JAX's runtime threads may call CUDA meanwhile (bench/timing.py does too).
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         mgr.apply_qk_and_append_kv(q, k, v, LABEL, cache, slots)
     for step_index in range(2):
         mgr.commit(step, ctx)
@@ -343,7 +344,7 @@ def test_the_jax_path_refuses_cuda_graph_capture_and_changes_nothing(device):
     before, tensors = e.mgr.state_snapshot(), [x.clone() for x in (e.q, *e.cache)]
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="CUDA-graph capture"):
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             e.call()
     torch.cuda.synchronize()
     assert e.mgr.state_snapshot() == before
