@@ -1,4 +1,4 @@
-"""Fused RoPE + paged KV append: jaxrope against FlashInfer's pair and the byte ceiling.
+"""Fused RoPE + paged KV append: jaxrope and the torch bridge against FlashInfer's pair.
 
     python -m bench.kv_append_bench --out DIR [--tokens 64,16384,65536] [--reps 7]
                                     [--rep-seconds 0.2] [--quick]
@@ -11,30 +11,34 @@ inputs:
 
 - ``jaxrope``: ``apply_rope_and_append_kv(backend="pallas")`` under ``jax.jit`` with q
   and the cache donated (in place), N applications in a ``fori_loop``;
+- ``bridge``: ``RopeManager.apply_qk_and_append_kv`` on torch tensors (the fused kernel
+  launched on torch's stream, ``torch_bridge.kv_launch``), what a torch engine calls;
 - ``flashinfer_pair``: ``apply_rope_pos_ids_inplace`` then ``append_paged_kv_cache``,
   what an engine runs today;
-- ``jaxrope_fp8`` / ``flashinfer_fp8``: the same with an fp8 e4m3 cache, ours against
-  ``rope_quantize_fp8_append_paged_kv_cache`` (which also writes q as fp8);
+- ``jaxrope_fp8`` / ``bridge_fp8`` / ``flashinfer_fp8``: the same with an fp8 e4m3 cache,
+  ours against ``rope_quantize_fp8_append_paged_kv_cache`` (which also writes q as fp8);
 - ``ceiling`` (torch ``mul_(1.0)``) and ``xla_ceiling`` (a jitted ``x * s``): one
   in-place elementwise pass over a buffer of q + k + v, i.e. the bytes the fused op
   moves (read q, k, v; write q and the cache rows; positions and slots are 8 B a token
-  more).
+  more): the byte ceiling of both ``jaxrope`` and ``bridge``.
 
-Times, per application (median over ``--reps`` repeats):
+Times, per application (median over ``--reps`` repeats), all through ``bench/timing.py``:
 
-- ``loop_us``: JAX: wall time of three chained calls of the compiled loop minus one,
-  over 2N (dispatch and the final sync cancel); torch: a CUDA graph of N calls, timed
-  with CUDA events.
-- ``kernel_us`` (GPU): kernel durations from the JAX profiler (CUPTI sees torch's
-  kernels too), summed over the kernels that ran at least once per application.
+- ``loop_us``: JAX: a :class:`bench.timing.JaxLoop` (one call and three chained calls
+  of the compiled loop, half the difference over N: dispatch and the final sync
+  cancel); torch: :func:`bench.timing.time_cuda_graph`, N calls in a CUDA graph, its
+  replays between CUDA events (the bridge's captured launches included).
+- ``kernel_us`` (GPU): :func:`bench.timing.kernel_durations`, kernel durations from the
+  JAX profiler (CUPTI sees torch's kernels too), summed over the kernels that ran at
+  least once per application.
+- ``wall_us`` (torch rows): :func:`bench.timing.time_wall`, eager calls from Python with
+  one sync: what a caller pays per call, dispatch included.
 
 Derived: ``tbps`` = fused-op bytes / ``loop_us``; ``ceiling_fraction`` = the faster
 ceiling's time over ours; ``vs_flashinfer`` = our time over the pair's. Targets
-(``targets`` in the JSON): >= 0.95 of the ceiling and <= 0.80x the pair at 16k and 64k
-tokens (loop times), kernel time <= the pair's at 64 tokens.
-
-Timing here is minimal and self-contained on purpose: switch it to ``bench/timing.py``
-(the shared timing module) when that lands. Output: ``DIR/kv_append.json``.
+(``targets`` in the JSON, for ``jaxrope`` and ``bridge``): >= 0.95 of the ceiling and
+<= 0.80x the pair at 16k and 64k tokens (loop times), kernel time <= the pair's at 64
+tokens. Output: ``DIR/kv_append.json``.
 """
 
 from __future__ import annotations
@@ -42,13 +46,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import glob
-import json
+import importlib.util
 import os
-import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -60,6 +60,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxrope as jr  # noqa: E402
+from bench import timing  # noqa: E402
 from jaxrope.testing import flashinfer as fp  # noqa: E402
 from jaxrope.testing import flashinfer_kv  # noqa: E402
 
@@ -103,115 +104,56 @@ def make_inputs(rng: np.random.Generator, tokens: int, max_cached: int = 4096) -
                   batch.positions.astype(np.int32), batch, pages)
 
 
-# -- timing (minimal; to be replaced by bench/timing.py) ----------------------------------
+# -- timing ---------------------------------------------------------------------------------
 
-def _median_us(samples: List[float]) -> float:
-    return statistics.median(samples) * 1e6
-
-
-class JaxLoop:
-    """A jitted ``fori_loop`` of ``n`` applications of ``step`` on donated ``state``.
-
-    The body is unrolled ``UNROLL`` times, so the loop counter's own launch is amortised
-    and runs fewer times than the applications (which keeps it out of ``kernel_us``).
-    """
-
-    UNROLL = 8
-
-    def __init__(self, step: Callable, state, extra, n: int):
-        n = -(-n // self.UNROLL) * self.UNROLL
-
-        def loop(state, *extra):
-            body = lambda i, s: jax.lax.optimization_barrier(step(s, *extra))  # noqa: E731
-            return jax.lax.fori_loop(0, n, body, state, unroll=self.UNROLL)
-
-        self.fn = jax.jit(loop, donate_argnums=0)
-        self.state, self.extra, self.n = state, extra, n
-        self.applications_per_run = 4 * n
-        self._calls(1)  # compile and warm up
-
-    def _calls(self, count: int) -> float:
-        start = time.perf_counter()
-        for _ in range(count):
-            self.state = self.fn(self.state, *self.extra)
-        jax.block_until_ready(self.state)
-        return time.perf_counter() - start
-
-    def seconds_per_application(self) -> float:
-        once, three = self._calls(1), self._calls(3)
-        return max(three - once, 1e-9) / 2 / self.n
+FP8_SCALE = 0.37
+UNROLL = 8  # bench.timing.JaxLoop's default unroll
 
 
-class TorchLoop:
-    """``n`` calls of ``fn`` captured in a CUDA graph, replays timed with CUDA events."""
-
-    def __init__(self, torch, fn: Callable[[], None], n: int):
-        self.torch, self.n = torch, n
-        self.applications_per_run = n
-        fn()  # FlashInfer JIT-builds or loads its module here, outside any timing
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            for _ in range(n):
-                fn()
-        torch.cuda.synchronize()
-
-    def seconds_per_application(self) -> float:
-        cuda = self.torch.cuda
-        start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
-        start.record()
-        self.graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / self.n
-
-
-def kernel_us(run: Callable[[], None], applications: int) -> Dict[str, Any]:
-    """Kernel time per application from a JAX profiler trace of ``run``."""
-    with tempfile.TemporaryDirectory() as tmp:
-        jax.profiler.start_trace(tmp)
-        try:
-            run()
-        finally:
-            jax.profiler.stop_trace()
-        [path, *_] = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
-        data = jax.profiler.ProfileData.from_file(path)
-    kernels: Dict[str, List[float]] = {}
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if not line.name.startswith("Stream"):
-                continue
-            for event in line.events:
-                name = event.name
-                if "memcpy" in name.lower() or "memset" in name.lower():
-                    continue
-                entry = kernels.setdefault(name, [0, 0.0])
-                entry[0] += 1
-                entry[1] += event.duration_ns
-    # Kernels of every application, not the loop counter's or a copy.
-    every = {name: total / applications / 1e3 for name, (count, total) in kernels.items()
-             if count >= applications}
-    return {"kernel_us": sum(every.values()) if every else None, "kernels": every}
-
-
-def measure(label: str, loop, reps: int, profile: bool) -> Dict[str, Any]:
-    """Loop times; with ``profile`` (GPU) also kernel times from the profiler."""
-    samples = [loop.seconds_per_application() for _ in range(reps)]
-    result = {"impl": label, "loop_us": _median_us(samples), "reps_us": [s * 1e6 for s in samples],
-              "n": loop.n}
-    if profile:
-        result.update(kernel_us(loop.seconds_per_application, loop.applications_per_run))
-    return result
+def row(label: str, t: timing.Timing, kernels: Optional[timing.Timing] = None,
+        wall: Optional[timing.Timing] = None) -> Dict[str, Any]:
+    """One result row: a loop time, and on the GPU kernel and wall times."""
+    out = {"impl": label, "loop_us": t.median_us, "reps_us": list(t.samples_us), "n": t.iters,
+           "method": t.method}
+    if kernels is not None:
+        out.update(kernel_us=kernels.median_us, kernels=kernels.detail.get("kernels", {}))
+    if wall is not None:
+        out.update(wall_us=wall.median_us)
+    return out
 
 
 def iterations(estimate_s: float, rep_seconds: float, cap: int = 20000) -> int:
-    return int(max(2, min(cap, rep_seconds / max(estimate_s, 1e-7))))
+    """Applications per loop for about ``rep_seconds``; a multiple of the loop's unroll (8),
+    so every kernel of the body runs once per application."""
+    n = int(max(2, min(cap, rep_seconds / max(estimate_s, 1e-7))))
+    return n - n % UNROLL if n > UNROLL else n
+
+
+def jax_loop(step: Callable, carry, consts, rep_seconds: float) -> timing.JaxLoop:
+    """A :class:`bench.timing.JaxLoop` sized to about ``rep_seconds`` a call (probed first)."""
+    probe = timing.JaxLoop(step, carry, consts, iters=8).time(1)
+    return timing.JaxLoop(step, carry, consts,
+                          iters=iterations(probe.median_us * 1e-6, rep_seconds))
+
+
+def torch_row(label: str, fn: Callable[[], Any], rep_seconds: float, reps: int, on_gpu: bool,
+              wall: bool = False) -> Dict[str, Any]:
+    """``fn`` in a CUDA graph (host loop off the GPU); kernel and wall times on the GPU."""
+    t = timing.time_cuda_graph(fn, reps=reps, rep_seconds=rep_seconds, max_iters=20000)
+    kernels = walls = None
+    if on_gpu:
+        import torch
+
+        def run():
+            for _ in range(t.iters):
+                fn()
+            torch.cuda.synchronize()
+
+        kernels = timing.kernel_durations(run, t.iters)
+    if wall:
+        sync = (lambda: __import__("torch").cuda.synchronize()) if on_gpu else None
+        walls = timing.time_wall(fn, sync, reps=reps)
+    return row(label, t, kernels, walls)
 
 
 # -- implementations ------------------------------------------------------------------------
@@ -220,28 +162,54 @@ def jax_runs(x: Inputs, fp8: bool, backend: str, rep_seconds: float, reps: int,
              on_gpu: bool) -> List[Dict[str, Any]]:
     shape = (x.pages, PAGE_SIZE, K_HEADS, HEAD_DIM)
     dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
-    scales = {"k_quant_scale": 0.37, "v_quant_scale": 0.37} if fp8 else {}
-    k, v, pos, slots = (jnp.asarray(a) for a in (x.k, x.v, x.pos_ids, x.batch.slots))
+    scales = {"k_quant_scale": FP8_SCALE, "v_quant_scale": FP8_SCALE} if fp8 else {}
+    consts = tuple(jnp.asarray(a) for a in (x.k, x.v, x.pos_ids, x.batch.slots))
 
-    def step(state, k, v, pos, slots):
-        q, cache = state
-        return jr.apply_rope_and_append_kv(q, k, v, pos, cache, slots, CFG, backend=backend,
-                                           **scales)
+    def step(q, k_cache, v_cache, k, v, pos, slots):
+        q, cache = jr.apply_rope_and_append_kv(q, k, v, pos, (k_cache, v_cache), slots, CFG,
+                                               backend=backend, **scales)
+        return (q, *cache)
 
-    def state():
-        return jnp.asarray(x.q), (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-
-    probe = JaxLoop(step, state(), (k, v, pos, slots), 2)
-    n = iterations(probe.seconds_per_application(), rep_seconds)
-    out = [measure("jaxrope_fp8" if fp8 else "jaxrope",
-                   JaxLoop(step, state(), (k, v, pos, slots), n), reps, profile=on_gpu)]
+    carry = (jnp.asarray(x.q), jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    loop = jax_loop(step, carry, consts, rep_seconds)
+    kernels = timing.kernel_durations(lambda: loop(1), loop.n) if on_gpu else None
+    out = [row("jaxrope_fp8" if fp8 else "jaxrope", loop.time(reps), kernels)]
     if not fp8:
         # No kernel time: each unrolled copy of x * s is a fusion of its own name, run
         # fewer times than the applications, like the loop counter.
         elements = x.q.size + x.k.size + x.v.size
-        ceiling = JaxLoop(lambda b, s: b * s, jnp.ones(elements, jnp.bfloat16),
-                          (jnp.asarray(1.0, jnp.bfloat16),), n)
-        out.append(measure("xla_ceiling", ceiling, reps, profile=False))
+        ceiling = timing.JaxLoop(lambda b, s: (b * s,), (jnp.ones(elements, jnp.bfloat16),),
+                                 (jnp.asarray(1.0, jnp.bfloat16),), iters=loop.n)
+        out.append(row("xla_ceiling", ceiling.time(reps)))
+    return out
+
+
+def bridge_runs(x: Inputs, rep_seconds: float, reps: int, on_gpu: bool) -> List[Dict[str, Any]]:
+    """``RopeManager.apply_qk_and_append_kv`` on torch tensors, bf16 and fp8 caches."""
+    import torch
+
+    from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext
+
+    dev = torch.device("cuda" if on_gpu else "cpu")
+    mgr = RopeManager(PositionConfig(rope=CFG), dev, max_seq_len=CFG.max_position)
+    mgr.ingest_request("r")
+    positions = torch.from_numpy(x.pos_ids).to(dev)
+    mgr.plan(PositionStep([Segment("r", "text", len(x.pos_ids))], pos_ids=positions),
+             StepContext(("r",)))
+    q, k, v = (flashinfer_kv.to_torch(np.ascontiguousarray(a), dev) for a in (x.q, x.k, x.v))
+    slots = torch.from_numpy(x.batch.slots).to(dev)
+    shape = (x.pages, PAGE_SIZE, K_HEADS, HEAD_DIM)
+    out = []
+    for label, dtype, scales in (("bridge", torch.bfloat16, {}),
+                                 ("bridge_fp8", torch.float8_e4m3fn,
+                                  {"k_quant_scale": FP8_SCALE, "v_quant_scale": FP8_SCALE})):
+        caches = tuple(torch.zeros(shape, dtype=dtype, device=dev) for _ in "kv")
+
+        def call(caches=caches, scales=scales):
+            mgr.apply_qk_and_append_kv(q, k, v, "text", caches, slots, **scales)
+
+        out.append(torch_row(label, call, rep_seconds, reps, on_gpu, wall=True))
+        out[-1]["path"] = "launcher" if mgr._kv_jax is None else "jax"
     return out
 
 
@@ -274,22 +242,15 @@ def torch_runs(x: Inputs, rep_seconds: float, reps: int, notes: List[str]) -> Li
         flashinfer.rope.rope_quantize_fp8_append_paged_kv_cache(
             q, k, None, None, v, table, rows, fp8_caches, ids["kv_indices"], ids["kv_indptr"],
             ids["batch_indices"], ids["positions"], is_neox=True,
-            quantize_dtype=torch.float8_e4m3fn, quant_scale_kv=0.37, page_size=PAGE_SIZE,
+            quantize_dtype=torch.float8_e4m3fn, quant_scale_kv=FP8_SCALE, page_size=PAGE_SIZE,
             kv_layout="NHD", q_rope_out=q_out, q_nope_out=nope_out)
 
     buf = torch.ones(q.numel() + k.numel() + v.numel(), dtype=torch.bfloat16, device=dev)
     out = []
-    for label, fn in (("flashinfer_pair", pair), ("flashinfer_fp8", fused_fp8),
-                      ("ceiling", lambda: buf.mul_(1.0))):
+    for label, fn, wall in (("flashinfer_pair", pair, True), ("flashinfer_fp8", fused_fp8, False),
+                            ("ceiling", lambda: buf.mul_(1.0), False)):
         try:
-            fn()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(5):
-                fn()
-            torch.cuda.synchronize()
-            n = iterations((time.perf_counter() - start) / 5, rep_seconds)
-            out.append(measure(label, TorchLoop(torch, fn, n), reps, profile=True))
+            out.append(torch_row(label, fn, rep_seconds, reps, on_gpu=True, wall=wall))
         except Exception as e:  # noqa: BLE001 - measure the rest, say why
             notes.append(f"{x.q.shape[0]} tokens: {label} failed ({type(e).__name__}: {e})")
     return out
@@ -297,17 +258,23 @@ def torch_runs(x: Inputs, rep_seconds: float, reps: int, notes: List[str]) -> Li
 
 # -- report ---------------------------------------------------------------------------------
 
+# Ours and what it is compared with; the rows the issue's targets apply to.
+PAIRS = (("jaxrope", "flashinfer_pair"), ("jaxrope_fp8", "flashinfer_fp8"),
+         ("bridge", "flashinfer_pair"), ("bridge_fp8", "flashinfer_fp8"))
+TARGETED = ("jaxrope", "bridge")
+
+
 def derive(rows: List[Dict[str, Any]], tokens: int) -> None:
     by = {r["impl"]: r for r in rows}
     for r in rows:
         r["tokens"], r["bytes"] = tokens, fused_bytes(tokens)
         r["tbps"] = r["bytes"] / r["loop_us"] / 1e6
     ceilings = [by[c]["loop_us"] for c in ("ceiling", "xla_ceiling") if c in by]
-    for impl, pair in (("jaxrope", "flashinfer_pair"), ("jaxrope_fp8", "flashinfer_fp8")):
+    for impl, pair in PAIRS:
         if impl not in by:
             continue
         ours = by[impl]
-        if ceilings and impl == "jaxrope":
+        if ceilings and impl in TARGETED:
             ours["ceiling_fraction"] = min(ceilings) / ours["loop_us"]
         if pair in by:
             ours["vs_flashinfer"] = ours["loop_us"] / by[pair]["loop_us"]
@@ -318,7 +285,7 @@ def derive(rows: List[Dict[str, Any]], tokens: int) -> None:
 def targets(results: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     out = []
     for r in results:
-        if r["impl"] != "jaxrope":
+        if r["impl"] not in TARGETED:
             continue
         if r["tokens"] >= 16384:
             for name, key, limit, better in (("ceiling fraction >= 0.95", "ceiling_fraction", 0.95, max),
@@ -326,23 +293,26 @@ def targets(results: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                                               min)):
                 value = r.get(key)
                 ok = value is not None and (value >= limit if better is max else value <= limit)
-                out.append({"tokens": r["tokens"], "target": name, "value": value, "met": ok})
+                out.append({"impl": r["impl"], "tokens": r["tokens"], "target": name,
+                            "value": value, "met": ok})
         elif r["tokens"] == 64:
             value = r.get("kernel_vs_flashinfer")
-            out.append({"tokens": 64, "target": "kernel time vs FlashInfer pair <= 1.0",
+            out.append({"impl": r["impl"], "tokens": 64,
+                        "target": "kernel time vs FlashInfer pair <= 1.0",
                         "value": value, "met": value is not None and value <= 1.0})
     return out
 
 
 def table(results: List[Dict[str, Any]]) -> str:
-    lines = [f"{'tokens':>7} {'impl':<16} {'loop us':>10} {'kernel us':>10} {'TB/s':>6} "
-             f"{'%ceil':>6} {'t/FI':>6}"]
+    lines = [f"{'tokens':>7} {'impl':<16} {'loop us':>10} {'kernel us':>10} {'wall us':>9} "
+             f"{'TB/s':>6} {'%ceil':>6} {'t/FI':>6}"]
     for r in results:
         kernel = f"{r['kernel_us']:.2f}" if r.get("kernel_us") else "-"
+        wall = f"{r['wall_us']:.1f}" if r.get("wall_us") else "-"
         ceil = f"{100 * r['ceiling_fraction']:.1f}" if "ceiling_fraction" in r else "-"
         vs = f"{r['vs_flashinfer']:.3f}" if "vs_flashinfer" in r else "-"
         lines.append(f"{r['tokens']:>7} {r['impl']:<16} {r['loop_us']:>10.2f} {kernel:>10} "
-                     f"{r['tbps']:>6.2f} {ceil:>6} {vs:>6}")
+                     f"{wall:>9} {r['tbps']:>6.2f} {ceil:>6} {vs:>6}")
     return "\n".join(lines)
 
 
@@ -361,13 +331,17 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     reps, rep_seconds = (2, 0.01) if args.quick else (args.reps, args.rep_seconds)
     # Off the GPU the XLA path stands in (the interpreter takes seconds per application).
     backend = "pallas" if on_gpu else "xla"
-    notes = [] if on_gpu else ["no GPU: backend='xla', no FlashInfer; numbers check the "
-                               "plumbing only"]
+    notes = [] if on_gpu else ["no GPU: backend='xla', no FlashInfer, the bridge on its JAX "
+                               "path; numbers check the plumbing only"]
+    has_torch = importlib.util.find_spec("torch") is not None
+    if not has_torch:
+        notes.append("torch is not installed: no bridge rows")
     rng = np.random.default_rng(args.seed)
     results: List[Dict[str, Any]] = []
-    args.out.mkdir(parents=True, exist_ok=True)
-    report = {"command": "python -m bench.kv_append_bench " + " ".join(argv or sys.argv[1:]),
+    argv = list(sys.argv[1:] if argv is None else argv)
+    report = {"command": "python -m bench.kv_append_bench " + " ".join(argv),
               "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "run": timing.run_info("bench.kv_append_bench", argv),
               "env": {"jax": jax.__version__, "backend": jax.default_backend(),
                       "device": str(jax.devices()[0].device_kind)},
               "shape": {"q_heads": Q_HEADS, "k_heads": K_HEADS, "head_dim": HEAD_DIM,
@@ -382,15 +356,20 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                 rows += torch_runs(x, rep_seconds, reps, notes)
             except Exception as e:  # noqa: BLE001 - measure the rest, say why
                 notes.append(f"{count} tokens: FlashInfer/torch skipped ({type(e).__name__}: {e})")
+        if has_torch:
+            try:
+                rows += bridge_runs(x, rep_seconds, reps, on_gpu)
+            except Exception as e:  # noqa: BLE001 - measure the rest, say why
+                notes.append(f"{count} tokens: bridge failed ({type(e).__name__}: {e})")
         for fp8 in (False, True):
             rows += jax_runs(x, fp8, backend, rep_seconds, reps, on_gpu)
         derive(rows, count)
         results += rows
         report["targets"] = targets(results)
-        (args.out / "kv_append.json").write_text(json.dumps(report, indent=1, default=float))
+        timing.write_json(args.out, "kv_append", report)
     print(table(results))
     for t in report["targets"]:
-        print(f"target {t['tokens']:>6} tokens: {t['target']}: {t['value']} "
+        print(f"target {t['impl']} {t['tokens']:>6} tokens: {t['target']}: {t['value']} "
               f"{'met' if t['met'] else 'NOT met'}")
     return report
 

@@ -10,6 +10,7 @@ from torch_bridge.config import PositionConfig
 from torch_bridge.engine_types import (AdmitOutcome, EngineInfo, Fork, GraphBucket, GraphSlot,
                                        KVPlanOutput, KVView, PositionStep, PublishedInfo, Resource,
                                        ResourceSpec, Segment, StepContext)
+from torch_bridge.kv_launch import KVLauncher
 from torch_bridge.manager import PositionManager
 from torch_bridge.published import PublishedPositionInfo
 from torch_bridge.rope_manager import RopeManager
@@ -21,6 +22,7 @@ __all__ = [
     "Fork",
     "GraphBucket",
     "GraphSlot",
+    "KVLauncher",
     "KVPlanOutput",
     "KVView",
     "Launcher",

@@ -18,10 +18,13 @@ import torch
 
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
+from torch_bridge import kv_append
 from torch_bridge.config import PositionConfig
 from torch_bridge.dlpack import jax_device
 from torch_bridge.engine_types import EngineInfo
+from torch_bridge.kv_launch import resolve_kv_launcher
 from torch_bridge.manager import PositionManager
+from torch_bridge.plans import Plan
 from torch_bridge.rotate import TORCH_DTYPES, ConfigCache, JaxRotation, resolve_launcher
 from torch_bridge.step_arrays import check_hashable
 
@@ -46,12 +49,16 @@ class RopeManager(PositionManager):
       launcher: the fast path ``apply_qk`` tries first: "auto" (the Triton launcher
         on CUDA when available), "jax" (always the JAX path), or an object with
         ``rotate_(q, k, pos_ids, cfg)`` (see :class:`torch_bridge.rotate.Launcher`).
+        It also picks ``apply_qk_and_append_kv``'s (``kv_launcher``): "auto" the fused
+        kernel's Triton launcher on CUDA, "jax" none, an object itself if it has
+        ``rotate_and_append_kv_`` (see :class:`torch_bridge.KVLauncher`), else none.
       backend: the jaxrope backend of the JAX path ("auto", "pallas", "xla", "interpret").
       allow_copy: let the JAX path stage non-contiguous or misaligned q/k through a
         contiguous copy (written back in place); False raises instead.
 
     Attributes:
       launcher: the resolved launcher, or None; assignable.
+      kv_launcher: the resolved launcher of ``apply_qk_and_append_kv``, or None; assignable.
       rope: the base :class:`jaxrope.RopeConfig`.
 
     Raises:
@@ -96,6 +103,9 @@ class RopeManager(PositionManager):
         self.allow_copy = allow_copy
         self._bound: Dict[Tuple, Any] = {}  # call signature -> bound launch (see apply_qk)
         self.launcher = resolve_launcher(launcher, self.device)
+        self._kv_bound: Dict[Tuple, Any] = {}  # likewise for apply_qk_and_append_kv
+        self.kv_launcher = resolve_kv_launcher(launcher, self.device)
+        self._kv_jax: Optional[kv_append.JaxAppend] = None
         self._configs = ConfigCache(rope)
         self._backend = backend
         JaxRotation.check_backend(backend, self.device)
@@ -111,6 +121,16 @@ class RopeManager(PositionManager):
         # Launches bound by the previous launcher must not outlive it.
         self._launcher = value
         self._bound = {}
+
+    @property
+    def kv_launcher(self) -> Any:
+        """The fast path ``apply_qk_and_append_kv`` tries first (None: always JAX); assignable."""
+        return self._kv_launcher
+
+    @kv_launcher.setter
+    def kv_launcher(self, value: Any) -> None:
+        self._kv_launcher = value
+        self._kv_bound = {}
 
     @classmethod
     def _build_kwargs(cls, info: EngineInfo) -> Dict[str, Any]:
@@ -170,19 +190,8 @@ class RopeManager(PositionManager):
                     self._plans.active()
                     if bound(q, k, pos):
                         return q, k
-        check_hashable(label, "label")
-        if plan is None or label not in plan.tensors:
-            self._check_plan_label(label)
-            raise ValueError(f"no positions planned for label={label!r}: call plan() for this step")
-        q3, k3 = self._heads(q, "q"), self._heads(k, "k")
-        if q.dtype != k.dtype:
-            raise ValueError(f"k.dtype={k.dtype} must equal q.dtype={q.dtype}")
+        q3, k3 = self._checked_qk(q, k, label, plan)
         tokens = q3.shape[0]
-        if k3.shape[0] != tokens:
-            raise ValueError(f"k.shape[0]={k3.shape[0]} must equal q.shape[0]={tokens} (tokens)")
-        if tokens > plan.limits[label]:
-            raise ValueError(f"q has {tokens} tokens but plan label {label!r} has "
-                             f"{plan.limits[label]} planned positions")
         if rope_dtype is not None and not isinstance(rope_dtype, torch.dtype):
             raise ValueError(f"{rope_dtype=} must be a torch.dtype or None")
         cfg = self._configs.get(rotary_dim, interleave, rope_scale, rope_theta, **llama31)
@@ -203,18 +212,166 @@ class RopeManager(PositionManager):
                         self._bound.clear()
                     self._bound[_call_signature(label, q, k, overrides)] = bind(q3, k3, cfg)
                 return q, k
+        self._refuse_jax_under_capture("apply_qk", self.launcher)
+        self._jax_rotation()(q3, k3, self._jax_positions(plan, label), cfg,
+                             allow_copy=self.allow_copy)
+        return q, k
+
+    def apply_qk_and_append_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               label: str, kv_cache: Any, slots: torch.Tensor, *,
+                               layout: str = "NHD", k_quant_scale: Optional[float] = None,
+                               v_quant_scale: Optional[float] = None) -> Tuple[torch.Tensor, Any]:
+        """``apply_qk`` fused with the paged KV-cache append: q rotated in place, k and v cached.
+
+        One launch on CUDA (:mod:`torch_bridge.kv_launch`) where an engine runs two
+        (RoPE in place, then its cache append, which reads k again):
+        :func:`jaxrope.apply_rope_and_append_kv` on the engine's own tensors.
+
+        Args:
+          q: ``[T, Hq, D]`` or ``[T, Hq * D]``, float32/float16/bfloat16, on ``device``;
+            rotated in place at ``pos_ids(label)[:T]``, as ``apply_qk`` rotates it.
+          k: ``[T, Hk, D]`` or ``[T, Hk * D]``, q's dtype; read only (not rotated in
+            place: the cache gets the rotated k).
+          v: k's shape and dtype; read only.
+          label: a plan label of the current plan (as ``apply_qk``).
+          kv_cache: the engine's paged cache, FlashInfer's ``paged_kv_cache``: a
+            ``(k_cache, v_cache)`` pair of ``[pages, page_size, Hk, D]`` tensors
+            (``layout="NHD"``) or ``[pages, Hk, page_size, D]`` (``"HND"``), or one
+            ``[pages, 2, page_size, Hk, D]`` (``[pages, 2, Hk, page_size, D]``) tensor
+            with keys at ``[:, 0]`` and values at ``[:, 1]``; k's dtype or
+            ``torch.float8_e4m3fn``; written in place.
+          slots: int32 or int64 ``[T]`` on ``device``, vLLM's ``slot_mapping``: token
+            ``t`` goes to page ``slots[t] // page_size``, entry ``slots[t] % page_size``;
+            -1 (any slot outside ``[0, pages * page_size)``) skips the token. Values are
+            not checked (they are on the device); two tokens naming one slot leave which
+            write wins undefined.
+          layout: "NHD" (default, FlashInfer's) or "HND".
+          k_quant_scale, v_quant_scale: fp8 caches only (None otherwise): the cache
+            stores ``e4m3(clip(x * scale, -448, 448))`` of the float32 rotated k (and v),
+            FlashInfer's ``quant_scale_kv`` (vLLM's ``k_scale`` divides: pass its
+            reciprocal); floats, default 1.
+
+        Returns:
+          ``(q, kv_cache)``: the objects given, q rotated and the cache written at every
+          valid slot; every other cache entry, k and v unchanged.
+
+        Ordering: on CUDA the launch runs after the work queued on torch's current stream
+        and before whatever is queued next on it; no host sync. CUDA graphs: call once
+        outside capture per signature (shapes, dtypes, cache, scales), then capture and
+        replay (the positions read are the plan's buffer: plan graph steps with their
+        ``graph_slot``). The JAX path (no launcher, or one declining: no CUDA or Triton,
+        non-contiguous or misaligned tensors, an fp8 cache of 2-4 GiB) imports the
+        tensors through DLPack and writes into them (on CPU the results are copied back;
+        non-contiguous tensors are staged through copies when ``allow_copy``).
+
+        Raises:
+          NotImplementedError: an M-RoPE manager (not fused with the append yet: call
+            ``apply_qk``, then the engine's append).
+          ValueError: as ``apply_qk`` for label, q and k; v unlike k; an unknown layout;
+            a cache of the wrong rank, heads, head size, dtype or device; slots of the
+            wrong shape, dtype or device; a scale given for a cache in k's dtype, or not
+            finite and > 0.
+          TypeError: a tensor argument of the wrong type, the cache neither a pair nor a
+            tensor, or a scale that is not a number.
+          RuntimeError: called under CUDA-graph capture without a launcher that accepts
+            the call.
+
+        Example:
+          >>> import torch, jaxrope as jr
+          >>> from torch_bridge import PositionConfig, PositionStep, Segment, StepContext
+          >>> mgr = RopeManager(PositionConfig(rope=jr.RopeConfig(head_dim=8)), "cpu")
+          >>> mgr.ingest_request("r0")
+          >>> step, ctx = PositionStep([Segment("r0", "text", 3)]), StepContext(("r0",))
+          >>> _ = mgr.plan(step, ctx)
+          >>> q, k, v = torch.randn(3, 4, 8), torch.ones(3, 2, 8), torch.full((3, 2, 8), 2.0)
+          >>> cache = (torch.zeros(4, 16, 2, 8), torch.zeros(4, 16, 2, 8))   # 4 pages of 16
+          >>> slots = torch.tensor([17, 40, -1])     # page 1 entry 1, page 2 entry 8, padding
+          >>> q2, (k_cache, v_cache) = mgr.apply_qk_and_append_kv(q, k, v, "text", cache, slots)
+          >>> q2 is q, k_cache[1, 1, 0].tolist(), float(v_cache.sum())   # position 0: k as is
+          (True, [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 64.0)
+          >>> mgr.commit(step, ctx)
+        """
+        plan = self._plans.peek()
+        if self._kv_bound and plan is not None:
+            try:
+                bound = self._kv_bound.get(kv_append.call_signature(
+                    label, q, k, v, kv_cache, slots, layout, k_quant_scale, v_quant_scale))
+            except (AttributeError, TypeError, ValueError):  # checked below
+                bound = None
+            if bound is not None:
+                pos = plan.tensors.get(label)
+                if pos is not None and q.shape[0] <= plan.limits[label]:
+                    self._plans.active()
+                    if bound(q, k, v, pos, kv_cache, slots):
+                        return q, kv_cache
+        if self._mrope:
+            raise NotImplementedError(
+                f"apply_qk_and_append_kv: M-RoPE (config.rope.mrope_section="
+                f"{self.rope.mrope_section}) is not fused with the KV append yet; call "
+                "apply_qk, then the engine's cache append")
+        q3, k3 = self._checked_qk(q, k, label, plan)
+        v3 = self._heads(v, "v")
+        caches, geometry, scales = kv_append.check_call(k3, v3, kv_cache, slots, layout,
+                                                        k_quant_scale, v_quant_scale, self.device)
+        self._plans.active()
+        if q3.shape[0] == 0:
+            return q, kv_cache
+        if self.kv_launcher is not None:
+            try:
+                self.kv_launcher.rotate_and_append_kv_(q3, k3, v3, plan.tensors[label], caches,
+                                                       slots, self.rope, geometry, scales)
+            except BackendUnavailable:
+                pass
+            else:
+                bind = getattr(self.kv_launcher, "bind", None)
+                if bind is not None:
+                    if len(self._kv_bound) >= _MAX_BOUND:
+                        self._kv_bound.clear()
+                    signature = kv_append.call_signature(label, q, k, v, kv_cache, slots, layout,
+                                                         k_quant_scale, v_quant_scale)
+                    self._kv_bound[signature] = bind(q3, k3, v3, caches, slots, self.rope,
+                                                     geometry, scales)
+                return q, kv_cache
+        self._refuse_jax_under_capture("apply_qk_and_append_kv", self.kv_launcher)
+        if self._kv_jax is None:
+            self._kv_jax = kv_append.JaxAppend(self.device, self._backend)
+        self._kv_jax(q3, k3, v3, caches, geometry, self._jax_positions(plan, label), slots,
+                     self.rope, scales, allow_copy=self.allow_copy)
+        return q, kv_cache
+
+    def _checked_qk(self, q: torch.Tensor, k: torch.Tensor, label: Hashable,
+                    plan: Optional[Plan]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``[T, H, D]`` views of q and k, checked against ``plan``'s positions for ``label``."""
+        check_hashable(label, "label")
+        if plan is None or label not in plan.tensors:
+            self._check_plan_label(label)
+            raise ValueError(f"no positions planned for label={label!r}: call plan() for this step")
+        q3, k3 = self._heads(q, "q"), self._heads(k, "k")
+        if q.dtype != k.dtype:
+            raise ValueError(f"k.dtype={k.dtype} must equal q.dtype={q.dtype}")
+        tokens = q3.shape[0]
+        if k3.shape[0] != tokens:
+            raise ValueError(f"k.shape[0]={k3.shape[0]} must equal q.shape[0]={tokens} (tokens)")
+        if tokens > plan.limits[label]:
+            raise ValueError(f"q has {tokens} tokens but plan label {label!r} has "
+                             f"{plan.limits[label]} planned positions")
+        return q3, k3
+
+    def _refuse_jax_under_capture(self, method: str, launcher: Any) -> None:
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("apply_qk under CUDA-graph capture needs the launcher: the JAX path "
-                               "runs on JAX's stream, which the capture cannot record, and the "
-                               f"launcher is {'off' if self.launcher is None else 'declining'}")
+            raise RuntimeError(f"{method} under CUDA-graph capture needs the launcher: the JAX "
+                               "path runs on JAX's stream, which the capture cannot record, and "
+                               f"the launcher is {'off' if launcher is None else 'declining'}")
+
+    @staticmethod
+    def _jax_positions(plan: Plan, label: Hashable) -> jax.Array:
         positions = plan.jax_arrays.get(label)
         if positions is None:
             # Positions are small: where their buffer is not aligned as XLA needs (a host
             # array, a view into a step's joined copy) JAX may copy them.
             positions = plan.jax_arrays[label] = jax.dlpack.from_dlpack(plan.tensors[label],
                                                                          copy=None)
-        self._jax_rotation()(q3, k3, positions, cfg, allow_copy=self.allow_copy)
-        return q, k
+        return positions
 
     def _jax_rotation(self) -> JaxRotation:
         if self._jax is None:

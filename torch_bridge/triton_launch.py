@@ -8,8 +8,10 @@ with raw pointers on torch's current stream: stream-ordered with the surrounding
 work, no host sync, capturable in a ``torch.cuda.CUDAGraph``.
 
 The token count is read by the kernel from a device array, so one compiled kernel
-serves every T; ``_CountTable`` keeps one 32-byte-aligned int32 per possible T (the
-IR promises 32-byte-aligned pointers).
+serves every T; a :class:`~torch_bridge.triton_runtime.CountTable` keeps one
+32-byte-aligned int32 per possible T (the IR promises 32-byte-aligned pointers). The
+compile cache and the raw launch are :mod:`torch_bridge.triton_runtime`'s, shared with
+the fused KV-append launcher (:mod:`torch_bridge.kv_launch`).
 
 Launch before capturing a CUDA graph at least once per shape bucket: compiling and
 allocating the tables inside a capture is not supported.
@@ -24,9 +26,6 @@ the whole bucket) the buffer itself.
 
 from __future__ import annotations
 
-import os
-import tempfile
-import threading
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -35,34 +34,13 @@ from jaxrope.apply import kernel_constants
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels import pallas_triton, triton_ir
+from torch_bridge.triton_runtime import ALIGN as _ALIGN
+from torch_bridge.triton_runtime import (AngleTables, CountTable, KernelCache, KernelLaunch,
+                                         LaunchRecords)
 
-_ALIGN = 32
 # Launch records kept (one per distinct shape, config and device); past this the cache
 # starts over rather than grow with every token count an engine ever uses.
 _MAX_LAUNCHES = 4096
-
-
-class _CountTable:
-    """Device int32 rows ``[n, 8]`` with row ``t`` holding ``t``: a pointer to any count.
-
-    Outgrown tables are kept alive: a captured CUDA graph may still hold their pointers.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.tables = [self._make(1 << 16)]
-
-    def _make(self, size: int) -> torch.Tensor:
-        rows = torch.zeros((size, _ALIGN // 4), dtype=torch.int32, device=self.device)
-        rows[:, 0] = torch.arange(size, dtype=torch.int32, device=self.device)
-        return rows
-
-    def pointer(self, count: int) -> int:
-        rows = self.tables[-1]
-        if count >= rows.shape[0]:
-            rows = self._make(1 << count.bit_length())
-            self.tables.append(rows)
-        return rows.data_ptr() + count * _ALIGN
 
 
 class TritonLauncher:
@@ -81,49 +59,18 @@ class TritonLauncher:
     """
 
     def __init__(self):
-        try:
-            import triton
-        except ImportError as e:
-            raise BackendUnavailable(f"Triton is not installed: {e}") from e
-        self._triton = triton
-        self._lock = threading.Lock()
-        self._kernels: Dict[Tuple, object] = {}
-        self._tables: Dict[Tuple[RopeConfig, torch.device], torch.Tensor] = {}
-        self._counts: Dict[torch.device, _CountTable] = {}
-        self._launches: Dict[Tuple, _Launch] = {}
-        self._workdir = tempfile.mkdtemp(prefix="jaxrope_ttir_")
+        self._kernels = KernelCache("rope")
+        self._tables = AngleTables()
+        self._counts: Dict[torch.device, CountTable] = {}
+        # signature -> (kernel launch, count pointer, tables pointer)
+        self._launches = LaunchRecords(_MAX_LAUNCHES)
 
     def _compiled(self, key: Tuple, export_kwargs: dict):
-        kernel = self._kernels.get(key)
-        if isinstance(kernel, BackendUnavailable):
-            raise kernel  # declined before: do not export again on every call
-        if kernel is None:
-            try:
-                exported = triton_ir.export(**export_kwargs)
-            except BackendUnavailable as e:
-                self._kernels[key] = e
-                raise
-            path = os.path.join(self._workdir, f"rope_{len(self._kernels)}.ttir")
-            with open(path, "w") as f:
-                f.write(exported.ttir)
-            compiled = self._triton.compile(path, options={"num_warps": exported.num_warps,
-                                                           "num_stages": exported.num_stages})
-            kernel = self._kernels[key] = (compiled, exported)
-        return kernel
-
-    def _device_tables(self, cfg: RopeConfig, device: torch.device, lanes: int) -> torch.Tensor:
-        key = (cfg, device)
-        tables = self._tables.get(key)
-        if tables is None:
-            host, _ = kernel_constants(cfg)
-            tables = torch.zeros((3, lanes), dtype=torch.float32)
-            tables[:, :host.shape[1]] = torch.from_numpy(host.copy())
-            tables = self._tables[key] = tables.to(device)
-        return tables
+        return self._kernels.get(key, lambda: triton_ir.export(**export_kwargs))
 
     def _prepare(self, q_shape: Tuple[int, int, int], k_heads: int, dtype: torch.dtype,
                  device: torch.device, cfg: RopeConfig,
-                 block: Optional[pallas_triton.BlockConfig]) -> "_Launch":
+                 block: Optional[pallas_triton.BlockConfig]) -> Tuple[KernelLaunch, int, int]:
         num_tokens, q_heads, head_dim = q_shape
         lanes = pallas_triton.lanes_for(cfg.rotary_dim)
         block = block or pallas_triton.block_config(num_tokens, q_heads, k_heads, lanes)
@@ -136,12 +83,12 @@ class TritonLauncher:
         # Keyed by everything the IR is exported from (the M-RoPE sections and their
         # interleaving included); the frequencies are a run-time table, keyed by cfg.
         compiled, exported = self._compiled(tuple(export_kwargs.items()), export_kwargs)
-        tables = self._device_tables(cfg, device, lanes)
+        tables = self._tables.get(cfg, device, lanes)
         counts = self._counts.get(device)
         if counts is None:
-            counts = self._counts[device] = _CountTable(device)
-        return _Launch(compiled, exported.grid(num_tokens), device,
-                       (counts.pointer(num_tokens), tables.data_ptr()))
+            counts = self._counts[device] = CountTable(device)
+        return (KernelLaunch(compiled, exported.grid(num_tokens), device),
+                counts.pointer(num_tokens), tables.data_ptr())
 
     def bind(self, q: torch.Tensor, k: torch.Tensor, cfg: RopeConfig) -> Callable[..., bool]:
         """A launch for every later call with q and k shaped as these: ``run(q, k, pos_ids) -> bool``.
@@ -151,13 +98,13 @@ class TritonLauncher:
         call ``run`` checks only contiguity and 32-byte alignment and returns False
         (launching nothing) when they fail, so the caller can take its slow path.
         """
-        launch = self._launch_for(q, k, cfg, None)
+        launch, count_ptr, tables_ptr = self._launch_for(q, k, cfg, None)
 
         def run(q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor) -> bool:
             q_ptr, k_ptr, pos_ptr = q.data_ptr(), k.data_ptr(), pos_ids.data_ptr()
             if (q_ptr | k_ptr | pos_ptr) % _ALIGN or not (q.is_contiguous() and k.is_contiguous()):
                 return False
-            launch(pos_ptr, q_ptr, k_ptr)
+            launch(count_ptr, pos_ptr, tables_ptr, q_ptr, k_ptr, q_ptr, k_ptr)
             return True
 
         if cfg.mrope_section is None:
@@ -189,10 +136,12 @@ class TritonLauncher:
                 raise BackendUnavailable(f"{name} is on {t.device}: the launcher needs CUDA")
             if not t.is_contiguous() or t.data_ptr() % _ALIGN:
                 raise BackendUnavailable(f"{name} must be contiguous and {_ALIGN}-byte aligned")
-        self._launch_for(q, k, cfg, block)(pos_ids.data_ptr(), q.data_ptr(), k.data_ptr())
+        launch, count_ptr, tables_ptr = self._launch_for(q, k, cfg, block)
+        q_ptr, k_ptr = q.data_ptr(), k.data_ptr()
+        launch(count_ptr, pos_ids.data_ptr(), tables_ptr, q_ptr, k_ptr, q_ptr, k_ptr)
 
     def _launch_for(self, q: torch.Tensor, k: torch.Tensor, cfg: RopeConfig,
-                    block: Optional[pallas_triton.BlockConfig]) -> "_Launch":
+                    block: Optional[pallas_triton.BlockConfig]) -> Tuple[KernelLaunch, int, int]:
         head_dim = cfg.head_dim
         q_shape = (q.shape[0], q.numel() // max(1, q.shape[0] * head_dim), head_dim)
         k_heads = k.numel() // max(1, k.shape[0] * head_dim)
@@ -201,12 +150,8 @@ class TritonLauncher:
         key = (q_shape, k_heads, q.dtype, q.device, cfg, block)
         launch = self._launches.get(key)
         if launch is None:
-            with self._lock:
-                if len(self._launches) >= _MAX_LAUNCHES:
-                    self._launches.clear()
-                with torch.cuda.device(q.device):  # compile and load in q's context
-                    launch = self._launches[key] = self._prepare(q_shape, k_heads, q.dtype,
-                                                                 q.device, cfg, block)
+            launch = self._launches.make(key, q.device, lambda: self._prepare(
+                q_shape, k_heads, q.dtype, q.device, cfg, block))
         return launch
 
 
@@ -218,42 +163,3 @@ def mrope_block(pos_ids: torch.Tensor, tokens: int) -> torch.Tensor:
         return pos_ids
     return pos_ids[:, :tokens].contiguous()
 
-
-class _Launch:
-    """One compiled kernel bound to a grid, a count pointer and a tables pointer.
-
-    Calls Triton's C launcher directly (``CompiledKernel.run``) with torch's current
-    raw stream, skipping the per-call closure and metadata of ``compiled[grid](...)``;
-    a Triton without those attributes gets the public ``compiled[grid]`` runner.
-    """
-
-    def __init__(self, compiled, grid: Tuple[int, int, int], device: torch.device,
-                 constant_pointers: Tuple[int, int]):
-        self._runner = compiled[grid]  # also loads the module onto the device
-        self._grid = grid
-        self._device_index = device.index if device.index is not None else torch.cuda.current_device()
-        self._count_ptr, self._tables_ptr = constant_pointers
-        try:
-            self._run = compiled.run
-            self._function = compiled.function
-            self._packed = compiled.packed_metadata
-            self._raw_stream = torch._C._cuda_getCurrentRawStream
-        except AttributeError:
-            self._run = None
-        # torch's C entry point, as DeviceCounters uses: the public wrapper re-checks lazy
-        # initialisation on every call of this hot path (compiled[grid] above did it).
-        self._current_device = torch._C._cuda_getDevice
-
-    def __call__(self, pos_ptr: int, q_ptr: int, k_ptr: int) -> None:
-        if self._current_device() != self._device_index:
-            # The module lives in this device's context; launch from it.
-            with torch.cuda.device(self._device_index):
-                self(pos_ptr, q_ptr, k_ptr)
-            return
-        args = (self._count_ptr, pos_ptr, self._tables_ptr, q_ptr, k_ptr, q_ptr, k_ptr)
-        if self._run is None:
-            self._runner(*args)
-            return
-        gx, gy, gz = self._grid
-        self._run(gx, gy, gz, self._raw_stream(self._device_index), self._function, self._packed,
-                  None, None, None, *args)

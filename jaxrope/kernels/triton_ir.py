@@ -1,10 +1,11 @@
-"""Export the Pallas RoPE kernel as Triton IR, for launching outside JAX dispatch.
+"""Export the Pallas RoPE kernels as Triton IR, for launching outside JAX dispatch.
 
 A PyTorch engine calling RoPE through JAX pays for a DLPack import (~90 us) and a jitted
 call (~40 us) per layer. The kernel itself is a Triton kernel: Pallas lowers it to a
 Triton MLIR module and hands XLA the bytecode. This module captures that module's text
 while JAX lowers the kernel, so ``torch_bridge.triton_launch`` can compile it with
-Triton and launch it on torch's stream.
+Triton and launch it on torch's stream (:func:`export`); likewise the kernel of RoPE
+fused with the paged KV append for ``torch_bridge.kv_launch`` (:func:`export_append_kv`).
 
 This relies on private JAX API (``jax._src.pallas.triton``), checked against JAX
 0.11.2 and 0.10.2: ``pallas_call_registration`` calls
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrope.errors import BackendUnavailable
-from jaxrope.kernels import pallas_triton
+from jaxrope.kernels import kv_pallas, pallas_triton
 
 _CAPTURE_LOCK = threading.Lock()
 
@@ -123,3 +124,81 @@ def export(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interl
     if len(captured) != 1:
         raise BackendUnavailable(f"expected one Triton module, captured {len(captured)}")
     return TritonKernel(ttir=captured[0], block=block, q_heads=q_heads, k_heads=k_heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class AppendKernel:
+    """The fused RoPE + paged KV append kernel (:mod:`jaxrope.kernels.kv_pallas`) as Triton IR.
+
+    ``ttir`` takes pointer arguments in ``pallas_call`` operand order: inputs ``(count,
+    pos_ids, slots, tables, scales, q, k, v, *caches)`` then outputs ``(q, *caches)``,
+    which alias the inputs (pass the same pointers again). ``count`` is int32 ``[1]``
+    (the token count, read at run time), ``pos_ids`` and ``slots`` int32 ``[>= T]``,
+    ``tables`` float32 ``[3, lanes]`` (the angle tables zero-padded to
+    :func:`jaxrope.kernels.pallas_triton.lanes_for` lanes), ``scales`` float32 ``[2]``
+    (read by fp8 caches only), ``caches`` the canonical views of :mod:`jaxrope.kv_cache`:
+    ``(k_cache, v_cache)`` (``num_caches == 2``) or one ``[2 * pages, ...]`` view of a
+    combined cache (``num_caches == 1``).
+    """
+
+    ttir: str
+    block: kv_pallas.AppendBlockConfig
+    q_heads: int
+    k_heads: int
+    num_caches: int
+
+    @property
+    def num_warps(self) -> int:
+        return self.block.num_warps
+
+    @property
+    def num_stages(self) -> int:
+        return self.block.num_stages
+
+    def grid(self, num_tokens: int) -> Tuple[int, int, int]:
+        axes = kv_pallas.grid(num_tokens, self.q_heads, self.k_heads, self.block)
+        return (*axes, 1, 1)[:3]
+
+
+def export_append_kv(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int,
+                     interleave: bool, attention_factor: float, dtype,
+                     cache_shape: Tuple[int, int, int, int], cache_dtype, layout: str,
+                     components: int, block: kv_pallas.AppendBlockConfig) -> AppendKernel:
+    """Lower the fused kernel for one head layout, cache and launch shape; return its Triton IR.
+
+    ``cache_shape`` is the canonical 4-D view (NHD ``[pages * components, page_size, Hk,
+    D]`` or HND ``[pages * components, Hk, page_size, D]``), ``components`` 2 for one
+    combined cache, 1 for a ``(k_cache, v_cache)`` pair. The IR does not depend on the
+    token count (read at run time from ``count``); it does depend on the cache's shape
+    and dtype, which an engine fixes once.
+
+    Raises:
+      BackendUnavailable: no GPU target, JAX's private lowering API changed, or a cache
+        the Triton lowering cannot address (:func:`jaxrope.kernels.kv_pallas.unsupported`).
+    """
+    cache = jax.ShapeDtypeStruct(tuple(cache_shape), cache_dtype)
+    declined = kv_pallas.unsupported(cache)
+    if declined:
+        raise BackendUnavailable(declined)
+    page_size = cache_shape[1] if layout == "NHD" else cache_shape[2]
+    num_caches = 2 if components == 1 else 1
+    # Any T works (the IR reads the count at run time) as long as the grid has two
+    # token programs, as in export.
+    tokens = 2 * block.token_loop
+
+    def kernel_call(q, k, v, pos_ids, slots, tables, scales, *caches):
+        return kv_pallas.rope_append_kv_pallas(
+            q, k, v, pos_ids, slots, tables, scales, caches, layout=layout, page_size=page_size,
+            components=components, rotary_dim=rotary_dim, interleave=interleave,
+            attention_factor=attention_factor, config=block)
+
+    sds = jax.ShapeDtypeStruct
+    rows = sds((tokens, k_heads, head_dim), dtype)
+    specs = (sds((tokens, q_heads, head_dim), dtype), rows, rows, sds((tokens,), jnp.int32),
+             sds((tokens,), jnp.int32), sds((3, rotary_dim // 2), jnp.float32),
+             sds((2,), jnp.float32), *(cache,) * num_caches)
+    captured = capture(kernel_call, *specs)
+    if len(captured) != 1:
+        raise BackendUnavailable(f"expected one Triton module, captured {len(captured)}")
+    return AppendKernel(ttir=captured[0], block=block, q_heads=q_heads, k_heads=k_heads,
+                        num_caches=num_caches)

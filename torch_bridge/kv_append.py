@@ -1,0 +1,312 @@
+"""How ``RopeManager.apply_qk_and_append_kv`` checks an engine's paged cache and runs the JAX path.
+
+The manager's method rotates q in place and writes the rotated k and the v into the
+engine's paged KV cache at its slot mapping, with :func:`jaxrope.apply_rope_and_append_kv`'s
+semantics (slots, layouts, fp8 scales: see :mod:`jaxrope.kv_cache`). This module holds
+what the method needs beyond ``apply_qk``'s checks of q and k:
+
+- :func:`check_call`: v, the cache (a ``(k_cache, v_cache)`` pair or one ``[pages, 2,
+  ...]`` tensor, its layout, heads, head size, dtype and device), the slots and the fp8
+  scales, checked from their static properties once per call signature; it returns the
+  :class:`CacheGeometry` both paths address the cache by;
+- :func:`int32_slots`: slots as the kernels read them;
+- :class:`JaxAppend`: the JAX path, the core op on DLPack imports with q and the cache
+  rewritten in place (:class:`torch_bridge.dlpack.InPlace`);
+- :func:`call_signature`: what the checks depend on, the key of a bound launch.
+
+Slot values live on the device and are not checked (that would wait for the device):
+as under ``jax.jit`` in the core, a slot outside ``[0, pages * page_size)`` writes
+nothing, and two tokens naming one slot leave which write wins undefined.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Dict, Hashable, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from jaxrope.config import RopeConfig
+from jaxrope.kv_cache import LAYOUTS, apply_rope_and_append_kv
+from torch_bridge.dlpack import InPlace, NotZeroCopyError, to_jax
+
+__all__ = ["CacheGeometry", "JaxAppend", "call_signature", "check_call", "int32_slots"]
+
+FP8 = torch.float8_e4m3fn
+SLOT_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheGeometry:
+    """An engine's paged cache as the kernels address it: hashable, fixed per engine.
+
+    Attributes:
+      layout: "NHD" or "HND".
+      combined: one ``[pages, 2, ...]`` tensor (keys at ``[:, 0]``, values at ``[:, 1]``)
+        rather than a ``(k_cache, v_cache)`` pair.
+      view_shape: the canonical 4-D view of :mod:`jaxrope.kv_cache`: NHD ``[pages *
+        components, page_size, Hk, D]``, HND ``[pages * components, Hk, page_size, D]``
+        (a combined cache's page ``p`` holds keys at view page ``2p``, values at ``2p + 1``).
+      dtype: the cache's dtype: k's, or ``torch.float8_e4m3fn``.
+
+    Example:
+      >>> g = CacheGeometry("HND", True, (8, 2, 16, 64), torch.bfloat16)
+      >>> g.components, g.page_size, g.k_heads, g.num_slots, g.quantized
+      (2, 16, 2, 64, False)
+    """
+
+    layout: str
+    combined: bool
+    view_shape: Tuple[int, int, int, int]
+    dtype: torch.dtype
+
+    @property
+    def components(self) -> int:
+        """2 for a combined cache (keys and values in one tensor), else 1."""
+        return 2 if self.combined else 1
+
+    @property
+    def page_size(self) -> int:
+        """Entries (tokens) a page holds."""
+        return self.view_shape[1] if self.layout == "NHD" else self.view_shape[2]
+
+    @property
+    def k_heads(self) -> int:
+        """``Hk``: heads of a cache row."""
+        return self.view_shape[2] if self.layout == "NHD" else self.view_shape[1]
+
+    @property
+    def num_slots(self) -> int:
+        """``pages * page_size``: the valid slots are ``[0, num_slots)``."""
+        return self.view_shape[0] // self.components * self.page_size
+
+    @property
+    def quantized(self) -> bool:
+        """An fp8 e4m3 cache (scaled and saturated on the way in)."""
+        return self.dtype == FP8
+
+
+def _layout_text(layout: str, combined: bool) -> str:
+    rows = "page_size, Hk, D" if layout == "NHD" else "Hk, page_size, D"
+    return f"[pages, {'2, ' if combined else ''}{rows}] ({layout=})"
+
+
+def _check_tensor(name: str, x: torch.Tensor, device: torch.device) -> None:
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device}, expected {device} (the manager's device)")
+    if x.requires_grad:
+        raise ValueError(f"{name}.requires_grad=True: the cache is written in place; run under "
+                         "torch.no_grad() on tensors autograd does not track")
+
+
+def _caches(kv_cache: Any, layout: str, k: torch.Tensor,
+            device: torch.device) -> Tuple[Tuple[torch.Tensor, ...], CacheGeometry]:
+    if isinstance(kv_cache, (tuple, list)):
+        kinds = [type(c).__name__ for c in kv_cache]
+        if len(kv_cache) != 2 or not all(isinstance(c, torch.Tensor) for c in kv_cache):
+            raise TypeError(f"kv_cache must be a (k_cache, v_cache) pair of tensors or one tensor, "
+                            f"got a {type(kv_cache).__name__} of {kinds}")
+        k_cache, v_cache = kv_cache
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            _check_tensor(name, c, device)
+            if c.ndim != 4:
+                raise ValueError(f"{name}.shape={tuple(c.shape)} must be rank 4: "
+                                 f"{_layout_text(layout, False)}")
+        if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+            raise ValueError(f"v_cache ({tuple(v_cache.shape)}, {v_cache.dtype}) must match "
+                             f"k_cache ({tuple(k_cache.shape)}, {k_cache.dtype})")
+        caches, combined, name = (k_cache, v_cache), False, "k_cache"
+        view = tuple(k_cache.shape)
+    elif isinstance(kv_cache, torch.Tensor):
+        _check_tensor("kv_cache", kv_cache, device)
+        if kv_cache.ndim != 5 or kv_cache.shape[1] != 2:
+            raise ValueError(f"kv_cache.shape={tuple(kv_cache.shape)} must be "
+                             f"{_layout_text(layout, True)} (or pass a (k_cache, v_cache) pair)")
+        caches, combined, name = (kv_cache,), True, "kv_cache"
+        view = (2 * kv_cache.shape[0], *kv_cache.shape[2:])
+    else:
+        raise TypeError(f"kv_cache must be a (k_cache, v_cache) pair of tensors or one tensor, "
+                        f"got {type(kv_cache).__name__}")
+    geometry = CacheGeometry(layout, combined, view, caches[0].dtype)
+    if geometry.k_heads != k.shape[1] or view[3] != k.shape[2]:
+        raise ValueError(f"{name}.shape={tuple(caches[0].shape)} must be "
+                         f"{_layout_text(layout, combined)} with Hk={k.shape[1]} and "
+                         f"D={k.shape[2]} (k's heads and head_dim)")
+    if geometry.dtype not in (k.dtype, FP8):
+        raise ValueError(f"{name}.dtype={geometry.dtype} must be k's dtype ({k.dtype}) or "
+                         f"{FP8}")
+    if geometry.num_slots >= 2 ** 31:
+        raise ValueError(f"the cache has {geometry.num_slots} slots; slots are int32, at most "
+                         "2**31 - 1")
+    return caches, geometry
+
+
+def _scale(name: str, value: Any, quantized: bool) -> float:
+    if not quantized:
+        if value is not None:
+            raise ValueError(f"{name}={value!r} applies only to a float8_e4m3fn cache; leave it "
+                             "None for a cache in k's dtype")
+        return 1.0
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float (the cache stores x * {name}, FlashInfer's "
+                        f"quant_scale_kv), got {type(value).__name__}")
+    number = float(value)
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"{name}={number!r} must be finite and > 0")
+    return number
+
+
+def check_call(k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slots: Any, layout: Any,
+               k_quant_scale: Any, v_quant_scale: Any,
+               device: torch.device) -> Tuple[Tuple[torch.Tensor, ...], CacheGeometry,
+                                              Tuple[float, float]]:
+    """Check what ``apply_qk_and_append_kv`` takes beyond q and k; nothing is changed.
+
+    ``k`` and ``v`` are the checked ``[T, Hk, D]`` views (v checked as k by the manager:
+    a tensor on the device, a float dtype, no grad).
+
+    Returns:
+      ``(caches, geometry, scales)``: the cache tensors as given (the pair, or the
+      combined tensor alone), their :class:`CacheGeometry`, and ``(k_scale, v_scale)``
+      as floats (1.0 where not given, and for a cache in k's dtype).
+
+    Raises:
+      TypeError: the cache is neither a pair of tensors nor a tensor, slots are not a
+        tensor, or a scale is not a number.
+      ValueError: v unlike k; an unknown layout; a cache of the wrong rank, heads, head
+        size, dtype or device, or requiring grad; slots of the wrong shape, dtype or
+        device; a scale given for a cache in k's dtype, or not finite and > 0.
+    """
+    if v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"v ({tuple(v.shape)}, {v.dtype}) must match k ({tuple(k.shape)}, "
+                         f"{k.dtype})")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
+    caches, geometry = _caches(kv_cache, layout, k, device)
+    if not isinstance(slots, torch.Tensor):
+        raise TypeError(f"slots must be an int32 or int64 torch.Tensor [T] (vLLM's slot_mapping), "
+                        f"got {type(slots).__name__}")
+    if slots.device != device:
+        raise ValueError(f"slots is on {slots.device}, expected {device} (the manager's device)")
+    if slots.dtype not in SLOT_DTYPES:
+        raise ValueError(f"slots.dtype={slots.dtype} must be torch.int32 or torch.int64")
+    if tuple(slots.shape) != (k.shape[0],):
+        raise ValueError(f"slots.shape={tuple(slots.shape)} must be [T] with T={k.shape[0]}")
+    scales = (_scale("k_quant_scale", k_quant_scale, geometry.quantized),
+              _scale("v_quant_scale", v_quant_scale, geometry.quantized))
+    return caches, geometry, scales
+
+
+def int32_slots(slots: torch.Tensor) -> torch.Tensor:
+    """``slots`` as the kernels read them: int32 (int64 keeps its low 32 bits, as JAX's own
+    int64 import does; every valid slot fits, and -1 stays -1).
+
+    Example:
+      >>> int32_slots(torch.tensor([5, -1, 2 ** 32 + 7])).tolist()
+      [5, -1, 7]
+    """
+    return slots if slots.dtype == torch.int32 else slots.to(torch.int32)
+
+
+def call_signature(label: Hashable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   kv_cache: Any, slots: torch.Tensor, layout: Any, k_quant_scale: Any,
+                   v_quant_scale: Any) -> Tuple[Any, ...]:
+    """What the checks of a call depend on, apart from the plan: the key of a bound launch.
+
+    Raises AttributeError, TypeError or ValueError for arguments that are not tensors
+    (or a pair of them) or not hashable; the caller then runs the full checks.
+    """
+    if isinstance(kv_cache, torch.Tensor):
+        cache = (kv_cache.shape, kv_cache.dtype, kv_cache.device, kv_cache.requires_grad)
+    else:
+        k_cache, v_cache = kv_cache
+        cache = (k_cache.shape, k_cache.dtype, k_cache.device, k_cache.requires_grad,
+                 v_cache.shape, v_cache.dtype, v_cache.device, v_cache.requires_grad)
+    return (label, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
+            v.device, q.requires_grad, k.requires_grad, v.requires_grad, cache, slots.shape,
+            slots.dtype, slots.device, layout, k_quant_scale, v_quant_scale)
+
+
+def _rope_and_append(q, *rest, cfg: RopeConfig, layout: str, backend: str, fp8: bool):
+    # rest: the caches (rewritten in place), then k, v, pos_ids, slots, scales.
+    caches, (k, v, pos_ids, slots, scales) = rest[:-5], rest[-5:]
+    if fp8:
+        # Imported as uint8 (DLPack's float8 support varies across torch versions).
+        caches = [jax.lax.bitcast_convert_type(c, jnp.float8_e4m3fn) for c in caches]
+    k_scale, v_scale = scales if fp8 else (None, None)
+    q, kv_cache = apply_rope_and_append_kv(
+        q, k, v, pos_ids[:q.shape[0]], caches[0] if len(caches) == 1 else tuple(caches), slots,
+        cfg, layout=layout, k_quant_scale=k_scale, v_quant_scale=v_scale, backend=backend)
+    out = jax.tree.leaves(kv_cache)
+    if fp8:
+        out = [jax.lax.bitcast_convert_type(c, jnp.uint8) for c in out]
+    return (q, *out)
+
+
+def _read_only(tensor: torch.Tensor, allow_copy: bool) -> jax.Array:
+    try:
+        return to_jax(tensor)
+    except NotZeroCopyError:
+        if not allow_copy:
+            raise
+        # A fresh contiguous copy: torch's allocators align far beyond XLA's requirement.
+        return to_jax(tensor.clone(memory_format=torch.contiguous_format))
+
+
+class JaxAppend:
+    """The JAX path: :func:`jaxrope.apply_rope_and_append_kv` on DLPack imports, in place.
+
+    q and the cache tensors are imported and donated, so XLA writes into them where the
+    runtime aliases imported buffers (on the GPU) and :class:`~torch_bridge.dlpack.InPlace`
+    copies the results back where it does not (on CPU, the whole cache every call). k, v
+    and the slots are only read. Stream-ordered as every DLPack exchange of
+    :mod:`torch_bridge.dlpack`: after torch's current stream, before what is queued next.
+
+    Args:
+      device: the torch device of the tensors.
+      backend: the jaxrope backend; "auto" is the Pallas kernel on CUDA, XLA elsewhere
+        (decided here from ``device``: inside the jitted call the core sees tracers).
+
+    Example:
+      >>> import jaxrope as jr
+      >>> append = JaxAppend(torch.device("cpu"))
+      >>> q, k, v = torch.ones(2, 2, 8), torch.ones(2, 1, 8), torch.full((2, 1, 8), 3.0)
+      >>> cache = torch.zeros(4, 2, 4, 1, 8)            # 4 pages of 4, keys and values
+      >>> slots = torch.tensor([6, -1])                   # page 1 entry 2; padding
+      >>> _, geometry, scales = check_call(k, v, cache, slots, "NHD", None, None, q.device)
+      >>> append(q, k, v, (cache,), geometry, jnp.arange(2, dtype=jnp.int32), slots,
+      ...        jr.RopeConfig(head_dim=8), scales)
+      >>> cache[1, 1, 2, 0].tolist(), float(cache.abs().sum())   # v written once, nothing else
+      ([3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0], 32.0)
+    """
+
+    def __init__(self, device: torch.device, backend: str = "auto"):
+        self.backend = "xla" if backend == "auto" and device.type != "cuda" else backend
+        self._calls: Dict[int, InPlace] = {}
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 caches: Sequence[torch.Tensor], geometry: CacheGeometry, pos_ids: jax.Array,
+                 slots: torch.Tensor, cfg: RopeConfig, scales: Tuple[float, float],
+                 allow_copy: bool = True) -> None:
+        """Rotate ``q [T, Hq, D]`` in place at ``pos_ids[:T]`` and write k, v into ``caches``.
+
+        ``caches``, ``geometry`` and ``scales`` as :func:`check_call` returns them.
+        """
+        if geometry.quantized:
+            caches = [c.view(torch.uint8) for c in caches]
+        call = self._calls.get(len(caches))
+        if call is None:
+            call = self._calls[len(caches)] = InPlace(
+                _rope_and_append, 1 + len(caches),
+                static_argnames=("cfg", "layout", "backend", "fp8"))
+        k, v, slots = (_read_only(x, allow_copy) for x in (k, v, int32_slots(slots)))
+        # Scales are traced arguments (one compile serves every layer's), fp8 caches only.
+        call([q, *caches], k, v, pos_ids, slots, scales if geometry.quantized else None,
+             allow_copy=allow_copy, cfg=cfg,
+             layout=geometry.layout, backend=self.backend, fp8=geometry.quantized)

@@ -1,0 +1,276 @@
+"""Fast path of ``apply_qk_and_append_kv``: the fused kernel launched on torch's current stream.
+
+The kernel of :func:`jaxrope.apply_rope_and_append_kv` (:mod:`jaxrope.kernels.kv_pallas`)
+rotates q in place and writes the rotated k and the v into the paged cache in one
+launch. As :mod:`torch_bridge.triton_launch` does for RoPE alone, this module takes its
+Triton IR (:func:`jaxrope.kernels.triton_ir.export_append_kv`), compiles it once per
+(head layout, cache geometry, config, dtype, launch shape) with the installed Triton and
+launches it with raw pointers on torch's current stream (:mod:`torch_bridge.triton_runtime`):
+ordered with the surrounding torch work, no host sync, in place on the engine's own
+tensors, capturable in a ``torch.cuda.CUDAGraph``.
+
+The token count is read from a device table, so one compiled kernel serves every T; the
+cache geometry (pages, page size, layout, dtype) is part of the kernel, which an engine
+fixes once. int64 slots (vLLM's ``slot_mapping``) are narrowed to int32 on torch's
+stream first (one small kernel); pass int32 slots to skip it.
+
+CUDA graphs: call once outside capture for every signature (shapes, dtypes, cache,
+scales) a graph will hold. That first call exports, compiles and allocates the count,
+angle and scale tables; capturing it is not supported. Later calls, captured or not,
+only launch.
+
+A launcher for the manager is any object with ``rotate_and_append_kv_`` raising
+:class:`jaxrope.BackendUnavailable` to decline, and optionally ``bind``
+(:class:`KVLauncher`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+from jaxrope.apply import kernel_constants
+from jaxrope.config import RopeConfig
+from jaxrope.errors import BackendUnavailable
+from jaxrope.kernels import kv_pallas, pallas_triton, triton_ir
+from torch_bridge.kv_append import CacheGeometry, int32_slots
+from torch_bridge.triton_runtime import (ALIGN, AngleTables, CountTable, KernelCache,
+                                         KernelLaunch, LaunchRecords)
+
+__all__ = ["KVAppendLauncher", "KVLauncher", "resolve_kv_launcher"]
+
+# Launch records kept (one per distinct shape, cache, config, scales and device).
+_MAX_LAUNCHES = 4096
+
+
+class KVLauncher(Protocol):
+    """A fast path for ``RopeManager.apply_qk_and_append_kv`` that works on torch tensors itself.
+
+    ``rotate_and_append_kv_(q, k, v, pos_ids, caches, slots, cfg, geometry, scales)``:
+    ``q [T, Hq, D]``, ``k, v [T, Hk, D]`` (validated by the manager: one dtype and
+    device, ``D == cfg.head_dim``), ``pos_ids`` int32 ``[N >= T]`` (the first ``T`` are
+    used), ``caches`` the engine's cache tensors (the ``(k_cache, v_cache)`` pair, or the
+    combined tensor alone), ``slots`` int32 or int64 ``[T]``, ``geometry`` a
+    :class:`torch_bridge.kv_append.CacheGeometry`, ``scales`` ``(k_scale, v_scale)``
+    floats (1.0 for a cache in k's dtype). Rotates q in place and writes the rotated k
+    and the v into the cache with :func:`jaxrope.apply_rope_and_append_kv`'s semantics.
+    Raises :class:`jaxrope.BackendUnavailable` to decline (the manager then runs the JAX
+    path); any other exception propagates.
+
+    Optionally ``bind(q, k, v, caches, slots, cfg, geometry, scales) -> run``: after a
+    successful call the manager binds its signature and later calls ``run(q, k, v,
+    pos_ids, kv_cache, slots) -> bool`` with the caller's arguments as given; False
+    sends the call down the full path.
+
+    An object given as ``RopeManager(launcher=...)`` serves ``apply_qk`` through
+    ``rotate_`` (:class:`torch_bridge.Launcher`) and this method through
+    ``rotate_and_append_kv_`` when it has one.
+
+    Example (a launcher that always declines, so the JAX path writes the cache):
+      >>> import jaxrope as jr
+      >>> from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext
+      >>> class Declining:
+      ...     calls = 0
+      ...     def rotate_(self, q, k, pos_ids, cfg):
+      ...         raise jr.BackendUnavailable("rope alone: not used here")
+      ...     def rotate_and_append_kv_(self, q, k, v, pos_ids, caches, slots, cfg, geometry,
+      ...                               scales):
+      ...         Declining.calls += 1
+      ...         raise jr.BackendUnavailable("no compiled kernel for this cache")
+      >>> mgr = RopeManager(PositionConfig(rope=jr.RopeConfig(head_dim=8)), "cpu",
+      ...                   launcher=Declining())
+      >>> mgr.ingest_request("r0")
+      >>> _ = mgr.plan(PositionStep([Segment("r0", "text", 1)]), StepContext(("r0",)))
+      >>> cache = torch.zeros(2, 2, 4, 1, 8)                  # combined: 2 pages of 4
+      >>> q, kv = torch.ones(1, 2, 8), torch.ones(1, 1, 8)
+      >>> _ = mgr.apply_qk_and_append_kv(q, kv, kv, "text", cache, torch.tensor([5]))
+      >>> Declining.calls, cache[1, 0, 1, 0].tolist()        # keys of page 1, entry 1
+      (1, [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    """
+
+    def rotate_and_append_kv_(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              pos_ids: torch.Tensor, caches: Sequence[torch.Tensor],
+                              slots: torch.Tensor, cfg: RopeConfig, geometry: CacheGeometry,
+                              scales: Tuple[float, float]) -> None:
+        """Rotate q in place at ``pos_ids[:T]``; write the rotated k and the v at ``slots``.
+
+        Raises:
+          BackendUnavailable: to decline this call; the manager then runs the JAX path.
+        """
+
+
+def _jax_dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class KVAppendLauncher:
+    """Compiles and launches the fused RoPE + paged KV append kernel on torch's current stream.
+
+    Declines (raises :class:`jaxrope.BackendUnavailable`, so the manager runs the JAX
+    path) without Triton, for tensors that are not on a CUDA device, contiguous and
+    32-byte aligned, for an fp8 cache of 2-4 GiB (the Pallas lowering's int32 offsets
+    would wrap) and when the kernel's Triton IR cannot be exported from the running JAX.
+
+    Args:
+      target: a ``triton.backends.compiler.GPUTarget`` to compile for; None (default)
+        compiles for the device the tensors are on. A target compiles without a GPU.
+
+    Example:
+      >>> from torch_bridge.rope_manager import RopeManager
+      >>> from torch_bridge import PositionConfig
+      >>> import jaxrope as jr
+      >>> RopeManager(PositionConfig(rope=jr.RopeConfig(head_dim=8)), "cpu").kv_launcher is None
+      True
+      >>> launcher = KVAppendLauncher()          # on CUDA, "auto" makes one  # doctest: +SKIP
+    """
+
+    def __init__(self, *, target: Any = None):
+        self._kernels = KernelCache("rope_append_kv", target)
+        self._tables = AngleTables()
+        self._counts: Dict[torch.device, CountTable] = {}
+        self._scales: Dict[Tuple[float, float, torch.device], torch.Tensor] = {}
+        # signature -> (kernel launch, count pointer, tables pointer, scales pointer)
+        self._launches = LaunchRecords(_MAX_LAUNCHES)
+
+    def kernel(self, q_heads: int, dtype: torch.dtype, cfg: RopeConfig, geometry: CacheGeometry,
+               block: kv_pallas.AppendBlockConfig) -> Tuple[Any, triton_ir.AppendKernel]:
+        """``(compiled, exported)``: the kernel for this layout, exported and compiled once.
+
+        Raises:
+          BackendUnavailable: the export failed (for this key it is not tried again).
+        """
+        _, attention = kernel_constants(cfg)
+        return self._kernels.get((q_heads, dtype, cfg, geometry, block), lambda: (
+            triton_ir.export_append_kv(
+                q_heads=q_heads, k_heads=geometry.k_heads, head_dim=cfg.head_dim,
+                rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
+                attention_factor=attention, dtype=_jax_dtype(dtype),
+                cache_shape=geometry.view_shape, cache_dtype=_jax_dtype(geometry.dtype),
+                layout=geometry.layout, components=geometry.components, block=block)))
+
+    def rotate_and_append_kv_(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              pos_ids: torch.Tensor, caches: Sequence[torch.Tensor],
+                              slots: torch.Tensor, cfg: RopeConfig, geometry: CacheGeometry,
+                              scales: Tuple[float, float],
+                              block: Optional[kv_pallas.AppendBlockConfig] = None) -> None:
+        """Rotate ``q [T, Hq, D]`` in place at ``pos_ids[:T]``; write k, v into ``caches`` at ``slots``.
+
+        ``k, v [T, Hk, D]``, ``pos_ids`` int32 ``[>= T]``, ``caches`` the engine's tensors
+        (a ``(k_cache, v_cache)`` pair or the combined tensor alone), ``slots`` int32 or
+        int64 ``[T]``, ``geometry`` and ``scales`` as
+        :func:`torch_bridge.kv_append.check_call` returns them: the caller has validated
+        shapes, dtypes and devices; this checks only what the compiled kernel assumes.
+        ``block`` overrides the launch-shape heuristic (benchmarks sweep it).
+
+        Raises:
+          BackendUnavailable: a tensor off CUDA or breaking the kernel's layout
+            assumptions (contiguous, 32-byte aligned), or an export that fails.
+        """
+        if q.shape[0] == 0:
+            return
+        named = (("q", q), ("k", k), ("v", v), ("pos_ids", pos_ids), ("slots", slots),
+                 *zip(("kv_cache",) if geometry.combined else ("k_cache", "v_cache"), caches))
+        for name, t in named:
+            if not t.is_cuda:
+                raise BackendUnavailable(f"{name} is on {t.device}: the launcher needs CUDA")
+            if not t.is_contiguous() or t.data_ptr() % ALIGN:
+                raise BackendUnavailable(f"{name} must be contiguous and {ALIGN}-byte aligned")
+        slots = int32_slots(slots)
+        launch, count_ptr, tables_ptr, scales_ptr = self._launch_for(q, cfg, geometry, scales,
+                                                                     block)
+        q_ptr, cache_ptrs = q.data_ptr(), tuple(c.data_ptr() for c in caches)
+        launch(count_ptr, pos_ids.data_ptr(), slots.data_ptr(), tables_ptr, scales_ptr, q_ptr,
+               k.data_ptr(), v.data_ptr(), *cache_ptrs, q_ptr, *cache_ptrs)
+
+    def bind(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             caches: Sequence[torch.Tensor], slots: torch.Tensor, cfg: RopeConfig,
+             geometry: CacheGeometry, scales: Tuple[float, float]) -> Callable[..., bool]:
+        """A launch for later calls of this signature: ``run(q, k, v, pos_ids, kv_cache, slots) -> bool``.
+
+        ``run`` takes the caller's arguments as given (q, k, v ``[T, H, D]`` or ``[T, H *
+        D]``, ``kv_cache`` the pair or the combined tensor); the caller has validated
+        them once for this signature. Per call ``run`` checks only contiguity and 32-byte
+        alignment and returns False (launching nothing) when they fail, so the caller
+        can take its full path.
+        """
+        launch, count_ptr, tables_ptr, scales_ptr = self._launch_for(q, cfg, geometry, scales,
+                                                                     None)
+        combined = geometry.combined
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: torch.Tensor,
+                kv_cache: Any, slots: torch.Tensor) -> bool:
+            if combined:
+                cache_ptrs = (kv_cache.data_ptr(),)
+                contiguous = kv_cache.is_contiguous()
+            else:
+                k_cache, v_cache = kv_cache
+                cache_ptrs = (k_cache.data_ptr(), v_cache.data_ptr())
+                contiguous = k_cache.is_contiguous() and v_cache.is_contiguous()
+            if slots.dtype != torch.int32:
+                slots = slots.to(torch.int32)
+            q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+            pos_ptr, slot_ptr = pos_ids.data_ptr(), slots.data_ptr()
+            if ((q_ptr | k_ptr | v_ptr | pos_ptr | slot_ptr | cache_ptrs[0] | cache_ptrs[-1]) % ALIGN
+                    or not (contiguous and q.is_contiguous() and k.is_contiguous()
+                            and v.is_contiguous() and slots.is_contiguous())):
+                return False
+            launch(count_ptr, pos_ptr, slot_ptr, tables_ptr, scales_ptr, q_ptr, k_ptr, v_ptr,
+                   *cache_ptrs, q_ptr, *cache_ptrs)
+            return True
+
+        return run
+
+    def _launch_for(self, q: torch.Tensor, cfg: RopeConfig, geometry: CacheGeometry,
+                    scales: Tuple[float, float],
+                    block: Optional[kv_pallas.AppendBlockConfig]) -> Tuple[KernelLaunch, int, int, int]:
+        head_dim = cfg.head_dim
+        tokens = q.shape[0]
+        q_heads = q.numel() // max(1, tokens * head_dim)
+        # Everything but the per-call pointers is fixed by this key.
+        key = (tokens, q_heads, q.dtype, q.device, cfg, geometry, scales, block)
+        launch = self._launches.get(key)
+        if launch is None:
+            launch = self._launches.make(key, q.device, lambda: self._prepare(
+                tokens, q_heads, q.dtype, q.device, cfg, geometry, scales, block))
+        return launch
+
+    def _prepare(self, tokens: int, q_heads: int, dtype: torch.dtype, device: torch.device,
+                 cfg: RopeConfig, geometry: CacheGeometry, scales: Tuple[float, float],
+                 block: Optional[kv_pallas.AppendBlockConfig]) -> Tuple[KernelLaunch, int, int, int]:
+        lanes = pallas_triton.lanes_for(cfg.rotary_dim)
+        block = block or kv_pallas.block_config(tokens, q_heads, geometry.k_heads, lanes)
+        compiled, exported = self.kernel(q_heads, dtype, cfg, geometry, block)
+        counts = self._counts.get(device)
+        if counts is None:
+            counts = self._counts[device] = CountTable(device)
+        scale_key = (*scales, device)
+        scale_values = self._scales.get(scale_key)
+        if scale_values is None:
+            # Kept for good: a captured graph may hold the pointer.
+            scale_values = self._scales[scale_key] = torch.tensor(scales, dtype=torch.float32,
+                                                                  device=device)
+        return (KernelLaunch(compiled, exported.grid(tokens), device), counts.pointer(tokens),
+                self._tables.get(cfg, device, lanes).data_ptr(), scale_values.data_ptr())
+
+
+def resolve_kv_launcher(launcher: Any, device: torch.device) -> Optional[Any]:
+    """The fused-append launcher for ``RopeManager(launcher=...)`` (already validated there).
+
+    ``"jax"`` -> None (always the JAX path). ``"auto"`` -> a :class:`KVAppendLauncher`
+    on a CUDA device when Triton is usable, else None. An object -> itself when it has
+    a ``rotate_and_append_kv_`` method, else None (it only rotates: the fused call runs
+    the JAX path).
+
+    Example:
+      >>> resolve_kv_launcher("auto", torch.device("cpu")) is None
+      True
+    """
+    if isinstance(launcher, str):
+        if launcher != "auto" or device.type != "cuda":
+            return None
+        try:
+            return KVAppendLauncher()
+        except BackendUnavailable:
+            return None
+    return launcher if callable(getattr(launcher, "rotate_and_append_kv_", None)) else None
