@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 
 from jaxrope.scaling import Linear, Llama3, Yarn  # noqa: E402
 from jaxrope.testing import flashinfer as fp  # noqa: E402
+from jaxrope.testing import golden  # noqa: E402
 
 MAX_BYTES = 3 * 2 ** 20
 
@@ -133,7 +134,7 @@ def record(out: pathlib.Path, fake: bool) -> int:
             q_out, k_out = _fake_flashinfer(case, q, k, batch)
         else:
             q_out, k_out = fp.run_flashinfer(case.api, case.cfg, q, k, batch, cache)
-        records.append(fp.Recorded(name=case.name, api=case.api, cfg=case.cfg, dtype=case.dtype,
+        records.append(golden.Recorded(name=case.name, api=case.api, cfg=case.cfg, dtype=case.dtype,
                                    q=q, k=k, q_out=q_out, k_out=k_out, batch=batch,
                                    kwargs=fp.flashinfer_kwargs(case.api, case.cfg), cache=cache,
                                    dense_cache=case.dense_cache))
@@ -141,7 +142,7 @@ def record(out: pathlib.Path, fake: bool) -> int:
               f"{batch.pos_ids.max()}")
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = _environment(fake)
-    fp.save_golden(out, records, meta)
+    golden.save_golden(out, records, meta)
     size = out.stat().st_size
     print(f"wrote {out} ({size / 2 ** 20:.2f} MiB, {len(records)} cases); "
           + ", ".join(f"{key}={meta[key]}" for key in ("flashinfer_version", "gpu", "torch", "jax")))

@@ -29,6 +29,7 @@ import pytest
 from jaxrope.scaling import Linear, Llama3
 
 from jaxrope.testing import flashinfer as fp
+from jaxrope.testing import golden
 from jaxrope.testing import oracle
 
 
@@ -75,12 +76,12 @@ def test_flashinfer_api_rejects_variants_it_cannot_express():
 
 # -- recorded FlashInfer outputs (CPU) ---------------------------------------------------
 
-RECORDS = fp.golden_record_names()
+RECORDS = golden.golden_record_names()
 
 
 @pytest.mark.parametrize("name", RECORDS)
 def test_flashinfer_and_jaxrope_leave_the_dims_past_rotary_dim_bit_identical(name):
-    record = fp.golden_record(name)
+    record = golden.golden_record(name)
     r = record.cfg.rotary_dim
     ours = {b: fp.run_jaxrope(record.cfg, record.q, record.k, record.batch.pos_ids, b)
             for b in ("xla", "interpret")}
@@ -95,7 +96,7 @@ def test_flashinfer_and_jaxrope_leave_the_dims_past_rotary_dim_bit_identical(nam
 
 @pytest.mark.parametrize("name", RECORDS)
 def test_flashinfer_rotates_jaxrope_pairs_by_position_times_frequency(name):
-    record = fp.golden_record(name)
+    record = golden.golden_record(name)
     cfg = record.cfg
     before = fp.pairs(np.concatenate([record.q, record.k], axis=1), cfg.rotary_dim, cfg.interleave)
     after = fp.pairs(np.concatenate([record.q_out, record.k_out], axis=1), cfg.rotary_dim,

@@ -15,22 +15,23 @@ import numpy as np
 import pytest
 
 from jaxrope.testing import flashinfer as fp
+from jaxrope.testing import golden
 
-RECORDS = fp.golden_record_names()
+RECORDS = golden.golden_record_names()
 
 
 def test_golden_file_says_which_flashinfer_and_gpu_recorded_it():
-    meta = fp.golden_meta()
+    meta = golden.golden_meta()
     if not meta["fake"]:
         assert meta["flashinfer_version"].startswith("0.5."), meta
         assert meta["gpu"] and meta["torch"] and meta["cuda"], meta
     assert meta["jax"] and meta["date_utc"], meta
-    assert fp.golden_path().stat().st_size < 3 * 2 ** 20
+    assert golden.golden_path().stat().st_size < 3 * 2 ** 20
 
 
 def test_golden_cases_cover_apis_layouts_fractions_and_positions():
-    fp.golden_meta()
-    records = [fp.golden_record(name) for name in RECORDS]
+    golden.golden_meta()
+    records = [golden.golden_record(name) for name in RECORDS]
     assert {r.api for r in records} == set(fp.APIS)
     assert {r.cfg.interleave for r in records} == {False, True}
     assert {r.dtype for r in records} == set(fp.DTYPES)
@@ -43,7 +44,7 @@ def test_golden_cases_cover_apis_layouts_fractions_and_positions():
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
 @pytest.mark.parametrize("name", RECORDS)
 def test_jaxrope_matches_recorded_flashinfer(name, backend):
-    record = fp.golden_record(name)
+    record = golden.golden_record(name)
     if record.api == "cos_sin_cache":
         # The recorded table is what FlashInfer read: it must be the config's values. It
         # was built on another CPU, whose float64 cos may differ in the last bit: the

@@ -1,4 +1,5 @@
-"""Test and benchmark support: the float64 oracle and the FlashInfer adapter.
+"""Test and benchmark support: the float64 oracle, the FlashInfer adapter and its recordings
+(:mod:`jaxrope.testing.golden`).
 
 Importable by the tests and by ``bench/`` alike (bench never imports from ``tests``).
 Needs numpy and jaxrope only; torch and FlashInfer are imported inside the functions
