@@ -18,6 +18,7 @@ The suite skips without torch and transformers unless JAXROPE_REQUIRE_TRANSFORME
 from __future__ import annotations
 
 import dataclasses
+import copy
 import glob
 import importlib
 import json
@@ -118,7 +119,9 @@ VL_CONFIGS = _vl_configs()
 def _hf_config(config):
     """The transformers config the model would load; remote-code families as the
     transformers port whose rotation their code matches (see their table rows)."""
-    config = dict(config)
+    # A deep copy: transformers' config classes rewrite the nested rope dicts in place, and
+    # these are shared tables (jaxrope.mrope.HF_VL_CONFIGS) that later tests read.
+    config = copy.deepcopy(dict(config))
     model_type = config.pop("model_type")
     if model_type == "chatglm":  # modeling_chatglm.py: RotaryEmbedding(kv_channels // 2, ...)
         model_type = "glm"

@@ -17,6 +17,7 @@ import without them).
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 from typing import Any, Mapping, Optional, Tuple
@@ -123,7 +124,9 @@ def vision_position_ids(model, start: int, grid: Tuple[int, int, int],
 
 def vl_config(config: Mapping[str, Any]):
     """transformers' config object (its model type's class) for a ``config.json`` dict."""
-    fields = {key: value for key, value in config.items() if key != "model_type"}
+    # A deep copy: transformers' config classes rewrite the nested rope dicts in place
+    # (rope_theta and rope_type added), and the caller's dict may be a shared table.
+    fields = copy.deepcopy({key: value for key, value in config.items() if key != "model_type"})
     return _config_class(config["model_type"])(**fields)
 
 
