@@ -53,7 +53,7 @@ class PublishAdmit:
         Returns None for an unknown request. Later counter changes do not alter it.
 
         Example:
-          >>> from torch_bridge import PositionConfig
+          >>> from torch_bridge import PositionConfig, PositionManager
           >>> mgr = PositionManager(PositionConfig(), "cpu"); mgr.ingest_request("r0")
           >>> snap = mgr.publish_snapshot_for_step("r0", None, None)
           >>> mgr.apply_cached_prefix("r0", None, None, None, {"text": 9})
