@@ -96,27 +96,31 @@ class _PinnedRing:
         self.cursor = RingCursor(_RING_INTS, _RING_SLOTS)
         # Per part: the events recorded when the write position last left it.
         self.done: List[List[torch.cuda.Event]] = [[] for _ in range(_RING_SLOTS)]
-        self.streams: List[int] = []  # raw streams that copied from the current part
+        # The streams that copied from the current part, by raw handle. Kept as torch's
+        # own stream objects: torch.cuda.ExternalStream(0), the legacy default stream's
+        # handle, would be a fresh stream from torch's pool, and an event recorded there
+        # completes at once (the first ring reused parts still being copied from).
+        self.streams: Dict[int, torch.cuda.Stream] = {}
 
     def span(self, n: int, stream: int) -> Optional[int]:
-        """Start of a pinned ``[n]`` span to write and copy from on raw stream ``stream``;
-        None if ``n`` exceeds a part."""
+        """Start of a pinned ``[n]`` span to write and copy from on raw stream ``stream``
+        (torch's current stream); None if ``n`` exceeds a part."""
         left = self.cursor.part
         start, entered = self.cursor.take(n)
         if start is None:
             return None
         if entered is not None:
             events = []
-            for raw in self.streams:
+            for copied_on in self.streams.values():
                 event = torch.cuda.Event()
-                event.record(torch.cuda.ExternalStream(raw, device=self.device))
+                event.record(copied_on)
                 events.append(event)
-            self.done[left], self.streams = events, []
+            self.done[left], self.streams = events, {}
             for event in self.done[entered]:
                 event.synchronize()  # a lap ago: normally complete long since
             self.done[entered] = []
         if stream not in self.streams:
-            self.streams.append(stream)
+            self.streams[stream] = torch.cuda.current_stream(self.device)
         return start
 
 
