@@ -1,0 +1,319 @@
+"""Speculative decoding through the engine records: draft trees, draft steps, accepted counts.
+
+The rules are the core's (:mod:`jaxrope.speculative`), executed by their numpy twins in
+:mod:`torch_bridge.streams`; this module reads and checks what an engine says about a
+speculative step and turns it into slot arrays. An engine's loop:
+
+1. **verify**: ``plan`` a step whose view of each speculating stream holds its root
+   (the token sampled last, not yet in the KV cache) and its drafts. A chain of ``k``
+   drafts is a view of ``k + 1`` tokens, numbered ``counter + arange(k + 1)`` like any
+   view; a tree is numbered by ``PositionStep(depths={(rid, label): depths})``, token
+   ``i`` at ``counter + depths[i]``.
+2. **accept**: ``commit(step, ctx, accepted={(rid, label): a})`` advances each named
+   stream by ``a + 1`` (the root and ``a`` drafts; ``0 <= a <=`` its deepest draft) and
+   the step's other streams by their spans. A tree's streams must be named.
+3. **draft**: the EAGLE drafter's step 0 reuses the verify step's positions (its
+   ``pos_ids``, before the commit); each later step ``j`` is ``plan(PositionStep(
+   segments, depths=j - 1), ctx)``: one token per stream (or its ``topk`` branches) at
+   ``counter + j - 1``, committing nothing. A token whose position would reach
+   ``max_seq_len`` is planned at 0 and ``live(plan_label)`` marks it False: give it a
+   padding KV slot (vLLM's clamp, with the bound taken from the stream's index, not
+   from an M-RoPE row: vLLM #54498). Under ``ctx.graph_slot`` a draft step writes its
+   bucket's static buffer like any step, the tail kept.
+4. **rewind outside a step** (an engine that committed its drafts, vLLM's
+   ``num_computed_tokens -= num_rejected``): ``rollback(rid, label, to_position)``,
+   which starts a new publish epoch so that a node that admitted the drafts takes it.
+
+Why the records look like this: a chain needs nothing new (the drafts are tokens of
+the view), and the accepted count is known only after the verify step ran, so it goes
+to ``commit``, like the sampled tokens in vLLM's ``update_from_output``. Depths sit on
+:class:`~torch_bridge.engine_types.PositionStep` beside ``advance``, per stream, so
+:class:`~torch_bridge.engine_types.KVView` stays the 3-tuple an engine builds hundreds
+of per step; its int form is the draft step, whose tokens share one offset.
+
+A preplan (step N+1 staged while N runs) is numbered as if N committed every span;
+a commit whose ``accepted`` rejects drafts of a stream the staged plan numbers is
+refused (``clear_preplan`` and plan again).
+
+Example (a tree at 7, one draft accepted, then a draft step):
+  >>> from torch_bridge import PositionConfig, PositionManager, PositionStep, Segment, StepContext
+  >>> mgr = PositionManager(PositionConfig(), "cpu", max_seq_len=64)
+  >>> mgr.ingest_request("r0", overrides={"text": 7})
+  >>> ctx = StepContext(("r0",))
+  >>> verify = PositionStep([Segment("r0", "text", 4)], depths={("r0", "text"): (0, 1, 1, 2)})
+  >>> mgr.plan(verify, ctx)["text"].tolist()
+  [7, 8, 8, 9]
+  >>> mgr.commit(verify, ctx, accepted={("r0", "text"): 1})
+  >>> mgr.position("r0", "text")
+  9
+  >>> mgr.plan(PositionStep([Segment("r0", "text", 1)], depths=1), ctx)["text"].tolist()
+  [10]
+  >>> mgr.live("text").tolist(), mgr.position("r0", "text")
+  ([True], 9)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Dict, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from jaxrope.positions import Scheme
+from torch_bridge import streams as rules
+from torch_bridge.engine_types import PositionStep
+from torch_bridge.streams import Columns, CommitArrays, StreamTable
+
+if TYPE_CHECKING:
+    from torch_bridge.plans import Plan
+    from torch_bridge.step_arrays import LabelArrays, StepArrays, StepReader
+
+__all__ = ["Speculation", "accepted_commit", "attach", "live", "positions", "read", "same_depths"]
+
+_EMPTY = np.zeros((0,), np.int64)
+_EMPTY.flags.writeable = False
+
+
+class Speculation(NamedTuple):
+    """A step's depth numbering, checked (``StepArrays.speculation``).
+
+    Attributes:
+      draft: the int depth of a draft step, else None.
+      depths: ``{plan_label: int64 [tokens]}``: every token's depth, for the plan labels
+        holding a stream numbered by a depths mapping (tree verify).
+      tree_slots: int64, sorted: the slots of the streams the mapping names.
+      tree_depths: their deepest depth (the most drafts a commit may accept).
+    """
+
+    draft: Optional[int]
+    depths: Dict[str, np.ndarray]
+    tree_slots: np.ndarray = _EMPTY
+    tree_depths: np.ndarray = _EMPTY
+
+
+def read(reader: "StepReader", step: PositionStep, groups: Mapping[str, Sequence[Any]],
+         labels: Mapping[str, "LabelArrays"], scheme: Scheme) -> Optional[Speculation]:
+    """``step.depths`` against the step's views, or None when it has none.
+
+    Raises:
+      TypeError: depths of the wrong type.
+      ValueError: a scheme other than SEQUENTIAL, a negative depth, depths naming a
+        stream without a view or of another length than its view, a draft step with
+        an explicit advance.
+    """
+    depths = step.depths
+    if depths is None:
+        return None
+    if scheme is not Scheme.SEQUENTIAL:
+        raise ValueError(f"step.depths={depths!r}: speculative steps need the SEQUENTIAL scheme, "
+                         f"this manager numbers {scheme.value}")
+    if isinstance(depths, (int, np.integer)) and not isinstance(depths, bool):
+        if depths < 0:
+            raise ValueError(f"step.depths={depths!r} must be >= 0 (a draft step at counter + depths)")
+        if step.advance is not None:
+            raise ValueError(f"step.advance={step.advance!r}: a draft step (int step.depths) commits "
+                             "nothing; leave advance None")
+        return Speculation(int(depths), {})
+    if not isinstance(depths, Mapping):
+        raise TypeError(f"step.depths must be None, an int or {{(request_id, label): depths}}, got "
+                        f"{type(depths).__name__}")
+    named: Dict[int, np.ndarray] = {}
+    for stream, values in depths.items():
+        if not isinstance(stream, tuple) or len(stream) != 2:
+            raise ValueError(f"step.depths key {stream!r} must be (request_id, label)")
+        array = np.asarray(values)
+        if array.ndim != 1 or not len(array) or array.dtype.kind not in "iu":
+            raise ValueError(f"step.depths[{stream!r}]={values!r} must be a non-empty sequence of ints")
+        if array.min() < 0:
+            raise ValueError(f"step.depths[{stream!r}] has depth {int(array.min())}; depths are >= 0")
+        named[reader.slot(*stream)] = array.astype(np.int64)
+    per_label, seen = {}, set()
+    for plan_label, arrays in labels.items():
+        slots = arrays.slots.tolist()
+        if named.keys().isdisjoint(slots):
+            continue
+        parts = []
+        for i, (slot, count) in enumerate(zip(slots, arrays.counts.tolist())):
+            given = named.get(slot)
+            if given is None:
+                parts.append(np.arange(count))
+                continue
+            if len(given) != count:
+                rid, label = groups[plan_label][i][:2]
+                raise ValueError(f"step.depths[{(rid, label)!r}] has {len(given)} entries but the "
+                                 f"stream's view in plan label {plan_label!r} has {count} tokens")
+            parts.append(given)
+            seen.add(slot)
+        per_label[plan_label] = np.concatenate(parts)
+    missing = [stream for stream in depths if reader.slot(*stream) not in seen]
+    if missing:
+        raise ValueError(f"step.depths names stream {missing[0]!r}, which has no view in the step")
+    order = sorted(named)
+    return Speculation(None, per_label, np.asarray(order, np.int64),
+                       np.asarray([named[s].max() for s in order], np.int64))
+
+
+def attach(reader: "StepReader", step: PositionStep, arrays: "StepArrays",
+           scheme: Scheme) -> "StepArrays":
+    """``arrays`` with the step's :class:`Speculation` (a draft step also commits nothing but
+    its post-forks); ``arrays`` itself for a step without depths."""
+    spec = read(reader, step, arrays.groups, arrays.labels, scheme)
+    if spec is None:
+        return arrays
+    commit = arrays.commit
+    if spec.draft is not None:
+        commit = CommitArrays(fork_src=commit.fork_src, fork_dst=commit.fork_dst)
+    return arrays._replace(speculation=spec, commit=commit)
+
+
+def positions(base: Columns, arrays: "StepArrays", plan_label: str,
+              max_seq_len: int) -> Optional[np.ndarray]:
+    """int32 positions of a plan label numbered by depths, or None when the scheme numbers it.
+
+    Raises:
+      ValueError: a tree's token would reach ``max_seq_len`` (a draft step's is clamped).
+    """
+    spec, label = arrays.speculation, arrays.labels[plan_label]
+    if spec.draft is not None:
+        planned, _ = rules.plan_draft(base, label.slots, label.counts, spec.draft, 0, max_seq_len)
+        return planned
+    depths = spec.depths.get(plan_label)
+    if depths is None:
+        return None
+    planned = rules.plan(base, label.slots, label.counts, Scheme.SEQUENTIAL, label.num_tokens,
+                         depths=depths)
+    if len(planned) and planned.max() >= max_seq_len:
+        token = int(np.argmax(planned >= max_seq_len))
+        view = int(np.searchsorted(np.cumsum(label.counts), token, side="right"))
+        rid, stream_label = arrays.groups[plan_label][view][:2]
+        raise ValueError(f"stream ({rid!r}, {stream_label!r}) of plan label {plan_label!r} at "
+                         f"position {int(base.counters[label.slots[view]])} with depth "
+                         f"{int(depths[token])} passes max_seq_len={max_seq_len}")
+    return planned
+
+
+def live(base: Columns, arrays: "StepArrays", max_seq_len: int) -> Dict[str, np.ndarray]:
+    """``{plan_label: bool [tokens]}`` of a draft step (False: past ``max_seq_len``, planned
+    at 0); empty for any other step."""
+    spec = arrays.speculation
+    if spec is None or spec.draft is None:
+        return {}
+    return {plan_label: rules.plan_draft(base, label.slots, label.counts, spec.draft, 0,
+                                         max_seq_len)[1]
+            for plan_label, label in arrays.labels.items() if plan_label not in arrays.explicit}
+
+
+def same_depths(a: Any, b: Any) -> bool:
+    """Whether two ``PositionStep.depths`` say the same (sequence values compared as tuples)."""
+    if a is b:
+        return True
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(
+            np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
+    return not isinstance(a, Mapping) and not isinstance(b, Mapping) and a == b
+
+
+def accepted_commit(reader: "StepReader", streams: StreamTable, plan: "Plan",
+                    accepted: Optional[Mapping], staged: Optional["Plan"]) -> CommitArrays:
+    """The commit of ``plan`` with ``accepted`` counts: named streams advance by ``a + 1``.
+
+    ``staged``: the plan staged behind it (numbered from the full spans), or None.
+    Names of requests removed since the plan are ignored, as the plan ignores them.
+
+    Raises:
+      TypeError: ``accepted`` is not a mapping.
+      ValueError: a draft step; an unknown stream, one without a segment in the plan or
+        with an explicit advance; a count outside ``[0, deepest draft]``; a tree stream
+        left out; rejected drafts of a stream that the staged plan numbers.
+    """
+    spec = plan.arrays.speculation
+    commit = plan.commit
+    if accepted is None:
+        if spec is not None and len(spec.tree_slots) and np.isin(spec.tree_slots, commit.slots).any():
+            slot = int(spec.tree_slots[np.isin(spec.tree_slots, commit.slots)][0])
+            raise ValueError(f"stream {_stream_of(plan, slot)!r} was planned with step.depths (a "
+                             "draft tree): commit needs accepted={(request_id, label): count}")
+        return commit
+    if not isinstance(accepted, Mapping):
+        raise TypeError(f"accepted must be a mapping {{(request_id, label): count}}, got "
+                        f"{type(accepted).__name__}")
+    if spec is not None and spec.draft is not None:
+        raise ValueError("accepted: the plan is a draft step (int step.depths), which commits nothing")
+    if plan.step.advance is not None and not isinstance(plan.step.advance, Mapping):
+        raise ValueError(f"accepted: the step's advance={plan.step.advance!r} already sets every "
+                         "stream's advance")
+    named, counts = _live_entries(streams, plan, accepted)
+    slots = reader.slots([s[0] for s in named], [s[1] for s in named]) if named else _EMPTY
+    values = _counts(counts, named)
+    present = np.isin(slots, commit.slots)
+    if not present.all():
+        stream = named[int(np.argmin(present))]
+        why = ("has an explicit step.advance" if np.isin(reader.slot(*stream), commit.adv_slots)
+               else "has no segment in the planned step")
+        raise ValueError(f"accepted names stream {stream!r}, which {why}")
+    unique, inverse = np.unique(commit.slots, return_inverse=True)
+    totals = np.bincount(inverse, weights=commit.spans, minlength=len(unique)).astype(np.int64)
+    spans = totals[np.searchsorted(unique, slots)]
+    deepest = spans - 1
+    if spec is not None and len(spec.tree_slots):
+        tree = np.isin(slots, spec.tree_slots)
+        deepest[tree] = spec.tree_depths[np.searchsorted(spec.tree_slots, slots[tree])]
+        left_out = np.isin(spec.tree_slots, commit.slots) & ~np.isin(spec.tree_slots, slots)
+        if left_out.any():
+            raise ValueError(f"stream {_stream_of(plan, int(spec.tree_slots[left_out][0]))!r} was "
+                             "planned with step.depths (a draft tree): name it in accepted")
+    bad = (values < 0) | (values > deepest)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"accepted[{named[i]!r}]={int(values[i])} must be in [0, {int(deepest[i])}] "
+                         "(the drafts of its view)")
+    rejected = slots[values + 1 != spans]
+    if staged is not None and len(rejected):
+        numbered = np.concatenate([label.slots for label in staged.arrays.labels.values()]
+                                  + [staged.commit.touched])
+        clash = np.isin(rejected, numbered)
+        if clash.any():
+            raise ValueError(f"accepted rejects drafts of stream {_stream_of(plan, int(rejected[clash][0]))!r}"
+                             ", which the staged plan numbers as if they were kept: clear_preplan "
+                             "before this commit, then plan that step again")
+    keep = ~np.isin(commit.slots, slots)
+    return CommitArrays(commit.slots[keep], commit.spans[keep],
+                        np.concatenate([commit.adv_slots, slots]),
+                        np.concatenate([commit.adv_amounts, values + 1]),
+                        commit.fork_src, commit.fork_dst)
+
+
+def _live_entries(streams: StreamTable, plan: "Plan", accepted: Mapping):
+    """``accepted``'s streams and counts, without those of requests removed since the plan."""
+    named, counts = list(accepted), list(accepted.values())
+    for stream in named:
+        if not isinstance(stream, tuple) or len(stream) != 2:
+            raise ValueError(f"accepted key {stream!r} must be (request_id, label)")
+    known = [_known(streams, stream[0]) for stream in named]
+    if all(known):
+        return named, counts
+    planned = {segment[0] for segment in plan.step.segments}
+    kept = [i for i, ok in enumerate(known) if ok or named[i][0] not in planned]
+    return [named[i] for i in kept], [counts[i] for i in kept]
+
+
+def _known(streams: StreamTable, rid: Any) -> bool:
+    try:
+        return rid in streams
+    except TypeError:  # unhashable: the lookup names it
+        return True
+
+
+def _counts(counts: Sequence[Any], streams: Sequence[Any]) -> np.ndarray:
+    for stream, value in zip(streams, counts):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise ValueError(f"accepted[{stream!r}]={value!r} must be an int")
+    return np.asarray(counts, np.int64).reshape(-1)
+
+
+def _stream_of(plan: "Plan", slot: int) -> Any:
+    for plan_label, views in plan.arrays.groups.items():
+        for view, s in zip(views, plan.arrays.labels[plan_label].slots.tolist()):
+            if s == slot:
+                return tuple(view[:2])
+    return f"at slot {slot}"
