@@ -4,7 +4,7 @@ Usage::
 
   make demo                      # creates .venv on first use, then runs the line below
   python -m jaxrope.demo [--model {llama3.1,qwen2.5-yarn,phi3-longrope,deepseek-v2}]
-                         [--steps N] [--device {auto,cpu,cuda}] [--seed S]
+                         [--steps N] [--device {auto,cpu,cuda}] [--seed S] [--speculative]
 
   --model   the real RoPE config (default llama3.1: Llama-3.1-8B's llama3 scaling;
             qwen2.5-yarn, phi3-longrope (Phi-3-mini-128k), deepseek-v2 (V2-Lite, YaRN,
@@ -15,6 +15,10 @@ Usage::
   --seed    weights and token ids (default 0)
   --inject-fault  for tests: the prefix-cache probe claims one token too many, so the
             run must FAIL
+  --speculative  the speculative-decoding trace instead (:mod:`~torch_bridge.demo.speculative`:
+            draft steps in a CUDA-graph bucket, verify with random acceptance, rollbacks, a
+            handoff after a rollback); ``--steps`` counts its rounds (>= 5); with
+            ``--inject-fault`` the rollback is published without its epoch
 
 Two serving nodes share one tiny attention layer (random weights, 4 query heads,
 2 KV heads, the model's real ``head_dim`` and RoPE config from
@@ -54,7 +58,7 @@ Exit status 0 when every check passes, 1 on any mismatch.
 Modules: :mod:`~torch_bridge.demo.model` (the attention layer and its float64
 recompute), :mod:`~torch_bridge.demo.node` (a serving node and the prefix cache),
 :mod:`~torch_bridge.demo.trace` (the scripted trace), :mod:`~torch_bridge.demo.cli`
-(arguments and the report).
+(arguments and the report), :mod:`~torch_bridge.demo.speculative` (the speculative trace).
 
 Example:
   >>> import contextlib, io
@@ -66,6 +70,7 @@ Example:
 """
 from torch_bridge.demo.cli import MODELS, main
 from torch_bridge.demo.model import TOLERANCE
+from torch_bridge.demo.speculative import MIN_ROUNDS
 from torch_bridge.demo.trace import MIN_STEPS, TRACE
 
-__all__ = ["MIN_STEPS", "MODELS", "TOLERANCE", "TRACE", "main"]
+__all__ = ["MIN_ROUNDS", "MIN_STEPS", "MODELS", "TOLERANCE", "TRACE", "main"]

@@ -13,6 +13,7 @@ from jaxrope.config import RopeConfig
 from jaxrope.models import HF_CONFIGS
 from torch_bridge.demo.model import KV_HEADS, Q_HEADS, TOLERANCE
 from torch_bridge.demo.node import GRAPH_BUCKET, StepRow
+from torch_bridge.demo.speculative import DRAFT_BUCKET, MIN_ROUNDS, SpeculativeTrace, print_row
 from torch_bridge.demo.trace import BUDGET, MIN_STEPS, Trace
 
 __all__ = ["MODELS", "main"]
@@ -53,8 +54,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="auto: CUDA when torch and JAX both see a GPU, else CPU")
     parser.add_argument("--seed", type=int, default=0, help="weights and token ids (default: 0)")
     parser.add_argument("--inject-fault", action="store_true",
-                        help="for tests: the prefix-cache probe claims one token too many, so "
-                             "a request's positions are off by one and the run must FAIL")
+                        help="for tests: the prefix-cache probe claims one token too many (with "
+                             "--speculative: a rollback is published without its epoch), so "
+                             "a request's positions are off and the run must FAIL")
+    parser.add_argument("--speculative", action="store_true",
+                        help="the speculative-decoding trace instead: draft steps, verify with "
+                             "random acceptance, rollbacks, a handoff after a rollback; --steps "
+                             f"counts its rounds (>= {MIN_ROUNDS})")
     return parser
 
 
@@ -66,7 +72,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.steps < MIN_STEPS:
+    if args.speculative and args.steps < MIN_ROUNDS:
+        parser.error(f"--steps={args.steps} must be >= {MIN_ROUNDS} with --speculative (the "
+                     f"handoff and its late echo happen in its first {MIN_ROUNDS} rounds)")
+    if not args.speculative and args.steps < MIN_STEPS:
         parser.error(f"--steps={args.steps} must be >= {MIN_STEPS} (the trace's prefix hit, "
                      "fork, handoff, graph replay and stale admit happen in its first "
                      f"{MIN_STEPS} steps)")
@@ -77,27 +86,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     name = MODELS[args.model]
     rope = RopeConfig.from_hf(HF_CONFIGS[name])
     started = time.perf_counter()
-    trace = Trace(rope, device, args.seed, args.inject_fault)
-    mgr = trace.main.mgr
+    trace = (SpeculativeTrace if args.speculative else Trace)(rope, device, args.seed,
+                                                              args.inject_fault)
+    mgr, layer = (trace.mgr, trace.target) if args.speculative else (trace.main.mgr, trace.layer)
     rotation = (type(mgr.launcher).__name__ if mgr.launcher is not None
                 else f"JAX ({'Pallas' if device.type == 'cuda' else 'XLA'})")
     scaling = type(rope.scaling).__name__ if rope.scaling is not None else "default"
     print(f"jaxrope demo: {name} ({scaling}, head_dim={rope.head_dim}, "
           f"rotary_dim={rope.rotary_dim}, interleave={rope.interleave}, "
-          f"attention factor {trace.layer.attention:.4f})")
+          f"attention factor {layer.attention:.4f})")
     print(f"device {device}, rotation {rotation}, q/k float32, {Q_HEADS} q heads / {KV_HEADS} "
-          f"kv heads, budget {BUDGET['main']} tokens/step, graph bucket {GRAPH_BUCKET.num_tokens}")
+          + (f"kv heads, draft and target layers, draft graph bucket {DRAFT_BUCKET.num_tokens}"
+             if args.speculative else f"kv heads, budget {BUDGET['main']} tokens/step, graph "
+             f"bucket {GRAPH_BUCKET.num_tokens}"))
     if note:
         print(f"note: {note}")
     print(f"{'step':>4} {'node':<7} {'reqs':>4} {'tokens':>6} {'positions':>9} {'max err':>8}"
           "  events")
-    rows: List[StepRow] = []
-    for s in range(args.steps):
-        for row in trace.run_step(s):
-            rows.append(row)
-            mark = "  FAIL " + "; ".join(row.failures) if row.failures else ""
-            print(f"{row.step:>4} {row.node:<7} {row.requests:>4} {row.tokens:>6} "
-                  f"{row.positions:>9} {row.error:>8.1e}  {', '.join(row.events)}{mark}")
+    rows: List[StepRow] = (trace.run(args.steps) if args.speculative else
+                           [print_row(row) for s in range(args.steps) for row in trace.run_step(s)])
     failed = [row for row in rows if row.failures]
     worst = max(row.error for row in rows)
     elapsed = time.perf_counter() - started
