@@ -1,9 +1,10 @@
-"""Speculative decoding: the core's rules (jaxrope.speculative) and the bridge's records.
+"""Speculative decoding in the core (jaxrope.speculative): no torch, so the JAX 0.11 leg runs it.
 
-The rules against hand-worked cases and a per-token model here; the two executors
-against each other in tests/test_counter_rules.py; both against plain-Python
-re-implementations of vLLM's and SGLang's rules in tests/test_speculative_reference.py;
-the manager against a core model in tests/test_manager_state_machine.py.
+The rules against hand-worked cases and a per-token model here; the bridge's records in
+tests/test_speculative_bridge.py; the two executors against each other in
+tests/test_counter_rules.py; both against plain-Python re-implementations of vLLM's and
+SGLang's rules in tests/test_speculative_reference.py; the manager against a core model
+in tests/test_manager_state_machine.py.
 """
 
 from __future__ import annotations
@@ -11,9 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
-import jaxrope as jr
 from jaxrope import positions, speculative
 from jaxrope.positions import PAD, PositionTable
 
@@ -117,195 +116,3 @@ def test_speculative_rules_lower_for_cuda():
     with lowering.cuda_target():
         text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "stablehlo" in text
-
-
-# ---------------------------------------------------------------------------- bridge
-
-torch = pytest.importorskip("torch")
-
-from torch_bridge import (GraphBucket, GraphSlot, KVPlanOutput, KVView, PositionConfig,  # noqa: E402
-                          PositionStep, PublishedPositionInfo, RopeManager, Segment, StepContext)
-from jaxrope.testing import oracle  # noqa: E402
-
-HEAD_DIM = 16
-
-
-def make(max_seq_len=256, labels=("text",)):
-    rope = jr.RopeConfig(head_dim=HEAD_DIM, theta=1e4, max_position=1024)
-    return RopeManager(PositionConfig(rope=rope, labels=labels), "cpu", max_seq_len=max_seq_len,
-                       launcher="jax")
-
-
-def ingest(mgr, **at):
-    for rid, position in at.items():
-        mgr.ingest_request(rid, overrides={"text": position})
-
-
-def verify_step(**drafts):
-    """A chain verify step: each stream's root and its drafts."""
-    return PositionStep(tuple(Segment(rid, "text", k + 1) for rid, k in drafts.items()))
-
-
-def ctx(*rids, graph=None, preplan=False):
-    return StepContext(rids, graph_slot=graph, is_preplan=preplan)
-
-
-def test_chain_verify_then_accept_advances_by_the_accepted_count_plus_one():
-    mgr = make()
-    ingest(mgr, a=10, b=3)
-    step = verify_step(a=4, b=2)
-    assert mgr.plan(step, ctx("a", "b"))["text"].tolist() == [10, 11, 12, 13, 14, 3, 4, 5]
-    mgr.commit(step, ctx("a", "b"), accepted={("a", "text"): 1, ("b", "text"): 2})
-    assert (mgr.position("a", "text"), mgr.position("b", "text")) == (12, 6)
-    assert mgr.publish("a").epochs == {}     # accepting moves forward: no new epoch
-
-
-def test_accept_names_some_streams_and_the_others_commit_their_spans():
-    mgr = make()
-    ingest(mgr, a=10, b=3)
-    step = PositionStep((Segment("a", "text", 4), Segment("b", "text", 7)))   # b: a prefill chunk
-    mgr.plan(step, ctx("a", "b"))
-    mgr.commit(step, ctx("a", "b"), accepted={("a", "text"): 0})
-    assert (mgr.position("a", "text"), mgr.position("b", "text")) == (11, 10)
-
-
-def test_tree_verify_numbers_by_depth_and_requires_its_accepted_count():
-    mgr = make()
-    ingest(mgr, a=7, b=20)
-    depths = {("a", "text"): (0, 1, 1, 2, 2, 3)}
-    step = PositionStep((Segment("a", "text", 6), Segment("b", "text", 2)), depths=depths)
-    assert mgr.plan(step, ctx("a", "b"))["text"].tolist() == [7, 8, 8, 9, 9, 10, 20, 21]
-    before = mgr.state_snapshot()
-    with pytest.raises(ValueError, match="draft tree"):
-        mgr.commit(step, ctx("a", "b"))
-    with pytest.raises(ValueError, match=r"must be in \[0, 3\]"):
-        mgr.commit(step, ctx("a", "b"), accepted={("a", "text"): 4})
-    assert mgr.state_snapshot() == before
-    mgr.commit(step, ctx("a", "b"), accepted={("a", "text"): 3})
-    assert (mgr.position("a", "text"), mgr.position("b", "text")) == (11, 22)
-
-
-def test_a_tree_in_a_packed_plan_label_is_numbered_in_every_view_order():
-    mgr = make(labels=("cond", "uncond"))
-    mgr.ingest_request("a", overrides={"cond": 5, "uncond": 30})
-    kv = {"kv": {"attn": KVPlanOutput((KVView("a", "uncond", 1), KVView("a", "cond", 3)))}}
-    step = PositionStep((Segment("a", "cond", 3), Segment("a", "uncond", 1)),
-                        depths={("a", "cond"): (0, 1, 1)})
-    assert mgr.plan(step, StepContext(("a",), plan_results=kv))["attn"].tolist() == [30, 5, 6, 6]
-
-
-def test_a_draft_step_numbers_every_token_at_one_offset_and_commits_nothing():
-    mgr = make()
-    ingest(mgr, a=12, b=40)
-    for j in (1, 2, 3):
-        step = PositionStep((Segment("a", "text", 1), Segment("b", "text", 1)), depths=j - 1)
-        assert mgr.plan(step, ctx("a", "b"))["text"].tolist() == [11 + j, 39 + j]
-        mgr.commit(step, ctx("a", "b"))
-    assert (mgr.position("a", "text"), mgr.position("b", "text")) == (12, 40)
-    mgr.rollback("a", "text", 10)   # a draft step holds no stream: a rewind is allowed
-    assert mgr.position("a", "text") == 10
-
-
-def test_a_draft_step_past_max_seq_len_is_planned_at_zero_and_marked_not_live():
-    mgr = make(max_seq_len=64)
-    ingest(mgr, a=62, b=5)
-    step = PositionStep((Segment("a", "text", 2), Segment("b", "text", 2)), depths=2)  # topk 2
-    assert mgr.plan(step, ctx("a", "b"))["text"].tolist() == [0, 0, 7, 7]
-    assert mgr.live("text").tolist() == [False, False, True, True]
-    assert mgr.state_snapshot()["counters"] == {("a", "text"): 62, ("b", "text"): 5}
-
-
-def test_a_draft_step_in_a_graph_bucket_writes_its_buffer_and_keeps_the_tail():
-    mgr = make()
-    ingest(mgr, a=12, b=40, c=7)
-    lease = GraphSlot(GraphBucket("draft", batch_size=4, num_tokens=4), slot=0)
-    full = PositionStep(tuple(Segment(rid, "text", 1) for rid in "abc"), depths=0)
-    buffer = mgr.plan(full, ctx("a", "b", "c", graph=lease))["text"]
-    assert buffer.tolist() == [12, 40, 7, 0]
-    fewer = PositionStep((Segment("b", "text", 1),), depths=3)
-    again = mgr.plan(fewer, ctx("b", graph=lease))["text"]
-    assert again.data_ptr() == buffer.data_ptr() and again.tolist() == [43, 40, 7, 0]
-    assert mgr.live("text").tolist() == [True]
-
-
-def test_apply_qk_rotates_a_tree_at_its_depths():
-    mgr = make()
-    ingest(mgr, a=50)
-    step = PositionStep((Segment("a", "text", 4),), depths={("a", "text"): (0, 1, 1, 2)})
-    mgr.plan(step, ctx("a"))
-    gen = torch.Generator().manual_seed(7)
-    q, k = torch.randn(4, 2, HEAD_DIM, generator=gen), torch.randn(4, 1, HEAD_DIM, generator=gen)
-    inv_freq, attention = oracle.serving_frequencies(mgr.rope)
-    want = [oracle.rope_oracle(x.numpy(), np.array([50, 51, 51, 52]), inv_freq, attention,
-                               HEAD_DIM, False) for x in (q, k)]
-    mgr.apply_qk(q, k, "text")
-    np.testing.assert_allclose(q.numpy(), want[0], rtol=0, atol=2e-5)
-    np.testing.assert_allclose(k.numpy(), want[1], rtol=0, atol=2e-5)
-
-
-def test_a_preplan_that_assumed_every_draft_kept_makes_a_rejecting_commit_refuse():
-    mgr = make()
-    ingest(mgr, a=10)
-    step = verify_step(a=3)
-    mgr.plan(step, ctx("a"))
-    nxt = verify_step(a=3)
-    assert mgr.plan(nxt, ctx("a", preplan=True))["text"].tolist() == [14, 15, 16, 17]
-    before = mgr.state_snapshot()
-    with pytest.raises(ValueError, match="clear_preplan"):
-        mgr.commit(step, ctx("a"), accepted={("a", "text"): 1})
-    assert mgr.state_snapshot() == before
-    mgr.commit(step, ctx("a"), accepted={("a", "text"): 3})   # every draft kept: the preplan holds
-    assert mgr.position("a", "text") == 14 and mgr.pos_ids("text").tolist() == [14, 15, 16, 17]
-
-
-def test_accepted_counts_of_a_request_removed_since_the_plan_are_ignored():
-    mgr = make()
-    ingest(mgr, a=10, b=3)
-    step = verify_step(a=2, b=2)
-    mgr.plan(step, ctx("a", "b"))
-    mgr.remove_request("b")
-    mgr.commit(step, ctx("a", "b"), accepted={("a", "text"): 2, ("b", "text"): 0})
-    assert mgr.position("a", "text") == 13 and mgr.requests() == ["a"]
-
-
-def test_committing_drafts_then_rolling_back_reaches_the_node_that_admitted_them():
-    # vLLM's order: every scheduled token is committed, the rejected ones are taken back.
-    prefill, decode = make(), make()
-    for mgr in (prefill, decode):
-        ingest(mgr, a=10)
-    step = verify_step(a=4)
-    prefill.plan(step, ctx("a"))
-    prefill.commit(step, ctx("a"))
-    with_drafts = prefill.publish("a")
-    assert decode.admit_retrieve("a", None, None, with_drafts).ok
-    prefill.rollback("a", "text", 10 + 1 + 1)   # one draft of four accepted
-    assert decode.admit_retrieve("a", None, None, prefill.publish("a")).ok
-    assert decode.admit_retrieve("a", None, None, with_drafts).ok     # a late echo
-    assert decode.publish("a").record("text") == (12, 0, 1)
-
-
-def test_snapshots_and_merged_publications_follow_the_epoch_order():
-    mgr = make()
-    ingest(mgr, a=20)
-    before_rollback = mgr.publish_from_snapshot("a", mgr.publish_snapshot_for_step("a", None, None),
-                                                None, None)
-    mgr.rollback("a", "text", 17)
-    after = mgr.publish("a")
-    merged = after.clone()
-    merged.update(before_rollback)             # older epoch, higher position: loses
-    assert merged.record("text") == (17, 0, 1)
-    merged = before_rollback.clone()
-    merged.update(after)                       # newer epoch, lower position: wins
-    assert merged.record("text") == (17, 0, 1)
-    other = make()
-    ingest(other, a=0)
-    for info in (before_rollback, after, before_rollback):
-        assert other.admit_retrieve("a", None, None, info).ok
-    assert other.publish("a").record("text") == (17, 0, 1)
-
-
-def test_published_records_without_rollbacks_merge_as_the_seed_max():
-    a = PublishedPositionInfo({"text": 7})
-    for position in (5, 9, 8):
-        a.update(PublishedPositionInfo({"text": position}))
-    assert a.counters == {"text": 9} and a.epochs == {}

@@ -282,7 +282,8 @@ class PositionManager(Resource):
         """
         arrays = self._reader.read(step, ctx, device=self.device, max_seq_len=self.max_seq_len)
         if step.depths is not None:
-            arrays = speculative.attach(self._reader, step, arrays, self.config.scheme)
+            arrays = speculative.attach(self._reader, self._streams, step, arrays,
+                                        self.config.scheme)
         graph = ctx.graph_slot
         if graph is not None and not isinstance(graph, GraphSlot):
             raise TypeError(f"ctx.graph_slot must be a GraphSlot or None, got {type(graph).__name__}")
@@ -291,8 +292,7 @@ class PositionManager(Resource):
         computed = self._plans.positions(base, arrays)
         # Nothing below raises on valid input (the bucket check changes nothing first).
         tensors, limits = self._upload.step(computed, arrays.explicit, tuple(arrays.labels), graph)
-        self._plans.install(Plan(step, arrays, tensors, limits,
-                                 live=speculative.live(base, arrays, self.max_seq_len)),
+        self._plans.install(Plan(step, arrays, tensors, limits, live=speculative.live(arrays)),
                             ctx.is_preplan, base)
         self._plan_labels_seen.update(arrays.labels)
         return dict(tensors)

@@ -205,7 +205,9 @@ class StepPlans:
             raise ValueError("commit without a plan: call plan(step, ctx) for this step first")
         _check_same_step(step, plan.step)
         commit = plan.commit if resolve is None else resolve(plan, None if staged_first else self.staged)
-        columns = self._streams.columns.copy()
+        # A draft step changes nothing: it needs no copy of the columns.
+        changes = len(commit.touched) or (staged_first and len(plan.pre_src))
+        columns = self._streams.columns.copy() if changes else self._streams.columns
         if staged_first and len(plan.pre_src):
             rules.fork(columns, plan.pre_src, plan.pre_dst)
         rules.apply_commit(columns, commit, self._scheme, self._block_step)

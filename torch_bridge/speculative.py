@@ -54,6 +54,9 @@ Example (a tree at 7, one draft accepted, then a draft step):
 
 from __future__ import annotations
 
+import itertools
+import operator
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Dict, NamedTuple, Optional, Sequence
 
@@ -72,6 +75,7 @@ __all__ = ["Speculation", "accepted_commit", "attach", "live", "positions", "rea
 
 _EMPTY = np.zeros((0,), np.int64)
 _EMPTY.flags.writeable = False
+_DTYPE = operator.attrgetter("dtype")
 
 
 class Speculation(NamedTuple):
@@ -83,16 +87,19 @@ class Speculation(NamedTuple):
         holding a stream numbered by a depths mapping (tree verify).
       tree_slots: int64, sorted: the slots of the streams the mapping names.
       tree_depths: their deepest depth (the most drafts a commit may accept).
+      live: ``{plan_label: bool [tokens]}`` of a draft step, filled by :func:`positions`.
     """
 
     draft: Optional[int]
     depths: Dict[str, np.ndarray]
-    tree_slots: np.ndarray = _EMPTY
-    tree_depths: np.ndarray = _EMPTY
+    tree_slots: np.ndarray
+    tree_depths: np.ndarray
+    live: Dict[str, np.ndarray]
 
 
-def read(reader: "StepReader", step: PositionStep, groups: Mapping[str, Sequence[Any]],
-         labels: Mapping[str, "LabelArrays"], scheme: Scheme) -> Optional[Speculation]:
+def read(reader: "StepReader", streams: StreamTable, step: PositionStep,
+         groups: Mapping[str, Sequence[Any]], labels: Mapping[str, "LabelArrays"],
+         scheme: Scheme) -> Optional[Speculation]:
     """``step.depths`` against the step's views, or None when it has none.
 
     Raises:
@@ -113,10 +120,66 @@ def read(reader: "StepReader", step: PositionStep, groups: Mapping[str, Sequence
         if step.advance is not None:
             raise ValueError(f"step.advance={step.advance!r}: a draft step (int step.depths) commits "
                              "nothing; leave advance None")
-        return Speculation(int(depths), {})
+        return Speculation(int(depths), {}, _EMPTY, _EMPTY, {})
     if not isinstance(depths, Mapping):
         raise TypeError(f"step.depths must be None, an int or {{(request_id, label): depths}}, got "
                         f"{type(depths).__name__}")
+    return (_trees_at_once(reader, streams, depths, labels)
+            or _trees(reader, depths, groups, labels))
+
+
+def _trees_at_once(reader: "StepReader", streams: StreamTable, depths: Mapping,
+                   labels: Mapping[str, "LabelArrays"]) -> Optional[Speculation]:
+    """The common layout, vectorised: each plan label's views are the named streams in the
+    mapping's order, or none of them, and every depth list holds Python ints (or every one is
+    a 1-D int array). None otherwise: :func:`_trees` reads it, and names what is wrong, so
+    this accepts only what ``_trees`` accepts, with the same result."""
+    keys, values = tuple(depths), list(depths.values())
+    if not keys:
+        return None
+    kinds = set(map(type, values))
+    try:
+        lengths = np.fromiter(map(len, values), np.int64, len(values))
+        if kinds == {np.ndarray}:
+            # An engine's rows of its depth array: no Python int each. Each row's dtype is
+            # checked, since a concatenation would turn a bool row into ints; arrays of
+            # other ndims do not concatenate with 1-D ones.
+            if any(d.kind not in "iu" for d in set(map(_DTYPE, values))):
+                return None
+            flat = np.concatenate(values)
+        elif kinds <= {tuple, list}:
+            items = list(itertools.chain.from_iterable(values))
+            if not set(map(type, items)) <= {int}:  # bools, floats, numpy scalars: _trees
+                return None
+            flat = np.asarray(items, np.int64)
+        else:
+            return None
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if flat.ndim != 1 or flat.dtype.kind not in "iu" or not lengths.all() or flat.min() < 0:
+        return None
+    slots = _cached_slots(streams, keys)
+    if slots is None:
+        if not all(isinstance(key, tuple) and len(key) == 2 for key in keys):
+            return None
+        slots = _remember_slots(streams, keys, reader.slots([key[0] for key in keys],
+                                                            [key[1] for key in keys]))
+    per_label = {}
+    for plan_label, arrays in labels.items():
+        if np.array_equal(arrays.slots, slots) and np.array_equal(arrays.counts, lengths):
+            per_label[plan_label] = flat.astype(np.int64, copy=False)
+        elif np.isin(arrays.slots, slots).any():
+            return None
+    if not per_label:
+        return None
+    order = np.argsort(slots)
+    deepest = np.maximum.reduceat(flat, np.cumsum(lengths) - lengths).astype(np.int64)
+    return Speculation(None, per_label, slots[order], deepest[order], {})
+
+
+def _trees(reader: "StepReader", depths: Mapping, groups: Mapping[str, Sequence[Any]],
+           labels: Mapping[str, "LabelArrays"]) -> Speculation:
+    """Any layout, one stream at a time; names what is wrong."""
     named: Dict[int, np.ndarray] = {}
     for stream, values in depths.items():
         if not isinstance(stream, tuple) or len(stream) != 2:
@@ -150,14 +213,14 @@ def read(reader: "StepReader", step: PositionStep, groups: Mapping[str, Sequence
         raise ValueError(f"step.depths names stream {missing[0]!r}, which has no view in the step")
     order = sorted(named)
     return Speculation(None, per_label, np.asarray(order, np.int64),
-                       np.asarray([named[s].max() for s in order], np.int64))
+                       np.asarray([named[s].max() for s in order], np.int64), {})
 
 
-def attach(reader: "StepReader", step: PositionStep, arrays: "StepArrays",
+def attach(reader: "StepReader", streams: StreamTable, step: PositionStep, arrays: "StepArrays",
            scheme: Scheme) -> "StepArrays":
     """``arrays`` with the step's :class:`Speculation` (a draft step also commits nothing but
     its post-forks); ``arrays`` itself for a step without depths."""
-    spec = read(reader, step, arrays.groups, arrays.labels, scheme)
+    spec = read(reader, streams, step, arrays.groups, arrays.labels, scheme)
     if spec is None:
         return arrays
     commit = arrays.commit
@@ -175,7 +238,9 @@ def positions(base: Columns, arrays: "StepArrays", plan_label: str,
     """
     spec, label = arrays.speculation, arrays.labels[plan_label]
     if spec.draft is not None:
-        planned, _ = rules.plan_draft(base, label.slots, label.counts, spec.draft, 0, max_seq_len)
+        planned, spec.live[plan_label] = rules.plan_draft(base, label.slots, label.counts,
+                                                          spec.draft, 0, max_seq_len,
+                                                          num_tokens=label.num_tokens)
         return planned
     depths = spec.depths.get(plan_label)
     if depths is None:
@@ -192,15 +257,11 @@ def positions(base: Columns, arrays: "StepArrays", plan_label: str,
     return planned
 
 
-def live(base: Columns, arrays: "StepArrays", max_seq_len: int) -> Dict[str, np.ndarray]:
-    """``{plan_label: bool [tokens]}`` of a draft step (False: past ``max_seq_len``, planned
-    at 0); empty for any other step."""
+def live(arrays: "StepArrays") -> Dict[str, np.ndarray]:
+    """``{plan_label: bool [tokens]}`` of a planned draft step (False: past ``max_seq_len``,
+    planned at 0); empty for any other step."""
     spec = arrays.speculation
-    if spec is None or spec.draft is None:
-        return {}
-    return {plan_label: rules.plan_draft(base, label.slots, label.counts, spec.draft, 0,
-                                         max_seq_len)[1]
-            for plan_label, label in arrays.labels.items() if plan_label not in arrays.explicit}
+    return {} if spec is None else spec.live
 
 
 def same_depths(a: Any, b: Any) -> bool:
@@ -242,23 +303,18 @@ def accepted_commit(reader: "StepReader", streams: StreamTable, plan: "Plan",
     if plan.step.advance is not None and not isinstance(plan.step.advance, Mapping):
         raise ValueError(f"accepted: the step's advance={plan.step.advance!r} already sets every "
                          "stream's advance")
-    named, counts = _live_entries(streams, plan, accepted)
-    slots = reader.slots([s[0] for s in named], [s[1] for s in named]) if named else _EMPTY
-    values = _counts(counts, named)
-    present = np.isin(slots, commit.slots)
-    if not present.all():
-        stream = named[int(np.argmin(present))]
-        why = ("has an explicit step.advance" if np.isin(reader.slot(*stream), commit.adv_slots)
-               else "has no segment in the planned step")
-        raise ValueError(f"accepted names stream {stream!r}, which {why}")
-    unique, inverse = np.unique(commit.slots, return_inverse=True)
-    totals = np.bincount(inverse, weights=commit.spans, minlength=len(unique)).astype(np.int64)
-    spans = totals[np.searchsorted(unique, slots)]
+    named, slots, values = _named(reader, streams, plan, accepted)
+    # Every segment named, in order (a decode batch): its spans without lookups.
+    every = not len(commit.adv_slots) and np.array_equal(slots, commit.slots)
+    spans = commit.spans if every else _spans(reader, plan, named, slots)
     deepest = spans - 1
     if spec is not None and len(spec.tree_slots):
-        tree = np.isin(slots, spec.tree_slots)
-        deepest[tree] = spec.tree_depths[np.searchsorted(spec.tree_slots, slots[tree])]
-        left_out = np.isin(spec.tree_slots, commit.slots) & ~np.isin(spec.tree_slots, slots)
+        # tree_slots is sorted: a search finds each named stream's tree, if it has one.
+        at = np.minimum(np.searchsorted(spec.tree_slots, slots), len(spec.tree_slots) - 1)
+        tree = spec.tree_slots[at] == slots
+        deepest[tree] = spec.tree_depths[at[tree]]
+        left_out = _EMPTY if every else np.isin(spec.tree_slots, commit.slots) & ~np.isin(
+            spec.tree_slots, slots)
         if left_out.any():
             raise ValueError(f"stream {_stream_of(plan, int(spec.tree_slots[left_out][0]))!r} was "
                              "planned with step.depths (a draft tree): name it in accepted")
@@ -267,8 +323,8 @@ def accepted_commit(reader: "StepReader", streams: StreamTable, plan: "Plan",
         i = int(np.argmax(bad))
         raise ValueError(f"accepted[{named[i]!r}]={int(values[i])} must be in [0, {int(deepest[i])}] "
                          "(the drafts of its view)")
-    rejected = slots[values + 1 != spans]
-    if staged is not None and len(rejected):
+    rejected = _EMPTY if staged is None else slots[values + 1 != spans]
+    if len(rejected):
         numbered = np.concatenate([label.slots for label in staged.arrays.labels.values()]
                                   + [staged.commit.touched])
         clash = np.isin(rejected, numbered)
@@ -276,11 +332,66 @@ def accepted_commit(reader: "StepReader", streams: StreamTable, plan: "Plan",
             raise ValueError(f"accepted rejects drafts of stream {_stream_of(plan, int(rejected[clash][0]))!r}"
                              ", which the staged plan numbers as if they were kept: clear_preplan "
                              "before this commit, then plan that step again")
+    if every:
+        return CommitArrays(adv_slots=slots, adv_amounts=values + 1, fork_src=commit.fork_src,
+                            fork_dst=commit.fork_dst)
     keep = ~np.isin(commit.slots, slots)
     return CommitArrays(commit.slots[keep], commit.spans[keep],
                         np.concatenate([commit.adv_slots, slots]),
                         np.concatenate([commit.adv_amounts, values + 1]),
                         commit.fork_src, commit.fork_dst)
+
+
+# (slot epoch, keys, their slots) of the last streams named, per stream table: a decode
+# batch names the same streams step after step (in its depths and in accepted). The epoch
+# changes on every ingest and remove, the only changes of a stream's slot.
+_NAMED: "weakref.WeakKeyDictionary[StreamTable, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _cached_slots(streams: StreamTable, keys: tuple) -> Optional[np.ndarray]:
+    """The slots of ``keys`` when they were the last named and no slot changed since."""
+    cached = _NAMED.get(streams)
+    if cached is not None and cached[0] == streams.epoch and cached[1] == keys:
+        return cached[2]
+    return None
+
+
+def _remember_slots(streams: StreamTable, keys: tuple, slots: np.ndarray) -> np.ndarray:
+    slots.flags.writeable = False  # shared by later steps
+    _NAMED[streams] = (streams.epoch, keys, slots)
+    return slots
+
+
+def _named(reader: "StepReader", streams: StreamTable, plan: "Plan", accepted: Mapping):
+    """``(streams, int64 slots, int64 counts)`` of ``accepted``, checked, without the entries
+    of requests removed since the plan."""
+    keys = tuple(accepted)
+    slots = _cached_slots(streams, keys)
+    if slots is not None:  # the same keys, all known and checked, no slot changed
+        named, counts = keys, list(accepted.values())
+    else:
+        named, counts = _live_entries(streams, plan, accepted)
+        slots = reader.slots([s[0] for s in named], [s[1] for s in named]) if named else _EMPTY
+        if len(named) == len(keys):
+            _remember_slots(streams, keys, slots)
+    # Python and signed numpy ints convert exactly; bools and the rest: _counts checks them.
+    if all(kind is int or issubclass(kind, np.signedinteger) for kind in set(map(type, counts))):
+        return named, slots, np.fromiter(counts, np.int64, len(counts))
+    return named, slots, _counts(counts, named)
+
+
+def _spans(reader: "StepReader", plan: "Plan", named: Sequence[Any], slots: np.ndarray) -> np.ndarray:
+    """Each named stream's span in the plan's commit (its segments added up)."""
+    commit = plan.commit
+    present = np.isin(slots, commit.slots)
+    if not present.all():
+        stream = named[int(np.argmin(present))]
+        why = ("has an explicit step.advance" if np.isin(reader.slot(*stream), commit.adv_slots)
+               else "has no segment in the planned step")
+        raise ValueError(f"accepted names stream {stream!r}, which {why}")
+    unique, inverse = np.unique(commit.slots, return_inverse=True)
+    totals = np.bincount(inverse, weights=commit.spans, minlength=len(unique)).astype(np.int64)
+    return totals[np.searchsorted(unique, slots)]
 
 
 def _live_entries(streams: StreamTable, plan: "Plan", accepted: Mapping):

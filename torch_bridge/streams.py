@@ -160,14 +160,26 @@ def tree_depths(parents: np.ndarray) -> np.ndarray:
 
 
 def plan_draft(columns: Columns, slots: np.ndarray, counts: np.ndarray, step: int, offset: int,
-               max_seq_len: int, mrope: bool = False) -> Tuple[np.ndarray, np.ndarray]:
+               max_seq_len: int, mrope: bool = False,
+               num_tokens: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
     """``(positions, live)`` of EAGLE draft step ``step`` (twin of ``speculative.plan_draft``):
     every token at sequence index ``counter + offset + step`` (plus the delta on each
-    M-RoPE row); a token whose index is outside ``[0, max_seq_len)`` is at 0 and not live."""
-    index = np.repeat(columns.counters[slots] + (offset + step), counts)
+    M-RoPE row); a token whose index is outside ``[0, max_seq_len)`` is at 0 and not live.
+    ``num_tokens``: ``sum(counts)`` when the caller knows it."""
+    if num_tokens is None:
+        num_tokens = int(counts.sum())
+    # Every view one token (a chain's draft step); a view may hold none, so check the max.
+    one_each = num_tokens == len(counts) and (num_tokens == 0 or counts.max() == 1)
+    index = columns.counters[slots] + (offset + step)
+    if not one_each:
+        index = np.repeat(index, counts)
     live = (index >= 0) & (index < max_seq_len)
-    positions = index + np.repeat(columns.deltas[slots], counts) if mrope else index
-    positions = np.where(live, positions, 0).astype(np.int32)
+    if mrope:
+        deltas = columns.deltas[slots]
+        positions = index + (deltas if one_each else np.repeat(deltas, counts))
+    else:
+        positions = index
+    positions = (positions if live.all() else np.where(live, positions, 0)).astype(np.int32)
     return (np.broadcast_to(positions, (3, len(index))) if mrope else positions), live
 
 
