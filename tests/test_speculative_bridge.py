@@ -294,3 +294,21 @@ def test_the_vectorised_tree_reader_accepts_only_what_the_per_stream_reader_acce
         assert fast.tree_slots.tolist() == slow.tree_slots.tolist()
         assert fast.tree_depths.tolist() == slow.tree_depths.tolist()
     assert fast_hits > 300
+
+
+@pytest.mark.parametrize("count", [True, 1.0, "1", None])
+def test_streams_named_again_with_a_bad_count_are_refused_as_the_first_time(count):
+    # The second commit finds the streams' slots remembered; its counts are still checked.
+    mgr = make()
+    ingest(mgr, a=10, b=20)
+    step = verify_step(a=2, b=2)
+    for _ in range(2):
+        mgr.plan(step, ctx("a", "b"))
+        mgr.commit(step, ctx("a", "b"), accepted={("a", "text"): 1, ("b", "text"): np.int32(0)})
+    mgr.plan(step, ctx("a", "b"))
+    before = mgr.state_snapshot()
+    with pytest.raises(ValueError, match=r"accepted\[\('b', 'text'\)\]=.* must be an int"):
+        mgr.commit(step, ctx("a", "b"), accepted={("a", "text"): 1, ("b", "text"): count})
+    assert mgr.state_snapshot() == before
+    mgr.commit(step, ctx("a", "b"), accepted={("a", "text"): 1, ("b", "text"): 0})
+    assert (mgr.position("a", "text"), mgr.position("b", "text")) == (16, 23)
