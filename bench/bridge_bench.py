@@ -23,7 +23,9 @@ plan + commit within 1.2x of it):
 - ``draft[256x4]/chain``: a verify step of 3 chain drafts per request, committed with
   per-request accepted counts (random, drawn before timing) vs ``decode[1024x1]``;
 - ``draft[256x8]/tree``: a draft tree of 8 tokens per request (``PositionStep.depths``),
-  committed with accepted counts, vs ``decode[2048x1]``;
+  committed with accepted counts, vs ``decode[2048x1]``; the rows of one depth array;
+- ``draft[256x8]/tree-shared``: the same with one tuple for every request (a fixed tree
+  shape), which the bridge reads once;
 - ``drafter[256x1]/step``: an EAGLE draft step (``depths=2``: one token per request at
   ``counter + 2``, nothing committed) vs ``decode[256x1]``.
 
@@ -63,11 +65,13 @@ def _manager(device: torch.device, launcher: str = "jax") -> RopeManager:
     return RopeManager(PositionConfig(rope=rope), device, max_seq_len=1 << 20, launcher=launcher)
 
 
-def _steps(rids: List[str], span: int, count: int,
-           depths=None) -> List[Tuple[PositionStep, StepContext]]:
-    if isinstance(depths, tuple):  # a tree per request, as an engine holds them: rows of one array
-        rows = np.tile(np.asarray(depths, np.int64), (len(rids), 1))
-        depths = dict(zip(((rid, "text") for rid in rids), rows))
+def _steps(rids: List[str], span: int, count: int, depths=None,
+           shared: bool = False) -> List[Tuple[PositionStep, StepContext]]:
+    if isinstance(depths, tuple):
+        keys = [(rid, "text") for rid in rids]
+        # One tree shape for all (the tuple itself), or a tree per request: rows of one array.
+        depths = (dict.fromkeys(keys, depths) if shared
+                  else dict(zip(keys, np.tile(np.asarray(depths, np.int64), (len(rids), 1)))))
     out = []
     for _ in range(count):
         step = PositionStep(tuple(Segment(rid, "text", span) for rid in rids), depths=depths)
@@ -121,9 +125,10 @@ def timed_steps(mgr: RopeManager, steps, preplan: bool, warmup: int, device: tor
 
 
 def _case(device: torch.device, requests: int, span: int, count: int, depths=None,
-          accept: int = -1):
+          accept: int = -1, shared: bool = False):
     """``(manager, steps, accepted)`` of ``count`` steps; ``depths``: ``PositionStep.depths`` (a
-    tuple: every request's tree); ``accept >= 0``: accepted counts drawn in ``[0, accept]``."""
+    tuple: every request's tree, ``shared``: the one object); ``accept >= 0``: accepted
+    counts drawn in ``[0, accept]``."""
     mgr = _manager(device)
     rids = [f"r{i}" for i in range(requests)]
     for rid in rids:
@@ -132,7 +137,7 @@ def _case(device: torch.device, requests: int, span: int, count: int, depths=Non
     if accept >= 0:
         draws = np.random.default_rng(0).integers(0, accept + 1, (count, requests))
         accepted = [{(rid, "text"): int(a) for rid, a in zip(rids, row)} for row in draws]
-    return mgr, _steps(rids, span, count, depths), accepted
+    return mgr, _steps(rids, span, count, depths, shared), accepted
 
 
 def _timings(plan_s: List[float], commit_s: List[float]) -> Dict[str, dict]:
@@ -155,6 +160,8 @@ def bench_speculative(device: torch.device, requests: int, iters: int, warmup: i
     timed in ``rounds`` alternating chunks so that both see the same load on the host."""
     cases = {f"draft[{requests}x4]/chain": (dict(span=4, accept=3), 4),
              f"draft[{requests}x8]/tree": (dict(span=8, depths=TREE, accept=max(TREE)), 8),
+             f"draft[{requests}x8]/tree-shared": (dict(span=8, depths=TREE, accept=max(TREE),
+                                                       shared=True), 8),
              f"drafter[{requests}x1]/step": (dict(span=1, depths=2), 1)}
     out: Dict[str, dict] = {}
     print(f"speculative plan + commit host time on {device} (target: <= {SPECULATIVE_RATIO}x a "
@@ -174,7 +181,7 @@ def bench_speculative(device: torch.device, requests: int, iters: int, warmup: i
         ratio = ours["plan+commit"]["median_us"] / base["plan+commit"]["median_us"]
         out[key] = {**ours, "baseline": plain, "baseline_plan+commit": base["plan+commit"],
                     "ratio": ratio, "target_ratio": SPECULATIVE_RATIO}
-        print(f"  {key:22s} {ours['plan+commit']['median_us']:7.1f} us vs {plain:20s} "
+        print(f"  {key:27s} {ours['plan+commit']['median_us']:7.1f} us vs {plain:20s} "
               f"{base['plan+commit']['median_us']:7.1f} us: {ratio:.2f}x")
     return out
 

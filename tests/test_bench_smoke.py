@@ -216,6 +216,7 @@ def test_bridge_bench_quick_run_times_every_case_and_writes_json(tmp_path):
     speculative = written["speculative"]
     assert {key: case["baseline"] for key, case in speculative.items()} == {
         "draft[32x4]/chain": "decode[128x1]/eager", "draft[32x8]/tree": "decode[256x1]/eager",
+        "draft[32x8]/tree-shared": "decode[256x1]/eager",
         "drafter[32x1]/step": "decode[32x1]/eager"}
     for key, case in speculative.items():
         assert case["target_ratio"] == 1.2 and case["plan+commit"]["n"] == 40, key

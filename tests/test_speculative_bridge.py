@@ -226,8 +226,9 @@ def test_streams_named_again_after_a_remove_and_reingest_use_their_new_slots():
 def _tree_records(rng, rids):
     """A random verify step (streams in random order) and depths in the forms an engine may
     send, well formed or not."""
-    views = [(rid, label, int(rng.integers(0, 4))) for rid in rids for label in ("cond", "uncond")
-             if rng.random() < 0.6]
+    fixed = int(rng.integers(1, 4)) if rng.random() < 0.3 else None     # one tree shape
+    views = [(rid, label, fixed or int(rng.integers(0, 4))) for rid in rids
+             for label in ("cond", "uncond") if rng.random() < 0.6]
     rng.shuffle(views)
     if rng.random() < 0.5:      # every view of one label, in order: the common layout
         named = [v for v in views if v[1] == "cond"]
@@ -247,6 +248,9 @@ def _tree_records(rng, rids):
             "uint8": lambda: np.abs(values).astype(np.uint8), "bool": lambda: values > 1,
             "float": lambda: values.astype(float).tolist(), "set": lambda: set(values.tolist()),
             "2d": lambda: values[None]}[form]()
+    if fixed and depths and rng.random() < 0.7:     # one tree object shared by every stream
+        shared = next(iter(depths.values()))
+        depths = dict.fromkeys(depths, shared)
     return PositionStep(tuple(Segment(*v) for v in views), depths=depths)
 
 
@@ -266,7 +270,7 @@ def test_the_vectorised_tree_reader_accepts_only_what_the_per_stream_reader_acce
     rids = [f"r{i}" for i in range(5)]
     for rid in rids:
         streams.ingest(rid)
-    reader, fast_hits = StepReader(streams, "kv"), 0
+    reader, fast_hits, shared_hits = StepReader(streams, "kv"), 0, 0
     for _ in range(3000):
         step = _tree_records(rng, rids)
         try:
@@ -284,6 +288,7 @@ def test_the_vectorised_tree_reader_accepts_only_what_the_per_stream_reader_acce
         if fast is None:
             continue
         fast_hits += 1
+        shared_hits += len(set(map(id, step.depths.values()))) == 1 < len(step.depths)
         if isinstance(fast, tuple) and isinstance(fast[0], type):
             assert fast == slow, step
             continue
@@ -293,7 +298,7 @@ def test_the_vectorised_tree_reader_accepts_only_what_the_per_stream_reader_acce
             assert depths.dtype == np.int64 and depths.tolist() == slow.depths[label].tolist()
         assert fast.tree_slots.tolist() == slow.tree_slots.tolist()
         assert fast.tree_depths.tolist() == slow.tree_depths.tolist()
-    assert fast_hits > 300
+    assert fast_hits > 300 and shared_hits > 50
 
 
 @pytest.mark.parametrize("count", [True, 1.0, "1", None])

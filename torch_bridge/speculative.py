@@ -137,27 +137,14 @@ def _trees_at_once(reader: "StepReader", streams: StreamTable, depths: Mapping,
     keys, values = tuple(depths), list(depths.values())
     if not keys:
         return None
-    kinds = set(map(type, values))
-    try:
-        lengths = np.fromiter(map(len, values), np.int64, len(values))
-        if kinds == {np.ndarray}:
-            # An engine's rows of its depth array: no Python int each. Each row's dtype is
-            # checked, since a concatenation would turn a bool row into ints; arrays of
-            # other ndims do not concatenate with 1-D ones.
-            if any(d.kind not in "iu" for d in set(map(_DTYPE, values))):
-                return None
-            flat = np.concatenate(values)
-        elif kinds <= {tuple, list}:
-            items = list(itertools.chain.from_iterable(values))
-            if not set(map(type, items)) <= {int}:  # bools, floats, numpy scalars: _trees
-                return None
-            flat = np.asarray(items, np.int64)
-        else:
-            return None
-    except (TypeError, ValueError, OverflowError):
+    # One tree object for every stream (a fixed tree shape): read it once.
+    shared = len(set(map(id, values))) == 1
+    read = _flat(values[:1] if shared else values)
+    if read is None:
         return None
-    if flat.ndim != 1 or flat.dtype.kind not in "iu" or not lengths.all() or flat.min() < 0:
-        return None
+    lengths, flat = read
+    if shared:
+        lengths, flat = np.repeat(lengths, len(values)), np.tile(flat, len(values))
     slots = _cached_slots(streams, keys)
     if slots is None:
         if not all(isinstance(key, tuple) and len(key) == 2 for key in keys):
@@ -175,6 +162,33 @@ def _trees_at_once(reader: "StepReader", streams: StreamTable, depths: Mapping,
     order = np.argsort(slots)
     deepest = np.maximum.reduceat(flat, np.cumsum(lengths) - lengths).astype(np.int64)
     return Speculation(None, per_label, slots[order], deepest[order], {})
+
+
+def _flat(values: Sequence[Any]):
+    """``(int64 lengths, concatenated depths)`` of depth lists that ``_trees`` would accept,
+    for the forms read without a Python int each; None for any other (``_trees`` decides)."""
+    kinds = set(map(type, values))
+    try:
+        lengths = np.fromiter(map(len, values), np.int64, len(values))
+        if kinds == {np.ndarray}:
+            # An engine's rows of its depth array. Each row's dtype is checked, since a
+            # concatenation would turn a bool row into ints; arrays of other ndims do not
+            # concatenate with 1-D ones.
+            if any(d.kind not in "iu" for d in set(map(_DTYPE, values))):
+                return None
+            flat = np.concatenate(values)
+        elif kinds <= {tuple, list}:
+            items = list(itertools.chain.from_iterable(values))
+            if not set(map(type, items)) <= {int}:  # bools, floats, numpy scalars: _trees
+                return None
+            flat = np.asarray(items, np.int64)
+        else:
+            return None
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if flat.ndim != 1 or flat.dtype.kind not in "iu" or not lengths.all() or flat.min() < 0:
+        return None
+    return lengths, flat
 
 
 def _trees(reader: "StepReader", depths: Mapping, groups: Mapping[str, Sequence[Any]],
