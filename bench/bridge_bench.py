@@ -16,6 +16,19 @@ and the device drained, outside the timed spans; the step records are built befo
 timing (the engine's cost, not the manager's). Targets on the H200's host: plan + commit
 <= 50 us median for decode, <= 60 us for prefill.
 
+Speculative steps (``--quick``: 32 requests instead of 256), eager, each timed beside a
+plain decode step of the same token count, in alternating rounds (issue 16's target:
+plan + commit within 1.2x of it):
+
+- ``draft[256x4]/chain``: a verify step of 3 chain drafts per request, committed with
+  per-request accepted counts (random, drawn before timing) vs ``decode[1024x1]``;
+- ``draft[256x8]/tree``: a draft tree of 8 tokens per request (``PositionStep.depths``),
+  committed with accepted counts, vs ``decode[2048x1]``; the rows of one depth array;
+- ``draft[256x8]/tree-shared``: the same with one tuple for every request (a fixed tree
+  shape), which the bridge reads once;
+- ``drafter[256x1]/step``: an EAGLE draft step (``depths=2``: one token per request at
+  ``counter + 2``, nothing committed) vs ``decode[256x1]``.
+
 ``apply_qk``: q ``[T, 32, 128]``, k ``[T, 8, 128]`` bf16 on CUDA (CPU or ``--quick``:
 ``[T, 8, 128]``, ``[T, 2, 128]`` float32), T in (64, 16384) (CPU: 64, 1024), wall time
 per call with one sync per batch (dispatch included), for each launcher ("auto": the
@@ -33,6 +46,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 import jaxrope as jr
@@ -41,6 +55,9 @@ from torch_bridge import (KVPlanOutput, KVView, PositionConfig, PositionStep, Ro
                           StepContext)
 
 TARGETS_US = {"decode": 50.0, "prefill": 60.0}
+# A speculative step's plan + commit against a decode step of as many tokens (issue 16).
+SPECULATIVE_RATIO = 1.2
+TREE = (0, 1, 1, 1, 1, 2, 2, 3)   # 8 tokens: the root, 4 children, 2 grandchildren, 1 below
 
 
 def _manager(device: torch.device, launcher: str = "jax") -> RopeManager:
@@ -48,10 +65,16 @@ def _manager(device: torch.device, launcher: str = "jax") -> RopeManager:
     return RopeManager(PositionConfig(rope=rope), device, max_seq_len=1 << 20, launcher=launcher)
 
 
-def _steps(rids: List[str], span: int, count: int) -> List[Tuple[PositionStep, StepContext]]:
+def _steps(rids: List[str], span: int, count: int, depths=None,
+           shared: bool = False) -> List[Tuple[PositionStep, StepContext]]:
+    if isinstance(depths, tuple):
+        keys = [(rid, "text") for rid in rids]
+        # One tree shape for all (the tuple itself), or a tree per request: rows of one array.
+        depths = (dict.fromkeys(keys, depths) if shared
+                  else dict(zip(keys, np.tile(np.asarray(depths, np.int64), (len(rids), 1)))))
     out = []
     for _ in range(count):
-        step = PositionStep(tuple(Segment(rid, "text", span) for rid in rids))
+        step = PositionStep(tuple(Segment(rid, "text", span) for rid in rids), depths=depths)
         views = tuple(KVView(rid, "text", span) for rid in rids)
         kv = {"kv": {"attn": KVPlanOutput(views)}}
         out.append((step, StepContext(tuple(rids), plan_results=kv)))
@@ -63,9 +86,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_steps(mgr: RopeManager, steps, preplan: bool, warmup: int,
-                device: torch.device) -> Tuple[List[float], List[float]]:
-    """Host seconds of each ``plan`` and ``commit`` after ``warmup`` steps (see the module doc)."""
+def timed_steps(mgr: RopeManager, steps, preplan: bool, warmup: int, device: torch.device,
+                accepted: Optional[List[dict]] = None) -> Tuple[List[float], List[float]]:
+    """Host seconds of each ``plan`` and ``commit`` after ``warmup`` steps (see the module doc);
+    ``accepted``: each eager step's ``commit(accepted=...)``."""
     rids = steps[0][1].request_ids
     plan_s, commit_s = [], []
     pre = StepContext(rids, is_preplan=True, plan_results=steps[0][1].plan_results)
@@ -88,10 +112,11 @@ def timed_steps(mgr: RopeManager, steps, preplan: bool, warmup: int,
             mgr.commit(*steps[i - 1])
             t2 = time.perf_counter()
         else:
+            extra = {} if accepted is None else {"accepted": accepted[i]}
             t0 = time.perf_counter()
             mgr.plan(*steps[i])
             t1 = time.perf_counter()
-            mgr.commit(*steps[i])
+            mgr.commit(*steps[i], **extra)
             t2 = time.perf_counter()
         if i >= warmup:
             plan_s.append(t1 - t0)
@@ -99,19 +124,66 @@ def timed_steps(mgr: RopeManager, steps, preplan: bool, warmup: int,
     return plan_s, commit_s
 
 
-def bench_plan_commit(device: torch.device, requests: int, span: int, iters: int, warmup: int,
-                      preplan: bool) -> Dict[str, dict]:
+def _case(device: torch.device, requests: int, span: int, count: int, depths=None,
+          accept: int = -1, shared: bool = False):
+    """``(manager, steps, accepted)`` of ``count`` steps; ``depths``: ``PositionStep.depths`` (a
+    tuple: every request's tree, ``shared``: the one object); ``accept >= 0``: accepted
+    counts drawn in ``[0, accept]``."""
     mgr = _manager(device)
     rids = [f"r{i}" for i in range(requests)]
     for rid in rids:
         mgr.ingest_request(rid)
-    plan_s, commit_s = timed_steps(mgr, _steps(rids, span, iters + warmup), preplan, warmup,
-                                   device)
+    accepted = None
+    if accept >= 0:
+        draws = np.random.default_rng(0).integers(0, accept + 1, (count, requests))
+        accepted = [{(rid, "text"): int(a) for rid, a in zip(rids, row)} for row in draws]
+    return mgr, _steps(rids, span, count, depths, shared), accepted
+
+
+def _timings(plan_s: List[float], commit_s: List[float]) -> Dict[str, dict]:
     how = "host perf_counter span of the call, no device sync inside"
     return {"plan": timing.Timing.from_seconds(plan_s, how).as_dict(),
             "commit": timing.Timing.from_seconds(commit_s, how).as_dict(),
             "plan+commit": timing.Timing.from_seconds(
                 [p + c for p, c in zip(plan_s, commit_s)], how).as_dict()}
+
+
+def bench_plan_commit(device: torch.device, requests: int, span: int, iters: int, warmup: int,
+                      preplan: bool) -> Dict[str, dict]:
+    mgr, steps, _ = _case(device, requests, span, iters + warmup)
+    return _timings(*timed_steps(mgr, steps, preplan, warmup, device))
+
+
+def bench_speculative(device: torch.device, requests: int, iters: int, warmup: int,
+                      rounds: int = 5) -> Dict[str, dict]:
+    """Each speculative case beside a plain decode step of its token count (module doc),
+    timed in ``rounds`` alternating chunks so that both see the same load on the host."""
+    cases = {f"draft[{requests}x4]/chain": (dict(span=4, accept=3), 4),
+             f"draft[{requests}x8]/tree": (dict(span=8, depths=TREE, accept=max(TREE)), 8),
+             f"draft[{requests}x8]/tree-shared": (dict(span=8, depths=TREE, accept=max(TREE),
+                                                       shared=True), 8),
+             f"drafter[{requests}x1]/step": (dict(span=1, depths=2), 1)}
+    out: Dict[str, dict] = {}
+    print(f"speculative plan + commit host time on {device} (target: <= {SPECULATIVE_RATIO}x a "
+          "decode step of the same token count)")
+    chunk = max(1, iters // rounds)
+    for key, (kwargs, tokens) in cases.items():
+        pair = {"ours": _case(device, requests, count=chunk + warmup, **kwargs),
+                "base": _case(device, requests * tokens, 1, chunk + warmup)}
+        samples = {name: ([], []) for name in pair}
+        for _ in range(rounds):
+            for name, (mgr, steps, accepted) in pair.items():
+                plan_s, commit_s = timed_steps(mgr, steps, False, warmup, device, accepted)
+                samples[name][0].extend(plan_s)
+                samples[name][1].extend(commit_s)
+        ours, base = (_timings(*samples[name]) for name in ("ours", "base"))
+        plain = f"decode[{requests * tokens}x1]/eager"
+        ratio = ours["plan+commit"]["median_us"] / base["plan+commit"]["median_us"]
+        out[key] = {**ours, "baseline": plain, "baseline_plan+commit": base["plan+commit"],
+                    "ratio": ratio, "target_ratio": SPECULATIVE_RATIO}
+        print(f"  {key:27s} {ours['plan+commit']['median_us']:7.1f} us vs {plain:20s} "
+              f"{base['plan+commit']['median_us']:7.1f} us: {ratio:.2f}x")
+    return out
 
 
 def _qk(device: torch.device, tokens: int, q_heads: int, k_heads: int, dtype: torch.dtype):
@@ -173,6 +245,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
             print(f"  {key:28s} plan {r['plan']['median_us']:7.1f}  commit "
                   f"{r['commit']['median_us']:7.1f}  sum {total['median_us']:7.1f} "
                   f"(p90 {total['p90_us']:.1f}) us")
+
+    report["speculative"] = bench_speculative(device, 32 if args.quick else 256, args.iters,
+                                              args.warmup)
 
     small = args.quick or not on_gpu
     q_heads, k_heads = (8, 2) if small else (32, 8)

@@ -3,7 +3,7 @@
 The public API is the list below; every other module is an implementation detail.
 """
 
-from jaxrope import cases, hf, models, mrope, positions, wire
+from jaxrope import cases, hf, models, mrope, positions, speculative, wire
 from jaxrope.apply import apply_rope
 from jaxrope.backend import BACKENDS
 from jaxrope.config import RopeConfig
@@ -34,5 +34,6 @@ __all__ = [
     "models",
     "mrope",
     "positions",
+    "speculative",
     "wire",
 ]

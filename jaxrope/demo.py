@@ -4,7 +4,7 @@ Usage::
 
   python -m jaxrope.demo [--model {llama3.1,qwen2.5-yarn,phi3-longrope,deepseek-v2,
                                    qwen2-vl,qwen2.5-vl,qwen3-vl,glm-4.1v}]
-                         [--steps N] [--device {auto,cpu,cuda}] [--seed S]
+                         [--steps N] [--device {auto,cpu,cuda}] [--seed S] [--speculative]
 
 The demo drives the PyTorch facade, so its implementation lives in
 :mod:`torch_bridge.demo` (see there for the trace and the checks); this entry point

@@ -150,7 +150,7 @@ def _set(column: jax.Array, slots: jax.Array, values) -> jax.Array:
 
 
 def plan(table: PositionTable, slots: jax.Array, counts: jax.Array, out: jax.Array, *,
-         scheme: Scheme = Scheme.SEQUENTIAL) -> jax.Array:
+         scheme: Scheme = Scheme.SEQUENTIAL, depths: Optional[jax.Array] = None) -> jax.Array:
     """Position ids for an ordered list of views, written over ``out``.
 
     Args:
@@ -164,10 +164,15 @@ def plan(table: PositionTable, slots: jax.Array, counts: jax.Array, out: jax.Arr
       scheme: SEQUENTIAL numbers view ``v``'s tokens ``counter[v] + arange(counts[v])``;
         BLOCK gives them all ``counter[v]``. M-RoPE adds the stream's delta, the same
         on all three rows (text after the prompt advances every row together).
+      depths: int32 ``[N]`` or None (default): token ``t`` at ``counter + depths[t]``
+        instead of the scheme's numbering (a draft tree's tokens sit at the counter
+        plus their depth: :mod:`jaxrope.speculative`); entries past ``sum(counts)``
+        are ignored.
 
     Returns:
       int32, ``out``'s shape.
     """
+    sequential = _scheme(scheme) is Scheme.SEQUENTIAL
     counts = counts.astype(jnp.int32)
     ends = jnp.cumsum(counts)
     starts = ends - counts
@@ -182,7 +187,9 @@ def plan(table: PositionTable, slots: jax.Array, counts: jax.Array, out: jax.Arr
     if out.ndim == 2:
         base = base + read(table, slots, "deltas")
     base = base[view]
-    if _scheme(scheme) is Scheme.SEQUENTIAL:
+    if depths is not None:
+        base = base + depths.astype(jnp.int32)
+    elif sequential:
         base = base + token - starts[view]
     live = token < ends[-1] if counts.shape[0] else jnp.zeros_like(token, bool)
     base, live = jnp.broadcast_to(base, out.shape), jnp.broadcast_to(live, out.shape)

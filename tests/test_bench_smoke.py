@@ -212,3 +212,13 @@ def test_bridge_bench_quick_run_times_every_case_and_writes_json(tmp_path):
         assert 0 < case["plan"]["median_us"] <= case["plan+commit"]["median_us"] * 2, key
     assert {key.split("/")[1] for key in written["apply_qk"]} == {"jax"}
     assert written["run"]["command"].startswith("python -m bench.bridge_bench")
+    # Speculative steps, each beside a decode step of its token count (issue 16's target).
+    speculative = written["speculative"]
+    assert {key: case["baseline"] for key, case in speculative.items()} == {
+        "draft[32x4]/chain": "decode[128x1]/eager", "draft[32x8]/tree": "decode[256x1]/eager",
+        "draft[32x8]/tree-shared": "decode[256x1]/eager",
+        "drafter[32x1]/step": "decode[32x1]/eager"}
+    for key, case in speculative.items():
+        assert case["target_ratio"] == 1.2 and case["plan+commit"]["n"] == 40, key
+        assert case["ratio"] == pytest.approx(case["plan+commit"]["median_us"]
+                                              / case["baseline_plan+commit"]["median_us"]), key

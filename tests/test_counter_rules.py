@@ -19,13 +19,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxrope import positions as core
+from jaxrope import speculative
 from jaxrope.positions import Scheme
 
 rules = pytest.importorskip("torch_bridge.streams", reason="torch_bridge needs torch")
 
 CAPACITY = 6
 SLOTS = st.integers(0, CAPACITY - 1)
-OPS = ("plan", "commit", "advance", "fork", "raise_to", "admit", "set_deltas", "rollback", "reset")
+OPS = ("plan", "commit", "advance", "fork", "raise_to", "admit", "set_deltas", "rollback", "reset",
+       "plan_chain", "plan_tree", "plan_draft", "accept")
+MAX_SEQ_LEN = 48
 
 
 @st.composite
@@ -61,14 +64,36 @@ def test_numpy_rules_match_the_core_transitions(start, ops, block_step):
     columns = rules.Columns(np.asarray(start, np.int64), np.zeros(CAPACITY, np.int64),
                             np.zeros(CAPACITY, np.int64))
     for op, slots, values, other, deltas, epochs, scheme, mrope in ops:
-        if op == "plan":
+        if op.startswith("plan"):
             counts = values % 4
-            out = jnp.zeros((3, int(counts.sum())) if mrope else (int(counts.sum()),), jnp.int32)
-            want = core.plan(table, _j(slots), _j(counts), out, scheme=scheme)
-            got = rules.plan(columns, slots, counts, scheme, mrope=mrope)
+            shape = lambda n: (3, n) if mrope else (n,)  # noqa: E731
+            out = jnp.zeros(shape(int(counts.sum())), jnp.int32)
+            if op == "plan":
+                want = core.plan(table, _j(slots), _j(counts), out, scheme=scheme)
+                got = rules.plan(columns, slots, counts, scheme, mrope=mrope)
+            elif op == "plan_chain":  # a chain of k drafts is a SEQUENTIAL view of k + 1
+                want = speculative.plan_chain(table, _j(slots), _j(counts), jnp.zeros(
+                    shape(int(counts.sum()) + len(counts)), jnp.int32))
+                got = rules.plan(columns, slots, counts + 1, Scheme.SEQUENTIAL, mrope=mrope)
+            elif op == "plan_tree":
+                depths = np.concatenate([np.zeros(0, np.int64)] + [
+                    np.minimum(np.arange(c), e) for c, e in zip(counts, epochs)])
+                want = speculative.plan_tree(table, _j(slots), _j(counts), _j(depths), out)
+                got = rules.plan(columns, slots, counts, scheme, mrope=mrope, depths=depths)
+            else:  # the EAGLE drafter's step 1..4, vLLM's or SGLang's numbering
+                step, offset = int(epochs.sum() % 4) + 1, -int(block_step % 2)
+                want, want_live = speculative.plan_draft(
+                    table, _j(slots), _j(counts), out, step=step, max_seq_len=MAX_SEQ_LEN,
+                    offset=offset)
+                got, live = rules.plan_draft(columns, slots, counts, step, offset, MAX_SEQ_LEN,
+                                             mrope=mrope)
+                assert live.tolist() == want_live.tolist(), (op, slots, counts)
             assert got.dtype == np.int32 and got.tolist() == want.tolist(), (op, slots, counts)
             continue
-        if op == "commit":
+        if op == "accept":
+            table = speculative.accept(table, _j(slots), _j(values))
+            rules.accept(columns, slots, values)
+        elif op == "commit":
             table = core.commit(table, _j(slots), _j(values), scheme=scheme, block_step=block_step)
             rules.commit(columns, slots, values, scheme, block_step)
         elif op == "advance":
@@ -131,3 +156,23 @@ def test_a_rollback_starts_a_new_epoch_that_admit_takes_over_a_higher_position()
     # A rollback that does not move the counter keeps the epoch.
     same = core.rollback(a, jnp.array([0], jnp.int32), jnp.array([30], jnp.int32))
     assert (same.counters.tolist(), same.epochs.tolist()) == ([17], [1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 9), min_size=0, max_size=4), data=st.data())
+def test_tree_depths_of_both_executors_agree_with_a_walk_to_the_root(sizes, data):
+    # Several trees in one flat layout, each token's parent earlier in its own tree.
+    parents, start = [], 0
+    for size in sizes:
+        parents.append(-1)
+        parents += [start + data.draw(st.integers(0, i - 1)) for i in range(1, size)]
+        start += size
+    parents = np.asarray(parents, np.int64)
+    walk = []
+    for t in range(len(parents)):
+        depth = 0
+        while parents[t] >= 0:
+            t, depth = parents[t], depth + 1
+        walk.append(depth)
+    assert rules.tree_depths(parents).tolist() == walk
+    assert speculative.tree_depths(_j(parents)).tolist() == walk

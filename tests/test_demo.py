@@ -206,6 +206,27 @@ def test_the_mrope_demo_passes_prefill_handoff_and_decode_on_each_vl_model(capsy
     assert "FAIL" not in out
 
 
+# ------------------------------------------------------------------------------ --speculative
+
+
+@needs_torch
+def test_the_speculative_demo_drafts_verifies_rolls_back_and_hands_over(capsys):
+    status, out = run_demo(capsys, "--speculative", "--steps", str(demo.MIN_ROUNDS))
+    assert status == 0, out
+    lines = out.splitlines()
+    assert lines[-1].startswith("verdict: PASS — "), lines[-1]
+    assert "draft and target layers, draft graph bucket 4" in lines[1]
+    handoff = next(line for line in lines if "handoff r1 A->B" in line)
+    published, rolled, epoch, taken = map(int, re.search(
+        r"published @(\d+) \(drafts\), rolled back @(\d+) epoch (\d+), B @(\d+)", handoff).groups())
+    assert published > rolled == taken and epoch == 1
+    echo = next(line for line in lines if "late echo r1" in line)
+    assert re.search(rf"late echo r1 @{published}: stays \d+", echo)
+    assert re.search(r"draft step 2 \(draft bucket [123]/4\)", out)
+    assert re.search(r"verify k=\d accepted r0:\d\*?", out) and "*" in out   # a committed-all stream
+    assert "FAIL" not in out
+
+
 @needs_torch
 def test_the_mrope_demo_fails_when_the_decode_node_loses_the_delta(capsys):
     # SGLang #8094 / Dynamo #5281: the handoff record arrives without its delta, so the
@@ -237,3 +258,19 @@ def test_the_mrope_demo_fails_when_a_prefill_rotates_image_tokens_as_text(capsys
     status, out = run_demo(capsys, "--model", "qwen2.5-vl", "--steps", _vl_min_steps())
     assert status == 1
     assert "v0 attention error" in rows(out)[0, "prefill"]
+
+
+@needs_torch
+def test_a_rollback_published_without_its_epoch_fails_the_speculative_demo(capsys):
+    status, out = run_demo(capsys, "--speculative", "--steps", str(demo.MIN_ROUNDS), "--inject-fault")
+    assert status == 1
+    assert "FAULT: rollback published without its epoch" in out
+    assert re.search(r"FAIL r1 on B at (\d+) != its (\d+) tokens", out)
+    assert re.search(r"r1 (drafter|target) attention error", out)
+    assert out.splitlines()[-1].startswith("verdict: FAIL")
+
+
+@needs_torch
+def test_the_speculative_demo_needs_its_minimum_rounds(capsys):
+    assert entry.main(["--speculative", "--steps", str(demo.MIN_ROUNDS - 1)]) == 2
+    assert f"must be >= {demo.MIN_ROUNDS} with --speculative" in capsys.readouterr().err

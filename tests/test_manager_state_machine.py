@@ -19,7 +19,13 @@ the plan bookkeeping itself:
 - admit: ``positions.admit`` (epoch order, the delta with the winning position); cached
   prefix / ingest overrides: ``positions.raise_to``; ingest deltas:
   ``positions.set_deltas``; removal drops the request from plans made earlier; reset:
-  ``positions.reset``.
+  ``positions.reset``;
+- speculative decoding (:mod:`jaxrope.speculative`): a verify step of chains or draft
+  trees (``plan_tree``), committed with accepted counts (``accept`` for the named
+  streams, ``commit`` for the others; refused when a count passes the drafts, a tree
+  is left out, or a staged plan numbered rejected drafts), draft steps
+  (``plan_draft``: clamped past ``max_seq_len``, committing nothing), and rollbacks
+  between steps (``positions.rollback``, a new epoch).
 
 The M-RoPE machines (``mrope_section`` set) plan ``[3, n]`` positions: ``positions.plan``
 into a ``[3, N]`` out (counter + delta on every row), explicit ``[3, n]`` prompt chunks,
@@ -40,7 +46,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -48,6 +54,7 @@ torch = pytest.importorskip("torch")
 
 import jaxrope as jr  # noqa: E402
 from jaxrope import positions as core  # noqa: E402
+from jaxrope import speculative  # noqa: E402
 from jaxrope.positions import Scheme, SlotMap  # noqa: E402
 
 from jaxrope.testing import oracle  # noqa: E402
@@ -81,6 +88,19 @@ class ModelPlan:
     step: PositionStep
     ctx: StepContext
     dropped: set = dataclasses.field(default_factory=set)
+    depths: Any = None    # PositionStep.depths: a draft tree per stream, or a draft step's int
+    live: Dict[str, List[bool]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def draft(self) -> bool:
+        return isinstance(self.depths, int)
+
+    def trees(self) -> List[Stream]:
+        """The streams a depths mapping numbers and the commit advances (accepted required)."""
+        if not isinstance(self.depths, dict):
+            return []
+        return [s for s in self.depths if s[0] not in self.dropped
+                and s in {(r, l) for r, l, _ in self.segments}]
 
 
 def _slots(values: Sequence[int]) -> jnp.ndarray:
@@ -154,9 +174,15 @@ class Model:
         return core.fork(table, _slots([self.slot(rid, src) for rid, src, _ in live]),
                          _slots([self.slot(rid, dst) for rid, _, dst in live]))
 
-    def committed(self, plan: ModelPlan, table) -> Tuple[core.PositionTable, List[int]]:
-        """The table after ``plan``'s commit, and the slots whose bound is checked."""
+    def committed(self, plan: ModelPlan, table,
+                  accepted: Optional[Dict[Stream, int]] = None) -> Tuple[core.PositionTable, List[int]]:
+        """The table after ``plan``'s commit (with ``accepted`` counts), and the slots whose
+        bound is checked."""
         segments = [s for s in plan.segments if s[0] not in plan.dropped]
+        if plan.draft:
+            return table, []
+        accepted = {s: a for s, a in (accepted or {}).items() if s[0] not in plan.dropped}
+        segments = [s for s in segments if (s[0], s[1]) not in accepted]
         advance = plan.advance
         if isinstance(advance, int):
             streams = list(dict.fromkeys((rid, label) for rid, label, _ in segments))
@@ -171,30 +197,49 @@ class Model:
                             scheme=self.scheme, block_step=self.block_step)
         advanced = [self.slot(*stream) for stream in named]
         table = core.advance(table, _slots(advanced), _slots(list(named.values())))
+        named = [self.slot(*stream) for stream in accepted]
+        table = speculative.accept(table, _slots(named), _slots(list(accepted.values())))
         live_forks = [f for f in plan.post_forks if f[0] not in plan.dropped]
         table = self.forked(table, live_forks)
-        return table, spans + advanced + [self.slot(rid, dst) for rid, _, dst in live_forks]
+        return table, spans + advanced + named + [self.slot(rid, dst) for rid, _, dst in live_forks]
 
-    def positions(self, views, table) -> Optional[Dict[str, List[int]]]:
+    def positions(self, views, table, depths=None
+                  ) -> Tuple[Optional[Dict[str, List[int]]], Dict[str, List[bool]]]:
         """Each plan label's positions, or None when a view passes max_seq_len (SEQUENTIAL:
         counter + tokens > max_seq_len, an empty view included; BLOCK: a non-empty view
-        at a counter >= max_seq_len). M-RoPE: ``[3, n]`` from counter + delta, which a
-        non-empty view must also keep >= 0."""
-        out = {}
+        at a counter >= max_seq_len; a tree: a position at max_seq_len; M-RoPE: ``[3, n]``
+        from counter + delta, which a non-empty view must also keep >= 0); and a draft
+        step's live masks."""
+        out, live = {}, {}
         for plan_label, records in views.items():
             counts = [n for *_, n in records]
             slots = _slots([self.slot(rid, label) for rid, label, _ in records])
+            shape = (3, sum(counts)) if self.mrope else (sum(counts),)
+            out_buffer = jnp.zeros(shape, jnp.int32)
+            if isinstance(depths, int):
+                got, mask = speculative.plan_draft(table, slots, _slots(counts), out_buffer,
+                                                   step=depths, max_seq_len=MAX_SEQ_LEN, offset=0)
+                out[plan_label], live[plan_label] = got.tolist(), mask.tolist()
+                continue
+            if depths is not None and any((rid, label) in depths for rid, label, _ in records):
+                per_token = [d for rid, label, n in records
+                             for d in depths.get((rid, label), range(n))]
+                got = speculative.plan_tree(table, slots, _slots(counts), _slots(per_token),
+                                            out_buffer).tolist()
+                if got and max(got) >= MAX_SEQ_LEN:
+                    return None, {}
+                out[plan_label] = got
+                continue
             bases = core.read(table, slots)
             if self.mrope:
                 bases = bases + core.read(table, slots, "deltas")
             for base, n in zip(bases.tolist(), counts):
                 if (base + n > MAX_SEQ_LEN if self.scheme is Scheme.SEQUENTIAL
                         else n and base >= MAX_SEQ_LEN) or (n and base < 0):
-                    return None
-            shape = (3, sum(counts)) if self.mrope else (sum(counts),)
-            out[plan_label] = core.plan(table, slots, _slots(counts), jnp.zeros(shape, jnp.int32),
+                    return None, {}
+            out[plan_label] = core.plan(table, slots, _slots(counts), out_buffer,
                                         scheme=self.scheme).tolist()
-        return out
+        return out, live
 
     def promote(self) -> None:
         """A staged plan becomes current when there is none (its pre-forks apply now)."""
@@ -267,12 +312,15 @@ class ManagerMachine(RuleBasedStateMachine):
             call(*args, **kwargs)
         assert self.mgr.state_snapshot() == before
 
-    def _plan(self, spec, preplan: bool, explicit: Optional[List[List[int]]] = None) -> None:
-        """Plan ``spec``; ``explicit``: the M-RoPE rows of a one-label step's prompt chunk."""
+    def _plan(self, spec, preplan: bool, explicit: Optional[List[List[int]]] = None,
+              depths=None) -> None:
+        """Plan ``spec``; ``explicit``: the M-RoPE rows of a one-label step's prompt chunk;
+        ``depths``: ``PositionStep.depths`` (speculative steps)."""
         segments, views, pre_forks, post_forks, advance = spec
         model = self.model
         pos_ids = None if explicit is None else torch.tensor(explicit, device=self.device)
-        step = PositionStep([Segment(*s) for s in segments], advance=advance, pos_ids=pos_ids)
+        step = PositionStep([Segment(*s) for s in segments], advance=advance, pos_ids=pos_ids,
+                            depths=depths)
         kv = None if views is None else {
             label: KVPlanOutput([KVView(*v) for v in records],
                                 pre_forks=[Fork(*f) for f in pre_forks] if i == 0 else (),
@@ -290,14 +338,22 @@ class ManagerMachine(RuleBasedStateMachine):
         for forks in (pre_forks, post_forks):
             targets = {}
             valid &= all(targets.setdefault((rid, dst), src) == src for rid, src, dst in forks)
-        plan = ModelPlan(segments, advance, views, pre_forks, post_forks, {}, step, ctx)
+        if depths is not None:
+            valid &= self.scheme is Scheme.SEQUENTIAL and (
+                advance is None if isinstance(depths, int) else
+                all(any((r, l) == stream and n == len(d) for records in views.values()
+                        for r, l, n in records) for stream, d in depths.items())
+                and all(n == len(depths[(r, l)]) for records in views.values()
+                        for r, l, n in records if (r, l) in depths))
+        plan = ModelPlan(segments, advance, views, pre_forks, post_forks, {}, step, ctx,
+                         depths=depths)
         if valid:
             base = model.table
             if preplan and model.current is not None:
                 base, _ = model.committed(model.current, base)
             base = model.forked(base, pre_forks)
-            positions = model.positions(views, base) if explicit is None else {
-                next(iter(views)): explicit}
+            positions, plan.live = (model.positions(views, base, depths) if explicit is None
+                                    else ({next(iter(views)): explicit}, {}))
             valid = positions is not None
         if not valid:
             self.expect_failure(self.mgr.plan, step, ctx)
@@ -384,16 +440,108 @@ class ManagerMachine(RuleBasedStateMachine):
         if staged_first:
             table = model.forked(table, plan.pre_forks, plan.dropped)
         new, touched = model.committed(plan, table)
-        if any(np.asarray(new.counters)[touched] > MAX_SEQ_LEN):
+        if plan.trees() or any(np.asarray(new.counters)[touched] > MAX_SEQ_LEN):
             self.expect_failure(self.mgr.commit, plan.step, plan.ctx)
             return
         self.mgr.commit(plan.step, plan.ctx)
-        model.table = new
+        self._committed(new, staged_first)
+
+    def _committed(self, table, staged_first: bool) -> None:
+        model = self.model
+        model.table = table
         model.current = None
         if staged_first:
             model.staged = None
         else:
             model.promote()
+
+    # -------------------------------------------------------------- speculative decoding
+
+    @rule(data=st.data(), preplan=st.booleans())
+    def verify(self, data, preplan):
+        """A verify step: each stream's root and drafts, as a chain or a tree."""
+        pool = self.live() if self.live() and data.draw(MOSTLY) else list(RIDS)
+        streams = data.draw(st.lists(st.tuples(st.sampled_from(pool), st.sampled_from(LABELS)),
+                                     min_size=1, max_size=3, unique=True))
+        segments = [(rid, label, data.draw(st.integers(1, 5))) for rid, label in streams]
+        depths = {}
+        for rid, label, n in segments:
+            if data.draw(st.booleans()):   # a tree: each token one deeper than some earlier one
+                tree = [0]
+                for i in range(1, n):
+                    tree.append(tree[data.draw(st.integers(0, i - 1))] + 1)
+                if not data.draw(MOSTLY):
+                    tree = tree[:-1] or [0, 1]   # the wrong length
+                depths[(rid, label)] = tuple(tree)
+        packed = data.draw(st.booleans())
+        views = {"spec": data.draw(st.permutations(segments))} if packed else None
+        before = self.model.current
+        self._plan((segments, views, [], [], None), preplan, depths=depths or None)
+        if self.model.current is not before and data.draw(MOSTLY):
+            self.commit_accepted(data)   # the serving path: verify, then accept at once
+
+    @precondition(lambda self: self.model.current is not None or self.model.staged is not None)
+    @rule(data=st.data())
+    def commit_accepted(self, data):
+        """Commit with accepted counts: the named streams keep their root and ``a`` drafts."""
+        model = self.model
+        plan, staged_first = model.current, False
+        if plan is None:
+            plan, staged_first = model.staged, True
+        spans: Dict[Stream, int] = {}
+        for rid, label, n in plan.segments:
+            spans[(rid, label)] = spans.get((rid, label), 0) + n
+        trees = plan.trees()
+        deepest = {s: max(plan.depths[s]) if s in trees else n - 1 for s, n in spans.items()}
+        named = data.draw(st.lists(st.sampled_from(list(spans)), unique=True, max_size=len(spans))
+                          if spans else st.just([]))
+        if data.draw(MOSTLY):
+            named = list(dict.fromkeys(named + trees))
+        # Mostly a count the drafts allow; sometimes one past them, or negative.
+        accepted = {s: data.draw(st.integers(0, max(deepest[s], 0)) if data.draw(MOSTLY)
+                                 else st.sampled_from([-1, deepest[s] + 1])) for s in named}
+        live = {s: a for s, a in accepted.items() if s[0] not in plan.dropped}
+        named_advance = plan.advance if isinstance(plan.advance, dict) else {}
+        valid = (not plan.draft and not isinstance(plan.advance, int)
+                 and all(s not in named_advance for s in live)
+                 and all(0 <= a <= deepest[s] for s, a in live.items())
+                 and set(trees) <= set(live))
+        rejected = [s for s, a in live.items() if a + 1 != spans[s]]
+        staged = None if staged_first else model.staged
+        if valid and staged is not None and rejected:
+            numbered = ({(r, l) for records in staged.views.values() for r, l, _ in records}
+                        | {(r, l) for r, l, _ in staged.segments})
+            numbered |= {(r, dst) for r, _, dst in staged.post_forks}
+            valid = not any(s in numbered for s in rejected if s[0] not in staged.dropped)
+        table = model.table
+        if staged_first:
+            table = model.forked(table, plan.pre_forks, plan.dropped)
+        if valid:
+            new, touched = model.committed(plan, table, accepted)
+            valid = not any(np.asarray(new.counters)[touched] > MAX_SEQ_LEN)
+        if not valid:
+            event("commit_accepted: refused")
+            self.expect_failure(self.mgr.commit, plan.step, plan.ctx, accepted=accepted)
+            return
+        self.mgr.commit(plan.step, plan.ctx, accepted=accepted)
+        event("commit_accepted: taken" + (" (rejecting)" if rejected else ""))
+        self._committed(new, staged_first)
+
+    @rule(data=st.data(), preplan=st.booleans())
+    def draft_step(self, data, preplan):
+        """An EAGLE draft step: each stream's branches at counter + d, clamped, nothing committed."""
+        pool = self.live() if self.live() and data.draw(MOSTLY) else list(RIDS)
+        streams = data.draw(st.lists(st.tuples(st.sampled_from(pool), st.sampled_from(LABELS)),
+                                     min_size=1, max_size=3, unique=True))
+        segments = [(rid, label, data.draw(st.integers(1, 3))) for rid, label in streams]
+        depth = data.draw(st.one_of(st.integers(0, 4), st.integers(MAX_SEQ_LEN - 4, MAX_SEQ_LEN)))
+        self._plan((segments, None, [], [], None), preplan, depths=depth)
+        plan = self.model.current
+        if not preplan and plan is not None and plan.step.depths == depth:
+            for label, mask in plan.live.items():
+                assert self.mgr.live(label).tolist() == mask
+            event("draft_step: planned" + ("" if all(all(m) for m in plan.live.values())
+                                            else " (clamped)"))
 
     @rule()
     def clear_preplan(self):
@@ -450,7 +598,7 @@ class ManagerMachine(RuleBasedStateMachine):
         pending = [p for p in (model.current, model.staged) if p is not None]
         # The streams a plan's commit writes: its segments' (an advance names only those)
         # and its post-forks' targets.
-        planned = any((rid, label) in {(s[0], s[1]) for s in p.segments}
+        planned = any((rid, label) in ({(s[0], s[1]) for s in p.segments} if not p.draft else set())
                       | {(r, dst) for r, _, dst in p.post_forks}
                       for p in pending if rid not in p.dropped)
         if rid not in model.requests or to > MAX_SEQ_LEN or planned:

@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Hashable, Mapping, NamedTuple, Optional, Tuple, Union
+from typing import Any, Hashable, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -176,6 +176,7 @@ class GraphSlot(NamedTuple):
 
 PosIds = Union[None, torch.Tensor, Mapping[str, torch.Tensor]]
 Advance = Union[None, int, Mapping[Tuple[Hashable, str], int]]
+Depths = Union[None, int, Mapping[Tuple[Hashable, str], Sequence[int]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,16 +192,29 @@ class PositionStep:
         int for every stream of the step, or ``{(request_id, label): amount}`` for the
         named streams (each must have a segment in the step; the others advance by
         the scheme). Amounts are ``>= 0`` and apply once per stream.
+      depths: speculative decoding (:mod:`torch_bridge.speculative`; SEQUENTIAL scheme).
+        ``{(request_id, label): depths}`` numbers the named streams' tokens
+        ``counter + depths[i]`` in each of their views instead of ``counter + i`` (a
+        draft tree verified in one step: SGLang's ``seq_len + depth``); commit then
+        takes each one's accepted count. An int ``d`` is a *draft step*: every token
+        of the step at ``counter + d`` (EAGLE draft step ``j`` is ``d = j - 1`` in
+        vLLM's numbering, ``d = j`` in SGLang's), a token past ``max_seq_len`` planned
+        at 0 and reported by ``live``, and nothing committed. Default None. A chain
+        of ``k`` drafts needs none of this: its view of ``k + 1`` tokens is numbered
+        as any other.
 
     Example:
       >>> step = PositionStep([Segment("r0", "text", 4)], advance={("r0", "text"): 1})
       >>> step.segments
       (Segment(request_id='r0', label='text', span=4),)
+      >>> PositionStep([Segment("r0", "text", 4)], depths={("r0", "text"): (0, 1, 1, 2)}).depths
+      {('r0', 'text'): (0, 1, 1, 2)}
     """
 
     segments: Tuple[Segment, ...]
     pos_ids: PosIds = None
     advance: Advance = None
+    depths: Depths = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.segments, tuple):

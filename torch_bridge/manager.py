@@ -32,6 +32,7 @@ from torch_bridge.engine_types import (EngineInfo, GraphSlot, PositionStep, Reso
 from torch_bridge.plans import Plan, StepPlans
 from torch_bridge.publish_admit import PublishAdmit
 from torch_bridge.step_arrays import StepReader, check_hashable
+from torch_bridge import speculative
 from torch_bridge import streams as rules
 from torch_bridge.streams import StreamTable
 from torch_bridge.upload import PositionUpload
@@ -314,6 +315,9 @@ class PositionManager(PublishAdmit, Resource):
             outside the capture into a graph slot, replay reads its buffer).
         """
         arrays = self._reader.read(step, ctx, device=self.device, max_seq_len=self.max_seq_len)
+        if step.depths is not None:
+            arrays = speculative.attach(self._reader, self._streams, step, arrays,
+                                        self.config.scheme)
         graph = ctx.graph_slot
         if graph is not None and not isinstance(graph, GraphSlot):
             raise TypeError(f"ctx.graph_slot must be a GraphSlot or None, got {type(graph).__name__}")
@@ -322,15 +326,20 @@ class PositionManager(PublishAdmit, Resource):
         computed = self._plans.positions(base, arrays)
         # Nothing below raises on valid input (the bucket check changes nothing first).
         tensors, limits = self._upload.step(computed, arrays.explicit, tuple(arrays.labels), graph)
-        self._plans.install(Plan(step, arrays, tensors, limits), ctx.is_preplan, base)
+        self._plans.install(Plan(step, arrays, tensors, limits, live=speculative.live(arrays)),
+                            ctx.is_preplan, base)
         self._plan_labels_seen.update(arrays.labels)
         return dict(tensors)
 
-    def commit(self, step: PositionStep, ctx: StepContext) -> None:
+    def commit(self, step: PositionStep, ctx: StepContext, *,
+               accepted: Optional[Mapping[Tuple[Hashable, str], int]] = None) -> None:
         """Advance the counters by what the planned step consumed, then apply its post-forks.
 
         SEQUENTIAL adds each segment's span, BLOCK adds ``block_step`` per non-empty
         segment, and ``step.advance`` replaces either for the streams it covers.
+        ``accepted={(rid, label): a}`` (speculative decoding, after a verify step)
+        advances each named stream by ``a + 1`` instead: its root and ``a`` accepted
+        drafts (:mod:`torch_bridge.speculative`).
         ``step`` must carry the segments (and advance) of the current plan (a staged
         plan becomes current when there is none). A staged plan becomes current
         after the commit.
@@ -338,14 +347,16 @@ class PositionManager(PublishAdmit, Resource):
         Raises:
           TypeError: ``step`` or ``ctx`` has the wrong type.
           ValueError: no plan to commit, segments or advance differing from the
-            plan's (the message names the first difference), or a counter that would
-            pass ``max_seq_len``.
+            plan's (the message names the first difference), a counter that would
+            pass ``max_seq_len``, or ``accepted`` refused (see
+            :func:`torch_bridge.speculative.accepted_commit`).
         """
         if not isinstance(step, PositionStep):
             raise TypeError(f"step must be a PositionStep, got {type(step).__name__}")
         if not isinstance(ctx, StepContext):
             raise TypeError(f"ctx must be a StepContext, got {type(ctx).__name__}")
-        self._plans.commit(step)
+        self._plans.commit(step, lambda plan, staged: speculative.accepted_commit(
+            self._reader, self._streams, plan, accepted, staged))
 
     def clear_preplan(self) -> None:
         """Drop the staged plan. Its forks never reached the counters, so nothing else changes."""
@@ -364,6 +375,21 @@ class PositionManager(PublishAdmit, Resource):
         self._check_plan_label(label)
         plan = self._plans.active()
         return None if plan is None else plan.tensors.get(label)
+
+    def live(self, label: str) -> Optional[np.ndarray]:
+        """bool host ``[n]`` over the current plan's ``n`` tokens of plan label ``label``: True
+        for a token inside ``max_seq_len``, everywhere but in a draft step (int
+        ``step.depths``), whose tokens past it are planned at 0 and need a padding KV
+        slot. None without positions for ``label``.
+
+        Raises:
+          ValueError: ``label`` is unknown (as :meth:`pos_ids`).
+        """
+        if self.pos_ids(label) is None:
+            return None
+        plan = self._plans.active()
+        mask = plan.live.get(label)
+        return np.ones(plan.arrays.labels[label].num_tokens, bool) if mask is None else mask
 
     # ---------------------------------------------------------------- inspection
 

@@ -38,12 +38,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import numpy as np
 import torch
 
 from jaxrope.positions import Scheme
+from torch_bridge import speculative
 from torch_bridge import streams as rules
 from torch_bridge.engine_types import PositionStep
 from torch_bridge.step_arrays import StepArrays
@@ -64,6 +65,8 @@ class Plan:
       commit: the commit still to apply (without removed requests' streams).
       pre_src, pre_dst: pre-forks still to apply at promotion (a staged plan's).
       jax_arrays: positions imported into JAX, filled on first use by the JAX path.
+      live: ``{plan_label: bool host array}`` of a draft step (False: a token past
+        ``max_seq_len``, planned at 0); empty for any other step.
     """
 
     step: PositionStep
@@ -74,6 +77,7 @@ class Plan:
     pre_src: np.ndarray = None  # type: ignore[assignment]
     pre_dst: np.ndarray = None  # type: ignore[assignment]
     jax_arrays: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    live: Dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.commit is None:
@@ -152,6 +156,11 @@ class StepPlans:
         for plan_label, label in arrays.labels.items():
             if plan_label in arrays.explicit:
                 continue
+            if arrays.speculation is not None:
+                numbered = speculative.positions(base, arrays, plan_label, self.max_seq_len)
+                if numbered is not None:
+                    out[plan_label] = numbered
+                    continue
             if peak + label.num_tokens > self.max_seq_len or low < 0:
                 self._check_bounds(starts, arrays, plan_label)
             out[plan_label] = rules.plan(base, label.slots, label.counts, self._scheme,
@@ -192,12 +201,16 @@ class StepPlans:
 
     # -- committing ----------------------------------------------------------------
 
-    def commit(self, step: PositionStep) -> None:
+    def commit(self, step: PositionStep,
+               resolve: Optional[Callable[[Plan, Optional[Plan]], CommitArrays]] = None) -> None:
         """Commit the current plan (a staged plan first becomes current when there is none).
 
+        ``resolve(plan, staged)``, when given, returns the commit to apply instead of the
+        plan's own (accepted drafts: :func:`torch_bridge.speculative.accepted_commit`).
+
         Raises:
-          ValueError: no plan, ``step`` differs from the plan's, or a counter would
-            pass ``max_seq_len``.
+          ValueError: no plan, ``step`` differs from the plan's, ``resolve`` refuses, or
+            a counter would pass ``max_seq_len``.
         """
         plan, staged_first = self.current, False
         if plan is None:
@@ -205,16 +218,21 @@ class StepPlans:
         if plan is None:
             raise ValueError("commit without a plan: call plan(step, ctx) for this step first")
         _check_same_step(step, plan.step)
+        commit = plan.commit if resolve is None else resolve(plan, None if staged_first else self.staged)
         columns = self._streams.columns
-        # Only forks write deltas: a plain commit copies the counters alone.
-        forks = len(plan.commit.fork_src) or (staged_first and len(plan.pre_src))
-        columns = columns.copy() if forks else columns._replace(counters=columns.counters.copy())
+        # A draft step changes nothing (no copy); only forks write deltas (a plain commit
+        # copies the counters alone).
+        forks = len(commit.fork_src) or (staged_first and len(plan.pre_src))
+        if forks:
+            columns = columns.copy()
+        elif len(commit.touched):
+            columns = columns._replace(counters=columns.counters.copy())
         if staged_first and len(plan.pre_src):
             rules.fork(columns, plan.pre_src, plan.pre_dst)
-        rules.apply_commit(columns, plan.commit, self._scheme, self._block_step)
+        rules.apply_commit(columns, commit, self._scheme, self._block_step)
         # Post-fork targets too: a fork can carry an overflowing counter to a stream whose
         # own advance did not overflow, after the source was overwritten.
-        touched, counters = plan.commit.touched, columns.counters
+        touched, counters = commit.touched, columns.counters
         if len(touched) and counters[touched].max() > self.max_seq_len:
             slot = int(touched[np.argmax(counters[touched])])
             raise ValueError(f"commit would move slot {slot} to {int(counters[slot])}, past "
@@ -265,3 +283,6 @@ def _check_same_step(step: PositionStep, planned: PositionStep) -> None:
     if step.advance != planned.advance:
         raise ValueError(f"commit's step.advance={step.advance!r} differs from the planned "
                          f"{planned.advance!r}; commit the step that was planned")
+    if not speculative.same_depths(step.depths, planned.depths):
+        raise ValueError(f"commit's step.depths={step.depths!r} differs from the planned "
+                         f"{planned.depths!r}; commit the step that was planned")

@@ -63,6 +63,8 @@ class StepArrays(NamedTuple):
       pre_forks, post_forks: the fork records; ``pre_src``/``pre_dst`` the pre-forks' slots.
       commit: the commit's arrays (segments, explicit advances, post-forks).
       explicit: ``{plan_label: int32 tensor}`` of explicit positions, checked.
+      speculation: the step's depth numbering (:class:`torch_bridge.speculative.Speculation`),
+        or None.
     """
 
     groups: Mapping[str, Tuple[Any, ...]]
@@ -73,6 +75,7 @@ class StepArrays(NamedTuple):
     pre_dst: np.ndarray
     commit: CommitArrays
     explicit: Dict[str, torch.Tensor]
+    speculation: Any = None
 
 
 def check_hashable(value: Any, name: str) -> None:

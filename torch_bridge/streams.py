@@ -33,8 +33,9 @@ import numpy as np
 
 from jaxrope.positions import Scheme, SlotMap
 
-__all__ = ["Columns", "CommitArrays", "StreamTable", "admit", "advance", "apply_commit", "commit",
-           "fork", "plan", "raise_to", "reset", "rollback", "set_deltas"]
+__all__ = ["Columns", "CommitArrays", "StreamTable", "accept", "admit", "advance", "apply_commit",
+           "commit", "fork", "plan", "plan_draft", "raise_to", "reset", "rollback", "set_deltas",
+           "tree_depths"]
 
 _EMPTY = np.zeros((0,), np.int64)
 _EMPTY.flags.writeable = False
@@ -60,11 +61,13 @@ class Columns(NamedTuple):
 
 
 def plan(columns: Columns, slots: np.ndarray, counts: np.ndarray, scheme: Scheme,
-         num_tokens: Optional[int] = None, mrope: bool = False) -> np.ndarray:
+         num_tokens: Optional[int] = None, mrope: bool = False,
+         depths: Optional[np.ndarray] = None) -> np.ndarray:
     """int32 positions of an ordered list of views (twin of ``positions.plan``).
 
     View ``v`` with ``counts[v]`` tokens gets ``counter + arange(n)`` (SEQUENTIAL) or
-    ``n`` copies of its counter (BLOCK); the result is ``[sum(counts)]``, or for M-RoPE
+    ``n`` copies of its counter (BLOCK), or with ``depths`` (``[sum(counts)]``) token
+    ``t`` at ``counter + depths[t]``; the result is ``[sum(counts)]``, or for M-RoPE
     ``[3, sum(counts)]`` with the stream's delta added on every row. ``num_tokens``:
     ``sum(counts)`` when the caller knows it.
     """
@@ -73,7 +76,9 @@ def plan(columns: Columns, slots: np.ndarray, counts: np.ndarray, scheme: Scheme
         base = base + columns.deltas[slots]
     if num_tokens is None:
         num_tokens = int(counts.sum())
-    if num_tokens == len(counts) and (num_tokens == 0 or counts.max() == 1):
+    if depths is not None:
+        positions = (np.repeat(base, counts) + depths).astype(np.int32)
+    elif num_tokens == len(counts) and (num_tokens == 0 or counts.max() == 1):
         positions = base.astype(np.int32)  # every view one token (decode): nothing to repeat
     elif scheme is Scheme.BLOCK:
         positions = np.repeat(base.astype(np.int32), counts)
@@ -137,6 +142,47 @@ def rollback(columns: Columns, slots: np.ndarray, positions: np.ndarray) -> None
     target = np.minimum(counter, positions)
     columns.counters[slots] = target
     columns.epochs[slots] += target < counter
+
+
+def accept(columns: Columns, slots: np.ndarray, accepted: np.ndarray) -> None:
+    """``counter += accepted + 1`` after a verify step (twin of ``speculative.accept``)."""
+    advance(columns, slots, accepted + 1)
+
+
+def tree_depths(parents: np.ndarray) -> np.ndarray:
+    """int64 depth of each token from its parent index (-1: a root), by pointer doubling
+    (twin of ``speculative.tree_depths``)."""
+    root = parents < 0
+    ancestor = np.where(root, np.arange(len(parents)), parents)
+    depth = (~root).astype(np.int64)
+    for _ in range(max(1, (len(parents) - 1).bit_length())):
+        depth = depth + depth[ancestor]
+        ancestor = ancestor[ancestor]
+    return depth
+
+
+def plan_draft(columns: Columns, slots: np.ndarray, counts: np.ndarray, step: int, offset: int,
+               max_seq_len: int, mrope: bool = False,
+               num_tokens: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
+    """``(positions, live)`` of EAGLE draft step ``step`` (twin of ``speculative.plan_draft``):
+    every token at sequence index ``counter + offset + step`` (plus the delta on each
+    M-RoPE row); a token whose index is outside ``[0, max_seq_len)`` is at 0 and not live.
+    ``num_tokens``: ``sum(counts)`` when the caller knows it."""
+    if num_tokens is None:
+        num_tokens = int(counts.sum())
+    # Every view one token (a chain's draft step); a view may hold none, so check the max.
+    one_each = num_tokens == len(counts) and (num_tokens == 0 or counts.max() == 1)
+    index = columns.counters[slots] + (offset + step)
+    if not one_each:
+        index = np.repeat(index, counts)
+    live = (index >= 0) & (index < max_seq_len)
+    if mrope:
+        deltas = columns.deltas[slots]
+        positions = index + (deltas if one_each else np.repeat(deltas, counts))
+    else:
+        positions = index
+    positions = (positions if live.all() else np.where(live, positions, 0)).astype(np.int32)
+    return (np.broadcast_to(positions, (3, len(index))) if mrope else positions), live
 
 
 def reset(columns: Columns, slots: np.ndarray) -> None:

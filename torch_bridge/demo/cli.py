@@ -14,6 +14,7 @@ from jaxrope.models import HF_CONFIGS
 from torch_bridge.demo import multimodal
 from torch_bridge.demo.model import KV_HEADS, Q_HEADS, TOLERANCE
 from torch_bridge.demo.node import GRAPH_BUCKET, StepRow
+from torch_bridge.demo.speculative import DRAFT_BUCKET, MIN_ROUNDS, SpeculativeTrace, print_row
 from torch_bridge.demo.trace import BUDGET, MIN_STEPS, Trace
 
 __all__ = ["MODELS", "VL_MODELS", "main"]
@@ -58,8 +59,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="weights and token ids (default: 0)")
     parser.add_argument("--inject-fault", action="store_true",
                         help="for tests: the prefix-cache probe claims one token too many (M-RoPE "
-                             "models: the decode node admits the handoff without its delta), so "
+                             "models: the decode node admits the handoff without its delta; with "
+                             "--speculative: a rollback is published without its epoch), so "
                              "a request's positions are off and the run must FAIL")
+    parser.add_argument("--speculative", action="store_true",
+                        help="the speculative-decoding trace instead: draft steps, verify with "
+                             "random acceptance, rollbacks, a handoff after a rollback; --steps "
+                             f"counts its rounds (>= {MIN_ROUNDS}; 1-D models only)")
     return parser
 
 
@@ -71,7 +77,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.steps < MIN_STEPS:
+    if args.speculative and args.model in VL_MODELS:
+        parser.error(f"--speculative runs a 1-D model's trace; --model={args.model} is M-RoPE")
+    if args.speculative and args.steps < MIN_ROUNDS:
+        parser.error(f"--steps={args.steps} must be >= {MIN_ROUNDS} with --speculative (the "
+                     f"handoff and its late echo happen in its first {MIN_ROUNDS} rounds)")
+    if not args.speculative and args.steps < MIN_STEPS:
         parser.error(f"--steps={args.steps} must be >= {MIN_STEPS} (the trace's prefix hit, "
                      "fork, handoff, graph replay and stale admit happen in its first "
                      f"{MIN_STEPS} steps)")
@@ -80,35 +91,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False   # TF32 matmuls would exceed the tolerance
     started = time.perf_counter()
-    if args.model in VL_MODELS:
+    if args.speculative:
+        name = MODELS[args.model]
+        rope = RopeConfig.from_hf(HF_CONFIGS[name])
+        trace = SpeculativeTrace(rope, device, args.seed, args.inject_fault)
+        mgr, layer = trace.mgr, trace.target
+    elif args.model in VL_MODELS:
         name = VL_MODELS[args.model]
         trace = multimodal.MultimodalTrace(args.model, device, args.seed, args.inject_fault)
-        title, budget = trace.describe(), multimodal.BUDGET
+        mgr, layer, title, budget = trace.main.mgr, trace.layer, trace.describe(), multimodal.BUDGET
     else:
         name = MODELS[args.model]
         rope = RopeConfig.from_hf(HF_CONFIGS[name])
         trace = Trace(rope, device, args.seed, args.inject_fault)
+        mgr, layer, budget = trace.main.mgr, trace.layer, BUDGET
+    if args.model not in VL_MODELS:
         scaling = type(rope.scaling).__name__ if rope.scaling is not None else "default"
         title = (f"{scaling}, head_dim={rope.head_dim}, rotary_dim={rope.rotary_dim}, "
                  f"interleave={rope.interleave}")
-        budget = BUDGET
-    mgr = trace.main.mgr
     rotation = (type(mgr.launcher).__name__ if mgr.launcher is not None
                 else f"JAX ({'Pallas' if device.type == 'cuda' else 'XLA'})")
-    print(f"jaxrope demo: {name} ({title}, attention factor {trace.layer.attention:.4f})")
+    print(f"jaxrope demo: {name} ({title}, attention factor {layer.attention:.4f})")
     print(f"device {device}, rotation {rotation}, q/k float32, {Q_HEADS} q heads / {KV_HEADS} "
-          f"kv heads, budget {budget['main']} tokens/step, graph bucket {GRAPH_BUCKET.num_tokens}")
+          + (f"kv heads, draft and target layers, draft graph bucket {DRAFT_BUCKET.num_tokens}"
+             if args.speculative else f"kv heads, budget {budget['main']} tokens/step, graph "
+             f"bucket {GRAPH_BUCKET.num_tokens}"))
     if note:
         print(f"note: {note}")
     print(f"{'step':>4} {'node':<7} {'reqs':>4} {'tokens':>6} {'positions':>9} {'max err':>8}"
           "  events")
-    rows: List[StepRow] = []
-    for s in range(args.steps):
-        for row in trace.run_step(s):
-            rows.append(row)
-            mark = "  FAIL " + "; ".join(row.failures) if row.failures else ""
-            print(f"{row.step:>4} {row.node:<7} {row.requests:>4} {row.tokens:>6} "
-                  f"{row.positions:>9} {row.error:>8.1e}  {', '.join(row.events)}{mark}")
+    rows: List[StepRow] = (trace.run(args.steps) if args.speculative else
+                           [print_row(row) for s in range(args.steps) for row in trace.run_step(s)])
     failed = [row for row in rows if row.failures]
     worst = max(row.error for row in rows)
     elapsed = time.perf_counter() - started
