@@ -224,11 +224,13 @@ class Model:
             if depths is not None and any((rid, label) in depths for rid, label, _ in records):
                 per_token = [d for rid, label, n in records
                              for d in depths.get((rid, label), range(n))]
-                got = speculative.plan_tree(table, slots, _slots(counts), _slots(per_token),
-                                            out_buffer).tolist()
-                if got and max(got) >= MAX_SEQ_LEN:
+                # The bound is on the sequence index, counter + depth (a 1-D plan).
+                index = speculative.plan_tree(table, slots, _slots(counts), _slots(per_token),
+                                              jnp.zeros(shape[-1:], jnp.int32)).tolist()
+                if index and max(index) >= MAX_SEQ_LEN:
                     return None, {}
-                out[plan_label] = got
+                out[plan_label] = speculative.plan_tree(table, slots, _slots(counts),
+                                                        _slots(per_token), out_buffer).tolist()
                 continue
             bases = core.read(table, slots)
             if self.mrope:

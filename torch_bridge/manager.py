@@ -218,7 +218,7 @@ class PositionManager(PublishAdmit, Resource):
         check_hashable(rid, "rid")
         if rid not in self._streams:
             return
-        self._plans.drop(self._streams.slots_of(rid))
+        self._plans.drop(rid, self._streams.slots_of(rid))
         self._streams.release(rid)
 
     def reset_request(self, rid: Hashable, free: bool = False) -> None:

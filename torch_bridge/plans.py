@@ -38,7 +38,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Set
 
 import numpy as np
 import torch
@@ -67,6 +67,8 @@ class Plan:
       jax_arrays: positions imported into JAX, filled on first use by the JAX path.
       live: ``{plan_label: bool host array}`` of a draft step (False: a token past
         ``max_seq_len``, planned at 0); empty for any other step.
+      dropped: the requests removed since the plan (a later ingest of the same id is a
+        new request, outside this plan).
     """
 
     step: PositionStep
@@ -78,6 +80,7 @@ class Plan:
     pre_dst: np.ndarray = None  # type: ignore[assignment]
     jax_arrays: Dict[str, Any] = dataclasses.field(default_factory=dict)
     live: Dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    dropped: Set[Hashable] = dataclasses.field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.commit is None:
@@ -85,8 +88,9 @@ class Plan:
         if self.pre_src is None:
             self.pre_src, self.pre_dst = self.arrays.pre_src, self.arrays.pre_dst
 
-    def drop(self, slots: Sequence[int]) -> None:
-        """Forget a removed request's streams (``slots``) in the commit and pending forks."""
+    def drop(self, rid: Hashable, slots: Sequence[int]) -> None:
+        """Forget removed request ``rid``'s streams (``slots``) in the commit and pending forks."""
+        self.dropped.add(rid)
         self.commit = self.commit.without(slots)
         keep = ~(np.isin(self.pre_src, slots) | np.isin(self.pre_dst, slots))
         self.pre_src, self.pre_dst = self.pre_src[keep], self.pre_dst[keep]
@@ -157,7 +161,8 @@ class StepPlans:
             if plan_label in arrays.explicit:
                 continue
             if arrays.speculation is not None:
-                numbered = speculative.positions(base, arrays, plan_label, self.max_seq_len)
+                numbered = speculative.positions(base, arrays, plan_label, self.max_seq_len,
+                                                 self._mrope)
                 if numbered is not None:
                     out[plan_label] = numbered
                     continue
@@ -262,11 +267,11 @@ class StepPlans:
         """Drop the staged plan; its forks never reached the counters."""
         self.staged = None
 
-    def drop(self, slots: Sequence[int]) -> None:
-        """A request was removed: its streams leave both plans."""
+    def drop(self, rid: Hashable, slots: Sequence[int]) -> None:
+        """Request ``rid`` was removed: its streams (``slots``) leave both plans."""
         for plan in (self.current, self.staged):
             if plan is not None:
-                plan.drop(slots)
+                plan.drop(rid, slots)
 
 
 def _check_same_step(step: PositionStep, planned: PositionStep) -> None:

@@ -243,9 +243,13 @@ def attach(reader: "StepReader", streams: StreamTable, step: PositionStep, array
     return arrays._replace(speculation=spec, commit=commit)
 
 
-def positions(base: Columns, arrays: "StepArrays", plan_label: str,
-              max_seq_len: int) -> Optional[np.ndarray]:
-    """int32 positions of a plan label numbered by depths, or None when the scheme numbers it.
+def positions(base: Columns, arrays: "StepArrays", plan_label: str, max_seq_len: int,
+              mrope: bool = False) -> Optional[np.ndarray]:
+    """int32 positions of a plan label numbered by depths (``[n]``, M-RoPE ``[3, n]`` with
+    the delta on every row), or None when the scheme numbers it.
+
+    The bound is on the sequence index (counter + depth), never on an M-RoPE row: vLLM
+    #54498 clamped EAGLE drafts by row 0 and wrote KV at the wrong slots.
 
     Raises:
       ValueError: a tree's token would reach ``max_seq_len`` (a draft step's is clamped).
@@ -253,22 +257,25 @@ def positions(base: Columns, arrays: "StepArrays", plan_label: str,
     spec, label = arrays.speculation, arrays.labels[plan_label]
     if spec.draft is not None:
         planned, spec.live[plan_label] = rules.plan_draft(base, label.slots, label.counts,
-                                                          spec.draft, 0, max_seq_len,
+                                                          spec.draft, 0, max_seq_len, mrope,
                                                           num_tokens=label.num_tokens)
         return planned
     depths = spec.depths.get(plan_label)
     if depths is None:
         return None
-    planned = rules.plan(base, label.slots, label.counts, Scheme.SEQUENTIAL, label.num_tokens,
-                         depths=depths)
-    if len(planned) and planned.max() >= max_seq_len:
-        token = int(np.argmax(planned >= max_seq_len))
+    index = rules.plan(base, label.slots, label.counts, Scheme.SEQUENTIAL, label.num_tokens,
+                       depths=depths)
+    if len(index) and index.max() >= max_seq_len:
+        token = int(np.argmax(index >= max_seq_len))
         view = int(np.searchsorted(np.cumsum(label.counts), token, side="right"))
         rid, stream_label = arrays.groups[plan_label][view][:2]
         raise ValueError(f"stream ({rid!r}, {stream_label!r}) of plan label {plan_label!r} at "
                          f"position {int(base.counters[label.slots[view]])} with depth "
                          f"{int(depths[token])} passes max_seq_len={max_seq_len}")
-    return planned
+    if mrope:
+        return rules.plan(base, label.slots, label.counts, Scheme.SEQUENTIAL, label.num_tokens,
+                          mrope=True, depths=depths)
+    return index
 
 
 def live(arrays: "StepArrays") -> Dict[str, np.ndarray]:
@@ -384,7 +391,7 @@ def _named(reader: "StepReader", streams: StreamTable, plan: "Plan", accepted: M
     if slots is not None:  # the same keys, all known and checked, no slot changed
         named, counts = keys, list(accepted.values())
     else:
-        named, counts = _live_entries(streams, plan, accepted)
+        named, counts = _live_entries(plan, accepted)
         slots = reader.slots([s[0] for s in named], [s[1] for s in named]) if named else _EMPTY
         if len(named) == len(keys):
             _remember_slots(streams, keys, slots)
@@ -408,25 +415,24 @@ def _spans(reader: "StepReader", plan: "Plan", named: Sequence[Any], slots: np.n
     return totals[np.searchsorted(unique, slots)]
 
 
-def _live_entries(streams: StreamTable, plan: "Plan", accepted: Mapping):
-    """``accepted``'s streams and counts, without those of requests removed since the plan."""
+def _live_entries(plan: "Plan", accepted: Mapping):
+    """``accepted``'s streams and counts, without those of requests removed since the plan
+    (ingested again or not: a new request under the same id is not in this plan)."""
     named, counts = list(accepted), list(accepted.values())
     for stream in named:
         if not isinstance(stream, tuple) or len(stream) != 2:
             raise ValueError(f"accepted key {stream!r} must be (request_id, label)")
-    known = [_known(streams, stream[0]) for stream in named]
-    if all(known):
+    if not plan.dropped:
         return named, counts
-    planned = {segment[0] for segment in plan.step.segments}
-    kept = [i for i, ok in enumerate(known) if ok or named[i][0] not in planned]
+    kept = [i for i, stream in enumerate(named) if not _dropped(plan, stream[0])]
     return [named[i] for i in kept], [counts[i] for i in kept]
 
 
-def _known(streams: StreamTable, rid: Any) -> bool:
+def _dropped(plan: "Plan", rid: Any) -> bool:
     try:
-        return rid in streams
+        return rid in plan.dropped
     except TypeError:  # unhashable: the lookup names it
-        return True
+        return False
 
 
 def _counts(counts: Sequence[Any], streams: Sequence[Any]) -> np.ndarray:
