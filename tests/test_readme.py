@@ -1,6 +1,6 @@
 """Every code block of README.md is executed or checked, so the README cannot rot.
 
-- ``python`` blocks run as written (the PyTorch one skips when torch is missing); a block
+- ``python`` blocks run as written (the PyTorch ones skip when torch is missing); a block
   whose preceding prose names ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
   runs in a child interpreter with that flag, so it gets N CPU devices.
 - ``bash`` blocks: ``make X`` must be a real target (``make -n X``), ``bash S`` must be a
@@ -45,7 +45,7 @@ def test_readme_has_the_two_setup_commands_first():
 @pytest.mark.parametrize("index", range(len(_blocks("python"))))
 def test_python_block_runs(index):
     code = _blocks("python")[index]
-    if "import torch" in code:
+    if "import torch" in code or "torch_bridge" in code:  # the bridge imports torch
         pytest.importorskip("torch")
     devices = _devices_wanted(index)
     if devices:
