@@ -839,7 +839,7 @@ def _mrope_cases():
             ValueError, "step.pos_ids['cond'] has values in [-3, 2]"),
         Bad("M-RoPE: a decode plan at a negative counter + delta",
             lambda m: _plan(m, S(("c", "cond", 1))), ValueError,
-            "('c', 'cond') of plan label 'cond' at counter + M-RoPE delta -5 with 1 tokens",
+            "('c', 'cond') of plan label 'cond' at counter 0 + M-RoPE delta -5 is below 0",
             setup=lambda m: m.ingest_request("c", deltas={"cond": -5})),
         Bad("M-RoPE: a delta past max_seq_len", lambda m: m.ingest_request("a", deltas={"cond": 65}),
             ValueError, "deltas['cond']=65 must be an int in [-64, 64]"),

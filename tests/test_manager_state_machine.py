@@ -232,12 +232,13 @@ class Model:
                 out[plan_label] = speculative.plan_tree(table, slots, _slots(counts),
                                                         _slots(per_token), out_buffer).tolist()
                 continue
-            bases = core.read(table, slots)
-            if self.mrope:
-                bases = bases + core.read(table, slots, "deltas")
-            for base, n in zip(bases.tolist(), counts):
+            # The bound is on the sequence index (the counter); M-RoPE's rotary start
+            # (counter + delta) must not be negative.
+            index = core.read(table, slots)
+            rotary = index + core.read(table, slots, "deltas") if self.mrope else index
+            for base, start, n in zip(index.tolist(), rotary.tolist(), counts):
                 if (base + n > MAX_SEQ_LEN if self.scheme is Scheme.SEQUENTIAL
-                        else n and base >= MAX_SEQ_LEN) or (n and base < 0):
+                        else n and base >= MAX_SEQ_LEN) or (n and start < 0):
                     return None, {}
             out[plan_label] = core.plan(table, slots, _slots(counts), out_buffer,
                                         scheme=self.scheme).tolist()

@@ -77,8 +77,10 @@ class Cluster:
                         "clamped": 0}
 
     def _new(self) -> Stream:
-        s = Stream(f"r{next(self.ids)}", int(self.rng.integers(2)), int(self.rng.integers(-300, 50)),
-                   int(self.rng.integers(*self.prompt)))
+        home, counter = int(self.rng.integers(2)), int(self.rng.integers(*self.prompt))
+        # A prompt of L tokens leaves delta = max + 1 - L >= 1 - L: counter + delta >= 1.
+        s = Stream(f"r{next(self.ids)}", home, int(self.rng.integers(max(-300, 1 - counter), 50)),
+                   counter)
         self.nodes[s.home].ingest_request(s.rid, overrides={LABEL: s.counter},
                                           deltas={LABEL: s.delta})
         return s
@@ -182,8 +184,10 @@ def run_vllm(cluster: Cluster, steps: int, batch: int) -> None:
             mgr = cluster.nodes[node]
             want = ref.vllm_positions(n, scheduled)
             plan = PositionStep(tuple(Segment(s.rid, LABEL, int(m)) for s, m in zip(streams, scheduled)))
-            assert mgr.plan(plan, _ctx(streams))[LABEL].tolist() == want.tolist()
             deltas = np.array([s.delta for s in streams])
+            # An M-RoPE manager: the three rows at counter + delta.
+            assert (mgr.plan(plan, _ctx(streams))[LABEL].tolist()
+                    == ref.vllm_mrope_positions(n, scheduled, deltas).tolist())
             rows = _core_chain(*cluster.table_args(node, streams, batch), _padded(spec, batch))
             assert np.array_equal(np.asarray(rows)[:, :len(want)],
                                   ref.vllm_mrope_positions(n, scheduled, deltas))
@@ -237,14 +241,13 @@ def _check_vllm_drafts(cluster, node, streams, target_positions, last, k, deltas
     here = [streams[i] for i in stayed]
     mgr = cluster.nodes[node]
     want = ref.vllm_draft_positions(target_positions, last, k, MAX_LEN, deltas=deltas)
-    flat = ref.vllm_draft_positions(target_positions, last, k, MAX_LEN)
     rows, live = _core_drafts(*cluster.table_args(node, here, batch),
                               _padded(np.ones(len(here)), batch), -1)
     rows, live = np.asarray(rows), np.asarray(live)
     segments = tuple(Segment(s.rid, LABEL, 1) for s in here)
-    for j, ((want_rows, valid), (want_flat, _)) in enumerate(zip(want, flat), start=1):
+    for j, (want_rows, valid) in enumerate(want, start=1):
         step = PositionStep(segments, depths=j - 1)
-        assert mgr.plan(step, _ctx(here))[LABEL].tolist() == want_flat[stayed].tolist()
+        assert mgr.plan(step, _ctx(here))[LABEL].tolist() == want_rows[:, stayed].tolist()
         assert mgr.live(LABEL).tolist() == valid[stayed].tolist()
         assert np.array_equal(rows[j - 1][:, :len(here)], want_rows[:, stayed])
         assert live[j - 1][:len(here)].tolist() == valid[stayed].tolist()
@@ -304,8 +307,9 @@ def run_sglang(cluster: Cluster, steps: int, batch: int, topk: int) -> None:
             numbered = None if topk == 1 else {(s.rid, LABEL): tuple(d) for s, d in
                                                 zip(streams, depths.tolist())}
             plan = PositionStep(segments, depths=numbered)
-            assert mgr.plan(plan, _ctx(streams))[LABEL].tolist() == want.reshape(-1).tolist()
             deltas = np.array([s.delta for s in streams])
+            assert (mgr.plan(plan, _ctx(streams))[LABEL].tolist()
+                    == ref.sglang_mrope(want, deltas).tolist())
             table, slots = cluster.table_args(node, streams, batch)
             rows = _core_tree(table, slots, _padded(np.full(len(streams), num_draft), batch),
                               _padded(depths.reshape(-1), batch * 16))
@@ -349,9 +353,9 @@ def _check_sglang_drafts(cluster, node, streams, topk, spec_steps, batch):
     segments = tuple(Segment(s.rid, LABEL, topk) for s in streams)
     for i, want in enumerate(ref.sglang_draft_positions(seq_lens, topk, spec_steps)):
         step = PositionStep(segments, depths=i + 1)
-        assert mgr.plan(step, _ctx(streams))[LABEL].tolist() == want.tolist()
-        assert np.array_equal(rows[i][:, :want.size],
-                              ref.sglang_mrope(want.reshape(len(streams), topk), deltas))
+        want_rows = ref.sglang_mrope(want.reshape(len(streams), topk), deltas)
+        assert mgr.plan(step, _ctx(streams))[LABEL].tolist() == want_rows.tolist()
+        assert np.array_equal(rows[i][:, :want.size], want_rows)
         cluster.checked["stream_steps"] += len(streams)
 
 

@@ -149,14 +149,16 @@ class StepPlans:
         ``[3, n]``); checks the bound.
 
         Raises:
-          ValueError: a view would reach past ``max_seq_len`` (M-RoPE: or below 0, a
-            negative delta on a counter that has not reached the prompt's end).
+          ValueError: a view's sequence index (counter + token) would reach past
+            ``max_seq_len``, or (M-RoPE) its rotary position counter + delta is below 0
+            (a negative delta on a counter that has not reached the prompt's end). The
+            bound is on the sequence index, never on an M-RoPE row (vLLM #54498).
         """
         out = {}
-        # Sufficient first: no counter is high enough (nor, with M-RoPE deltas, low
-        # enough) for any view to pass the bound.
-        starts = base.counters + base.deltas if self._mrope else base.counters
-        peak, low = int(starts.max()), int(starts.min())
+        # Sufficient first: no counter is high enough (nor, with M-RoPE deltas, any
+        # rotary start low enough) for any view to fail.
+        peak = int(base.counters.max())
+        low = int((base.counters + base.deltas).min()) if self._mrope else 0
         for plan_label, label in arrays.labels.items():
             if plan_label in arrays.explicit:
                 continue
@@ -167,31 +169,32 @@ class StepPlans:
                     out[plan_label] = numbered
                     continue
             if peak + label.num_tokens > self.max_seq_len or low < 0:
-                self._check_bounds(starts, arrays, plan_label)
+                self._check_bounds(base, arrays, plan_label)
             out[plan_label] = rules.plan(base, label.slots, label.counts, self._scheme,
                                          label.num_tokens, mrope=self._mrope)
         return out
 
-    def _check_bounds(self, starts: np.ndarray, arrays: StepArrays, plan_label: str) -> None:
+    def _check_bounds(self, base: rules.Columns, arrays: StepArrays, plan_label: str) -> None:
         label = arrays.labels[plan_label]
         if not len(label.slots):
             return
-        start = starts[label.slots]
+        index = base.counters[label.slots]
         if self._scheme is Scheme.SEQUENTIAL:
-            bad = start + label.counts > self.max_seq_len
+            past = index + label.counts > self.max_seq_len
         else:
-            bad = (label.counts > 0) & (start >= self.max_seq_len)
-        bad |= (label.counts > 0) & (start < 0)
-        if bad.any():
-            i = int(np.argmax(bad))
+            past = (label.counts > 0) & (index >= self.max_seq_len)
+        below = np.zeros_like(past)
+        if self._mrope:
+            below = (label.counts > 0) & (index + base.deltas[label.slots] < 0)
+        if past.any() or below.any():
+            i = int(np.argmax(past | below))
             rid, stream_label = arrays.groups[plan_label][i][:2]
             stream = f"stream ({rid!r}, {stream_label!r}) of plan label {plan_label!r}"
-            if self._mrope:
-                raise ValueError(f"{stream} at counter + M-RoPE delta {int(start[i])} with "
-                                 f"{int(label.counts[i])} tokens leaves [0, max_seq_len="
-                                 f"{self.max_seq_len}) (a decode plan needs the prompt in: plan "
-                                 "the prompt with explicit [3, n] pos_ids)")
-            raise ValueError(f"{stream} at position {int(start[i])} with {int(label.counts[i])} "
+            if below[i]:
+                raise ValueError(f"{stream} at counter {int(index[i])} + M-RoPE delta "
+                                 f"{int(base.deltas[label.slots][i])} is below 0 (a decode plan "
+                                 "needs the prompt in: plan the prompt with explicit [3, n] pos_ids)")
+            raise ValueError(f"{stream} at position {int(index[i])} with {int(label.counts[i])} "
                              f"tokens passes max_seq_len={self.max_seq_len}")
 
     def install(self, plan: Plan, preplan: bool, base: rules.Columns) -> None:
