@@ -24,7 +24,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import jaxrope as jr  # noqa: E402
-from jaxrope.cases import (APPEND_BY_NAME, APPEND_CASES, BY_NAME, MROPE_APPEND_CASES,  # noqa: E402
+from jaxrope.cases import (APPEND_BY_NAME, APPEND_CASES, MROPE_APPEND_CASES,  # noqa: E402
                            AppendCase)
 from jaxrope.kernels import kv_pallas, triton_ir  # noqa: E402
 from jaxrope.testing import kv_oracle, oracle  # noqa: E402
