@@ -10,7 +10,8 @@ GLM-4.1V's partial GPT-J pairs, partial NeoX halves, odd sizes.
 
 ``APPEND_CASES`` extend some of them with the paged KV cache that
 :func:`jaxrope.apply_rope_and_append_kv` writes: layout, page size, a combined
-``[pages, 2, ...]`` array or a pair, fp8, and how many tokens are padding (slot -1).
+``[pages, 2, ...]`` array or a pair, fp8, and how many tokens are padding (slot -1);
+``MROPE_APPEND_CASES`` do the same for M-RoPE cases.
 
 Example:
   >>> from jaxrope.cases import APPEND_BY_NAME, BY_NAME
@@ -153,4 +154,15 @@ APPEND_CASES: Tuple[AppendCase, ...] = (
     AppendCase("dynamic_d192_fp8_hnd", "dynamic_ntk", layout="HND", fp8=True, padding=2),
 )
 
-APPEND_BY_NAME = {case.name: case for case in APPEND_CASES}
+# The M-RoPE layouts through the fused append (``pos_ids [3, T]``): sectioned Qwen2-VL,
+# interleaved Qwen3-VL, partial rotary in halves and in GLM-4.1V's pairs, odd sizes.
+MROPE_APPEND_CASES: Tuple[AppendCase, ...] = (
+    AppendCase("qwen2_vl_nhd_p16", "qwen2_vl_7b"),
+    AppendCase("qwen3_vl_interleaved_hnd_combined", "qwen3_vl_interleaved", layout="HND",
+               combined=True, padding=2),
+    AppendCase("mrope_partial_halves_nhd_p1", "mrope_partial_halves", page_size=1),
+    AppendCase("glm41v_pairs_fp8_hnd", "glm41v_partial_pairs", layout="HND", fp8=True),
+    AppendCase("mrope_interleaved_d80_nhd_combined", "mrope_interleaved_d80_odd", combined=True),
+)
+
+APPEND_BY_NAME = {case.name: case for case in APPEND_CASES + MROPE_APPEND_CASES}

@@ -16,6 +16,8 @@ Vocabulary and conventions:
   ``[pages, Hk, page_size, D]`` (``"HND"``), or one ``[pages, 2, page_size, Hk, D]``
   (``[pages, 2, Hk, page_size, D]``) array holding keys at ``[:, 0]`` and values at
   ``[:, 1]`` (vLLM's FlashInfer backend allocates this one).
+- **M-RoPE** (``cfg.mrope_section``): ``pos_ids [3, T]``, each frequency slot rotated
+  by its row's position exactly as :func:`jaxrope.apply_rope` does it.
 - **fp8**: a ``float8_e4m3fn`` cache stores ``e4m3(clip(x * k_quant_scale, -448, 448))``
   (rounded to nearest even) for the float32 rotated k, likewise v with
   ``v_quant_scale``: FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache``, whose
@@ -149,8 +151,9 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
       q: ``[T, Hq, D]`` float32, float16 or bfloat16, ``D == cfg.head_dim``.
       k: ``[T, Hk, D]``, same dtype and ``T`` as ``q``.
       v: ``[T, Hk, D]``, same shape and dtype as ``k``.
-      pos_ids: int ``[T]``, the position of each token, in ``[0, cfg.max_position)``
-        (checked when visible, as in :func:`jaxrope.apply_rope`).
+      pos_ids: int ``[T]``, the position of each token, in ``[0, cfg.max_position)``;
+        for an M-RoPE config (``cfg.mrope_section``) int ``[3, T]``, the t, h and w rows
+        (checked when visible, as in :func:`jaxrope.apply_rope`, by the same checks).
       kv_cache: ``(k_cache, v_cache)``, each ``[pages, page_size, Hk, D]`` (NHD) or
         ``[pages, Hk, page_size, D]`` (HND); or one array ``[pages, 2, page_size, Hk, D]``
         (``[pages, 2, Hk, page_size, D]``) with keys at ``[:, 0]`` and values at ``[:, 1]``.
@@ -179,8 +182,7 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
     Raises:
       TypeError: ``cfg`` is not a RopeConfig, or an input is not an array (or a pair).
       ValueError: a shape, dtype, device, layout, visible position, slot or scale is
-        invalid.
-      NotImplementedError: M-RoPE positions ``[3, T]`` (not yet fused).
+        invalid, ``pos_ids [T]`` for an M-RoPE config or ``[3, T]`` for a 1-D one.
       BackendUnavailable: ``backend="pallas"`` off GPU or on an fp8 cache of 2-4 GiB
         (:func:`jaxrope.kernels.kv_pallas.unsupported`; "auto" takes the XLA path
         there), ``"mosaic"`` (no fused kernel).
@@ -199,10 +201,13 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
       (1.0, 0.0)
       >>> float(k_cache[1, 1, 0, 0]), float(k_cache[2, 8, 0, 0])   # cos(p) - sin(p), p = 0, 2
       (1.0, -1.328125)
+      >>> vl = jr.RopeConfig(head_dim=64, mrope_section=(8, 12, 12))    # M-RoPE: [3, T]
+      >>> q = jnp.ones((3, 4, 64), jnp.bfloat16)
+      >>> q, (k_cache, v_cache) = step(q, k, v, jnp.zeros((3, 3), jnp.int32),
+      ...                              (k_cache, v_cache), slots, cfg=vl)
+      >>> float(k_cache[2, 8, 0, 0])   # position 0 on every row: k as is
+      1.0
     """
-    if _is_array(pos_ids) and pos_ids.ndim == 2 and pos_ids.shape[0] == 3:
-        raise NotImplementedError(f"pos_ids.shape={tuple(pos_ids.shape)}: M-RoPE positions "
-                                  "[3, T] are not fused with the KV append yet")
     _apply.validate(q, k, pos_ids, cfg)
     if not _is_array(v):
         raise TypeError(f"v must be an array, got {type(v).__name__}")
@@ -232,7 +237,8 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
             jnp.asarray(tables), scales, caches)
     kwargs = dict(layout=layout, page_size=page_size, components=2 if combined else 1,
                   rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
-                  attention_factor=attention)
+                  attention_factor=attention, mrope_section=cfg.mrope_section,
+                  mrope_interleaved=cfg.mrope_interleaved)
     try:
         q, caches = impl(*args, **kwargs)
     except BackendUnavailable:

@@ -631,7 +631,8 @@ def test_bridge_bad_input_raises_naming_the_argument_and_changes_nothing(case):
 
 
 def test_the_catalogue_is_large_and_its_names_distinct():
-    names = [c.name for c in CORE_CASES + BRIDGE_CASES + MROPE_CASES + KV_CASES]
+    names = [c.name for c in CORE_CASES + BRIDGE_CASES + MROPE_CASES + KV_CASES
+             + KV_MROPE_CORE_CASES + MROPE_KV_CASES]
     assert len(names) == len(set(names))
     assert len(CORE_CASES) >= 25 and (torch is None or len(BRIDGE_CASES) >= 25)
 
@@ -1104,3 +1105,127 @@ def test_a_refused_speculative_commit_names_the_reason_and_changes_nothing(name,
         call(mgr)
     assert fragment in str(raised.value), str(raised.value)
     assert mgr.state_snapshot() == before
+
+
+# ------------------------------------------------------------------------------ fused KV append, M-RoPE
+# apply_rope_and_append_kv takes apply_rope's positions: [3, T] for an M-RoPE config, [T]
+# for a 1-D one, refused with apply_rope's own message (one validator). Each case runs on
+# both ops; q, k, v, the cache and the slots must be as before.
+
+
+class KvMropeEnv:
+    """Inputs of a valid fused call; ``op`` is "append" or "rope" (apply_rope, the twin on
+    the same inputs when given the same ``seed``)."""
+
+    def __init__(self, op: str, seed: int):
+        rng = np.random.default_rng(seed)
+        self.op = op
+        self.mrope = jr.RopeConfig(head_dim=HEAD_DIM, max_position=1024, mrope_section=(4, 2, 2))
+        self.one_d = jr.RopeConfig(head_dim=HEAD_DIM, max_position=1024)
+        self.q = jnp.asarray(rng.standard_normal((5, 3, HEAD_DIM)), jnp.float32)
+        self.k, self.v = (jnp.asarray(rng.standard_normal((5, 2, HEAD_DIM)), jnp.float32)
+                          for _ in "kv")
+        self.pos = jnp.asarray(rng.integers(0, 1024, (3, 5)), jnp.int32)
+        self.kv_cache = tuple(jnp.asarray(rng.standard_normal((2, 4, 2, HEAD_DIM)), jnp.float32)
+                              for _ in "kv")
+        self.slots = jnp.array([0, 3, -1, 7, 4], jnp.int32)
+
+    def run(self, pos_ids, cfg):
+        if self.op == "rope":
+            return jr.apply_rope(self.q, self.k, pos_ids, cfg)
+        return jr.apply_rope_and_append_kv(self.q, self.k, self.v, pos_ids, self.kv_cache,
+                                           self.slots, cfg)
+
+    def state(self):
+        return [np.asarray(x).tolist() for x in (self.q, self.k, self.v, self.pos, *self.kv_cache,
+                                                 self.slots)]
+
+
+KV_MROPE_CORE_CASES = [
+    Bad("append M-RoPE config with 1-D pos_ids", lambda e: e.run(e.pos[0], e.mrope), ValueError,
+        "pos_ids.shape=(5,) must be [3, T] (t, h, w rows) with T=5 for an M-RoPE config "
+        "(cfg.mrope_section=(4, 2, 2)"),
+    Bad("append 1-D config with M-RoPE pos_ids", lambda e: e.run(e.pos, e.one_d), ValueError,
+        "pos_ids.shape=(3, 5) is M-RoPE positions [3, T], but cfg is a 1-D config"),
+    Bad("append M-RoPE pos_ids of the wrong length", lambda e: e.run(e.pos[:, :4], e.mrope),
+        ValueError, "pos_ids.shape=(3, 4) must be [3, T]"),
+    Bad("append M-RoPE pos_ids with two rows", lambda e: e.run(e.pos[:2], e.mrope), ValueError,
+        "pos_ids.shape=(2, 5) must be [3, T]"),
+    Bad("append M-RoPE pos_ids negative on the w row",
+        lambda e: e.run(e.pos.at[2, 1].set(-1), e.mrope), ValueError,
+        "pos_ids must lie in [0, 1024) (cfg.max_position)"),
+    Bad("append M-RoPE float pos_ids", lambda e: e.run(e.pos.astype(jnp.float32), e.mrope),
+        ValueError, "pos_ids.dtype=float32 must be an integer type"),
+]
+
+
+@pytest.mark.parametrize("case", KV_MROPE_CORE_CASES, ids=lambda c: c.name)
+def test_append_mrope_positions_are_refused_as_apply_rope_refuses_them(case):
+    messages, seed = [], next(_SEEDS)
+    for op in ("append", "rope"):
+        env = KvMropeEnv(op, seed)
+        before = env.state()
+        with pytest.raises(case.error) as raised:
+            case.call(env)
+        assert case.fragment in str(raised.value), str(raised.value)
+        assert env.state() == before
+        messages.append(str(raised.value))
+    assert messages[0] == messages[1], "the fused op and apply_rope give one message"
+
+
+def test_the_mrope_append_call_the_cases_vary_is_valid():
+    env = KvMropeEnv("append", next(_SEEDS))
+    q, (k_cache, v_cache) = env.run(env.pos, env.mrope)
+    assert np.asarray(q).shape == (5, 3, HEAD_DIM)
+    np.testing.assert_array_equal(np.asarray(v_cache).reshape(8, 2, HEAD_DIM)[[0, 3, 7, 4]],
+                                  np.asarray(env.v)[[0, 1, 3, 4]])
+
+
+if torch is not None:
+    def _mrope_kv(tokens=3, slots=(0, 5, -1)):
+        gen = torch.Generator().manual_seed(next(_SEEDS))
+        q, k = _qk(tokens)
+        return dict(q=q, k=k, v=torch.randn(tokens, 2, HEAD_DIM, generator=gen),
+                    cache=_pair(), slots=torch.tensor(slots, dtype=torch.int32))
+
+    def _mrope_append(m, **changes):
+        a = {**_mrope_kv(), **changes}
+        return m.apply_qk_and_append_kv(a["q"], a["k"], a["v"], "cond", a["cache"], a["slots"],
+                                         **a.get("kwargs", {}))
+
+MROPE_KV_CASES = [
+    Bad("M-RoPE append: more q tokens than the [3, n] plan holds",
+        lambda m: _mrope_append(m, **_mrope_kv(4, (0, 5, 9, -1))), ValueError,
+        "q has 4 tokens but plan label 'cond' has 3 planned positions"),
+    Bad("M-RoPE append: slots for fewer tokens",
+        lambda m: _mrope_append(m, slots=torch.tensor([0, 5], dtype=torch.int32)), ValueError,
+        "slots.shape=(2,) must be [T] with T=3"),
+    Bad("M-RoPE append: an unknown layout", lambda m: _mrope_append(m, kwargs={"layout": "NDH"}),
+        ValueError, "layout='NDH' must be one of"),
+] if torch is not None else []
+
+
+@needs_torch
+def test_the_mrope_append_call_the_kv_cases_vary_is_valid():
+    mgr, a = mrope_manager(), _mrope_kv()
+    q_in = a["q"].numpy().copy()
+    mgr.apply_qk_and_append_kv(a["q"], a["k"], a["v"], "cond", a["cache"], a["slots"])
+    inv_freq, attention = oracle.serving_frequencies(mgr.rope)
+    want = oracle.rope_oracle(q_in, np.asarray(MROPE_CURRENT_POSITIONS["cond"]), inv_freq,
+                              attention, HEAD_DIM, False, mgr.rope.mrope_section, False)
+    np.testing.assert_allclose(a["q"].numpy(), want, rtol=0, atol=2e-5)
+    # Slots 0 and 5: page 0 entry 0, page 1 entry 1; the padding token writes nothing.
+    assert torch.equal(a["cache"][1][0, 0], a["v"][0]) and torch.equal(a["cache"][1][1, 1], a["v"][1])
+    assert int((a["cache"][1] != 0).any(-1).any(-1).sum()) == 2
+
+
+@needs_torch
+@pytest.mark.parametrize("case", MROPE_KV_CASES, ids=lambda c: c.name)
+def test_mrope_append_bad_input_raises_and_changes_nothing(case):
+    mgr, twin = mrope_manager(), mrope_manager()
+    before = mgr.state_snapshot()
+    with pytest.raises(case.error) as raised:
+        case.call(mgr)
+    assert case.fragment in str(raised.value), str(raised.value)
+    assert mgr.state_snapshot() == before
+    assert mrope_finish(mgr) == mrope_finish(twin)

@@ -1,11 +1,12 @@
 """RopeManager.apply_qk_and_append_kv on CPU: every append case, the JAX path, the launchers.
 
-Every case of ``jaxrope.cases.APPEND_CASES`` goes through the manager on torch CPU tensors
+Every case of ``jaxrope.cases.APPEND_CASES`` and ``MROPE_APPEND_CASES`` (M-RoPE managers,
+positions ``[3, n]``) goes through the manager on torch CPU tensors
 (the JAX DLPack path) in float32, float16 and bfloat16: q and the cache rows written
 against the float64 oracle, every other cache entry bit for bit unchanged (padding slots
 included), k and v untouched, and q and the cache within one ulp of the core op's XLA
 backend on the same inputs. Then the manager's own behaviour (int64 slots, 2-D views,
-staging copies, fewer tokens than planned, M-RoPE refused, launchers asked first, bound
+staging copies, fewer tokens than planned, on 1-D and M-RoPE plans, launchers asked first, bound
 launches), and the Triton launcher's steps that run without a GPU (export, compile for
 sm_90, a failing export declined once, tensors off CUDA declined). Bad inputs are in
 tests/test_bad_inputs.py.
@@ -23,7 +24,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import jaxrope as jr  # noqa: E402
-from jaxrope.cases import APPEND_BY_NAME, APPEND_CASES, BY_NAME, AppendCase  # noqa: E402
+from jaxrope.cases import (APPEND_BY_NAME, APPEND_CASES, MROPE_APPEND_CASES,  # noqa: E402
+                           AppendCase)
 from jaxrope.kernels import kv_pallas, triton_ir  # noqa: E402
 from jaxrope.testing import kv_oracle, oracle  # noqa: E402
 from jaxrope.testing.lowering import cuda_target  # noqa: E402
@@ -66,7 +68,9 @@ def make_call(rng, case: AppendCase, dtype_name: str) -> Call:
         return torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(to)
 
     tokens = c.tokens
-    pos = rng.integers(0, c.cfg.max_position, tokens).astype(np.int32)
+    # M-RoPE: t, h and w rows that differ per token.
+    rows = () if c.cfg.mrope_section is None else (3,)
+    pos = rng.integers(0, c.cfg.max_position, (*rows, tokens)).astype(np.int32)
     slots = rng.permutation(case.pages * case.page_size)[:tokens].astype(np.int32)
     slots[tokens - case.padding:] = -1
     cache_dtype = torch.float8_e4m3fn if case.fp8 else dtype
@@ -86,7 +90,7 @@ def manager(cfg: jr.RopeConfig, **kwargs) -> RopeManager:
 
 
 def plan(mgr: RopeManager, pos: np.ndarray) -> None:
-    step = PositionStep([Segment("r", LABEL, len(pos))], pos_ids=torch.from_numpy(pos))
+    step = PositionStep([Segment("r", LABEL, pos.shape[-1])], pos_ids=torch.from_numpy(pos))
     mgr.plan(step, StepContext(("r",)))
 
 
@@ -120,7 +124,8 @@ def bits(x: np.ndarray) -> np.ndarray:
 def rope64(cfg, x, pos):
     inv_freq, attention = oracle.serving_frequencies(cfg)
     return oracle.rope_oracle(np.asarray(x, np.float64), pos, inv_freq, attention,
-                              cfg.rotary_dim, cfg.interleave)
+                              cfg.rotary_dim, cfg.interleave, cfg.mrope_section,
+                              cfg.mrope_interleaved)
 
 
 def check_against_oracle(case: AppendCase, x: Call, q_out: torch.Tensor, kv_out, q_in, kv_in,
@@ -176,7 +181,7 @@ def core_reference(case: AppendCase, x: Call, q_in, kv_in):
 
 
 @pytest.mark.parametrize("dtype_name", DTYPES)
-@pytest.mark.parametrize("case", APPEND_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", APPEND_CASES + MROPE_APPEND_CASES, ids=lambda c: c.name)
 def test_every_append_case_through_the_manager_matches_the_oracle(case, dtype_name, rng):
     x = make_call(rng, case, dtype_name)
     mgr = manager(case.case.cfg)
@@ -283,15 +288,19 @@ def aligned(t: torch.Tensor, alignment: int = 64) -> torch.Tensor:
     return out.copy_(t)
 
 
-def test_fewer_tokens_than_planned_use_the_first_positions(rng):
-    case = APPEND_BY_NAME["llama3_nhd_p16"]
+@pytest.mark.parametrize("name", ["llama3_nhd_p16", "qwen3_vl_interleaved_hnd_combined"])
+def test_fewer_tokens_than_planned_use_the_first_positions(name, rng):
+    # M-RoPE: the first T columns of the [3, n] plan.
+    case = APPEND_BY_NAME[name]
     x = make_call(rng, case, "float32")
     full = _reference_call(case, x)
     mgr = manager(case.case.cfg)
-    plan(mgr, np.concatenate([x.pos, [5, 6, 7]]).astype(np.int32))
+    more = np.broadcast_to(np.array([5, 6, 7], np.int32), (*x.pos.shape[:-1], 3))
+    plan(mgr, np.concatenate([x.pos, more], axis=-1))
     q, kv = x.q.clone(), clone(x.kv_cache)
-    mgr.apply_qk_and_append_kv(q, x.k, x.v, LABEL, kv, x.slots)
-    assert torch.equal(q, full[0]) and all(map(torch.equal, kv, full[1]))
+    mgr.apply_qk_and_append_kv(q, x.k, x.v, LABEL, kv, x.slots, layout=case.layout)
+    assert torch.equal(q, full[0]) and all(map(torch.equal, jax.tree.leaves(kv),
+                                               jax.tree.leaves(full[1])))
 
 
 def test_zero_tokens_change_nothing():
@@ -305,17 +314,23 @@ def test_zero_tokens_change_nothing():
     assert all(map(torch.equal, cache, before))
 
 
-def test_an_mrope_manager_refuses_and_changes_nothing():
-    cfg = BY_NAME["mrope_interleaved_d80_odd"].cfg
+def test_an_mrope_decode_plan_fuses_at_counter_plus_delta(rng):
+    # The manager's own [3, n] positions (no explicit pos_ids): text decode at counter +
+    # delta on every row, as apply_qk rotates it, written into the cache in one call.
+    case = APPEND_BY_NAME["mrope_partial_halves_nhd_p1"]
+    cfg = case.case.cfg
     mgr = RopeManager(PositionConfig(rope=cfg), "cpu", max_seq_len=4096, launcher="jax")
-    mgr.ingest_request("r")
-    mgr.plan(PositionStep([Segment("r", LABEL, 2)]), StepContext(("r",)))
-    before = mgr.state_snapshot()
-    q, kv = torch.randn(2, 5, 80), torch.randn(2, 3, 80)
-    cache = (torch.zeros(2, 16, 3, 80), torch.zeros(2, 16, 3, 80))
-    with pytest.raises(NotImplementedError, match="M-RoPE .* not fused with the KV append"):
-        mgr.apply_qk_and_append_kv(q, kv, kv, LABEL, cache, torch.tensor([0, 1]))
-    assert mgr.state_snapshot() == before and not cache[0].any()
+    mgr.ingest_request("r", {LABEL: 300}, deltas={LABEL: -120})
+    mgr.plan(PositionStep([Segment("r", LABEL, 1)]), StepContext(("r",)))
+    x = make_call(rng, dataclasses.replace(case, padding=0), "float32")
+    q, k, v = x.q[:1].clone(), x.k[:1], x.v[:1]
+    q_in, cache = q.clone(), tuple(torch.zeros(cache_shape(case)) for _ in "kv")
+    mgr.apply_qk_and_append_kv(q, k, v, LABEL, cache, torch.tensor([5]))
+    pos = np.full((3, 1), 180)
+    np.testing.assert_allclose(q.numpy(), rope64(cfg, q_in.numpy(), pos), rtol=0, atol=2e-5)
+    np.testing.assert_allclose(cache[0][5, 0].numpy(), rope64(cfg, k.numpy(), pos)[0],
+                               rtol=0, atol=2e-5)
+    assert torch.equal(cache[1][5, 0], v[0]) and not torch.cat([cache[0][:5], cache[0][6:]]).any()
 
 
 # -- launchers ------------------------------------------------------------------------------
@@ -425,7 +440,8 @@ def _geometry(case: AppendCase, dtype=torch.bfloat16) -> kv_append.CacheGeometry
 
 
 @pytest.mark.requires_triton
-@pytest.mark.parametrize("name", ["llama3_nhd_p16", "partial_half_fp8_hnd_combined"])
+@pytest.mark.parametrize("name", ["llama3_nhd_p16", "partial_half_fp8_hnd_combined",
+                                  "qwen2_vl_nhd_p16"])
 def test_the_kv_launcher_exports_and_compiles_its_kernel_for_sm90_once(name):
     from triton.backends.compiler import GPUTarget
     from torch_bridge.kv_launch import KVAppendLauncher

@@ -562,10 +562,6 @@ class TestBadInputs:
                      k_quant_scale=jnp.ones(2))
         self._raises(TypeError, "v_quant_scale must be a float", kv_cache=fp8, v_quant_scale="1")
 
-    def test_mrope_positions_are_not_fused_yet(self):
-        self._raises(NotImplementedError, "M-RoPE positions [3, T]",
-                     pos_ids=jnp.zeros((3, 3), jnp.int32))
-
     def test_backends(self):
         self._raises(ValueError, "backend='triton' must be one of", backend="triton")
         if jax.default_backend() != "gpu":

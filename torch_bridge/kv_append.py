@@ -241,7 +241,7 @@ def _rope_and_append(q, *rest, cfg: RopeConfig, layout: str, backend: str, fp8: 
         caches = [jax.lax.bitcast_convert_type(c, jnp.float8_e4m3fn) for c in caches]
     k_scale, v_scale = scales if fp8 else (None, None)
     q, kv_cache = apply_rope_and_append_kv(
-        q, k, v, pos_ids[:q.shape[0]], caches[0] if len(caches) == 1 else tuple(caches), slots,
+        q, k, v, pos_ids[..., :q.shape[0]], caches[0] if len(caches) == 1 else tuple(caches), slots,
         cfg, layout=layout, k_quant_scale=k_scale, v_quant_scale=v_scale, backend=backend)
     out = jax.tree.leaves(kv_cache)
     if fp8:
@@ -294,7 +294,9 @@ class JaxAppend:
                  caches: Sequence[torch.Tensor], geometry: CacheGeometry, pos_ids: jax.Array,
                  slots: torch.Tensor, cfg: RopeConfig, scales: Tuple[float, float],
                  allow_copy: bool = True) -> None:
-        """Rotate ``q [T, Hq, D]`` in place at ``pos_ids[:T]`` and write k, v into ``caches``.
+        """Rotate ``q [T, Hq, D]`` in place at ``pos_ids[..., :T]`` and write k, v into ``caches``.
+
+        ``pos_ids`` int32 ``[N >= T]``, or ``[3, N]`` for an M-RoPE ``cfg``.
 
         ``caches``, ``geometry`` and ``scales`` as :func:`check_call` returns them.
         """

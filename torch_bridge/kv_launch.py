@@ -9,6 +9,9 @@ launches it with raw pointers on torch's current stream (:mod:`torch_bridge.trit
 ordered with the surrounding torch work, no host sync, in place on the engine's own
 tensors, capturable in a ``torch.cuda.CUDAGraph``.
 
+M-RoPE (``cfg.mrope_section``): the kernel exported with the config's sections reads the
+positions as one contiguous ``[3, T]`` block (row ``r`` of token ``t`` at ``r * T + t``), as the rope launcher does.
+
 The token count is read from a device table, so one compiled kernel serves every T; the
 cache geometry (pages, page size, layout, dtype) is part of the kernel, which an engine
 fixes once. int64 slots (vLLM's ``slot_mapping``) are narrowed to int32 on torch's
@@ -35,6 +38,7 @@ from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels import kv_pallas, pallas_triton, triton_ir
 from torch_bridge.kv_append import CacheGeometry, int32_slots
+from torch_bridge.triton_launch import mrope_block
 from torch_bridge.triton_runtime import (ALIGN, AngleTables, CountTable, KernelCache,
                                          KernelLaunch, LaunchRecords)
 
@@ -50,7 +54,7 @@ class KVLauncher(Protocol):
     ``rotate_and_append_kv_(q, k, v, pos_ids, caches, slots, cfg, geometry, scales)``:
     ``q [T, Hq, D]``, ``k, v [T, Hk, D]`` (validated by the manager: one dtype and
     device, ``D == cfg.head_dim``), ``pos_ids`` int32 ``[N >= T]`` (the first ``T`` are
-    used), ``caches`` the engine's cache tensors (the ``(k_cache, v_cache)`` pair, or the
+    used; an M-RoPE config's ``[3, N]``, its first ``T`` columns), ``caches`` the engine's cache tensors (the ``(k_cache, v_cache)`` pair, or the
     combined tensor alone), ``slots`` int32 or int64 ``[T]``, ``geometry`` a
     :class:`torch_bridge.kv_append.CacheGeometry`, ``scales`` ``(k_scale, v_scale)``
     floats (1.0 for a cache in k's dtype). Rotates q in place and writes the rotated k
@@ -147,7 +151,8 @@ class KVAppendLauncher:
                 rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
                 attention_factor=attention, dtype=_jax_dtype(dtype),
                 cache_shape=geometry.view_shape, cache_dtype=_jax_dtype(geometry.dtype),
-                layout=geometry.layout, components=geometry.components, block=block)))
+                layout=geometry.layout, components=geometry.components, block=block,
+                mrope_section=cfg.mrope_section, mrope_interleaved=cfg.mrope_interleaved)))
 
     def rotate_and_append_kv_(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               pos_ids: torch.Tensor, caches: Sequence[torch.Tensor],
@@ -156,7 +161,9 @@ class KVAppendLauncher:
                               block: Optional[kv_pallas.AppendBlockConfig] = None) -> None:
         """Rotate ``q [T, Hq, D]`` in place at ``pos_ids[:T]``; write k, v into ``caches`` at ``slots``.
 
-        ``k, v [T, Hk, D]``, ``pos_ids`` int32 ``[>= T]``, ``caches`` the engine's tensors
+        ``k, v [T, Hk, D]``, ``pos_ids`` int32 ``[>= T]`` (M-RoPE: ``[3, N >= T]``, its
+        first ``T`` columns copied into one contiguous block when ``N > T``:
+        :func:`torch_bridge.triton_launch.mrope_block`), ``caches`` the engine's tensors
         (a ``(k_cache, v_cache)`` pair or the combined tensor alone), ``slots`` int32 or
         int64 ``[T]``, ``geometry`` and ``scales`` as
         :func:`torch_bridge.kv_append.check_call` returns them: the caller has validated
@@ -169,6 +176,8 @@ class KVAppendLauncher:
         """
         if q.shape[0] == 0:
             return
+        if cfg.mrope_section is not None:
+            pos_ids = mrope_block(pos_ids, q.shape[0])
         named = (("q", q), ("k", k), ("v", v), ("pos_ids", pos_ids), ("slots", slots),
                  *zip(("kv_cache",) if geometry.combined else ("k_cache", "v_cache"), caches))
         for name, t in named:
@@ -197,6 +206,7 @@ class KVAppendLauncher:
         launch, count_ptr, tables_ptr, scales_ptr = self._launch_for(q, cfg, geometry, scales,
                                                                      None)
         combined = geometry.combined
+        mrope = cfg.mrope_section is not None
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: torch.Tensor,
                 kv_cache: Any, slots: torch.Tensor) -> bool:
@@ -209,6 +219,8 @@ class KVAppendLauncher:
                 contiguous = k_cache.is_contiguous() and v_cache.is_contiguous()
             if slots.dtype != torch.int32:
                 slots = slots.to(torch.int32)
+            if mrope:
+                pos_ids = mrope_block(pos_ids, q.shape[0])
             q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
             pos_ptr, slot_ptr = pos_ids.data_ptr(), slots.data_ptr()
             if ((q_ptr | k_ptr | v_ptr | pos_ptr | slot_ptr | cache_ptrs[0] | cache_ptrs[-1]) % ALIGN

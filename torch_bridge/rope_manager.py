@@ -229,7 +229,8 @@ class RopeManager(PositionManager):
 
         Args:
           q: ``[T, Hq, D]`` or ``[T, Hq * D]``, float32/float16/bfloat16, on ``device``;
-            rotated in place at ``pos_ids(label)[:T]``, as ``apply_qk`` rotates it.
+            rotated in place at ``pos_ids(label)[:T]`` (M-RoPE: the first ``T`` columns
+            of the ``[3, n]`` rows), as ``apply_qk`` rotates it.
           k: ``[T, Hk, D]`` or ``[T, Hk * D]``, q's dtype; read only (not rotated in
             place: the cache gets the rotated k).
           v: k's shape and dtype; read only.
@@ -265,8 +266,6 @@ class RopeManager(PositionManager):
         non-contiguous tensors are staged through copies when ``allow_copy``).
 
         Raises:
-          NotImplementedError: an M-RoPE manager (not fused with the append yet: call
-            ``apply_qk``, then the engine's append).
           ValueError: as ``apply_qk`` for label, q and k; v unlike k; an unknown layout;
             a cache of the wrong rank, heads, head size, dtype or device; slots of the
             wrong shape, dtype or device; a scale given for a cache in k's dtype, or not
@@ -304,11 +303,6 @@ class RopeManager(PositionManager):
                     self._plans.active()
                     if bound(q, k, v, pos, kv_cache, slots):
                         return q, kv_cache
-        if self._mrope:
-            raise NotImplementedError(
-                f"apply_qk_and_append_kv: M-RoPE (config.rope.mrope_section="
-                f"{self.rope.mrope_section}) is not fused with the KV append yet; call "
-                "apply_qk, then the engine's cache append")
         q3, k3 = self._checked_qk(q, k, label, plan)
         v3 = self._heads(v, "v")
         caches, geometry, scales = kv_append.check_call(k3, v3, kv_cache, slots, layout,

@@ -28,9 +28,16 @@ page_size`` (values one view page further for a combined cache), each head row a
 ``e4m3(clip(x * scale, -448, 448))`` (:func:`jaxrope.kernels.kv_reference.to_cache_dtype`,
 the same function as the XLA backend), scales read from the ``scales`` operand.
 
+M-RoPE (``mrope_section``): positions ``[3, T]`` enter flattened as in the rope kernel
+(:mod:`jaxrope.kernels.pallas_triton`), row ``r`` of token ``t`` at ``r * count + t``,
+so the IR stays independent of T; a token's three rows are loaded as scalars and
+:func:`jaxrope.kernels.angle.cos_sin` picks one per frequency slot. Only ``angle``
+changes; a 1-D call traces exactly the 1-D kernel.
+
 For a launch outside JAX (the torch bridge, as :mod:`jaxrope.kernels.triton_ir` does for
 the rope kernel) the operands are, in order, ``(count, pos_ids, slots, tables, scales, q,
-k, v, *caches)`` then the outputs ``(q, *caches)``; ``count`` is read at run time, so the
+k, v, *caches)`` then the outputs ``(q, *caches)`` (an M-RoPE kernel's ``pos_ids`` a
+contiguous int32 ``[3, count]``); ``count`` is read at run time, so the
 Triton IR depends on T only through the grid (:func:`grid`). It depends on the cache
 geometry (pages, page size, layout) and dtype, which an engine fixes once.
 """
@@ -40,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -144,7 +151,8 @@ def _rope_append_kv_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, 
                            lanes: int, layout: str, page_size: int, components: int,
                            num_slots: int, heads_per_program: int, groups_per_program: int,
                            token_loop: int, q_programs: int, k_programs: int,
-                           approx_trig: bool):
+                           approx_trig: bool, mrope_section: Optional[Tuple[int, int, int]],
+                           mrope_interleaved: bool):
     # refs: the caches as inputs (aliased to the outputs, never read), then the outputs
     # (q, *caches). The keys go to the first cache, the values to the last one, one view
     # page further when both share it (components == 2).
@@ -191,9 +199,13 @@ def _rope_append_kv_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, 
 
     def angle(t, turns):
         # The one place a token's angle is formed (M-RoPE changes only this).
-        pos = plgpu.load(pos_ref.at[t])
+        if mrope_section is None:
+            pos = plgpu.load(pos_ref.at[t])
+        else:
+            pos = tuple(plgpu.load(pos_ref.at[row * count + t]) for row in range(3))
         trig = {"sin_cos": pallas_triton._sin_cos_approx} if approx_trig else {}
-        cos, sin = cos_sin(pos, *turns, attention_factor, **trig)
+        cos, sin = cos_sin(pos, *turns, attention_factor, mrope_section=mrope_section,
+                           mrope_interleaved=mrope_interleaved, **trig)
         return cos[None, :], sin[None, :]
 
     def cache_slot(t, token_ok, component):
@@ -272,7 +284,9 @@ def _rope_append_kv_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, 
 
 def rope_append_kv_pallas(q, k, v, pos_ids, slots, tables, scales, caches, *, layout: str,
                           page_size: int, components: int, rotary_dim: int, interleave: bool,
-                          attention_factor: float, interpret: bool = False,
+                          attention_factor: float,
+                          mrope_section: Optional[Tuple[int, int, int]] = None,
+                          mrope_interleaved: bool = False, interpret: bool = False,
                           config: AppendBlockConfig | None = None):
     """Rotate q in place and write rotated k and v into the paged ``caches``, in one launch.
 
@@ -298,7 +312,10 @@ def rope_append_kv_pallas(q, k, v, pos_ids, slots, tables, scales, caches, *, la
         num_slots=caches[0].shape[0] // components * page_size,
         heads_per_program=cfg.heads_per_program, groups_per_program=cfg.groups_per_program,
         token_loop=cfg.token_loop, q_programs=q_programs, k_programs=k_programs,
-        approx_trig=not interpret)
+        approx_trig=not interpret, mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved)
+    if mrope_section is not None:
+        pos_ids = pos_ids.reshape(3 * num_tokens)
     first_cache = 8  # operand index of the first cache: after count .. v
     aliases = {5: 0, **{first_cache + i: 1 + i for i in range(len(caches))}}
     q_out, *caches = pl.pallas_call(

@@ -2,8 +2,9 @@
 
 Same signature as :func:`jaxrope.kernels.kv_pallas.rope_append_kv_pallas`:
 ``(q, k, v, pos_ids, slots, tables, scales, caches, *, layout, page_size, components,
-rotary_dim, interleave, attention_factor) -> (q, caches)``, on the canonical cache views
-of :mod:`jaxrope.kv_cache`:
+rotary_dim, interleave, attention_factor, mrope_section=None, mrope_interleaved=False) ->
+(q, caches)``, with ``pos_ids [T]``, or ``[3, T]`` (t, h, w rows) when ``mrope_section``
+is given, on the canonical cache views of :mod:`jaxrope.kv_cache`:
 
 - ``layout="NHD"``: each cache ``[pages * components, page_size, Hk, D]``;
 - ``layout="HND"``: each cache ``[pages * components, Hk, page_size, D]``;
@@ -21,6 +22,8 @@ saturating ``__NV_SATFINITE`` conversion).
 """
 
 from __future__ import annotations
+
+from typing import Optional, Tuple
 
 import jax.numpy as jnp
 
@@ -41,15 +44,19 @@ def to_cache_dtype(x, scale, dtype):
 
 def rope_append_kv_reference(q, k, v, pos_ids, slots, tables, scales, caches, *, layout: str,
                              page_size: int, components: int, rotary_dim: int,
-                             interleave: bool, attention_factor: float):
+                             interleave: bool, attention_factor: float,
+                             mrope_section: Optional[Tuple[int, int, int]] = None,
+                             mrope_interleaved: bool = False):
     """Rotate ``q`` and ``k`` at ``pos_ids``; write k and v into ``caches`` at ``slots``.
 
-    ``q [T, Hq, D]``, ``k, v [T, Hk, D]``, ``pos_ids, slots`` int32 ``[T]``, ``tables``
-    float32 ``[3, R/2]``, ``scales`` float32 ``[2]`` (used by fp8 caches only).
+    ``q [T, Hq, D]``, ``k, v [T, Hk, D]``, ``pos_ids`` int32 ``[T]`` (M-RoPE: ``[3,
+    T]``), ``slots`` int32 ``[T]``, ``tables`` float32 ``[3, R/2]``, ``scales`` float32
+    ``[2]`` (used by fp8 caches only).
     """
     q, k_rotated = rope_reference(q, k.astype(jnp.float32), pos_ids, tables,
                                   rotary_dim=rotary_dim, interleave=interleave,
-                                  attention_factor=attention_factor)
+                                  attention_factor=attention_factor, mrope_section=mrope_section,
+                                  mrope_interleaved=mrope_interleaved)
     view_pages = caches[0].shape[0]
     num_slots = view_pages // components * page_size
     valid = (slots >= 0) & (slots < num_slots)

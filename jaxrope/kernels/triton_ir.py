@@ -133,7 +133,8 @@ class AppendKernel:
     ``ttir`` takes pointer arguments in ``pallas_call`` operand order: inputs ``(count,
     pos_ids, slots, tables, scales, q, k, v, *caches)`` then outputs ``(q, *caches)``,
     which alias the inputs (pass the same pointers again). ``count`` is int32 ``[1]``
-    (the token count, read at run time), ``pos_ids`` and ``slots`` int32 ``[>= T]``,
+    (the token count, read at run time), ``pos_ids`` and ``slots`` int32 ``[>= T]`` (an
+    M-RoPE kernel's ``pos_ids`` a contiguous int32 ``[3, count]``),
     ``tables`` float32 ``[3, lanes]`` (the angle tables zero-padded to
     :func:`jaxrope.kernels.pallas_triton.lanes_for` lanes), ``scales`` float32 ``[2]``
     (read by fp8 caches only), ``caches`` the canonical views of :mod:`jaxrope.kv_cache`:
@@ -163,14 +164,16 @@ class AppendKernel:
 def export_append_kv(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int,
                      interleave: bool, attention_factor: float, dtype,
                      cache_shape: Tuple[int, int, int, int], cache_dtype, layout: str,
-                     components: int, block: kv_pallas.AppendBlockConfig) -> AppendKernel:
+                     components: int, block: kv_pallas.AppendBlockConfig,
+                     mrope_section: Optional[Tuple[int, int, int]] = None,
+                     mrope_interleaved: bool = False) -> AppendKernel:
     """Lower the fused kernel for one head layout, cache and launch shape; return its Triton IR.
 
     ``cache_shape`` is the canonical 4-D view (NHD ``[pages * components, page_size, Hk,
     D]`` or HND ``[pages * components, Hk, page_size, D]``), ``components`` 2 for one
     combined cache, 1 for a ``(k_cache, v_cache)`` pair. The IR does not depend on the
-    token count (read at run time from ``count``); it does depend on the cache's shape
-    and dtype, which an engine fixes once.
+    token count (read at run time from ``count``, also the row stride of M-RoPE
+    positions); it does depend on the cache's shape and dtype, which an engine fixes once.
 
     Raises:
       BackendUnavailable: no GPU target, JAX's private lowering API changed, or a cache
@@ -190,11 +193,13 @@ def export_append_kv(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: i
         return kv_pallas.rope_append_kv_pallas(
             q, k, v, pos_ids, slots, tables, scales, caches, layout=layout, page_size=page_size,
             components=components, rotary_dim=rotary_dim, interleave=interleave,
-            attention_factor=attention_factor, config=block)
+            attention_factor=attention_factor, mrope_section=mrope_section,
+            mrope_interleaved=mrope_interleaved, config=block)
 
     sds = jax.ShapeDtypeStruct
     rows = sds((tokens, k_heads, head_dim), dtype)
-    specs = (sds((tokens, q_heads, head_dim), dtype), rows, rows, sds((tokens,), jnp.int32),
+    pos_shape = (tokens,) if mrope_section is None else (3, tokens)
+    specs = (sds((tokens, q_heads, head_dim), dtype), rows, rows, sds(pos_shape, jnp.int32),
              sds((tokens,), jnp.int32), sds((3, rotary_dim // 2), jnp.float32),
              sds((2,), jnp.float32), *(cache,) * num_caches)
     captured = capture(kernel_call, *specs)

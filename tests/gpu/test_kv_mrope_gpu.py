@@ -1,0 +1,159 @@
+"""The fused RoPE + paged KV append's Pallas kernel with M-RoPE positions [3, T] on the GPU.
+
+FlashInfer has no M-RoPE (fused or not), so the references are the float64 oracle
+(``jaxrope.testing.oracle`` with the M-RoPE rows, ``kv_oracle``) and the XLA backend on
+the same GPU. Every case of ``jaxrope.cases.MROPE_APPEND_CASES`` (sectioned Qwen2-VL,
+interleaved Qwen3-VL, partial rotary in halves and pairs, fp8, odd sizes) at 1031
+tokens, positions over ``[0, 2**20)`` and ``[2**19, 2**20)``:
+
+- the Pallas kernel (hardware sin/cos): q and the k rows within the oracle tolerance,
+  dims past ``rotary_dim`` and the v rows bit-identical, fp8 rows within one e4m3 ulp,
+  every entry no slot names unchanged;
+- the Pallas kernel and XLA within one ulp (float32: 2e-5 absolute, as
+  tests/gpu/test_mrope_gpu.py);
+- the cache holds what ``apply_rope`` (the Pallas rope kernel) returns for k;
+- q and the cache rewritten in place when donated.
+
+Run on the device machine: ``JAXROPE_GPU_TESTS=1 python -m pytest -m gpu
+tests/gpu/test_kv_mrope_gpu.py``. Needs JAX with a GPU only (no torch, no FlashInfer).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxrope as jr
+from jaxrope.cases import MROPE_APPEND_CASES, AppendCase
+from jaxrope.testing import kv_oracle, oracle
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
+TOLERANCE = {"float32": 1e-5, "float16": 4e-4, "bfloat16": 2.5e-3}
+POSITIONS = {"uniform": (0, 1 << 20), "upper_half": (1 << 19, 1 << 20)}
+TOKENS = 1031
+FP8_SCALES = {"k_quant_scale": 0.75, "v_quant_scale": 150.0}
+
+fused = jax.jit(jr.apply_rope_and_append_kv, static_argnames=("cfg", "layout", "backend"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gpu():
+    try:
+        jax.devices("gpu")
+    except RuntimeError as e:
+        pytest.skip(f"JAX has no GPU backend ({e}); run with JAXROPE_GPU_TESTS=1 and jax[cuda]")
+
+
+def _inputs(rng, case: AppendCase, dtype_name: str, where: str = "uniform", tokens: int = TOKENS):
+    c, dtype = case.case, DTYPES[dtype_name]
+    pages = 2 * -(-tokens // case.page_size) + 1
+    pos = rng.integers(*POSITIONS[where], (3, tokens)).astype(np.int32)
+    slots = rng.permutation(pages * case.page_size)[:tokens].astype(np.int32)
+    slots[tokens - case.padding:] = -1
+    rows = (case.page_size, c.k_heads) if case.layout == "NHD" else (c.k_heads, case.page_size)
+    cache_dtype = jnp.float8_e4m3fn if case.fp8 else dtype
+    old = tuple(np.asarray(jnp.asarray(rng.standard_normal((pages, *rows, c.head_dim)),
+                                       jnp.float32).astype(cache_dtype)) for _ in "kv")
+    q, k, v = (np.asarray(jnp.asarray(rng.standard_normal((tokens, h, c.head_dim)), dtype))
+               for h in (c.q_heads, c.k_heads, c.k_heads))
+    return dict(q=q, k=k, v=v, pos=pos, slots=slots, old=old, pages=pages,
+                scales=FP8_SCALES if case.fp8 else {})
+
+
+def _run(case: AppendCase, x, backend: str):
+    """numpy ``(q, k_cache, v_cache)`` of the fused op on device copies of ``x``."""
+    old = tuple(jnp.asarray(c) for c in x["old"])
+    cache = jnp.stack(old, axis=1) if case.combined else old
+    q, kv = fused(jnp.asarray(x["q"]), jnp.asarray(x["k"]), jnp.asarray(x["v"]),
+                  jnp.asarray(x["pos"]), cache, jnp.asarray(x["slots"]), cfg=case.case.cfg,
+                  layout=case.layout, backend=backend, **x["scales"])
+    if case.combined:
+        both = np.asarray(kv)
+        return np.asarray(q), both[:, 0], both[:, 1]
+    return (np.asarray(q), *(np.asarray(c) for c in kv))
+
+
+def _rope64(cfg, x, pos):
+    inv_freq, attention = oracle.serving_frequencies(cfg)
+    return oracle.rope_oracle(np.asarray(x, np.float64), pos, inv_freq, attention,
+                              cfg.rotary_dim, cfg.interleave, cfg.mrope_section,
+                              cfg.mrope_interleaved)
+
+
+def _bits(x):
+    return np.ascontiguousarray(x).view(f"u{x.dtype.itemsize}")
+
+
+def _written(case: AppendCase, x):
+    written, page, entry = kv_oracle.entries(x["slots"], x["pages"], case.page_size)
+    return written, page[written], entry[written]
+
+
+@pytest.mark.parametrize("where", POSITIONS)
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("case", MROPE_APPEND_CASES, ids=lambda c: c.name)
+def test_pallas_kernel_matches_the_oracle(case, dtype_name, where, rng):
+    cfg, r = case.case.cfg, case.case.cfg.rotary_dim
+    x = _inputs(rng, case, dtype_name, where)
+    q, k_cache, v_cache = _run(case, x, "pallas")
+    written, page, entry = _written(case, x)
+    k_rows, v_rows = (kv_oracle.rows(c, case.layout, page, entry) for c in (k_cache, v_cache))
+    np.testing.assert_array_equal(_bits(q)[..., r:], _bits(x["q"])[..., r:])
+    k_want = _rope64(cfg, x["k"], x["pos"])[written]
+    actual, expected = [q.astype(np.float64).ravel()], [_rope64(cfg, x["q"], x["pos"]).ravel()]
+    if case.fp8:
+        v_want = kv_oracle.e4m3(x["v"].astype(np.float64)[written] * FP8_SCALES["v_quant_scale"])
+        k_want = kv_oracle.e4m3(k_want * FP8_SCALES["k_quant_scale"])
+        assert kv_oracle.ulps(k_rows, k_want).max(initial=0) <= 1
+        assert kv_oracle.ulps(v_rows, v_want).max(initial=0) <= 1
+    else:
+        np.testing.assert_array_equal(_bits(k_rows)[..., r:], _bits(x["k"][written])[..., r:])
+        np.testing.assert_array_equal(_bits(v_rows), _bits(x["v"][written]))
+        actual.append(k_rows.astype(np.float64).ravel())
+        expected.append(k_want.ravel())
+    error = oracle.relative_error(np.concatenate(actual), np.concatenate(expected))
+    assert error < TOLERANCE[dtype_name], f"relative error {error:.3g}"
+    for new, old in zip((k_cache, v_cache), x["old"]):
+        untouched = ~kv_oracle.written_mask(new.shape, case.layout, page, entry)
+        np.testing.assert_array_equal(_bits(new)[untouched], _bits(old)[untouched])
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("case", MROPE_APPEND_CASES, ids=lambda c: c.name)
+def test_pallas_and_xla_agree_on_the_gpu(case, dtype_name, rng):
+    x = _inputs(rng, case, dtype_name)
+    for label, a, b in zip(("q", "k_cache", "v_cache"), _run(case, x, "pallas"),
+                           _run(case, x, "xla")):
+        if a.dtype == np.float32:
+            np.testing.assert_allclose(a, b, rtol=0, atol=2e-5, err_msg=label)
+        else:
+            assert kv_oracle.ulps(a, b).max() <= 1, label
+
+
+@pytest.mark.parametrize("case", [c for c in MROPE_APPEND_CASES if not c.fp8],
+                         ids=lambda c: c.name)
+def test_the_cache_holds_what_apply_rope_returns_for_k(case, rng):
+    x = _inputs(rng, case, "bfloat16")
+    q, k_cache, _ = _run(case, x, "pallas")
+    q_rope, k_rope = jr.apply_rope(jnp.asarray(x["q"]), jnp.asarray(x["k"]), jnp.asarray(x["pos"]),
+                                   case.case.cfg, backend="pallas")
+    written, page, entry = _written(case, x)
+    assert kv_oracle.ulps(q, np.asarray(q_rope)).max() <= 1
+    rows = kv_oracle.rows(k_cache, case.layout, page, entry)
+    assert kv_oracle.ulps(rows, np.asarray(k_rope)[written]).max() <= 1
+
+
+def test_q_and_the_cache_are_rewritten_in_place_when_donated(rng):
+    case = MROPE_APPEND_CASES[0]
+    x = _inputs(rng, case, "bfloat16", tokens=64)
+    step = jax.jit(jr.apply_rope_and_append_kv, static_argnames=("cfg", "backend"),
+                   donate_argnums=(0, 4))
+    q, cache = jnp.asarray(x["q"]), tuple(jnp.asarray(c) for c in x["old"])
+    pointers = [a.unsafe_buffer_pointer() for a in (q, *cache)]
+    q2, cache2 = step(q, jnp.asarray(x["k"]), jnp.asarray(x["v"]), jnp.asarray(x["pos"]), cache,
+                      jnp.asarray(x["slots"]), cfg=case.case.cfg, backend="pallas")
+    assert [a.unsafe_buffer_pointer() for a in (q2, *cache2)] == pointers
