@@ -93,13 +93,17 @@ def _written(case: AppendCase, x):
     return written, page[written], entry[written]
 
 
+# Pallas and XLA each against the float64 oracle, not against each other within an ulp:
+# on the H200 their q differed by up to 160 bf16 ulps on near-zero outputs (run of
+# 2026-12-01 13:49 UTC), both well inside the oracle's bound.
+@pytest.mark.parametrize("backend", ["pallas", "xla"])
 @pytest.mark.parametrize("where", POSITIONS)
 @pytest.mark.parametrize("dtype_name", DTYPES)
 @pytest.mark.parametrize("case", MROPE_APPEND_CASES, ids=lambda c: c.name)
-def test_pallas_kernel_matches_the_oracle(case, dtype_name, where, rng):
+def test_each_backend_matches_the_oracle(case, dtype_name, where, backend, rng):
     cfg, r = case.case.cfg, case.case.cfg.rotary_dim
     x = _inputs(rng, case, dtype_name, where)
-    q, k_cache, v_cache = _run(case, x, "pallas")
+    q, k_cache, v_cache = _run(case, x, backend)
     written, page, entry = _written(case, x)
     k_rows, v_rows = (kv_oracle.rows(c, case.layout, page, entry) for c in (k_cache, v_cache))
     np.testing.assert_array_equal(_bits(q)[..., r:], _bits(x["q"])[..., r:])
@@ -120,18 +124,6 @@ def test_pallas_kernel_matches_the_oracle(case, dtype_name, where, rng):
     for new, old in zip((k_cache, v_cache), x["old"]):
         untouched = ~kv_oracle.written_mask(new.shape, case.layout, page, entry)
         np.testing.assert_array_equal(_bits(new)[untouched], _bits(old)[untouched])
-
-
-@pytest.mark.parametrize("dtype_name", DTYPES)
-@pytest.mark.parametrize("case", MROPE_APPEND_CASES, ids=lambda c: c.name)
-def test_pallas_and_xla_agree_on_the_gpu(case, dtype_name, rng):
-    x = _inputs(rng, case, dtype_name)
-    for label, a, b in zip(("q", "k_cache", "v_cache"), _run(case, x, "pallas"),
-                           _run(case, x, "xla")):
-        if a.dtype == np.float32:
-            np.testing.assert_allclose(a, b, rtol=0, atol=2e-5, err_msg=label)
-        else:
-            assert kv_oracle.ulps(a, b).max() <= 1, label
 
 
 @pytest.mark.parametrize("case", [c for c in MROPE_APPEND_CASES if not c.fp8],
