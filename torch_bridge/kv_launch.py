@@ -10,7 +10,9 @@ ordered with the surrounding torch work, no host sync, in place on the engine's 
 tensors, capturable in a ``torch.cuda.CUDAGraph``.
 
 M-RoPE (``cfg.mrope_section``): the kernel exported with the config's sections reads the
-positions as one contiguous ``[3, T]`` block (row ``r`` of token ``t`` at ``r * T + t``), as the rope launcher does.
+positions as one contiguous ``[3, T]`` block (row ``r`` of token ``t`` at ``r * T + t``),
+as the rope launcher does (:func:`torch_bridge.triton_launch.mrope_block`: the plan's
+``[3, N]`` buffer itself when ``N == T``, else a copy of its first ``T`` columns).
 
 The token count is read from a device table, so one compiled kernel serves every T; the
 cache geometry (pages, page size, layout, dtype) is part of the kernel, which an engine
@@ -54,8 +56,9 @@ class KVLauncher(Protocol):
     ``rotate_and_append_kv_(q, k, v, pos_ids, caches, slots, cfg, geometry, scales)``:
     ``q [T, Hq, D]``, ``k, v [T, Hk, D]`` (validated by the manager: one dtype and
     device, ``D == cfg.head_dim``), ``pos_ids`` int32 ``[N >= T]`` (the first ``T`` are
-    used; an M-RoPE config's ``[3, N]``, its first ``T`` columns), ``caches`` the engine's cache tensors (the ``(k_cache, v_cache)`` pair, or the
-    combined tensor alone), ``slots`` int32 or int64 ``[T]``, ``geometry`` a
+    used; an M-RoPE config's ``[3, N]``, its first ``T`` columns), ``caches`` the engine's
+    cache tensors (the ``(k_cache, v_cache)`` pair, or the combined tensor alone),
+    ``slots`` int32 or int64 ``[T]``, ``geometry`` a
     :class:`torch_bridge.kv_append.CacheGeometry`, ``scales`` ``(k_scale, v_scale)``
     floats (1.0 for a cache in k's dtype). Rotates q in place and writes the rotated k
     and the v into the cache with :func:`jaxrope.apply_rope_and_append_kv`'s semantics.

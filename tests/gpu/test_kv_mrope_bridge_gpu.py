@@ -165,7 +165,8 @@ def test_a_captured_decode_step_replays_at_each_steps_3_by_n_buffer(live, device
     for i, rid in enumerate(rids):
         mgr.ingest_request(rid, {LABEL: 1000 + 97 * i}, deltas={LABEL: -182 - 31 * i})
     step = PositionStep([Segment(rid, LABEL, 1) for rid in rids])
-    ctx = StepContext(tuple(rids), graph_slot=GraphSlot(GraphBucket("decode", batch_size=8, num_tokens=8), 0))
+    lease = GraphSlot(GraphBucket("decode", batch_size=8, num_tokens=8), 0)
+    ctx = StepContext(tuple(rids), graph_slot=lease)
     buffer = mgr.plan(step, ctx)[LABEL]
     assert buffer.shape == (3, 8)
     buffer[:, 3:] = torch.arange(5, dtype=torch.int32, device=device) + 7  # padding columns
