@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 
 from jaxrope.scaling import Linear, Llama3, Yarn  # noqa: E402
 from jaxrope.testing import flashinfer as fp  # noqa: E402
-from jaxrope.testing import golden  # noqa: E402
+from jaxrope.testing import golden, oracle  # noqa: E402
 
 MAX_BYTES = 3 * 2 ** 20
 
@@ -87,8 +87,8 @@ GOLDEN_CASES = (
 
 def _fake_flashinfer(case: fp.Case, q: np.ndarray, k: np.ndarray, batch: fp.Batch):
     # The float64 oracle rounded to the dtype: what an exact FlashInfer would return.
-    return (fp.rope64(case.cfg, q, batch.pos_ids).astype(q.dtype),
-            fp.rope64(case.cfg, k, batch.pos_ids).astype(k.dtype))
+    return (oracle.rope_of(case.cfg, q, batch.pos_ids).astype(q.dtype),
+            oracle.rope_of(case.cfg, k, batch.pos_ids).astype(k.dtype))
 
 
 def _git_commit() -> str:

@@ -184,7 +184,7 @@ def test_live_flashinfer_pairs_and_untouched_dims_match_jaxrope(interleave, frac
         rotated = hot < r
         partner = _partner(hot, r, interleave)
         want[tt[rotated], hh[rotated], partner[rotated]] = True
-        expected = fp.rope64(cfg, x, pos_ids)
+        expected = oracle.rope_of(cfg, x, pos_ids)
         np.testing.assert_array_equal(expected != 0, want)
         # A sin or cos within ~1e-3 of zero may round to zero on either side (FlashInfer's
         # reduced angle can be exactly 0): those elements only must not be elsewhere.

@@ -121,12 +121,6 @@ def bits(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x).view(f"u{x.dtype.itemsize}")
 
 
-def rope64(cfg, x, pos):
-    inv_freq, attention = oracle.serving_frequencies(cfg)
-    return oracle.rope_oracle(np.asarray(x, np.float64), pos, inv_freq, attention,
-                              cfg.rotary_dim, cfg.interleave, cfg.mrope_section,
-                              cfg.mrope_interleaved)
-
 
 def check_against_oracle(case: AppendCase, x: Call, q_out: torch.Tensor, kv_out, q_in, kv_in,
                          dtype_name: str) -> None:
@@ -142,9 +136,9 @@ def check_against_oracle(case: AppendCase, x: Call, q_out: torch.Tensor, kv_out,
                                   err_msg="q: dims past rotary_dim changed")
     k_rows, v_rows = (kv_oracle.rows(c, case.layout, page, entry) for c in new)
     k_in, v_in = to_numpy(x.k), to_numpy(x.v)
-    k_want = rope64(cfg, k_in, x.pos)[written]
+    k_want = oracle.rope_of(cfg, k_in, x.pos)[written]
     actual = [to_numpy(q_out).astype(np.float64).ravel()]
-    expected = [rope64(cfg, q_before, x.pos).ravel()]
+    expected = [oracle.rope_of(cfg, q_before, x.pos).ravel()]
     if case.fp8:
         k_want = kv_oracle.e4m3(k_want * x.scales["k_quant_scale"])
         v_want = kv_oracle.e4m3(v_in.astype(np.float64)[written] * x.scales["v_quant_scale"])
@@ -327,8 +321,8 @@ def test_an_mrope_decode_plan_fuses_at_counter_plus_delta(rng):
     q_in, cache = q.clone(), tuple(torch.zeros(cache_shape(case)) for _ in "kv")
     mgr.apply_qk_and_append_kv(q, k, v, LABEL, cache, torch.tensor([5]))
     pos = np.full((3, 1), 180)
-    np.testing.assert_allclose(q.numpy(), rope64(cfg, q_in.numpy(), pos), rtol=0, atol=2e-5)
-    np.testing.assert_allclose(cache[0][5, 0].numpy(), rope64(cfg, k.numpy(), pos)[0],
+    np.testing.assert_allclose(q.numpy(), oracle.rope_of(cfg, q_in.numpy(), pos), rtol=0, atol=2e-5)
+    np.testing.assert_allclose(cache[0][5, 0].numpy(), oracle.rope_of(cfg, k.numpy(), pos)[0],
                                rtol=0, atol=2e-5)
     assert torch.equal(cache[1][5, 0], v[0]) and not torch.cat([cache[0][:5], cache[0][6:]]).any()
 

@@ -15,7 +15,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -90,11 +89,6 @@ def bits(x):
     return x.view(f"u{x.dtype.itemsize}")
 
 
-def rope64(cfg, x, pos):
-    inv_freq, attention = oracle.serving_frequencies(cfg)
-    return oracle.rope_oracle(np.asarray(x, np.float64), pos, inv_freq, attention,
-                              cfg.rotary_dim, cfg.interleave)
-
 
 def check_against_oracle(case: AppendCase, x: Inputs, out, dtype_name: str, cfg=None) -> None:
     cfg = cfg or case.case.cfg
@@ -107,7 +101,7 @@ def check_against_oracle(case: AppendCase, x: Inputs, out, dtype_name: str, cfg=
     np.testing.assert_array_equal(bits(q_out)[..., cfg.rotary_dim:], bits(x.q)[..., cfg.rotary_dim:],
                                   err_msg="q: dims past rotary_dim changed")
     k_rows, v_rows = (kv_oracle.rows(c, case.layout, page, entry) for c in new)
-    k_want = rope64(cfg, x.k, x.pos)[written]
+    k_want = oracle.rope_of(cfg, x.k, x.pos)[written]
     if case.fp8:
         scales = x.scales
         ulps_k = kv_oracle.ulps(k_rows, kv_oracle.e4m3(k_want * scales["k_quant_scale"]))
@@ -116,7 +110,7 @@ def check_against_oracle(case: AppendCase, x: Inputs, out, dtype_name: str, cfg=
         assert ulps_k.max(initial=0) <= 1 and ulps_v.max(initial=0) <= 1, (ulps_k.max(initial=0),
                                                                           ulps_v.max(initial=0))
         actual = [np.asarray(q_out, np.float64).ravel()]
-        expected = [rope64(cfg, x.q, x.pos).ravel()]
+        expected = [oracle.rope_of(cfg, x.q, x.pos).ravel()]
     else:
         np.testing.assert_array_equal(bits(k_rows)[..., cfg.rotary_dim:],
                                       bits(x.k)[written][..., cfg.rotary_dim:],
@@ -124,7 +118,7 @@ def check_against_oracle(case: AppendCase, x: Inputs, out, dtype_name: str, cfg=
         np.testing.assert_array_equal(bits(v_rows), bits(x.v)[written], err_msg="v rows")
         # One error over q and the k rows: a 1-token, 1-head k alone is too few values.
         actual = [np.asarray(q_out, np.float64).ravel(), k_rows.astype(np.float64).ravel()]
-        expected = [rope64(cfg, x.q, x.pos).ravel(), k_want.ravel()]
+        expected = [oracle.rope_of(cfg, x.q, x.pos).ravel(), k_want.ravel()]
     error = oracle.relative_error(np.concatenate(actual), np.concatenate(expected))
     assert error < TOLERANCE[dtype_name], f"relative error {error:.3g}"
     for name, n, o in zip(("k_cache", "v_cache"), new, old):
@@ -192,7 +186,7 @@ def test_apply_rope_output_scattered_into_a_cache_under_jit(dtype_name, rng):
         return cache.at[slots].set(jr.apply_rope(q, q[:, :1], pos, cfg, backend="xla")[0])
 
     cache = jax.jit(step)(q, jnp.asarray(pos), jnp.zeros((40, 8, 128), q.dtype))
-    error = oracle.relative_error(np.asarray(cache)[slots], rope64(cfg, q, pos))
+    error = oracle.relative_error(np.asarray(cache)[slots], oracle.rope_of(cfg, q, pos))
     assert error < TOLERANCE[dtype_name], f"relative error {error:.3g}"
 
 
@@ -220,7 +214,7 @@ def test_fp8_scales_multiply_before_saturating(backend, rng):
     written, page, entry = kv_oracle.entries(x.slots, case.pages, case.page_size)
     k_rows, v_rows = (kv_oracle.rows(c, case.layout, page[written], entry[written])
                       for c in split(kv_out))
-    k_want = kv_oracle.e4m3(rope64(case.case.cfg, x.k, x.pos)[written] * 1e4)
+    k_want = kv_oracle.e4m3(oracle.rope_of(case.case.cfg, x.k, x.pos)[written] * 1e4)
     v_want = kv_oracle.e4m3(np.asarray(x.v, np.float64)[written] * 1e-3)
     assert kv_oracle.ulps(k_rows, k_want).max() <= 1 and kv_oracle.ulps(v_rows, v_want).max() <= 1
     magnitudes = np.abs(k_rows.astype(np.float64))

@@ -69,12 +69,6 @@ def split(kv_cache):
     return both[:, 0], both[:, 1]
 
 
-def rope64(cfg, x, pos):
-    inv_freq, attention = oracle.serving_frequencies(cfg)
-    return oracle.rope_oracle(np.asarray(x, np.float64), pos, inv_freq, attention,
-                              cfg.rotary_dim, cfg.interleave, cfg.mrope_section,
-                              cfg.mrope_interleaved)
-
 
 def bits(x):
     x = np.asarray(x)
@@ -90,8 +84,8 @@ def check_against_oracle(case: AppendCase, x, out, dtype_name: str) -> None:
     np.testing.assert_array_equal(bits(q_out)[..., cfg.rotary_dim:],
                                   bits(x["q"])[..., cfg.rotary_dim:])
     k_rows, v_rows = (kv_oracle.rows(c, case.layout, page, entry) for c in new)
-    k_want = rope64(cfg, x["k"], x["pos"])[written]
-    actual, expected = [np.asarray(q_out, np.float64).ravel()], [rope64(cfg, x["q"], x["pos"]).ravel()]
+    k_want = oracle.rope_of(cfg, x["k"], x["pos"])[written]
+    actual, expected = [np.asarray(q_out, np.float64).ravel()], [oracle.rope_of(cfg, x["q"], x["pos"]).ravel()]
     if case.fp8:
         k_ulps = kv_oracle.ulps(k_rows, kv_oracle.e4m3(k_want * FP8_SCALES["k_quant_scale"]))
         v_want = kv_oracle.e4m3(np.asarray(x["v"], np.float64)[written] * FP8_SCALES["v_quant_scale"])

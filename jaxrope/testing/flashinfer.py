@@ -308,10 +308,6 @@ def run_jaxrope(cfg: jr.RopeConfig, q: np.ndarray, k: np.ndarray, pos_ids: np.nd
     return np.asarray(q2), np.asarray(k2)
 
 
-def rope64(cfg: jr.RopeConfig, x: np.ndarray, pos_ids: np.ndarray) -> np.ndarray:
-    """The float64 oracle ``[T, H, D]`` of ``jaxrope/testing/oracle.py`` for ``cfg``."""
-    inv_freq, attention = oracle.serving_frequencies(cfg)
-    return oracle.rope_oracle(x, pos_ids, inv_freq, attention, cfg.rotary_dim, cfg.interleave)
 
 
 # -- layout helpers ----------------------------------------------------------------------
@@ -493,7 +489,7 @@ class Reference:
         _, attention = oracle.serving_frequencies(cfg)
         px = pairs(x, r, cfg.interleave)
         radius = np.hypot(px[..., 0], px[..., 1])[..., None]
-        self.expected = pairs(rope64(cfg, x, self.pos_ids), r, cfg.interleave)
+        self.expected = pairs(oracle.rope_of(cfg, x, self.pos_ids), r, cfg.interleave)
         if api == "cos_sin_cache":
             fi_angle = np.zeros((len(self.pos_ids), r // 2))
         else:

@@ -214,6 +214,15 @@ def rope_oracle(x, pos, inv_freq, attention: float, rotary_dim: int, interleave:
                    rotary_dim, interleave)
 
 
+def rope_of(cfg, x, pos) -> np.ndarray:
+    """float64 ``[T, H, D]``: :func:`rope_oracle` with ``cfg``'s serving frequencies,
+    attention factor, rotary dims, layout and M-RoPE sections (``pos`` ``[T]``, or
+    ``[3, T]`` for an M-RoPE config)."""
+    inv_freq, attention = serving_frequencies(cfg)
+    return rope_oracle(x, pos, inv_freq, attention, cfg.rotary_dim, cfg.interleave,
+                       cfg.mrope_section, cfg.mrope_interleaved)
+
+
 def rope_naive_float32(x, pos, inv_freq, attention: float, rotary_dim: int,
                        interleave: bool, mrope_section: Optional[Sequence[int]] = None,
                        mrope_interleaved: bool = False) -> np.ndarray:

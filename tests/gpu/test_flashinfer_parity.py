@@ -34,6 +34,7 @@ import pytest
 from jaxrope.scaling import Linear, Llama3, Yarn
 
 from jaxrope.testing import flashinfer as fp
+from jaxrope.testing import oracle
 
 pytestmark = pytest.mark.gpu
 
@@ -158,7 +159,7 @@ def test_flashinfer_drifts_with_position_and_jaxrope_does_not(flashinfer, record
         batch = fp.Batch(np.array([0, 2048], np.int32), np.zeros(1, np.int32), pos_ids)
         case = fp.Case("drift", "pos_ids", cfg, "bfloat16", 1, q_heads=8, k_heads=1)
         q, k = fp.random_inputs(rng, case, 2048)
-        expected = fp.rope64(cfg, q, pos_ids)
+        expected = oracle.rope_of(cfg, q, pos_ids)
         theirs = fp.run_flashinfer("pos_ids", cfg, q, k, batch)[0]
         ours = fp.run_jaxrope(cfg, q, k, pos_ids, "pallas")[0]
         rel[high] = tuple(float(np.linalg.norm(np.asarray(got, np.float64) - expected)

@@ -88,12 +88,6 @@ def _call(mgr, case: AppendCase, x, q, cache):
                                **x["scales"])
 
 
-def _rope64(cfg, x, pos):
-    inv_freq, attention = oracle.serving_frequencies(cfg)
-    return oracle.rope_oracle(np.asarray(x, np.float64), pos, inv_freq, attention,
-                              cfg.rotary_dim, cfg.interleave, cfg.mrope_section,
-                              cfg.mrope_interleaved)
-
 
 def _bits(x):
     return np.ascontiguousarray(x).view(f"u{x.dtype.itemsize}")
@@ -108,8 +102,8 @@ def _check_against_oracle(case: AppendCase, x, got, before, pos):
     page, entry = page[written], entry[written]
     k_rows, v_rows = (kv_oracle.rows(c, case.layout, page, entry) for c in (k_cache, v_cache))
     np.testing.assert_array_equal(_bits(q)[..., r:], _bits(q_in)[..., r:])
-    k_want = _rope64(cfg, k_in, pos)[written]
-    actual, expected = [q.astype(np.float64).ravel()], [_rope64(cfg, q_in, pos).ravel()]
+    k_want = oracle.rope_of(cfg, k_in, pos)[written]
+    actual, expected = [q.astype(np.float64).ravel()], [oracle.rope_of(cfg, q_in, pos).ravel()]
     if case.fp8:
         k_want = kv_oracle.e4m3(k_want * FP8_SCALES["k_quant_scale"])
         v_want = kv_oracle.e4m3(v_in.astype(np.float64)[written] * FP8_SCALES["v_quant_scale"])
@@ -197,5 +191,5 @@ def test_a_captured_decode_step_replays_at_each_steps_3_by_n_buffer(live, device
         assert positions[:, :3].tolist() == [[1000 + 97 * r - 182 - 31 * r + 1 + i
                                               for r in range(3)]] * 3
         got = flashinfer_kv.from_torch(q, BF16).astype(np.float64)
-        want = _rope64(cfg, flashinfer_kv.from_torch(q_in, BF16), positions)
+        want = oracle.rope_of(cfg, flashinfer_kv.from_torch(q_in, BF16), positions)
         assert oracle.relative_error(got, want) < BF16_TOLERANCE
