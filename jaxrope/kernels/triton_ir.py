@@ -43,6 +43,9 @@ class TritonKernel:
     q_heads: int
     k_heads: int
 
+    # The launch grid of ``block``: the kernel module's own rule (``AppendKernel``'s differs).
+    _grid = staticmethod(pallas_triton.grid)
+
     @property
     def num_warps(self) -> int:
         return self.block.num_warps
@@ -52,7 +55,7 @@ class TritonKernel:
         return self.block.num_stages
 
     def grid(self, num_tokens: int) -> Tuple[int, int, int]:
-        axes = pallas_triton.grid(num_tokens, self.q_heads, self.k_heads, self.block)
+        axes = self._grid(num_tokens, self.q_heads, self.k_heads, self.block)
         return (*axes, 1, 1)[:3]
 
 
@@ -127,7 +130,7 @@ def export(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, interl
 
 
 @dataclasses.dataclass(frozen=True)
-class AppendKernel:
+class AppendKernel(TritonKernel):
     """The fused RoPE + paged KV append kernel (:mod:`jaxrope.kernels.kv_pallas`) as Triton IR.
 
     ``ttir`` takes pointer arguments in ``pallas_call`` operand order: inputs ``(count,
@@ -142,23 +145,10 @@ class AppendKernel:
     combined cache (``num_caches == 1``).
     """
 
-    ttir: str
     block: kv_pallas.AppendBlockConfig
-    q_heads: int
-    k_heads: int
     num_caches: int
 
-    @property
-    def num_warps(self) -> int:
-        return self.block.num_warps
-
-    @property
-    def num_stages(self) -> int:
-        return self.block.num_stages
-
-    def grid(self, num_tokens: int) -> Tuple[int, int, int]:
-        axes = kv_pallas.grid(num_tokens, self.q_heads, self.k_heads, self.block)
-        return (*axes, 1, 1)[:3]
+    _grid = staticmethod(kv_pallas.grid)
 
 
 def export_append_kv(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int,
