@@ -8,7 +8,9 @@ Steps (``--quick``: smaller), each through a KV plan output as an engine sends t
 - ``prefill``: 8 requests x 2048-token chunks (``--quick``: 8 x 128);
 
 each ``eager`` (plan(N), commit(N)) and ``preplan`` (plan(N+1, is_preplan) while N is
-current, then commit(N): the pipelined runner's order). Host time is the
+current, then commit(N): the pipelined runner's order), the four timed in 5 alternating
+rounds (the host's speed moves within a run by more than the gaps measured: one
+case timed alone read 90 us while the same case later in the run read 60). Host time is the
 ``time.perf_counter`` span of each call with no device sync inside: what the Python
 thread spends before it can queue the next step (the counters live on the host; a plan
 ends with one non-blocking copy on torch's stream). Every 16 steps the counters are reset
@@ -148,10 +150,31 @@ def _timings(plan_s: List[float], commit_s: List[float]) -> Dict[str, dict]:
                 [p + c for p, c in zip(plan_s, commit_s)], how).as_dict()}
 
 
-def bench_plan_commit(device: torch.device, requests: int, span: int, iters: int, warmup: int,
-                      preplan: bool) -> Dict[str, dict]:
-    mgr, steps, _ = _case(device, requests, span, iters + warmup)
-    return _timings(*timed_steps(mgr, steps, preplan, warmup, device))
+def _alternating(cases: Dict[str, tuple], rounds: int, warmup: int,
+                 device: torch.device) -> Dict[str, Dict[str, dict]]:
+    """Time ``{name: (manager, steps, accepted, preplan)}`` in ``rounds`` alternating chunks
+    (each chunk ``warmup`` untimed steps, then the rest timed), so that every case sees
+    the same load on the host: its state moves between calls by more than the gaps
+    measured."""
+    samples = {name: ([], []) for name in cases}
+    for _ in range(rounds):
+        for name, (mgr, steps, accepted, preplan) in cases.items():
+            plan_s, commit_s = timed_steps(mgr, steps, preplan, warmup, device, accepted)
+            samples[name][0].extend(plan_s)
+            samples[name][1].extend(commit_s)
+    return {name: _timings(*samples[name]) for name in cases}
+
+
+def bench_plan_commit(device: torch.device, cases: Dict[str, Tuple[int, int]], iters: int,
+                      warmup: int, rounds: int = 5) -> Dict[str, Dict[str, dict]]:
+    """``{name: (requests, span)}``, each eager and preplan, timed in alternating rounds."""
+    chunk = max(1, iters // rounds)
+    timed = {}
+    for name, (requests, span) in cases.items():
+        for mode in ("eager", "preplan"):
+            mgr, steps, _ = _case(device, requests, span, chunk + warmup)
+            timed[f"{name}[{requests}x{span}]/{mode}"] = (mgr, steps, None, mode == "preplan")
+    return _alternating(timed, rounds, warmup, device)
 
 
 def bench_speculative(device: torch.device, requests: int, iters: int, warmup: int,
@@ -168,15 +191,11 @@ def bench_speculative(device: torch.device, requests: int, iters: int, warmup: i
           "decode step of the same token count)")
     chunk = max(1, iters // rounds)
     for key, (kwargs, tokens) in cases.items():
-        pair = {"ours": _case(device, requests, count=chunk + warmup, **kwargs),
-                "base": _case(device, requests * tokens, 1, chunk + warmup)}
-        samples = {name: ([], []) for name in pair}
-        for _ in range(rounds):
-            for name, (mgr, steps, accepted) in pair.items():
-                plan_s, commit_s = timed_steps(mgr, steps, False, warmup, device, accepted)
-                samples[name][0].extend(plan_s)
-                samples[name][1].extend(commit_s)
-        ours, base = (_timings(*samples[name]) for name in ("ours", "base"))
+        pair = {name: (*_case(device, **spec), False) for name, spec in (
+            ("ours", dict(requests=requests, count=chunk + warmup, **kwargs)),
+            ("base", dict(requests=requests * tokens, span=1, count=chunk + warmup)))}
+        timed = _alternating(pair, rounds, warmup, device)
+        ours, base = timed["ours"], timed["base"]
         plain = f"decode[{requests * tokens}x1]/eager"
         ratio = ours["plan+commit"]["median_us"] / base["plan+commit"]["median_us"]
         out[key] = {**ours, "baseline": plain, "baseline_plan+commit": base["plan+commit"],
@@ -235,16 +254,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     report: Dict[str, object] = {"run": timing.run_info("bench.bridge_bench", argv),
                                  "targets_us": TARGETS_US, "plan_commit": {}, "apply_qk": {}}
     print(f"plan + commit host time on {device} (targets: decode <= 50 us, prefill <= 60 us)")
-    for name, (requests, span) in cases.items():
-        for mode in ("eager", "preplan"):
-            r = bench_plan_commit(device, requests, span, args.iters, args.warmup,
-                                  mode == "preplan")
-            key = f"{name}[{requests}x{span}]/{mode}"
-            report["plan_commit"][key] = r
-            total = r["plan+commit"]
-            print(f"  {key:28s} plan {r['plan']['median_us']:7.1f}  commit "
-                  f"{r['commit']['median_us']:7.1f}  sum {total['median_us']:7.1f} "
-                  f"(p90 {total['p90_us']:.1f}) us")
+    report["plan_commit"] = bench_plan_commit(device, cases, args.iters, args.warmup)
+    for key, r in report["plan_commit"].items():
+        total = r["plan+commit"]
+        print(f"  {key:28s} plan {r['plan']['median_us']:7.1f}  commit "
+              f"{r['commit']['median_us']:7.1f}  sum {total['median_us']:7.1f} "
+              f"(p90 {total['p90_us']:.1f}) us")
 
     report["speculative"] = bench_speculative(device, 32 if args.quick else 256, args.iters,
                                               args.warmup)

@@ -323,7 +323,7 @@ class PositionManager(PublishAdmit, Resource):
             raise TypeError(f"ctx.graph_slot must be a GraphSlot or None, got {type(graph).__name__}")
         self._upload.check_not_capturing()
         base = self._plans.base_counters(arrays, ctx.is_preplan)
-        computed = self._plans.positions(base, arrays)
+        computed = self._plans.positions(base, arrays, self._upload.stage)
         # Nothing below raises on valid input (the bucket check changes nothing first).
         tensors, limits = self._upload.step(computed, arrays.explicit, tuple(arrays.labels), graph)
         self._plans.install(Plan(step, arrays, tensors, limits, live=speculative.live(arrays)),

@@ -38,7 +38,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Set
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Set
 
 import numpy as np
 import torch
@@ -51,6 +51,9 @@ from torch_bridge.step_arrays import StepArrays
 from torch_bridge.streams import CommitArrays, StreamTable
 
 __all__ = ["Plan", "StepPlans"]
+
+def _fresh(sizes: Sequence[int]) -> List[np.ndarray]:
+    return [np.empty((n,), np.int32) for n in sizes]
 
 
 @dataclasses.dataclass(eq=False)
@@ -65,8 +68,8 @@ class Plan:
       commit: the commit still to apply (without removed requests' streams).
       pre_src, pre_dst: pre-forks still to apply at promotion (a staged plan's).
       jax_arrays: positions imported into JAX, filled on first use by the JAX path.
-      live: ``{plan_label: bool host array}`` of a draft step (False: a token past
-        ``max_seq_len``, planned at 0); empty for any other step.
+      live: ``{plan_label: bool host array}`` of a draft step's labels holding a token past
+        ``max_seq_len`` (False, planned at 0); a label without one is live everywhere.
       dropped: the requests removed since the plan (a later ingest of the same id is a
         new request, outside this plan).
     """
@@ -144,9 +147,17 @@ class StepPlans:
             rules.fork(base, arrays.pre_src, arrays.pre_dst)
         return base
 
-    def positions(self, base: rules.Columns, arrays: StepArrays) -> Dict[str, np.ndarray]:
+    def positions(self, base: rules.Columns, arrays: StepArrays,
+                  stage: Callable[[Sequence[int]], Sequence[np.ndarray]] = _fresh
+                  ) -> Dict[str, np.ndarray]:
         """int32 host positions of every plan label without explicit ones (``[n]``, M-RoPE
         ``[3, n]``); checks the bound.
+
+        Each label's are written into its buffer of ``stage(sizes)`` (the upload's
+        pinned spans: the positions land where their copy reads them).
+
+        Returns:
+          ``{plan_label: positions}`` (the buffers).
 
         Raises:
           ValueError: a view's sequence index (counter + token) would reach past
@@ -154,24 +165,28 @@ class StepPlans:
             (a negative delta on a counter that has not reached the prompt's end). The
             bound is on the sequence index, never on an M-RoPE row (vLLM #54498).
         """
+        computed = [plan_label for plan_label in arrays.labels if plan_label not in arrays.explicit]
+        rows = 3 if self._mrope else 1
+        if not computed:
+            return {}
+        buffers = stage([rows * arrays.labels[plan_label].num_tokens for plan_label in computed])
         out = {}
         # Sufficient first: no counter is high enough (nor, with M-RoPE deltas, any
         # rotary start low enough) for any view to fail.
         peak = int(base.counters.max())
         low = int((base.counters + base.deltas).min()) if self._mrope else 0
-        for plan_label, label in arrays.labels.items():
-            if plan_label in arrays.explicit:
+        for plan_label, dest in zip(computed, buffers):
+            label = arrays.labels[plan_label]
+            if self._mrope:
+                dest = dest.reshape(3, label.num_tokens)
+            out[plan_label] = dest
+            if arrays.speculation is not None and speculative.positions(
+                    base, arrays, plan_label, self.max_seq_len, self._mrope, dest) is not None:
                 continue
-            if arrays.speculation is not None:
-                numbered = speculative.positions(base, arrays, plan_label, self.max_seq_len,
-                                                 self._mrope)
-                if numbered is not None:
-                    out[plan_label] = numbered
-                    continue
             if peak + label.num_tokens > self.max_seq_len or low < 0:
                 self._check_bounds(base, arrays, plan_label)
-            out[plan_label] = rules.plan(base, label.slots, label.counts, self._scheme,
-                                         label.num_tokens, mrope=self._mrope)
+            rules.plan(base, label.slots, label.counts, self._scheme, label.num_tokens,
+                       mrope=self._mrope, out=dest)
         return out
 
     def _check_bounds(self, base: rules.Columns, arrays: StepArrays, plan_label: str) -> None:
@@ -233,15 +248,17 @@ class StepPlans:
         forks = len(commit.fork_src) or (staged_first and len(plan.pre_src))
         if forks:
             columns = columns.copy()
-        elif len(commit.touched):
+        elif len(commit.slots) or len(commit.adv_slots):
             columns = columns._replace(counters=columns.counters.copy())
         if staged_first and len(plan.pre_src):
             rules.fork(columns, plan.pre_src, plan.pre_dst)
         rules.apply_commit(columns, commit, self._scheme, self._block_step)
         # Post-fork targets too: a fork can carry an overflowing counter to a stream whose
-        # own advance did not overflow, after the source was overwritten.
-        touched, counters = commit.touched, columns.counters
-        if len(touched) and counters[touched].max() > self.max_seq_len:
+        # own advance did not overflow, after the source was overwritten. Every counter
+        # is within max_seq_len before a commit, so the largest of all is checked first.
+        counters = columns.counters
+        if counters.max() > self.max_seq_len:
+            touched = commit.touched
             slot = int(touched[np.argmax(counters[touched])])
             raise ValueError(f"commit would move slot {slot} to {int(counters[slot])}, past "
                              f"max_seq_len={self.max_seq_len}")

@@ -58,7 +58,7 @@ import itertools
 import operator
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Dict, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -85,8 +85,9 @@ class Speculation(NamedTuple):
       draft: the int depth of a draft step, else None.
       depths: ``{plan_label: int64 [tokens]}``: every token's depth, for the plan labels
         holding a stream numbered by a depths mapping (tree verify).
-      tree_slots: int64, sorted: the slots of the streams the mapping names.
-      tree_depths: their deepest depth (the most drafts a commit may accept).
+      tree_slots: int64: the slots of the streams the mapping names.
+      tree_depths: their deepest depth (the most drafts a commit may accept), aligned with
+        ``tree_slots``.
       live: ``{plan_label: bool [tokens]}`` of a draft step, filled by :func:`positions`.
     """
 
@@ -133,60 +134,80 @@ def _trees_at_once(reader: "StepReader", streams: StreamTable, depths: Mapping,
     """The common layout, vectorised: each plan label's views are the named streams in the
     mapping's order, or none of them, and every depth list holds Python ints (or every one is
     a 1-D int array). None otherwise: :func:`_trees` reads it, and names what is wrong, so
-    this accepts only what ``_trees`` accepts, with the same result."""
-    keys, values = tuple(depths), list(depths.values())
+    this accepts only what ``_trees`` accepts, with the same result (its tree slots in the
+    mapping's order, not sorted)."""
+    keys = tuple(depths)
     if not keys:
         return None
-    # One tree object for every stream (a fixed tree shape): read it once.
-    shared = len(set(map(id, values))) == 1
-    read = _flat(values[:1] if shared else values)
+    read = _flat(list(depths.values()))
     if read is None:
         return None
     lengths, flat = read
-    if shared:
-        lengths, flat = np.repeat(lengths, len(values)), np.tile(flat, len(values))
     slots = _cached_slots(streams, keys)
     if slots is None:
         if not all(isinstance(key, tuple) and len(key) == 2 for key in keys):
             return None
-        slots = _remember_slots(streams, keys, reader.slots([key[0] for key in keys],
-                                                            [key[1] for key in keys]))
+        found = reader.slots([key[0] for key in keys], [key[1] for key in keys])
+        # A plan label's own slot array when it lists these streams: the next step's
+        # match is then an identity test, and accepted counts find the same array.
+        slots = next((arrays.slots for arrays in labels.values()
+                      if np.array_equal(arrays.slots, found)), found)
+        _remember_slots(streams, keys, slots)
     per_label = {}
     for plan_label, arrays in labels.items():
-        if np.array_equal(arrays.slots, slots) and np.array_equal(arrays.counts, lengths):
-            per_label[plan_label] = flat.astype(np.int64, copy=False)
+        if arrays.slots is slots or np.array_equal(arrays.slots, slots):
+            if not np.array_equal(arrays.counts, lengths):
+                return None
+            per_label[plan_label] = flat
         elif np.isin(arrays.slots, slots).any():
             return None
     if not per_label:
         return None
-    order = np.argsort(slots)
-    deepest = np.maximum.reduceat(flat, np.cumsum(lengths) - lengths).astype(np.int64)
-    return Speculation(None, per_label, slots[order], deepest[order], {})
+    if lengths.min() == lengths.max():   # one width (a fixed tree size): a row per stream
+        deepest = flat.reshape(len(keys), -1).max(axis=1)
+    else:
+        deepest = np.maximum.reduceat(flat, np.cumsum(lengths) - lengths)
+    return Speculation(None, per_label, slots, deepest, {})
 
 
-def _flat(values: Sequence[Any]):
-    """``(int64 lengths, concatenated depths)`` of depth lists that ``_trees`` would accept,
-    for the forms read without a Python int each; None for any other (``_trees`` decides)."""
-    kinds = set(map(type, values))
+def _flat(values: List[Any]) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+    """``(int64 lengths, int64 concatenated depths)`` of depth lists that ``_trees`` would
+    accept, for the forms read without a Python int each; None for any other (``_trees``
+    decides)."""
+    first, count = values[0], len(values)
     try:
-        lengths = np.fromiter(map(len, values), np.int64, len(values))
-        if kinds == {np.ndarray}:
-            # An engine's rows of its depth array. Each row's dtype is checked, since a
-            # concatenation would turn a bool row into ints; arrays of other ndims do not
-            # concatenate with 1-D ones.
-            if any(d.kind not in "iu" for d in set(map(_DTYPE, values))):
+        if type(first) in (tuple, list):
+            if values.count(first) == count:
+                # One tree for every stream (a fixed shape; equal lists count as one).
+                if not first or not set(map(type, first)) <= {int}:
+                    return None   # bools, floats, numpy scalars: _trees
+                flat = np.tile(np.asarray(first, np.int64), count)
+                lengths = np.full(count, len(first), np.int64)
+            elif set(map(type, values)) <= {tuple, list}:
+                items = list(itertools.chain.from_iterable(values))
+                if not set(map(type, items)) <= {int}:
+                    return None
+                flat = np.asarray(items, np.int64)
+                lengths = np.fromiter(map(len, values), np.int64, count)
+            else:
                 return None
-            flat = np.concatenate(values)
-        elif kinds <= {tuple, list}:
-            items = list(itertools.chain.from_iterable(values))
-            if not set(map(type, items)) <= {int}:  # bools, floats, numpy scalars: _trees
+        elif type(first) is np.ndarray:
+            # An engine's rows of its depth array. Each row's dtype is checked (a
+            # concatenation would turn a bool row into ints); a value without one is not
+            # an array, and arrays of other ndims do not concatenate with 1-D ones.
+            dtypes = list(map(_DTYPE, values))
+            if dtypes.count(dtypes[0]) == count:
+                if dtypes[0].kind not in "iu":
+                    return None
+            elif any(d.kind not in "iu" for d in set(dtypes)):
                 return None
-            flat = np.asarray(items, np.int64)
+            flat = np.concatenate(values).astype(np.int64, copy=False)
+            lengths = np.fromiter(map(len, values), np.int64, count)
         else:
             return None
-    except (TypeError, ValueError, OverflowError):
+    except (TypeError, ValueError, OverflowError, AttributeError):
         return None
-    if flat.ndim != 1 or flat.dtype.kind not in "iu" or not lengths.all() or flat.min() < 0:
+    if flat.ndim != 1 or not lengths.all() or flat.min() < 0:
         return None
     return lengths, flat
 
@@ -244,9 +265,10 @@ def attach(reader: "StepReader", streams: StreamTable, step: PositionStep, array
 
 
 def positions(base: Columns, arrays: "StepArrays", plan_label: str, max_seq_len: int,
-              mrope: bool = False) -> Optional[np.ndarray]:
+              mrope: bool, out: np.ndarray) -> Optional[np.ndarray]:
     """int32 positions of a plan label numbered by depths (``[n]``, M-RoPE ``[3, n]`` with
-    the delta on every row), or None when the scheme numbers it.
+    the delta on every row) written into ``out`` (returned), or None when the scheme
+    numbers it.
 
     The bound is on the sequence index (counter + depth), never on an M-RoPE row: vLLM
     #54498 clamped EAGLE drafts by row 0 and wrote KV at the wrong slots.
@@ -256,15 +278,16 @@ def positions(base: Columns, arrays: "StepArrays", plan_label: str, max_seq_len:
     """
     spec, label = arrays.speculation, arrays.labels[plan_label]
     if spec.draft is not None:
-        planned, spec.live[plan_label] = rules.plan_draft(base, label.slots, label.counts,
-                                                          spec.draft, 0, max_seq_len, mrope,
-                                                          num_tokens=label.num_tokens)
-        return planned
+        _, live = rules.plan_draft(base, label.slots, label.counts, spec.draft, 0, max_seq_len,
+                                   mrope, num_tokens=label.num_tokens, out=out)
+        if live is not None:
+            spec.live[plan_label] = live
+        return out
     depths = spec.depths.get(plan_label)
     if depths is None:
         return None
     index = rules.plan(base, label.slots, label.counts, Scheme.SEQUENTIAL, label.num_tokens,
-                       depths=depths)
+                       depths=depths, out=None if mrope else out)
     if len(index) and index.max() >= max_seq_len:
         token = int(np.argmax(index >= max_seq_len))
         view = int(np.searchsorted(np.cumsum(label.counts), token, side="right"))
@@ -273,14 +296,14 @@ def positions(base: Columns, arrays: "StepArrays", plan_label: str, max_seq_len:
                          f"position {int(base.counters[label.slots[view]])} with depth "
                          f"{int(depths[token])} passes max_seq_len={max_seq_len}")
     if mrope:
-        return rules.plan(base, label.slots, label.counts, Scheme.SEQUENTIAL, label.num_tokens,
-                          mrope=True, depths=depths)
-    return index
+        rules.plan(base, label.slots, label.counts, Scheme.SEQUENTIAL, label.num_tokens,
+                   mrope=True, depths=depths, out=out)
+    return out
 
 
 def live(arrays: "StepArrays") -> Dict[str, np.ndarray]:
     """``{plan_label: bool [tokens]}`` of a planned draft step (False: past ``max_seq_len``,
-    planned at 0); empty for any other step."""
+    planned at 0), for the labels with a token not live; empty for any other step."""
     spec = arrays.speculation
     return {} if spec is None else spec.live
 
@@ -325,20 +348,22 @@ def accepted_commit(reader: "StepReader", streams: StreamTable, plan: "Plan",
         raise ValueError(f"accepted: the step's advance={plan.step.advance!r} already sets every "
                          "stream's advance")
     named, slots, values = _named(reader, streams, plan, accepted)
-    # Every segment named, in order (a decode batch): its spans without lookups.
-    every = not len(commit.adv_slots) and np.array_equal(slots, commit.slots)
+    # Every segment named, in order (a decode batch): its spans without lookups. The
+    # slot arrays of streams named as the step's views are the views' own (one object).
+    every = not len(commit.adv_slots) and (slots is commit.slots
+                                           or np.array_equal(slots, commit.slots))
     spans = commit.spans if every else _spans(reader, plan, named, slots)
-    deepest = spans - 1
-    if spec is not None and len(spec.tree_slots):
-        # tree_slots is sorted: a search finds each named stream's tree, if it has one.
-        at = np.minimum(np.searchsorted(spec.tree_slots, slots), len(spec.tree_slots) - 1)
-        tree = spec.tree_slots[at] == slots
-        deepest[tree] = spec.tree_depths[at[tree]]
-        left_out = _EMPTY if every else np.isin(spec.tree_slots, commit.slots) & ~np.isin(
-            spec.tree_slots, slots)
-        if left_out.any():
-            raise ValueError(f"stream {_stream_of(plan, int(spec.tree_slots[left_out][0]))!r} was "
-                             "planned with step.depths (a draft tree): name it in accepted")
+    if spec is not None and spec.tree_slots is slots:
+        deepest = spec.tree_depths  # the trees named in the same order: aligned
+    else:
+        deepest = spans - 1
+        if spec is not None and len(spec.tree_slots):
+            _tree_depths_into(deepest, slots, spec)
+            left_out = _EMPTY if every else np.isin(spec.tree_slots, commit.slots) & ~np.isin(
+                spec.tree_slots, slots)
+            if left_out.any():
+                raise ValueError(f"stream {_stream_of(plan, int(spec.tree_slots[left_out][0]))!r} "
+                                 "was planned with step.depths (a draft tree): name it in accepted")
     bad = (values < 0) | (values > deepest)
     if bad.any():
         i = int(np.argmax(bad))
@@ -361,6 +386,15 @@ def accepted_commit(reader: "StepReader", streams: StreamTable, plan: "Plan",
                         np.concatenate([commit.adv_slots, slots]),
                         np.concatenate([commit.adv_amounts, values + 1]),
                         commit.fork_src, commit.fork_dst)
+
+
+def _tree_depths_into(deepest: np.ndarray, slots: np.ndarray, spec: Speculation) -> None:
+    """Set ``deepest`` at each of ``slots`` that has a tree to that tree's deepest depth."""
+    order = np.argsort(spec.tree_slots)
+    tree_slots = spec.tree_slots[order]
+    at = np.minimum(np.searchsorted(tree_slots, slots), len(tree_slots) - 1)
+    tree = tree_slots[at] == slots
+    deepest[tree] = spec.tree_depths[order][at[tree]]
 
 
 # (slot epoch, keys, their slots) of the last streams named, per stream table: a decode
@@ -393,6 +427,8 @@ def _named(reader: "StepReader", streams: StreamTable, plan: "Plan", accepted: M
     else:
         named, counts = _live_entries(plan, accepted)
         slots = reader.slots([s[0] for s in named], [s[1] for s in named]) if named else _EMPTY
+        if np.array_equal(slots, plan.commit.slots):
+            slots = plan.commit.slots  # see accepted_commit: found by identity next time
         if len(named) == len(keys):
             _remember_slots(streams, keys, slots)
     # Python and signed numpy ints convert exactly; bools and the rest: _counts checks them.

@@ -39,6 +39,9 @@ __all__ = ["Columns", "CommitArrays", "StreamTable", "accept", "admit", "advance
 
 _EMPTY = np.zeros((0,), np.int64)
 _EMPTY.flags.writeable = False
+# 0, 1, 2, ...: each SEQUENTIAL view is a slice of it plus the view's start.
+_RAMP = np.arange(1 << 17, dtype=np.int32)
+_RAMP.flags.writeable = False
 
 
 class Columns(NamedTuple):
@@ -62,33 +65,49 @@ class Columns(NamedTuple):
 
 def plan(columns: Columns, slots: np.ndarray, counts: np.ndarray, scheme: Scheme,
          num_tokens: Optional[int] = None, mrope: bool = False,
-         depths: Optional[np.ndarray] = None) -> np.ndarray:
+         depths: Optional[np.ndarray] = None, out: Optional[np.ndarray] = None) -> np.ndarray:
     """int32 positions of an ordered list of views (twin of ``positions.plan``).
 
     View ``v`` with ``counts[v]`` tokens gets ``counter + arange(n)`` (SEQUENTIAL) or
     ``n`` copies of its counter (BLOCK), or with ``depths`` (``[sum(counts)]``) token
     ``t`` at ``counter + depths[t]``; the result is ``[sum(counts)]``, or for M-RoPE
     ``[3, sum(counts)]`` with the stream's delta added on every row. ``num_tokens``:
-    ``sum(counts)`` when the caller knows it.
+    ``sum(counts)`` when the caller knows it; ``out``: an int32 array of the result's
+    shape to write it into (the upload's pinned span), returned.
     """
     base = columns.counters[slots]
     if mrope:
         base = base + columns.deltas[slots]
     if num_tokens is None:
         num_tokens = int(counts.sum())
+    row = None if out is None else (out[0] if mrope else out)
     if depths is not None:
-        positions = (np.repeat(base, counts) + depths).astype(np.int32)
+        positions = _int32(np.repeat(base, counts) + depths, row)
     elif num_tokens == len(counts) and (num_tokens == 0 or counts.max() == 1):
-        positions = base.astype(np.int32)  # every view one token (decode): nothing to repeat
+        positions = _int32(base, row)  # every view one token (decode): nothing to repeat
     elif scheme is Scheme.BLOCK:
-        positions = np.repeat(base.astype(np.int32), counts)
+        positions = _int32(np.repeat(base, counts), row)
     else:
         # int32 from the start: a prefill step is tens of thousands of tokens, and each
         # pass over them counts.
         starts = np.cumsum(counts) - counts
-        positions = np.arange(num_tokens, dtype=np.int32)
-        positions += np.repeat((base - starts).astype(np.int32), counts)
-    return np.broadcast_to(positions, (3, num_tokens)) if mrope else positions
+        offsets = np.repeat((base - starts).astype(np.int32), counts)
+        ramp = _RAMP[:num_tokens] if num_tokens <= len(_RAMP) else np.arange(num_tokens,
+                                                                             dtype=np.int32)
+        positions = np.add(ramp, offsets, out=row)
+    if not mrope:
+        return positions
+    if out is None:
+        return np.broadcast_to(positions, (3, num_tokens))
+    out[1:] = positions
+    return out
+
+
+def _int32(values: np.ndarray, out: Optional[np.ndarray]) -> np.ndarray:
+    if out is None:
+        return values.astype(np.int32)
+    np.copyto(out, values, casting="unsafe")
+    return out
 
 
 def advance(columns: Columns, slots: np.ndarray, amounts: np.ndarray) -> None:
@@ -162,12 +181,13 @@ def tree_depths(parents: np.ndarray) -> np.ndarray:
 
 
 def plan_draft(columns: Columns, slots: np.ndarray, counts: np.ndarray, step: int, offset: int,
-               max_seq_len: int, mrope: bool = False,
-               num_tokens: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
+               max_seq_len: int, mrope: bool = False, num_tokens: Optional[int] = None,
+               out: Optional[np.ndarray] = None) -> Tuple[np.ndarray, Optional[np.ndarray]]:
     """``(positions, live)`` of EAGLE draft step ``step`` (twin of ``speculative.plan_draft``):
     every token at sequence index ``counter + offset + step`` (plus the delta on each
     M-RoPE row); a token whose index is outside ``[0, max_seq_len)`` is at 0 and not live.
-    ``num_tokens``: ``sum(counts)`` when the caller knows it."""
+    ``live`` is None when every token is (the usual case, no mask built). ``num_tokens``:
+    ``sum(counts)`` when the caller knows it; ``out``: as for :func:`plan`."""
     if num_tokens is None:
         num_tokens = int(counts.sum())
     # Every view one token (a chain's draft step); a view may hold none, so check the max.
@@ -175,14 +195,23 @@ def plan_draft(columns: Columns, slots: np.ndarray, counts: np.ndarray, step: in
     index = columns.counters[slots] + (offset + step)
     if not one_each:
         index = np.repeat(index, counts)
-    live = (index >= 0) & (index < max_seq_len)
     if mrope:
         deltas = columns.deltas[slots]
         positions = index + (deltas if one_each else np.repeat(deltas, counts))
     else:
         positions = index
-    positions = (positions if live.all() else np.where(live, positions, 0)).astype(np.int32)
-    return (np.broadcast_to(positions, (3, len(index))) if mrope else positions), live
+    live = None
+    if len(index) and (index.min() < 0 or index.max() >= max_seq_len):
+        live = (index >= 0) & (index < max_seq_len)
+        positions = np.where(live, positions, 0)
+    row = None if out is None else (out[0] if mrope else out)
+    positions = _int32(positions, row)
+    if not mrope:
+        return positions, live
+    if out is None:
+        return np.broadcast_to(positions, (3, len(index))), live
+    out[1:] = positions
+    return out, live
 
 
 def reset(columns: Columns, slots: np.ndarray) -> None:
@@ -231,7 +260,8 @@ def apply_commit(columns: Columns, step: CommitArrays, scheme: Scheme,
                  block_step: int) -> None:
     """A whole step's commit: segments, explicit advances, then post-forks (the
     composition ``positions.commit``, ``positions.advance``, ``positions.fork``)."""
-    commit(columns, step.slots, step.spans, scheme, block_step)
+    if len(step.slots):
+        commit(columns, step.slots, step.spans, scheme, block_step)
     if len(step.adv_slots):
         advance(columns, step.adv_slots, step.adv_amounts)
     if len(step.fork_src):

@@ -14,6 +14,16 @@ part again (a full lap later) it waits for that event, so a copy still in flight
 never overwritten. A lap is 4 MiB of positions, so that wait is normally long
 satisfied.
 
+A step's positions are computed straight into their ring span (:meth:`PositionUpload.stage`),
+and the copy lands in fresh device memory: consecutive spans of a 4 MiB *chunk*
+(:class:`DeviceChunks`), so a step costs no allocation, and a returned tensor keeps its
+chunk alive like any view (memory is never reused under a tensor the engine still
+holds). The copy is one ``cuMemcpyHtoDAsync`` through the CUDA driver on torch's
+current raw stream; where that entry point is missing or refuses (no driver library,
+another device current on the thread) it is torch's non-blocking ``copy_``, with the
+same ordering. The H200 host measured the two at 7.8 and 16.8 us per decode step
+(``bench/RESULTS.md``).
+
 CUDA-graph buffers (static per (graph slot, plan label), ``[bucket.num_tokens]``, or
 ``[3, bucket.num_tokens]`` for an M-RoPE manager) are written by the same copy; tokens
 past the live count keep their old values. A copy from pinned memory cannot be
@@ -40,18 +50,23 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from torch_bridge.engine_types import GraphSlot
 
-__all__ = ["PositionUpload", "RingCursor"]
+__all__ = ["DeviceChunks", "PositionUpload", "RingCursor"]
 
 _RING_INTS = 1 << 20
 _RING_SLOTS = 8
+_CHUNK_INTS = 1 << 20
+# Every device tensor handed out starts a multiple of 256 bytes into its memory, as a fresh
+# allocation would (the exported kernels assume 32, XLA's DLPack import 16).
+_ALIGN = 64
 
 
 class RingCursor:
@@ -86,21 +101,83 @@ class RingCursor:
         return start, entered
 
 
+class DeviceChunks:
+    """Fresh memory for small tensors without an allocation each: consecutive spans of one
+    ``size``-element chunk, each starting at a multiple of ``align``; a full chunk is let go
+    (torch frees it with its last view) and the next span opens a new one.
+
+    ``alloc(size)`` makes a chunk (``torch.empty`` on the device), ``on_stream(chunk)`` is
+    called for each stream a chunk's spans are taken on, to tell torch's allocator
+    (``record_stream``) before the chunk is freed.
+
+    Example:
+      >>> chunks = DeviceChunks(lambda n: torch.zeros(n, dtype=torch.int32), size=8, align=4)
+      >>> [(c is chunks.chunk, start) for c, start in (chunks.take(3), chunks.take(2))]
+      [(True, 0), (True, 4)]
+      >>> first = chunks.chunk
+      >>> chunk, start = chunks.take(3); chunk is first, start   # 3 more do not fit
+      (False, 0)
+      >>> chunks.take(9)   # larger than a chunk
+      (None, None)
+    """
+
+    def __init__(self, alloc: Callable[[int], torch.Tensor], size: int = _CHUNK_INTS,
+                 on_stream: Optional[Callable[[torch.Tensor], None]] = None, align: int = _ALIGN):
+        self._alloc, self.size, self._on_stream, self.align = alloc, size, on_stream, align
+        self.chunk: Optional[torch.Tensor] = None
+        self.pointer = 0  # the chunk's data_ptr()
+        self._offset = size
+        self._streams: set = set()
+
+    def take(self, n: int, stream: int = 0) -> Tuple[Optional[torch.Tensor], Optional[int]]:
+        """``(chunk, start)`` of ``n`` fresh elements on raw stream ``stream``; ``(None, None)``
+        when ``n`` is larger than a chunk."""
+        if n > self.size:
+            return None, None
+        start = -(-self._offset // self.align) * self.align
+        if start + n > self.size:
+            self.chunk, start, self._streams = self._alloc(self.size), 0, set()
+            self.pointer = self.chunk.data_ptr()
+        if stream not in self._streams:
+            self._streams.add(stream)
+            if self._on_stream is not None and len(self._streams) > 1:
+                self._on_stream(self.chunk)  # another stream than the one it came from
+        self._offset = start + n
+        return self.chunk, start
+
+
+def _driver_copy() -> Optional[Callable[..., int]]:
+    """``cuMemcpyHtoDAsync(dst, src, bytes, stream) -> CUresult`` of the CUDA driver, or None."""
+    try:
+        copy = ctypes.CDLL("libcuda.so.1").cuMemcpyHtoDAsync_v2
+    except (OSError, AttributeError):
+        return None
+    copy.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    copy.restype = ctypes.c_int
+    return copy
+
+
 class _PinnedRing:
-    """A page-locked int32 ring, a part reused only after its earlier copies completed."""
+    """A page-locked int32 ring, a part reused only after its earlier copies completed,
+    and the device chunks its copies land in."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.tensor = torch.empty((_RING_INTS,), dtype=torch.int32, pin_memory=True)
         self.host = self.tensor.numpy()
         self.cursor = RingCursor(_RING_INTS, _RING_SLOTS)
-        # Per part: the events recorded when the write position last left it.
+        # Per part: the events recorded when the write position left it last.
         self.done: List[List[torch.cuda.Event]] = [[] for _ in range(_RING_SLOTS)]
         # The streams that copied from the current part, by raw handle. Kept as torch's
         # own stream objects: torch.cuda.ExternalStream(0), the legacy default stream's
         # handle, would be a fresh stream from torch's pool, and an event recorded there
         # completes at once (the first ring reused parts still being copied from).
         self.streams: Dict[int, torch.cuda.Stream] = {}
+        self.chunks = DeviceChunks(
+            lambda n: torch.empty((n,), dtype=torch.int32, device=device),
+            on_stream=lambda chunk: chunk.record_stream(torch.cuda.current_stream(device)))
+        self._copy = _driver_copy()
+        self._host_ptr, self._index = self.tensor.data_ptr(), device.index
 
     def span(self, n: int, stream: int) -> Optional[int]:
         """Start of a pinned ``[n]`` span to write and copy from on raw stream ``stream``
@@ -123,6 +200,23 @@ class _PinnedRing:
             self.streams[stream] = torch.cuda.current_stream(self.device)
         return start
 
+    def send(self, start: int, n: int, stream: int) -> torch.Tensor:
+        """The pinned span ``[start, start + n)`` copied into fresh device memory on raw
+        stream ``stream``: the new ``[n]`` tensor."""
+        chunk, at = self.chunks.take(n, stream)
+        if chunk is None:
+            target = torch.empty((n,), dtype=torch.int32, device=self.device)
+        else:
+            target = chunk[at:at + n]
+            # The driver's copy needs this device's context current on the thread (torch
+            # makes it current with the device); anything else takes torch's copy.
+            if (self._copy is not None and torch._C._cuda_getDevice() == self._index
+                    and self._copy(self.chunks.pointer + 4 * at, self._host_ptr + 4 * start,
+                                   4 * n, stream) == 0):
+                return target
+        target.copy_(self.tensor.narrow(0, start, n), non_blocking=True)
+        return target
+
 
 class PositionUpload:
     """Copies int32 positions to ``device``, stream-ordered, into fresh or static buffers.
@@ -137,53 +231,88 @@ class PositionUpload:
         self._ring = _PinnedRing(device) if device.type == "cuda" else None
         self._index = device.index if device.type == "cuda" else None
         self._rows = (3,) if mrope else ()
+        self._staged: Optional[Tuple[np.ndarray, Optional[int], int, List[int]]] = None
         self.graph_buffers: Dict[Tuple[GraphSlot, str], torch.Tensor] = {}
+
+    def stage(self, sizes: Sequence[int]) -> List[np.ndarray]:
+        """Writable int32 host buffers of ``sizes`` for a step's computed positions, one
+        per plan label, which :meth:`step` sends in one copy: on CUDA spans of the pinned
+        ring (written where the copy reads), else (or when larger than a ring part)
+        fresh. Each starts ``_ALIGN`` ints after the last, so that every label's device
+        tensor is as aligned as the kernels and XLA's import need."""
+        offsets, total = [], 0
+        for n in sizes:
+            offsets.append(total)
+            total += -(-n // _ALIGN) * _ALIGN
+        total = offsets[-1] + sizes[-1]
+        buffer, start, stream = None, None, 0
+        if self._ring is not None:
+            # The raw stream handle: building a torch.cuda.Stream per step costs microseconds.
+            stream = torch._C._cuda_getCurrentRawStream(self._index)
+            start = self._ring.span(total, stream)
+            if start is not None:
+                buffer = self._ring.host[start:start + total]
+        if buffer is None:
+            buffer = np.empty((total,), np.int32)
+        self._staged = (buffer, start, stream, offsets)
+        return [buffer[at:at + n] for at, n in zip(offsets, sizes)]
 
     def step(self, computed: Mapping[str, np.ndarray], explicit: Mapping[str, torch.Tensor],
              order: Tuple[str, ...], graph: Optional[GraphSlot]
              ) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
         """A step's positions on the device, per plan label in ``order``.
 
-        ``computed``: host positions; ``explicit``: device tensors given by the step
-        (``[n]``, M-RoPE ``[3, n]``). Without a graph slot, computed labels share one
-        copy (one device tensor, a contiguous view per label) and explicit ones are used
-        as given; under ``graph`` every label is written into its static
-        ``[bucket.num_tokens]`` (M-RoPE ``[3, bucket.num_tokens]``) buffer.
+        ``computed``: host positions in the buffers of the last :meth:`stage`, in its
+        order; ``explicit``: device tensors given by the step (``[n]``, M-RoPE ``[3,
+        n]``). Without a graph slot, computed labels share one copy (one device tensor, a
+        contiguous view per label) and explicit ones are used as given; under ``graph``
+        every label is written into its static ``[bucket.num_tokens]`` (M-RoPE ``[3,
+        bucket.num_tokens]``) buffer.
 
         Returns ``({plan_label: tensor}, {plan_label: most tokens apply_qk accepts})``.
         Raises ValueError, changing nothing, when a label has more tokens than the bucket.
         """
         if graph is not None:
-            size = graph.bucket.num_tokens
-            for plan_label in order:
-                tokens = (computed[plan_label] if plan_label in computed
-                          else explicit[plan_label]).shape[-1]
-                if tokens > size:
-                    raise ValueError(f"plan label {plan_label!r} has {tokens} tokens, more than "
-                                     f"graph bucket num_tokens={size}")
-            tensors = {}
-            for plan_label in order:
-                buffer = self._graph_buffer(graph, plan_label)
-                if plan_label in computed:
-                    tensors[plan_label] = self.to_device(computed[plan_label], into=buffer)
-                else:
-                    given = explicit[plan_label]
-                    buffer[..., :given.shape[-1]].copy_(given)
-                    tensors[plan_label] = buffer
-            return tensors, dict.fromkeys(order, size)
+            return self._graph_step(computed, explicit, order, graph)
         tensors = dict(explicit)
-        if len(computed) == 1:
-            (plan_label, host), = computed.items()
-            tensors[plan_label] = self.to_device(host)
-        elif computed:
-            # One copy; each label's block stays contiguous ([3, n] row-major for M-RoPE).
-            joined = self.to_device(np.concatenate([host.ravel() for host in computed.values()]))
-            start = 0
-            for plan_label, host in computed.items():
-                tensors[plan_label] = joined[start:start + host.size].view(host.shape)
-                start += host.size
+        if computed:
+            buffer, start, stream, offsets = self._staged
+            if self._ring is None:
+                joined = torch.from_numpy(buffer)
+            elif start is not None:
+                joined = self._ring.send(start, buffer.size, stream)
+            else:
+                joined = self.to_device(buffer)  # larger than a ring part
+            if len(computed) == 1:
+                (plan_label, host), = computed.items()
+                tensors[plan_label] = joined if host.ndim == 1 else joined.view(host.shape)
+            else:
+                for (plan_label, host), at in zip(computed.items(), offsets):
+                    tensors[plan_label] = joined.narrow(0, at, host.size).view(host.shape)
+        self._staged = None
         return ({plan_label: tensors[plan_label] for plan_label in order},
                 {plan_label: tensors[plan_label].shape[-1] for plan_label in order})
+
+    def _graph_step(self, computed: Mapping[str, np.ndarray], explicit: Mapping[str, torch.Tensor],
+                    order: Tuple[str, ...], graph: GraphSlot
+                    ) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
+        size = graph.bucket.num_tokens
+        for plan_label in order:
+            tokens = (computed[plan_label] if plan_label in computed
+                      else explicit[plan_label]).shape[-1]
+            if tokens > size:
+                raise ValueError(f"plan label {plan_label!r} has {tokens} tokens, more than "
+                                 f"graph bucket num_tokens={size}")
+        tensors = {}
+        for plan_label in order:
+            buffer = self._graph_buffer(graph, plan_label)
+            if plan_label in computed:
+                tensors[plan_label] = self.to_device(computed[plan_label], into=buffer)
+            else:
+                given = explicit[plan_label]
+                buffer[..., :given.shape[-1]].copy_(given)
+                tensors[plan_label] = buffer
+        return tensors, dict.fromkeys(order, size)
 
     def _graph_buffer(self, graph: GraphSlot, plan_label: str) -> torch.Tensor:
         key = (graph, plan_label)
@@ -217,7 +346,6 @@ class PositionUpload:
             into[..., :n].copy_(source)
             return into
         ring = self._ring
-        # The raw stream handle: building a torch.cuda.Stream per step costs microseconds.
         start = ring.span(size, torch._C._cuda_getCurrentRawStream(self._index))
         if start is None:
             # Larger than a ring part: a pinned buffer of its own, which torch's caching

@@ -198,6 +198,58 @@ def test_positions_stay_right_when_the_host_laps_the_pinned_ring(device, launche
         np.testing.assert_array_equal(got.cpu().numpy(), want)
 
 
+def test_positions_reach_the_device_through_the_driver_on_the_current_stream(device, launcher):
+    """The copy is the driver's cuMemcpyHtoDAsync on torch's current stream: on a late side
+    stream, what a kernel queued after the plan on that stream reads is the step's own
+    positions, across chunks and both streams."""
+    mgr = make(device, launcher)
+    assert mgr._upload._ring._copy is not None, "libcuda.so.1 has no cuMemcpyHtoDAsync_v2"
+    rids = [f"r{i}" for i in range(8)]
+    for rid in rids:
+        mgr.ingest_request(rid)
+    side, seen, wanted = torch.cuda.Stream(device), [], []
+    torch.cuda.synchronize()
+    for i in range(80):  # 80 x 16384 positions: the copies fill two device chunks
+        stream = side if i % 2 else torch.cuda.current_stream(device)
+        with torch.cuda.stream(stream):
+            if i % 20 == 0:
+                torch.cuda._sleep(20_000_000)  # the device falls behind the host
+            step = PositionStep([Segment(rid, "text", 2048) for rid in rids])
+            ctx = StepContext(tuple(rids))
+            starts = [mgr.position(rid, "text") for rid in rids]
+            seen.append(mgr.plan(step, ctx)["text"].clone())  # queued after the copy
+            wanted.append(np.concatenate([np.arange(s, s + 2048) for s in starts]))
+            mgr.commit(step, ctx)
+            if i % 16 == 15:
+                for rid in rids:
+                    mgr.reset_request(rid)
+    torch.cuda.synchronize()
+    for got, want in zip(seen, wanted):
+        np.testing.assert_array_equal(got.cpu().numpy(), want)
+
+
+def test_a_plan_from_a_thread_that_never_touched_cuda_gets_its_positions(device, launcher):
+    import threading
+
+    mgr = make(device, launcher)
+    step, ctx, _ = planned(mgr, [5, 3])
+    mgr.commit(step, ctx)
+    want = [mgr.position(rid, "text") for rid in ctx.request_ids]
+    result = {}
+
+    def plan_here():
+        try:
+            result["pos"] = mgr.plan(step, ctx)["text"].cpu().tolist()
+        except Exception as e:  # reported below, not lost in the thread
+            result["error"] = e
+
+    worker = threading.Thread(target=plan_here)
+    worker.start()
+    worker.join()
+    assert "error" not in result, result.get("error")
+    assert result["pos"] == list(range(want[0], want[0] + 5)) + list(range(want[1], want[1] + 3))
+
+
 def test_plan_under_cuda_graph_capture_raises_and_changes_nothing(device, launcher):
     mgr = make(device, launcher)
     step, ctx, _ = planned(mgr, [2, 3])
