@@ -21,8 +21,8 @@ chunk alive like any view (memory is never reused under a tensor the engine stil
 holds). The copy is one ``cuMemcpyHtoDAsync`` through the CUDA driver on torch's
 current raw stream; where that entry point is missing or refuses (no driver library,
 another device current on the thread) it is torch's non-blocking ``copy_``, with the
-same ordering. The H200 host measured the two at 7.8 and 16.8 us per decode step
-(``bench/RESULTS.md``).
+same ordering. On the H200's host the whole upload of a decode step's 256 positions
+went from 14.4 to 10.9 us (``bench/RESULTS.md``, "torch bridge").
 
 CUDA-graph buffers (static per (graph slot, plan label), ``[bucket.num_tokens]``, or
 ``[3, bucket.num_tokens]`` for an M-RoPE manager) are written by the same copy; tokens
