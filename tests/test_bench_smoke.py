@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from bench import rope_bench, timing
+from bench import rope_bench, rope_report, timing
 from jaxrope.cases import CASES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_out")
     results_md = tmp_path_factory.mktemp("bench_results") / "RESULTS.md"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(rope_bench, "RESULTS_MD", results_md)
+        patch.setattr(rope_report, "RESULTS_MD", results_md)
         report = rope_bench.main(["--quick", "--out", str(out), "--sections", "sweep", "cases",
                                   "--cases", "default_d128", "qwen25_yarn", "--tokens",
                                   str(TOKENS), "--iters", "2", "--reps", "2", "--seed", "3"])
@@ -64,7 +64,7 @@ def test_quick_run_leaves_results_md_alone_and_writes_markdown_and_plot_to_out(q
     out, results_md, _ = quick_run
     assert not results_md.exists()
     markdown = (out / "rope_bench.md").read_text()
-    assert markdown.startswith(rope_bench.BEGIN) and rope_bench.END in markdown
+    assert markdown.startswith(rope_report.BEGIN) and rope_report.END in markdown
     assert "qwen25_yarn" in markdown and "Command: `python -m bench.rope_bench" in markdown
     pytest.importorskip("matplotlib")
     assert (out / "rope_tbps.png").stat().st_size > 0
@@ -74,9 +74,9 @@ def test_from_json_renders_the_same_markdown_and_writes_results_md(quick_run, tm
                                                                    monkeypatch):
     out, _, _ = quick_run
     results_md = tmp_path / "RESULTS.md"
-    results_md.write_text(f"# head\n\n{rope_bench.BEGIN}\nold numbers\n{rope_bench.END}\n\n## kept\n")
-    monkeypatch.setattr(rope_bench, "RESULTS_MD", results_md)
-    monkeypatch.setattr(rope_bench, "RESULTS_PNG", tmp_path / "rope_tbps.png")
+    results_md.write_text(f"# head\n\n{rope_report.BEGIN}\nold numbers\n{rope_report.END}\n\n## kept\n")
+    monkeypatch.setattr(rope_report, "RESULTS_MD", results_md)
+    monkeypatch.setattr(rope_report, "RESULTS_PNG", tmp_path / "rope_tbps.png")
     rope_bench.main(["--from-json", str(out / "rope_bench.json"), "--out", str(tmp_path / "o"),
                      "--write-results"])
     markdown = (out / "rope_bench.md").read_text()
@@ -89,10 +89,10 @@ def test_from_json_renders_the_same_markdown_and_writes_results_md(quick_run, tm
 def test_results_md_gets_a_section_appended_when_it_has_none(tmp_path):
     path = tmp_path / "RESULTS.md"
     path.write_text("# results\n")
-    section = f"{rope_bench.BEGIN}\nnew\n{rope_bench.END}\n"
-    rope_bench.update_results_md(path, section)
-    rope_bench.update_results_md(path, section.replace("new", "newer"))
-    assert path.read_text() == f"# results\n\n{rope_bench.BEGIN}\nnewer\n{rope_bench.END}\n"
+    section = f"{rope_report.BEGIN}\nnew\n{rope_report.END}\n"
+    rope_report.update_results_md(path, section)
+    rope_report.update_results_md(path, section.replace("new", "newer"))
+    assert path.read_text() == f"# results\n\n{rope_report.BEGIN}\nnewer\n{rope_report.END}\n"
 
 
 def test_full_plan_sweeps_the_target_and_covers_every_named_case():
