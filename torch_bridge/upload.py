@@ -63,7 +63,8 @@ __all__ = ["DeviceChunks", "PositionUpload", "RingCursor"]
 
 _RING_INTS = 1 << 20
 _RING_SLOTS = 8
-_CHUNK_INTS = 1 << 20
+# A device chunk holds a whole ring (a span is at most a ring part): every span fits one.
+_CHUNK_INTS = _RING_INTS
 # Every device tensor handed out starts a multiple of 256 bytes into its memory, as a fresh
 # allocation would (the exported kernels assume 32, XLA's DLPack import 16).
 _ALIGN = 64
@@ -204,16 +205,13 @@ class _PinnedRing:
         """The pinned span ``[start, start + n)`` copied into fresh device memory on raw
         stream ``stream``: the new ``[n]`` tensor."""
         chunk, at = self.chunks.take(n, stream)
-        if chunk is None:
-            target = torch.empty((n,), dtype=torch.int32, device=self.device)
-        else:
-            target = chunk[at:at + n]
-            # The driver's copy needs this device's context current on the thread (torch
-            # makes it current with the device); anything else takes torch's copy.
-            if (self._copy is not None and torch._C._cuda_getDevice() == self._index
-                    and self._copy(self.chunks.pointer + 4 * at, self._host_ptr + 4 * start,
-                                   4 * n, stream) == 0):
-                return target
+        target = chunk[at:at + n]
+        # The driver's copy needs this device's context current on the thread (torch
+        # makes it current with the device); anything else takes torch's copy.
+        if (self._copy is not None and torch._C._cuda_getDevice() == self._index
+                and self._copy(self.chunks.pointer + 4 * at, self._host_ptr + 4 * start,
+                               4 * n, stream) == 0):
+            return target
         target.copy_(self.tensor.narrow(0, start, n), non_blocking=True)
         return target
 
@@ -240,10 +238,10 @@ class PositionUpload:
         ring (written where the copy reads), else (or when larger than a ring part)
         fresh. Each starts ``_ALIGN`` ints after the last, so that every label's device
         tensor is as aligned as the kernels and XLA's import need."""
-        offsets, total = [], 0
+        offsets, end = [], 0
         for n in sizes:
-            offsets.append(total)
-            total += -(-n // _ALIGN) * _ALIGN
+            offsets.append(end)
+            end += -(-n // _ALIGN) * _ALIGN
         total = offsets[-1] + sizes[-1]
         buffer, start, stream = None, None, 0
         if self._ring is not None:
@@ -303,16 +301,34 @@ class PositionUpload:
             if tokens > size:
                 raise ValueError(f"plan label {plan_label!r} has {tokens} tokens, more than "
                                  f"graph bucket num_tokens={size}")
+        staged = self._staged_sources(computed)
         tensors = {}
         for plan_label in order:
             buffer = self._graph_buffer(graph, plan_label)
-            if plan_label in computed:
-                tensors[plan_label] = self.to_device(computed[plan_label], into=buffer)
+            source = staged[plan_label] if plan_label in computed else explicit[plan_label]
+            if source is None:  # staged off the ring (larger than a part)
+                self.to_device(computed[plan_label], into=buffer)
             else:
-                given = explicit[plan_label]
-                buffer[..., :given.shape[-1]].copy_(given)
-                tensors[plan_label] = buffer
+                # M-RoPE: the rows of a [3, N] graph buffer, N apart; torch lands the one
+                # host->device copy in a contiguous staging tensor and scatters it on the
+                # same stream (the tail past n keeps its values).
+                buffer[..., :source.shape[-1]].copy_(source, non_blocking=True)
+            tensors[plan_label] = buffer
+        self._staged = None
         return tensors, dict.fromkeys(order, size)
+
+    def _staged_sources(self, computed: Mapping[str, np.ndarray]) -> Dict[str, Optional[torch.Tensor]]:
+        """Host tensors over the staged positions of each computed label: pinned ring spans
+        on CUDA (None where the step was staged off the ring), the arrays themselves else."""
+        if not computed:
+            return {}
+        _, start, _, offsets = self._staged
+        if self._ring is None:
+            return {plan_label: torch.from_numpy(host) for plan_label, host in computed.items()}
+        if start is None:
+            return dict.fromkeys(computed)
+        return {plan_label: self._ring.tensor[start + at:start + at + host.size].view(host.shape)
+                for (plan_label, host), at in zip(computed.items(), offsets)}
 
     def _graph_buffer(self, graph: GraphSlot, plan_label: str) -> torch.Tensor:
         key = (graph, plan_label)
@@ -331,35 +347,25 @@ class PositionUpload:
                                "graph slot (StepContext.graph_slot) and replay reads its buffer")
 
     def to_device(self, positions: np.ndarray, into: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``positions`` (int32 ``[n]`` or ``[3, n]``, host) on the device: a new contiguous
-        tensor, or ``into[..., :n]`` written.
+        """``positions`` (int32 ``[n]`` or ``[3, n]``, host) on the device, without the ring: a
+        new contiguous tensor, or ``into[..., :n]`` written. What :meth:`stage` could not
+        put on the ring (larger than a part) goes this way, and everything off CUDA.
 
         Returns the new tensor, or ``into`` itself.
         """
-        n, size = positions.shape[-1], positions.size
         if positions.ndim > 1 or not positions.flags.writeable:
             positions = np.array(positions, order="C")  # a plan's broadcast rows: one block
-        if self._ring is None:
-            source = torch.from_numpy(positions)
-            if into is None:
-                return source
-            into[..., :n].copy_(source)
-            return into
-        ring = self._ring
-        start = ring.span(size, torch._C._cuda_getCurrentRawStream(self._index))
-        if start is None:
-            # Larger than a ring part: a pinned buffer of its own, which torch's caching
-            # host allocator keeps alive until the copy has completed.
-            span = torch.from_numpy(positions).pin_memory()
-        else:
-            ring.host[start:start + size] = positions.ravel()
-            span = ring.tensor[start:start + size].view(positions.shape)
+        source = torch.from_numpy(positions)
+        if self._ring is not None:
+            # A pinned buffer of its own, which torch's caching host allocator keeps alive
+            # until the copy has completed.
+            source = source.pin_memory()
+        elif into is None:
+            return source
         if into is None:
             target = torch.empty(positions.shape, dtype=torch.int32, device=self.device)
-        else:
-            # M-RoPE: the rows of a [3, N] graph buffer, N apart; torch lands the one
-            # host->device copy in a contiguous staging tensor and scatters it on the
-            # same stream (the tail past n keeps its values).
-            target = into[..., :n]
-        target.copy_(span, non_blocking=True)
-        return target if into is None else into
+            target.copy_(source, non_blocking=True)
+            return target
+        # M-RoPE: the rows of a [3, N] graph buffer, N apart (see _graph_step).
+        into[..., :positions.shape[-1]].copy_(source, non_blocking=True)
+        return into
