@@ -1,9 +1,11 @@
 """triton_ir.export_append_kv: the fused kernel's Triton IR as the torch launcher uses it.
 
 Off the GPU (lowered for an H200): the kernel's signature is the documented pointer
-order, every pointer promised 32-byte aligned; the IR exported at the launcher's token
-count compiles to the same PTX as the kernel lowered at another T (one compiled kernel
-serves every T); a cache the Triton lowering cannot address is declined before lowering.
+order, every pointer promised 32-byte aligned (an M-RoPE kernel's too, which reads the
+other rows of ``pos_ids [3, count]``); the IR exported at the launcher's token count
+compiles to the same PTX as the kernel lowered at another T (one compiled kernel serves
+every T, 1-D and M-RoPE); a cache the Triton lowering cannot address is declined before
+lowering.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 
 import jaxrope as jr
 from jaxrope import apply as apply_module
-from jaxrope.cases import APPEND_BY_NAME
+from jaxrope.cases import APPEND_BY_NAME, MROPE_APPEND_CASES
 from jaxrope.kernels import kv_pallas, triton_ir
 from jaxrope.testing.lowering import cuda_target, triton_modules
 
@@ -33,7 +35,8 @@ def _export(name: str, tokens: int = 64, **changes):
                 cache_shape=(components * case.pages, *rows, c.head_dim),
                 cache_dtype=jnp.float8_e4m3fn if case.fp8 else jnp.bfloat16, layout=case.layout,
                 components=components,
-                block=kv_pallas.block_config(tokens, c.q_heads, c.k_heads, c.cfg.rotary_dim // 2))
+                block=kv_pallas.block_config(tokens, c.q_heads, c.k_heads, c.cfg.rotary_dim // 2),
+                mrope_section=c.cfg.mrope_section, mrope_interleaved=c.cfg.mrope_interleaved)
     args.update(changes)
     with cuda_target():
         return triton_ir.export_append_kv(**args), args
@@ -54,8 +57,20 @@ def test_the_kernel_takes_the_documented_pointers_all_32_byte_aligned(name, cach
     assert _signature(exported.ttir) == [(t, "32") for t in inputs + ["bf16", *caches]]
 
 
+@pytest.mark.parametrize("name", [case.name for case in MROPE_APPEND_CASES[:2]])
+def test_the_mrope_export_takes_the_1d_pointers_and_reads_other_rows(name):
+    exported, args = _export(name)
+    caches = ["bf16"] * exported.num_caches
+    inputs = ["i32", "i32", "i32", "f32", "f32", "bf16", "bf16", "bf16", *caches]
+    assert _signature(exported.ttir) == [(t, "32") for t in inputs + ["bf16", *caches]]
+    with cuda_target():
+        one_d = triton_ir.export_append_kv(**{**args, "mrope_section": None})
+    assert exported.ttir != one_d.ttir
+
+
 @pytest.mark.requires_triton
-@pytest.mark.parametrize("name", ["llama3_hnd_p16", "gptj_fp8_nhd_p1"])
+@pytest.mark.parametrize("name", ["llama3_hnd_p16", "gptj_fp8_nhd_p1",
+                                  *(case.name for case in MROPE_APPEND_CASES[1:3])])
 def test_the_exported_kernel_is_the_kernel_lowered_at_any_token_count(name, tmp_path):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -69,14 +84,16 @@ def test_the_exported_kernel_is_the_kernel_lowered_at_any_token_count(name, tmp_
             page_size=args["cache_shape"][1 if args["layout"] == "NHD" else 2],
             components=args["components"], rotary_dim=args["rotary_dim"],
             interleave=args["interleave"], attention_factor=args["attention_factor"],
+            mrope_section=args["mrope_section"], mrope_interleaved=args["mrope_interleaved"],
             config=block)
 
     tokens = 4096
     sds = jax.ShapeDtypeStruct
     rows = sds((tokens, args["k_heads"], args["head_dim"]), jnp.bfloat16)
     cache = sds(args["cache_shape"], args["cache_dtype"])
+    pos_shape = (tokens,) if args["mrope_section"] is None else (3, tokens)
     [at_4096] = triton_modules(kernel, sds((tokens, args["q_heads"], args["head_dim"]), jnp.bfloat16),
-                               rows, rows, sds((tokens,), jnp.int32), sds((tokens,), jnp.int32),
+                               rows, rows, sds(pos_shape, jnp.int32), sds((tokens,), jnp.int32),
                                sds((3, args["rotary_dim"] // 2), jnp.float32),
                                sds((2,), jnp.float32), *(cache,) * exported.num_caches)
 
