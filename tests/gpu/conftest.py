@@ -17,16 +17,22 @@ from jaxrope.testing import flashinfer as fp  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def device():
-    """torch's current CUDA device, once both torch and JAX see a GPU; else a skip."""
+def jax_gpu():
+    """JAX's first GPU device; else a skip that says how to get one."""
     import jax
+    try:
+        return jax.devices("gpu")[0]
+    except RuntimeError as e:
+        pytest.skip(f"JAX has no GPU backend ({e}); run with JAXROPE_GPU_TESTS=1 and jax[cuda]")
+
+
+@pytest.fixture(scope="module")
+def device(request):
+    """torch's current CUDA device, once both torch and JAX see a GPU; else a skip."""
     import torch
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device")
-    try:
-        jax.devices("gpu")
-    except RuntimeError as e:
-        pytest.skip(f"JAX has no GPU backend ({e}); run with JAXROPE_GPU_TESTS=1 and jax[cuda]")
+    request.getfixturevalue("jax_gpu")
     return torch.device("cuda", torch.cuda.current_device())
 
 

@@ -29,7 +29,7 @@ import jaxrope as jr
 from jaxrope.cases import MROPE_APPEND_CASES, AppendCase
 from jaxrope.testing import kv_oracle, oracle
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("jax_gpu")]
 
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 TOLERANCE = {"float32": 1e-5, "float16": 4e-4, "bfloat16": 2.5e-3}
@@ -38,14 +38,6 @@ TOKENS = 1031
 FP8_SCALES = {"k_quant_scale": 0.75, "v_quant_scale": 150.0}
 
 fused = jax.jit(jr.apply_rope_and_append_kv, static_argnames=("cfg", "layout", "backend"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def gpu():
-    try:
-        jax.devices("gpu")
-    except RuntimeError as e:
-        pytest.skip(f"JAX has no GPU backend ({e}); run with JAXROPE_GPU_TESTS=1 and jax[cuda]")
 
 
 def _inputs(rng, case: AppendCase, dtype_name: str, where: str = "uniform", tokens: int = TOKENS):

@@ -16,7 +16,7 @@ import jaxrope as jr
 from jaxrope.cases import MROPE_CASES
 from jaxrope.testing import oracle
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("jax_gpu")]
 
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 # The target for bf16 below 2**20; float32/float16 as in tests/test_apply.py.
@@ -25,14 +25,6 @@ POSITIONS = {"uniform": (0, 1 << 20), "near_2_20": ((1 << 20) - 65536, 1 << 20),
              "upper_half": (1 << 19, 1 << 20)}
 
 rope = jax.jit(jr.apply_rope, static_argnames=("cfg", "backend"), donate_argnums=(0, 1))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def gpu():
-    try:
-        jax.devices("gpu")
-    except RuntimeError as e:
-        pytest.skip(f"JAX has no GPU backend ({e}); run with JAXROPE_GPU_TESTS=1 and jax[cuda]")
 
 
 def _inputs(rng, tokens, q_heads, k_heads, cfg, where):

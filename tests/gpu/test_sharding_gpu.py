@@ -24,19 +24,11 @@ pytestmark = pytest.mark.gpu
 CFG = jr.RopeConfig(head_dim=128, theta=500000.0, scaling=jr.Llama3(), max_position=1 << 20)
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    try:
-        return jax.devices("gpu")[0]
-    except RuntimeError as e:
-        pytest.skip(f"JAX has no GPU backend ({e})")
-
-
-def _inputs(gpu, tokens=4096):
+def _inputs(jax_gpu, tokens=4096):
     rng = np.random.default_rng(0)
-    q = jax.device_put(jnp.asarray(rng.standard_normal((tokens, 32, 128)), jnp.bfloat16), gpu)
-    k = jax.device_put(jnp.asarray(rng.standard_normal((tokens, 8, 128)), jnp.bfloat16), gpu)
-    pos = jax.device_put(jnp.asarray(rng.integers(0, 1 << 20, tokens), jnp.int32), gpu)
+    q = jax.device_put(jnp.asarray(rng.standard_normal((tokens, 32, 128)), jnp.bfloat16), jax_gpu)
+    k = jax.device_put(jnp.asarray(rng.standard_normal((tokens, 8, 128)), jnp.bfloat16), jax_gpu)
+    pos = jax.device_put(jnp.asarray(rng.integers(0, 1 << 20, tokens), jnp.int32), jax_gpu)
     return q, k, pos
 
 
@@ -49,15 +41,15 @@ def _program(text: str) -> collections.Counter:
 
 @pytest.mark.parametrize("backend", ["pallas", "mosaic"])
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
-def test_one_device_mesh_runs_the_plain_kernel_in_place(gpu, axis_type, backend):
+def test_one_device_mesh_runs_the_plain_kernel_in_place(jax_gpu, axis_type, backend):
     if backend == "mosaic" and mosaic_gpu.unavailable():
         pytest.skip(mosaic_gpu.unavailable())
     rope = jax.jit(lambda q, k, pos: jr.apply_rope(q, k, pos, CFG, backend=backend),
                    donate_argnums=(0, 1))
-    q, k, pos = _inputs(gpu)
+    q, k, pos = _inputs(jax_gpu)
     plain_text = rope.lower(q, k, pos).compile().as_text()
     expected = rope(q.copy(), k.copy(), pos)
-    mesh = jax.make_mesh((1,), ("model",), axis_types=(axis_type,), devices=[gpu])
+    mesh = jax.make_mesh((1,), ("model",), axis_types=(axis_type,), devices=[jax_gpu])
     layout = NamedSharding(mesh, P(None, "model"))
     q, k = jax.device_put(q, layout), jax.device_put(k, layout)
     pos = jax.device_put(pos, NamedSharding(mesh, P()))
