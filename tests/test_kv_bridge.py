@@ -28,6 +28,7 @@ from jaxrope.cases import (APPEND_BY_NAME, APPEND_CASES, MROPE_APPEND_CASES,  # 
                            AppendCase)
 from jaxrope.kernels import kv_pallas, triton_ir  # noqa: E402
 from jaxrope.testing import kv_oracle, oracle  # noqa: E402
+from jaxrope.testing.kv_oracle import bits  # noqa: E402
 from jaxrope.testing.lowering import cuda_target  # noqa: E402
 from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext  # noqa: E402
 from torch_bridge import kv_append  # noqa: E402
@@ -115,11 +116,6 @@ def split(kv_cache):
         both = to_numpy(kv_cache)
         return both[:, 0], both[:, 1]
     return tuple(to_numpy(c) for c in kv_cache)
-
-
-def bits(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x).view(f"u{x.dtype.itemsize}")
-
 
 
 def check_against_oracle(case: AppendCase, x: Call, q_out: torch.Tensor, kv_out, q_in, kv_in,

@@ -23,6 +23,7 @@ from jaxrope import apply as apply_module
 from jaxrope.cases import APPEND_BY_NAME, APPEND_CASES, BY_NAME, AppendCase
 from jaxrope.kernels import kv_pallas, kv_reference
 from jaxrope.testing import kv_oracle, oracle
+from jaxrope.testing.kv_oracle import bits, split
 from jaxrope.testing.lowering import cuda_target, triton_modules
 
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
@@ -74,20 +75,6 @@ def make_inputs(rng, case: AppendCase, dtype_name: str, max_position: int | None
 def run(x: Inputs, case: AppendCase, backend: str, cfg=None):
     return fused(x.q, x.k, x.v, jnp.asarray(x.pos), x.kv_cache, jnp.asarray(x.slots),
                  cfg=cfg or case.case.cfg, layout=case.layout, backend=backend, **x.scales)
-
-
-def split(kv_cache):
-    """numpy ``(k_cache, v_cache)`` of a pair or of a combined array."""
-    if isinstance(kv_cache, tuple):
-        return tuple(np.asarray(c) for c in kv_cache)
-    both = np.asarray(kv_cache)
-    return both[:, 0], both[:, 1]
-
-
-def bits(x):
-    x = np.asarray(x)
-    return x.view(f"u{x.dtype.itemsize}")
-
 
 
 def check_against_oracle(case: AppendCase, x: Inputs, out, dtype_name: str, cfg=None) -> None:

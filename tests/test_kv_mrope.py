@@ -22,6 +22,7 @@ import jaxrope as jr
 from jaxrope.cases import MROPE_APPEND_CASES, AppendCase
 from jaxrope.kernels import kv_reference
 from jaxrope.testing import kv_oracle, oracle
+from jaxrope.testing.kv_oracle import bits, split
 
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 # Relative error (norm) vs float64, as tests/test_kv_cache.py.
@@ -57,19 +58,6 @@ def run(x, case: AppendCase, backend: str, pos=None, cfg=None):
     return fused(x["q"], x["k"], x["v"], jnp.asarray(x["pos"] if pos is None else pos),
                  x["kv_cache"], jnp.asarray(x["slots"]), cfg=cfg or case.case.cfg,
                  layout=case.layout, backend=backend, **x["scales"])
-
-
-def split(kv_cache):
-    if isinstance(kv_cache, tuple):
-        return tuple(np.asarray(c) for c in kv_cache)
-    both = np.asarray(kv_cache)
-    return both[:, 0], both[:, 1]
-
-
-
-def bits(x):
-    x = np.asarray(x)
-    return x.view(f"u{x.dtype.itemsize}")
 
 
 def check_against_oracle(case: AppendCase, x, out, dtype_name: str) -> None:

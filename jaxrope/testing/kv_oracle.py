@@ -48,12 +48,28 @@ def written_mask(shape: Tuple[int, ...], layout: str, page: np.ndarray,
     return mask
 
 
+def bits(x) -> np.ndarray:
+    """The raw bits of an array as unsigned ints of its width: equal exactly when the values
+    are the same bit patterns (signed zeros and NaNs included)."""
+    x = np.ascontiguousarray(x)
+    return x.view(f"u{x.dtype.itemsize}")
+
+
+def split(kv_cache) -> Tuple[np.ndarray, np.ndarray]:
+    """numpy ``(k_cache, v_cache)`` of a ``(k, v)`` pair or of a combined array (keys at
+    ``[:, 0]``, values at ``[:, 1]``)."""
+    if isinstance(kv_cache, tuple):
+        return tuple(np.asarray(c) for c in kv_cache)
+    both = np.asarray(kv_cache)
+    return both[:, 0], both[:, 1]
+
+
 def ordered(x: np.ndarray) -> np.ndarray:
     """int64 keys of floats, monotonic in value: neighbouring floats differ by 1."""
     width = x.dtype.itemsize
-    bits = np.ascontiguousarray(x).view(f"u{width}").astype(np.int64)
+    keys = bits(x).astype(np.int64)
     sign = 1 << (8 * width - 1)
-    return np.where(bits & sign, -(bits & (sign - 1)), bits)
+    return np.where(keys & sign, -(keys & (sign - 1)), keys)
 
 
 def ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:

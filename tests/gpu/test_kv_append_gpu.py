@@ -105,10 +105,6 @@ def _ours(cfg, q, k, v, pos_ids, slots, cache, layout, backend, scales):
     return np.asarray(q_out), np.asarray(k_cache), np.asarray(v_cache)
 
 
-def _bits(x):
-    return np.ascontiguousarray(x).view(f"u{x.dtype.itemsize}")
-
-
 def _written(batch, layout, shape):
     pages = shape[0]
     page_size = shape[1] if layout == "NHD" else shape[2]
@@ -118,7 +114,7 @@ def _written(batch, layout, shape):
 
 
 def _check_untouched(label, new, old, mask):
-    np.testing.assert_array_equal(_bits(new)[~mask], _bits(old)[~mask],
+    np.testing.assert_array_equal(kv_oracle.bits(new)[~mask], kv_oracle.bits(old)[~mask],
                                   err_msg=f"{label}: an entry no token names changed")
 
 
@@ -146,9 +142,9 @@ def test_fused_append_matches_flashinfer_rope_then_append(case, device, flashinf
             assert not verdict.failures, "\n".join(verdict.failures + [verdict.summary()])
             assert fp.untouched_equal(got, x, r).all(), f"{backend} changed {label}[..., {r}:]"
             fp.warn_disagreements(verdict, f"{_id(case)} {label} {backend}")
-        np.testing.assert_array_equal(_bits(kv_oracle.rows(ours_v, layout, page, entry)),
-                                      _bits(v[:t]), err_msg=f"{backend}: v rows")
-        np.testing.assert_array_equal(_bits(ours_v), _bits(fi_v), err_msg=f"{backend}: v cache")
+        np.testing.assert_array_equal(kv_oracle.bits(kv_oracle.rows(ours_v, layout, page, entry)),
+                                      kv_oracle.bits(v[:t]), err_msg=f"{backend}: v rows")
+        np.testing.assert_array_equal(kv_oracle.bits(ours_v), kv_oracle.bits(fi_v), err_msg=f"{backend}: v cache")
         for label, new, prev in (("k cache", ours_k, old[0]), ("v cache", ours_v, old[1]),
                                  ("FlashInfer k cache", fi_k, old[0])):
             _check_untouched(f"{backend} {label}", new, prev, mask)
@@ -172,7 +168,7 @@ def test_fp8_append_matches_flashinfers_fused_fp8_op(case, device, flashinfer, r
         record_property(f"{backend} k rows identical to FlashInfer", float((distance == 0).mean()))
         assert distance.max() <= 1, f"{backend}: k rows {distance.max()} e4m3 ulps from FlashInfer"
         assert (distance == 0).mean() > 0.99
-        np.testing.assert_array_equal(_bits(ours_v), _bits(fi_v), err_msg=f"{backend}: v cache")
+        np.testing.assert_array_equal(kv_oracle.bits(ours_v), kv_oracle.bits(fi_v), err_msg=f"{backend}: v cache")
         # FlashInfer also quantizes q; ours stays in q's dtype: quantized here, the two
         # differ by at most the double rounding (bf16, then e4m3).
         q_fp8 = kv_oracle.e4m3(ours_q[:t].astype(np.float64) * scale_q)

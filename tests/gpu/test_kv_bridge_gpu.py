@@ -146,10 +146,6 @@ def _ours(device, launcher, cfg, q, k, v, pos, slots, old, layout, combined, sca
             flashinfer_kv.from_torch(v_cache, old[1].dtype))
 
 
-def _bits(x):
-    return np.ascontiguousarray(x).view(f"u{x.dtype.itemsize}")
-
-
 def _written(batch, layout, shape):
     page_size = shape[1] if layout == "NHD" else shape[2]
     written, page, entry = kv_oracle.entries(batch.slots, shape[0], page_size)
@@ -158,7 +154,7 @@ def _written(batch, layout, shape):
 
 
 def _check_untouched(label, new, old, mask):
-    np.testing.assert_array_equal(_bits(new)[~mask], _bits(old)[~mask],
+    np.testing.assert_array_equal(kv_oracle.bits(new)[~mask], kv_oracle.bits(old)[~mask],
                                   err_msg=f"{label}: an entry no token names changed")
 
 
@@ -185,8 +181,8 @@ def test_fused_append_matches_flashinfer_rope_then_append(case, launcher, device
         assert not verdict.failures, "\n".join(verdict.failures + [verdict.summary()])
         assert fp.untouched_equal(got, x, r).all(), f"{launcher} changed {label}[..., {r}:]"
         fp.warn_disagreements(verdict, f"{_id(case)} {label} {launcher}")
-    np.testing.assert_array_equal(_bits(kv_oracle.rows(ours_v, layout, page, entry)), _bits(v[:t]))
-    np.testing.assert_array_equal(_bits(ours_v), _bits(fi_v), err_msg="v cache")
+    np.testing.assert_array_equal(kv_oracle.bits(kv_oracle.rows(ours_v, layout, page, entry)), kv_oracle.bits(v[:t]))
+    np.testing.assert_array_equal(kv_oracle.bits(ours_v), kv_oracle.bits(fi_v), err_msg="v cache")
     for label, new, prev in (("k cache", ours_k, old[0]), ("v cache", ours_v, old[1])):
         _check_untouched(f"{launcher} {label}", new, prev, mask)
 
@@ -209,7 +205,7 @@ def test_fp8_append_matches_flashinfers_fused_fp8_op(case, launcher, device, fla
     record_property(f"{launcher} k rows identical to FlashInfer", float((distance == 0).mean()))
     assert distance.max() <= 1, f"{launcher}: k rows {distance.max()} e4m3 ulps from FlashInfer"
     assert (distance == 0).mean() > 0.99
-    np.testing.assert_array_equal(_bits(ours_v), _bits(fi_v), err_msg=f"{launcher}: v cache")
+    np.testing.assert_array_equal(kv_oracle.bits(ours_v), kv_oracle.bits(fi_v), err_msg=f"{launcher}: v cache")
     # FlashInfer also quantizes q; ours stays in q's dtype: quantized here, the two differ by
     # at most the double rounding (q's dtype, then e4m3).
     q_fp8 = kv_oracle.e4m3(ours_q[:t].astype(np.float64) * scale_q)

@@ -89,10 +89,6 @@ def _call(mgr, case: AppendCase, x, q, cache):
 
 
 
-def _bits(x):
-    return np.ascontiguousarray(x).view(f"u{x.dtype.itemsize}")
-
-
 def _check_against_oracle(case: AppendCase, x, got, before, pos):
     cfg, r = case.case.cfg, case.case.cfg.rotary_dim
     q, k_cache, v_cache = got
@@ -101,7 +97,7 @@ def _check_against_oracle(case: AppendCase, x, got, before, pos):
     written, page, entry = kv_oracle.entries(x["slots"].cpu().numpy(), x["pages"], case.page_size)
     page, entry = page[written], entry[written]
     k_rows, v_rows = (kv_oracle.rows(c, case.layout, page, entry) for c in (k_cache, v_cache))
-    np.testing.assert_array_equal(_bits(q)[..., r:], _bits(q_in)[..., r:])
+    np.testing.assert_array_equal(kv_oracle.bits(q)[..., r:], kv_oracle.bits(q_in)[..., r:])
     k_want = oracle.rope_of(cfg, k_in, pos)[written]
     actual, expected = [q.astype(np.float64).ravel()], [oracle.rope_of(cfg, q_in, pos).ravel()]
     if case.fp8:
@@ -110,14 +106,14 @@ def _check_against_oracle(case: AppendCase, x, got, before, pos):
         assert kv_oracle.ulps(k_rows, k_want).max(initial=0) <= 1
         assert kv_oracle.ulps(v_rows, v_want).max(initial=0) <= 1
     else:
-        np.testing.assert_array_equal(_bits(v_rows), _bits(v_in[written]))
+        np.testing.assert_array_equal(kv_oracle.bits(v_rows), kv_oracle.bits(v_in[written]))
         actual.append(k_rows.astype(np.float64).ravel())
         expected.append(k_want.ravel())
     error = oracle.relative_error(np.concatenate(actual), np.concatenate(expected))
     assert error < BF16_TOLERANCE, f"relative error {error:.3g}"
     for new, old in zip((k_cache, v_cache), (k_old, v_old)):
         untouched = ~kv_oracle.written_mask(new.shape, case.layout, page, entry)
-        np.testing.assert_array_equal(_bits(new)[untouched], _bits(old)[untouched])
+        np.testing.assert_array_equal(kv_oracle.bits(new)[untouched], kv_oracle.bits(old)[untouched])
 
 
 @pytest.mark.parametrize("extra", [0, 5], ids=["T=N", "T<N"])
@@ -141,7 +137,7 @@ def test_the_launcher_matches_the_oracle_and_the_jax_path(case, extra, device, f
         if launcher == "auto":
             assert mgr._kv_jax is None, "the launcher should have run, not the JAX path"
         for a, b in zip(*runs):
-            np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{launcher}: bound call")
+            np.testing.assert_array_equal(kv_oracle.bits(a), kv_oracle.bits(b), err_msg=f"{launcher}: bound call")
         results[launcher] = runs[0]
     before = _numpy(case, x["q"], x["cache"])
     # Each path against the float64 oracle: the launcher's Triton build and the JAX path's

@@ -70,10 +70,6 @@ def _run(case: AppendCase, x, backend: str):
 
 
 
-def _bits(x):
-    return np.ascontiguousarray(x).view(f"u{x.dtype.itemsize}")
-
-
 def _written(case: AppendCase, x):
     written, page, entry = kv_oracle.entries(x["slots"], x["pages"], case.page_size)
     return written, page[written], entry[written]
@@ -92,7 +88,7 @@ def test_each_backend_matches_the_oracle(case, dtype_name, where, backend, rng):
     q, k_cache, v_cache = _run(case, x, backend)
     written, page, entry = _written(case, x)
     k_rows, v_rows = (kv_oracle.rows(c, case.layout, page, entry) for c in (k_cache, v_cache))
-    np.testing.assert_array_equal(_bits(q)[..., r:], _bits(x["q"])[..., r:])
+    np.testing.assert_array_equal(kv_oracle.bits(q)[..., r:], kv_oracle.bits(x["q"])[..., r:])
     k_want = oracle.rope_of(cfg, x["k"], x["pos"])[written]
     actual, expected = [q.astype(np.float64).ravel()], [oracle.rope_of(cfg, x["q"], x["pos"]).ravel()]
     if case.fp8:
@@ -101,15 +97,15 @@ def test_each_backend_matches_the_oracle(case, dtype_name, where, backend, rng):
         assert kv_oracle.ulps(k_rows, k_want).max(initial=0) <= 1
         assert kv_oracle.ulps(v_rows, v_want).max(initial=0) <= 1
     else:
-        np.testing.assert_array_equal(_bits(k_rows)[..., r:], _bits(x["k"][written])[..., r:])
-        np.testing.assert_array_equal(_bits(v_rows), _bits(x["v"][written]))
+        np.testing.assert_array_equal(kv_oracle.bits(k_rows)[..., r:], kv_oracle.bits(x["k"][written])[..., r:])
+        np.testing.assert_array_equal(kv_oracle.bits(v_rows), kv_oracle.bits(x["v"][written]))
         actual.append(k_rows.astype(np.float64).ravel())
         expected.append(k_want.ravel())
     error = oracle.relative_error(np.concatenate(actual), np.concatenate(expected))
     assert error < TOLERANCE[dtype_name], f"relative error {error:.3g}"
     for new, old in zip((k_cache, v_cache), x["old"]):
         untouched = ~kv_oracle.written_mask(new.shape, case.layout, page, entry)
-        np.testing.assert_array_equal(_bits(new)[untouched], _bits(old)[untouched])
+        np.testing.assert_array_equal(kv_oracle.bits(new)[untouched], kv_oracle.bits(old)[untouched])
 
 
 @pytest.mark.parametrize("case", [c for c in MROPE_APPEND_CASES if not c.fp8],
