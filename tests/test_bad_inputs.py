@@ -618,7 +618,15 @@ BRIDGE_CASES = _bridge_cases() if torch is not None else []
 @needs_torch
 @pytest.mark.parametrize("case", BRIDGE_CASES, ids=lambda c: c.name)
 def test_bridge_bad_input_raises_naming_the_argument_and_changes_nothing(case):
-    mgr, twin = busy_manager(), busy_manager()
+    raises_naming_it_and_changes_nothing(case, busy_manager, finish)
+
+
+def raises_naming_it_and_changes_nothing(case: Bad, make: Callable[[], Any],
+                                         finish_with: Callable[[Any], Any]) -> None:
+    """The bridge harness: ``case.call`` on a manager from ``make`` raises its error naming
+    the argument, the snapshot is unchanged, and the manager then ends (``finish_with``)
+    exactly as an untouched twin does."""
+    mgr, twin = make(), make()
     if case.setup is not None:
         case.setup(mgr)
         case.setup(twin)
@@ -627,7 +635,7 @@ def test_bridge_bad_input_raises_naming_the_argument_and_changes_nothing(case):
         case.call(mgr)
     assert case.fragment in str(raised.value), str(raised.value)
     assert mgr.state_snapshot() == before
-    assert finish(mgr) == finish(twin)
+    assert finish_with(mgr) == finish_with(twin)
 
 
 def test_the_catalogue_is_large_and_its_names_distinct():
@@ -866,16 +874,7 @@ MROPE_CASES = _mrope_cases() if torch is not None else []
 @needs_torch
 @pytest.mark.parametrize("case", MROPE_CASES, ids=lambda c: c.name)
 def test_mrope_bad_input_raises_naming_the_argument_and_changes_nothing(case):
-    mgr, twin = mrope_manager(), mrope_manager()
-    if case.setup is not None:
-        case.setup(mgr)
-        case.setup(twin)
-    before = mgr.state_snapshot()
-    with pytest.raises(case.error) as raised:
-        case.call(mgr)
-    assert case.fragment in str(raised.value), str(raised.value)
-    assert mgr.state_snapshot() == before
-    assert mrope_finish(mgr) == mrope_finish(twin)
+    raises_naming_it_and_changes_nothing(case, mrope_manager, mrope_finish)
 
 
 @needs_torch
@@ -1222,10 +1221,4 @@ def test_the_mrope_append_call_the_kv_cases_vary_is_valid():
 @needs_torch
 @pytest.mark.parametrize("case", MROPE_KV_CASES, ids=lambda c: c.name)
 def test_mrope_append_bad_input_raises_and_changes_nothing(case):
-    mgr, twin = mrope_manager(), mrope_manager()
-    before = mgr.state_snapshot()
-    with pytest.raises(case.error) as raised:
-        case.call(mgr)
-    assert case.fragment in str(raised.value), str(raised.value)
-    assert mgr.state_snapshot() == before
-    assert mrope_finish(mgr) == mrope_finish(twin)
+    raises_naming_it_and_changes_nothing(case, mrope_manager, mrope_finish)
