@@ -453,6 +453,23 @@ def test_the_kv_launcher_exports_and_compiles_its_kernel_for_sm90_once(name):
 
 
 @pytest.mark.requires_triton
+def test_compiling_a_kernel_leaves_no_ir_directory_behind(monkeypatch, tmp_path):
+    import tempfile
+    from triton.backends.compiler import GPUTarget
+    from torch_bridge.kv_launch import KVAppendLauncher
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    case = APPEND_BY_NAME["llama3_nhd_p16"]
+    c = case.case
+    launcher = KVAppendLauncher(target=GPUTarget("cuda", 90, 32))
+    block = kv_pallas.block_config(64, c.q_heads, c.k_heads, c.cfg.rotary_dim // 2)
+    with cuda_target():
+        compiled, _ = launcher.kernel(c.q_heads, torch.bfloat16, c.cfg, _geometry(case), block)
+    assert ".entry jaxrope_rope_append_kv" in compiled.asm["ptx"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("jaxrope_")] == []
+
+
+@pytest.mark.requires_triton
 def test_a_failing_kv_export_declines_once_and_is_remembered(monkeypatch):
     from torch_bridge.kv_launch import KVAppendLauncher
 

@@ -101,7 +101,8 @@ class KernelCache:
     """Kernels compiled from exported Triton IR, once per key.
 
     Args:
-      name: names the IR files (``<name>_<n>.ttir`` in a temporary directory).
+      name: names the IR files (``<name>_<n>.ttir``, in a temporary directory removed after
+        each compile).
       target: a ``triton.backends.compiler.GPUTarget`` to compile for; None (default)
         compiles for the active device. Compiling for a target needs no GPU.
 
@@ -119,7 +120,6 @@ class KernelCache:
         self._name = name
         self._target = target
         self._kernels: Dict[Hashable, Any] = {}
-        self._workdir = tempfile.mkdtemp(prefix=f"jaxrope_{name}_ttir_")
 
     def get(self, key: Hashable, export: Callable[[], Any]) -> Tuple[Any, Any]:
         """``(compiled, exported)`` for ``key``, exporting and compiling on first use."""
@@ -132,12 +132,15 @@ class KernelCache:
             except BackendUnavailable as e:
                 self._kernels[key] = e
                 raise
-            path = os.path.join(self._workdir, f"{self._name}_{len(self._kernels)}.ttir")
-            with open(path, "w") as f:
-                f.write(exported.ttir)
-            compiled = self._triton.compile(path, target=self._target,
-                                            options={"num_warps": exported.num_warps,
-                                                     "num_stages": exported.num_stages})
+            # Triton compiles IR from a file; the compiled kernel needs it no longer, so the
+            # directory goes with the compile (one left per cache piled up in /tmp).
+            with tempfile.TemporaryDirectory(prefix=f"jaxrope_{self._name}_ttir_") as workdir:
+                path = os.path.join(workdir, f"{self._name}_{len(self._kernels)}.ttir")
+                with open(path, "w") as f:
+                    f.write(exported.ttir)
+                compiled = self._triton.compile(path, target=self._target,
+                                                options={"num_warps": exported.num_warps,
+                                                         "num_stages": exported.num_stages})
             kernel = self._kernels[key] = (compiled, exported)
         return kernel
 
