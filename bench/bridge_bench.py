@@ -157,12 +157,29 @@ def _alternating(cases: Dict[str, tuple], rounds: int, warmup: int,
     the same load on the host: its state moves between calls by more than the gaps
     measured."""
     samples = {name: ([], []) for name in cases}
+    per_round: Dict[str, List[dict]] = {name: [] for name in cases}
     for _ in range(rounds):
         for name, (mgr, steps, accepted, preplan) in cases.items():
+            reference = host_reference_us()
             plan_s, commit_s = timed_steps(mgr, steps, preplan, warmup, device, accepted)
             samples[name][0].extend(plan_s)
             samples[name][1].extend(commit_s)
-    return {name: _timings(*samples[name]) for name in cases}
+            per_round[name].append({"host_reference_us": reference, "plan+commit_median_us": float(
+                np.median(np.add(plan_s, commit_s)) * 1e6)})
+    return {name: {**_timings(*samples[name]), "rounds": per_round[name]} for name in cases}
+
+
+def host_reference_us() -> float:
+    """Median us of a fixed pure-Python loop, timed just before each chunk: the host's own
+    speed at that moment. On the H200's VM a whole chunk sometimes runs at half speed
+    (this loop slows by as much), most in the first minutes after the machine starts;
+    the rounds in the report let a reader tell such a host from a slower manager."""
+    spans = []
+    for _ in range(64):
+        t0 = time.perf_counter()
+        sum(i * i for i in range(200))
+        spans.append(time.perf_counter() - t0)
+    return float(np.median(spans) * 1e6)
 
 
 def bench_plan_commit(device: torch.device, cases: Dict[str, Tuple[int, int]], iters: int,
@@ -198,10 +215,15 @@ def bench_speculative(device: torch.device, requests: int, iters: int, warmup: i
         ours, base = timed["ours"], timed["base"]
         plain = f"decode[{requests * tokens}x1]/eager"
         ratio = ours["plan+commit"]["median_us"] / base["plan+commit"]["median_us"]
+        # Each round's two chunks run back to back, so their ratio sees one host speed; the
+        # pooled medians above can fall in different halves of a run whose host speed flips.
+        paired = float(np.median([o["plan+commit_median_us"] / b["plan+commit_median_us"]
+                                  for o, b in zip(ours["rounds"], base["rounds"])]))
         out[key] = {**ours, "baseline": plain, "baseline_plan+commit": base["plan+commit"],
-                    "ratio": ratio, "target_ratio": SPECULATIVE_RATIO}
+                    "baseline_rounds": base["rounds"], "ratio": ratio, "paired_ratio": paired,
+                    "target_ratio": SPECULATIVE_RATIO}
         print(f"  {key:27s} {ours['plan+commit']['median_us']:7.1f} us vs {plain:20s} "
-              f"{base['plan+commit']['median_us']:7.1f} us: {ratio:.2f}x")
+              f"{base['plan+commit']['median_us']:7.1f} us: {ratio:.2f}x (per round: {paired:.2f}x)")
     return out
 
 
@@ -260,6 +282,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
         print(f"  {key:28s} plan {r['plan']['median_us']:7.1f}  commit "
               f"{r['commit']['median_us']:7.1f}  sum {total['median_us']:7.1f} "
               f"(p90 {total['p90_us']:.1f}) us")
+    print("  per round, host reference loop / decode[eager] median: " + ", ".join(
+        f"{r['host_reference_us']:.1f}/{r['plan+commit_median_us']:.1f}"
+        for r in next(iter(report["plan_commit"].values()))["rounds"]) + " us")
 
     report["speculative"] = bench_speculative(device, 32 if args.quick else 256, args.iters,
                                               args.warmup)

@@ -210,6 +210,10 @@ def test_bridge_bench_quick_run_times_every_case_and_writes_json(tmp_path):
         # step 16, which restarts the pipeline after the 16-step reset.
         assert case["plan+commit"]["n"] == (35 if key.endswith("preplan") else 40), key
         assert 0 < case["plan"]["median_us"] <= case["plan+commit"]["median_us"] * 2, key
+        # Each round records the host's speed beside the case's median in that round.
+        assert len(case["rounds"]) == 5 and all(
+            r["host_reference_us"] > 0 and r["plan+commit_median_us"] > 0
+            for r in case["rounds"]), key
     assert {key.split("/")[1] for key in written["apply_qk"]} == {"jax"}
     assert written["run"]["command"].startswith("python -m bench.bridge_bench")
     # Speculative steps, each beside a decode step of its token count (issue 16's target).
@@ -222,3 +226,6 @@ def test_bridge_bench_quick_run_times_every_case_and_writes_json(tmp_path):
         assert case["target_ratio"] == 1.2 and case["plan+commit"]["n"] == 40, key
         assert case["ratio"] == pytest.approx(case["plan+commit"]["median_us"]
                                               / case["baseline_plan+commit"]["median_us"]), key
+        per_round = sorted(o["plan+commit_median_us"] / b["plan+commit_median_us"]
+                           for o, b in zip(case["rounds"], case["baseline_rounds"]))
+        assert case["paired_ratio"] == pytest.approx(per_round[2]), key
