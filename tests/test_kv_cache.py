@@ -459,6 +459,31 @@ def test_paged_batches_give_distinct_slots_on_shuffled_pages(rng):
     assert batch.positions[batch.batch_indices == 3].tolist() == [300, 301, 302, 303]
 
 
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_the_gpu_parity_inputs_pad_past_flashinfers_tokens_and_mask_exactly_their_rows(rng, layout):
+    from jaxrope.testing import flashinfer_kv
+    x = flashinfer_kv.append_inputs(rng, layout, 16, np.dtype(np.float16), 64, 4, 2, fp8=True)
+    n, pad = x.tokens, flashinfer_kv.PADDING
+    assert n == sum(flashinfer_kv.APPEND) and x.q.shape == (n + pad, 4, 64)
+    assert x.slots[n:].tolist() == [-1] * pad and x.pos[n:].tolist() == [0] * pad
+    for b in range(len(flashinfer_kv.APPEND)):
+        mine = x.batch.batch_indices == b
+        bases = np.unique(x.pos[:n][mine] - x.batch.positions[mine])
+        assert len(bases) == 1 and bases[0] in flashinfer_kv.BASES, f"request {b}: {bases}"
+    assert all(c.dtype == kv_oracle.E4M3 for c in x.old)
+    page, entry, mask = x.written(layout)
+    assert mask.sum() == n * 2 * 64 and kv_oracle.rows(mask, layout, page, entry).all()
+    changed = x.old[0].copy()
+    if layout == "NHD":
+        changed[page, entry] = 0
+    else:
+        changed[page, :, entry] = 0
+    kv_oracle.assert_untouched("rows only", changed, x.old[0], mask)
+    changed[~mask] = 0
+    with pytest.raises(AssertionError, match="an entry no token names changed"):
+        kv_oracle.assert_untouched("outside", changed, x.old[0], mask)
+
 # -- bad inputs ----------------------------------------------------------------------------
 
 class TestBadInputs:

@@ -75,6 +75,62 @@ def paged_batch(rng: np.random.Generator, append_lengths: Sequence[int],
         page_size=page_size)
 
 
+# The ragged batch of the GPU parity tests: 1 to 204 tokens appended to 0 to 1023 cached
+# ones, at rope positions base + KV position (bases up to ~2**20), plus PADDING tokens at
+# slot -1 that FlashInfer never sees.
+APPEND = (1, 19, 204, 4, 17, 1, 33)
+CACHED = (0, 5, 16, 300, 1, 1023, 64)
+BASES = (0, 1 << 12, 1 << 17, (1 << 20) - 2048)
+PADDING = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class AppendInputs:
+    """One parity case's inputs: the first ``tokens`` rows are FlashInfer's, the rest padding."""
+
+    batch: PagedBatch
+    q: np.ndarray                      # [tokens + PADDING, Hq, D]
+    k: np.ndarray                      # [tokens + PADDING, Hk, D]
+    v: np.ndarray                      # [tokens + PADDING, Hk, D]
+    pos: np.ndarray                    # int32 [tokens + PADDING], padding at 0
+    slots: np.ndarray                  # int32 [tokens + PADDING], padding at -1
+    old: Tuple[np.ndarray, np.ndarray]  # (k_cache, v_cache) before the append
+    tokens: int
+
+    def written(self, layout: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(page [T], entry [T], mask)`` of the real tokens' rows; mask: the cache elements
+        they cover."""
+        shape = self.old[0].shape
+        page_size = shape[1] if layout == "NHD" else shape[2]
+        written, page, entry = kv_oracle.entries(self.batch.slots, shape[0], page_size)
+        assert written.all(), "every real token has a slot in the cache"
+        return page, entry, kv_oracle.written_mask(shape, layout, page, entry)
+
+
+def append_inputs(rng: np.random.Generator, layout: str, page_size: int, dtype: np.dtype,
+                  head_dim: int, q_heads: int, k_heads: int, fp8: bool) -> AppendInputs:
+    """The batch above on pages drawn at random, q / k / v ~ 2 N(0, 1) in ``dtype`` and
+    caches of random entries (e4m3 when ``fp8``; then every fifth token of k and v is
+    large enough to saturate once scaled)."""
+    pages = 2 * sum(-(-(c + a) // page_size) for c, a in zip(CACHED, APPEND)) + 3
+    batch = paged_batch(rng, APPEND, CACHED, pages, page_size)
+    bases = rng.choice(BASES, len(APPEND))
+    pos = (bases[batch.batch_indices] + batch.positions).astype(np.int32)
+    tokens = len(pos)
+    q, k, v = ((2 * rng.standard_normal((tokens + PADDING, h, head_dim))).astype(dtype)
+               for h in (q_heads, k_heads, k_heads))
+    if fp8:
+        k[::5] *= 400
+        v[::5] *= 400
+    shape = ((pages, page_size, k_heads, head_dim) if layout == "NHD"
+             else (pages, k_heads, page_size, head_dim))
+    old = tuple(rng.standard_normal(shape).astype(kv_oracle.E4M3 if fp8 else dtype)
+                for _ in "kv")
+    return AppendInputs(batch, q, k, v, np.concatenate([pos, np.zeros(PADDING, np.int32)]),
+                        np.concatenate([batch.slots, np.full(PADDING, -1, np.int32)]), old,
+                        tokens)
+
+
 def to_torch(x: np.ndarray, device):
     """A torch copy of ``x`` on ``device`` (bf16 and fp8 through their bits)."""
     import torch

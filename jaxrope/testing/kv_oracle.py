@@ -48,6 +48,12 @@ def written_mask(shape: Tuple[int, ...], layout: str, page: np.ndarray,
     return mask
 
 
+def assert_untouched(label: str, new: np.ndarray, old: np.ndarray, written: np.ndarray) -> None:
+    """Every element of cache ``new`` outside the ``written`` mask has ``old``'s bits."""
+    np.testing.assert_array_equal(bits(new)[~written], bits(old)[~written],
+                                  err_msg=f"{label}: an entry no token names changed")
+
+
 def bits(x) -> np.ndarray:
     """The raw bits of an array as unsigned ints of its width: equal exactly when the values
     are the same bit patterns (signed zeros and NaNs included)."""

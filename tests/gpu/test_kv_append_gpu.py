@@ -35,10 +35,6 @@ from jaxrope.testing import flashinfer_kv, kv_oracle
 pytestmark = pytest.mark.gpu
 
 BACKENDS = ("pallas", "xla")
-APPEND = (1, 19, 204, 4, 17, 1, 33)
-CACHED = (0, 5, 16, 300, 1, 1023, 64)
-BASES = (0, 1 << 12, 1 << 17, (1 << 20) - 2048)  # rope positions = base + KV position
-PADDING = 3
 # (head_dim, rotary_dim, interleave, q_heads, k_heads)
 ROPES = ((128, 128, False, 32, 8), (128, 64, False, 8, 2), (64, 64, True, 5, 1),
          (256, 128, True, 4, 4))
@@ -62,31 +58,11 @@ def _id(case):
 
 def _setup(case, seed: int, fp8: bool):
     layout, page_size, dtype, head_dim, rotary_dim, interleave, q_heads, k_heads = case
-    rng = np.random.default_rng(seed)
     cfg = fp.parity_config(head_dim=head_dim, rotary_dim=rotary_dim, interleave=interleave,
                            theta=5e5, scaling=Linear(factor=2.0))
-    pages = 2 * sum(-(-(c + a) // page_size) for c, a in zip(CACHED, APPEND)) + 3
-    batch = flashinfer_kv.paged_batch(rng, APPEND, CACHED, pages, page_size)
-    bases = rng.choice(BASES, len(APPEND))
-    pos_ids = (bases[batch.batch_indices] + batch.positions).astype(np.int32)
-    tokens = len(pos_ids)
-    np_dtype = fp.DTYPE[dtype]
-
-    def normal(*shape):
-        return (2 * rng.standard_normal(shape)).astype(np_dtype)
-
-    q, k, v = (normal(tokens + PADDING, h, head_dim) for h in (q_heads, k_heads, k_heads))
-    if fp8:
-        # Every fifth token large enough to saturate e4m3 once scaled.
-        k[::5] *= 400
-        v[::5] *= 400
-    shape = ((pages, page_size, k_heads, head_dim) if layout == "NHD"
-             else (pages, k_heads, page_size, head_dim))
-    cache_dtype = kv_oracle.E4M3 if fp8 else np_dtype
-    old = tuple(rng.standard_normal(shape).astype(cache_dtype) for _ in "kv")
-    slots = np.concatenate([batch.slots, np.full(PADDING, -1, np.int32)])
-    all_pos = np.concatenate([pos_ids, np.zeros(PADDING, np.int32)])
-    return cfg, batch, q, k, v, all_pos, slots, old, tokens
+    x = flashinfer_kv.append_inputs(np.random.default_rng(seed), layout, page_size,
+                                    fp.DTYPE[dtype], head_dim, q_heads, k_heads, fp8)
+    return cfg, x.batch, x.q, x.k, x.v, x.pos, x.slots, x.old, x.tokens, x.written(layout)
 
 
 _JITTED = {}
@@ -105,28 +81,15 @@ def _ours(cfg, q, k, v, pos_ids, slots, cache, layout, backend, scales):
     return np.asarray(q_out), np.asarray(k_cache), np.asarray(v_cache)
 
 
-def _written(batch, layout, shape):
-    pages = shape[0]
-    page_size = shape[1] if layout == "NHD" else shape[2]
-    written, page, entry = kv_oracle.entries(batch.slots, pages, page_size)
-    assert written.all()
-    return page, entry, kv_oracle.written_mask(shape, layout, page, entry)
-
-
-def _check_untouched(label, new, old, mask):
-    np.testing.assert_array_equal(kv_oracle.bits(new)[~mask], kv_oracle.bits(old)[~mask],
-                                  err_msg=f"{label}: an entry no token names changed")
-
-
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_fused_append_matches_flashinfer_rope_then_append(case, device, flashinfer,
                                                           record_property):
     layout, _, dtype = case[:3]
-    cfg, batch, q, k, v, pos, slots, old, t = _setup(case, CASES.index(case), fp8=False)
+    cfg, batch, q, k, v, pos, slots, old, t, (page, entry, mask) = _setup(
+        case, CASES.index(case), fp8=False)
     r = cfg.rotary_dim
     fi_q, fi_k, fi_v = flashinfer_kv.run_rope_then_append(
         cfg, q[:t], k[:t], v[:t], pos[:t], batch, *old, layout)
-    page, entry, mask = _written(batch, layout, old[0].shape)
     q_ref = fp.Reference(cfg, "pos_ids", dtype, q[:t], pos[:t])
     k_ref = fp.Reference(cfg, "pos_ids", dtype, k[:t], pos[:t])
     fi_rows = kv_oracle.rows(fi_k, layout, page, entry)
@@ -147,17 +110,17 @@ def test_fused_append_matches_flashinfer_rope_then_append(case, device, flashinf
         np.testing.assert_array_equal(kv_oracle.bits(ours_v), kv_oracle.bits(fi_v), err_msg=f"{backend}: v cache")
         for label, new, prev in (("k cache", ours_k, old[0]), ("v cache", ours_v, old[1]),
                                  ("FlashInfer k cache", fi_k, old[0])):
-            _check_untouched(f"{backend} {label}", new, prev, mask)
+            kv_oracle.assert_untouched(f"{backend} {label}", new, prev, mask)
 
 
 @pytest.mark.parametrize("case", FP8_CASES, ids=_id)
 def test_fp8_append_matches_flashinfers_fused_fp8_op(case, device, flashinfer, record_property):
     layout = case[0]
     scale_q, scale_kv = 0.8, 0.37
-    cfg, batch, q, k, v, pos, slots, old, t = _setup(case, 100 + FP8_CASES.index(case), fp8=True)
+    cfg, batch, q, k, v, pos, slots, old, t, (page, entry, mask) = _setup(
+        case, 100 + FP8_CASES.index(case), fp8=True)
     fi_q, fi_k, fi_v = flashinfer_kv.run_fp8_fused(cfg, q[:t], k[:t], v[:t], pos[:t], batch, *old,
                                                    layout, scale_q, scale_kv)
-    page, entry, mask = _written(batch, layout, old[0].shape)
     fi_rows = kv_oracle.rows(fi_k, layout, page, entry)
     assert (np.abs(fi_rows.astype(np.float32)) == 448).any(), "the case should saturate"
     scales = {"k_quant_scale": scale_kv, "v_quant_scale": scale_kv}
@@ -175,4 +138,4 @@ def test_fp8_append_matches_flashinfers_fused_fp8_op(case, device, flashinfer, r
         assert kv_oracle.ulps(q_fp8, fi_q).max() <= 1, f"{backend}: q"
         for label, new, prev in (("k cache", ours_k, old[0]), ("v cache", ours_v, old[1]),
                                  ("FlashInfer k cache", fi_k, old[0])):
-            _check_untouched(f"{backend} {label}", new, prev, mask)
+            kv_oracle.assert_untouched(f"{backend} {label}", new, prev, mask)

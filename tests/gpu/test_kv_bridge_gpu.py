@@ -44,10 +44,6 @@ from torch_bridge import (GraphBucket, GraphSlot, PositionConfig, PositionStep, 
 pytestmark = pytest.mark.gpu
 
 LABEL = "text"
-APPEND = (1, 19, 204, 4, 17, 1, 33)
-CACHED = (0, 5, 16, 300, 1, 1023, 64)
-BASES = (0, 1 << 12, 1 << 17, (1 << 20) - 2048)  # rope positions = base + KV position
-PADDING = 3
 # (head_dim, rotary_dim, interleave, q_heads, k_heads)
 ROPES = ((128, 128, False, 32, 8), (128, 64, False, 8, 2), (64, 64, True, 5, 1),
          (256, 128, True, 4, 4))
@@ -99,29 +95,10 @@ def _plan(mgr, pos: np.ndarray, device) -> None:
 
 def _setup(case, seed: int, fp8: bool):
     layout, page_size, dtype, combined, head_dim, rotary_dim, interleave, q_heads, k_heads = case
-    rng = np.random.default_rng(seed)
     cfg = _config(head_dim, rotary_dim, interleave)
-    pages = 2 * sum(-(-(c + a) // page_size) for c, a in zip(CACHED, APPEND)) + 3
-    batch = flashinfer_kv.paged_batch(rng, APPEND, CACHED, pages, page_size)
-    bases = rng.choice(BASES, len(APPEND))
-    pos = (bases[batch.batch_indices] + batch.positions).astype(np.int32)
-    tokens = len(pos)
-    np_dtype = fp.DTYPE[dtype]
-
-    def normal(*shape):
-        return (2 * rng.standard_normal(shape)).astype(np_dtype)
-
-    q, k, v = (normal(tokens + PADDING, h, head_dim) for h in (q_heads, k_heads, k_heads))
-    if fp8:
-        k[::5] *= 400  # every fifth token saturates e4m3 once scaled
-        v[::5] *= 400
-    shape = ((pages, page_size, k_heads, head_dim) if layout == "NHD"
-             else (pages, k_heads, page_size, head_dim))
-    old = tuple(rng.standard_normal(shape).astype(kv_oracle.E4M3 if fp8 else np_dtype)
-                for _ in "kv")
-    slots = np.concatenate([batch.slots, np.full(PADDING, -1, np.int32)])
-    all_pos = np.concatenate([pos, np.zeros(PADDING, np.int32)])
-    return cfg, batch, q, k, v, all_pos, slots, old, tokens
+    x = flashinfer_kv.append_inputs(np.random.default_rng(seed), layout, page_size,
+                                    fp.DTYPE[dtype], head_dim, q_heads, k_heads, fp8)
+    return cfg, x.batch, x.q, x.k, x.v, x.pos, x.slots, x.old, x.tokens, x.written(layout)
 
 
 def _ours(device, launcher, cfg, q, k, v, pos, slots, old, layout, combined, scales,
@@ -146,28 +123,16 @@ def _ours(device, launcher, cfg, q, k, v, pos, slots, old, layout, combined, sca
             flashinfer_kv.from_torch(v_cache, old[1].dtype))
 
 
-def _written(batch, layout, shape):
-    page_size = shape[1] if layout == "NHD" else shape[2]
-    written, page, entry = kv_oracle.entries(batch.slots, shape[0], page_size)
-    assert written.all()
-    return page, entry, kv_oracle.written_mask(shape, layout, page, entry)
-
-
-def _check_untouched(label, new, old, mask):
-    np.testing.assert_array_equal(kv_oracle.bits(new)[~mask], kv_oracle.bits(old)[~mask],
-                                  err_msg=f"{label}: an entry no token names changed")
-
-
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_fused_append_matches_flashinfer_rope_then_append(case, launcher, device, flashinfer,
                                                           record_property):
     layout, _, dtype, combined = case[:4]
     seed = CASES.index(case)
-    cfg, batch, q, k, v, pos, slots, old, t = _setup(case, seed, fp8=False)
+    cfg, batch, q, k, v, pos, slots, old, t, (page, entry, mask) = _setup(
+        case, seed, fp8=False)
     r = cfg.rotary_dim
     fi_q, fi_k, fi_v = flashinfer_kv.run_rope_then_append(cfg, q[:t], k[:t], v[:t], pos[:t],
                                                           batch, *old, layout)
-    page, entry, mask = _written(batch, layout, old[0].shape)
     fi_rows = kv_oracle.rows(fi_k, layout, page, entry)
     slot_dtype = torch.int64 if seed % 2 else torch.int32  # vLLM passes int64
     ours_q, ours_k, ours_v = _ours(device, launcher, cfg, q, k, v, pos, slots, old, layout,
@@ -184,7 +149,7 @@ def test_fused_append_matches_flashinfer_rope_then_append(case, launcher, device
     np.testing.assert_array_equal(kv_oracle.bits(kv_oracle.rows(ours_v, layout, page, entry)), kv_oracle.bits(v[:t]))
     np.testing.assert_array_equal(kv_oracle.bits(ours_v), kv_oracle.bits(fi_v), err_msg="v cache")
     for label, new, prev in (("k cache", ours_k, old[0]), ("v cache", ours_v, old[1])):
-        _check_untouched(f"{launcher} {label}", new, prev, mask)
+        kv_oracle.assert_untouched(f"{launcher} {label}", new, prev, mask)
 
 
 @pytest.mark.parametrize("case", FP8_CASES, ids=_id)
@@ -192,10 +157,10 @@ def test_fp8_append_matches_flashinfers_fused_fp8_op(case, launcher, device, fla
                                                     record_property):
     layout, combined = case[0], case[3]
     scale_q, scale_kv = 0.8, 0.37
-    cfg, batch, q, k, v, pos, slots, old, t = _setup(case, 100 + FP8_CASES.index(case), fp8=True)
+    cfg, batch, q, k, v, pos, slots, old, t, (page, entry, mask) = _setup(
+        case, 100 + FP8_CASES.index(case), fp8=True)
     fi_q, fi_k, fi_v = flashinfer_kv.run_fp8_fused(cfg, q[:t], k[:t], v[:t], pos[:t], batch, *old,
                                                    layout, scale_q, scale_kv)
-    page, entry, mask = _written(batch, layout, old[0].shape)
     fi_rows = kv_oracle.rows(fi_k, layout, page, entry)
     assert (np.abs(fi_rows.astype(np.float32)) == 448).any(), "the case should saturate"
     scales = {"k_quant_scale": scale_kv, "v_quant_scale": scale_kv}
@@ -211,7 +176,7 @@ def test_fp8_append_matches_flashinfers_fused_fp8_op(case, launcher, device, fla
     q_fp8 = kv_oracle.e4m3(ours_q[:t].astype(np.float64) * scale_q)
     assert kv_oracle.ulps(q_fp8, fi_q).max() <= 1, f"{launcher}: q"
     for label, new, prev in (("k cache", ours_k, old[0]), ("v cache", ours_v, old[1])):
-        _check_untouched(f"{launcher} {label}", new, prev, mask)
+        kv_oracle.assert_untouched(f"{launcher} {label}", new, prev, mask)
 
 
 # -- in place, stream order, graphs ------------------------------------------------------
