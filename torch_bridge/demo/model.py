@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -53,6 +53,17 @@ class Layer:
         self.emb = torch.from_numpy(self.emb32).to(device)
         self.w = {name: torch.from_numpy(w).to(device) for name, w in self.w32.items()}
         self.inv_freq, self.attention = rope.serving_frequencies()
+        self._static: Dict[Hashable, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def static_qk(self, key: Hashable, tokens: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``q [tokens, Hq, D]``, ``k [tokens, Hk, D]`` buffers, the same tensors for
+        the same ``key``: what a captured CUDA graph reads its inputs from."""
+        if key not in self._static:
+            d = self.head_dim
+            self._static[key] = (
+                torch.zeros((tokens, Q_HEADS, d), dtype=torch.float32, device=self.device),
+                torch.zeros((tokens, KV_HEADS, d), dtype=torch.float32, device=self.device))
+        return self._static[key]
 
     def project(self, ids: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """float32 ``q [n, Hq, D]``, ``k [n, Hk, D]``, ``v [n, Hk, D]``, unrotated."""

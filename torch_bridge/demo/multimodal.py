@@ -44,8 +44,8 @@ import torch
 from jaxrope import mrope
 from jaxrope.config import RopeConfig
 from torch_bridge.config import PositionConfig
-from torch_bridge.demo.model import KV_HEADS, Q_HEADS, TOLERANCE, VOCAB, Layer, Stream
-from torch_bridge.demo.node import GRAPH_BUCKET, StepRow
+from torch_bridge.demo.model import KV_HEADS, TOLERANCE, VOCAB, Layer, Stream
+from torch_bridge.demo.node import GRAPH_BUCKET, STALE_ADMIT_STEP, StepRow, TwoNodeTrace
 from torch_bridge.engine_types import (GraphSlot, KVPlanOutput, KVView, PositionStep, Segment,
                                        StepContext)
 from torch_bridge.published import PublishedPositionInfo
@@ -61,7 +61,6 @@ MODELS = {
 }
 LABEL = "text"
 BUDGET = {"main": 48, "prefill": 64}   # tokens per step (chunked prefill)
-STALE_ADMIT_STEP = 6
 MIN_STEPS = STALE_ADMIT_STEP + 1
 
 
@@ -100,7 +99,7 @@ class Request:
     generated: int = 0
 
 
-class MultimodalTrace:
+class MultimodalTrace(TwoNodeTrace):
     """The scripted multimodal trace; ``run_step(s)`` gives the step's :class:`StepRow`\\ s."""
 
     def __init__(self, model: str, device: torch.device, seed: int, inject_fault: bool):
@@ -117,31 +116,13 @@ class MultimodalTrace:
         self.requests: Dict[str, Request] = {}
         self.waiting: Dict[str, List[str]] = {"main": [], "prefill": []}
         self.running: List[str] = []
-        self.published: Optional[Tuple[str, PublishedPositionInfo]] = None
-        self.stale: Optional[Tuple[str, PublishedPositionInfo]] = None
         self.graph_steps = 0
-
-    @property
-    def main(self) -> "_VLNode":
-        return self.nodes["main"]
 
     def describe(self) -> str:
         cfg = self.rope
         return (f"M-RoPE mrope_section={cfg.mrope_section} interleaved={cfg.mrope_interleaved}, "
                 f"head_dim={cfg.head_dim}, rotary_dim={cfg.rotary_dim}, interleave={cfg.interleave}, "
                 f"rope_index family {self.index_args['family']}")
-
-    def run_step(self, s: int) -> List[StepRow]:
-        """Step ``s`` of both nodes: the main node's row, then the prefill node's if it ran."""
-        row = StepRow(s, "main")
-        if self.published is not None:
-            self._handoff(row)
-        if s == STALE_ADMIT_STEP and self.stale is not None:
-            self._stale_admit(row)
-        self._arrivals(s, row)
-        prefill_row = self._prefill_node_step(s)
-        self._main_step(row)
-        return [row] if prefill_row is None else [row, prefill_row]
 
     # ------------------------------------------------------------------ events
 
@@ -256,7 +237,6 @@ class _VLNode:
     def __init__(self, name: str, mgr: RopeManager, layer: Layer):
         self.name, self.mgr, self.layer = name, mgr, layer
         self.streams: Dict[str, Stream] = {}
-        self.graph_qk: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self.graph_pos: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     def new_stream(self, rid: str) -> None:
@@ -298,7 +278,8 @@ class _VLNode:
                 self.mgr.apply_qk(q, k, label)
             else:
                 self._check_graph_buffer(row, graph_slot, planned[label], n)
-                q_static, k_static = self._graph_qk(graph_slot)
+                key, tokens = (self.name, graph_slot), GRAPH_BUCKET.num_tokens
+                q_static, k_static = self.layer.static_qk(key, tokens)
                 q_static[:n].copy_(q)
                 k_static[:n].copy_(k)
                 self.mgr.apply_qk(q_static, k_static, label)   # the whole bucket, as a replay
@@ -338,14 +319,6 @@ class _VLNode:
             if not error <= TOLERANCE:
                 row.failures.append(f"{rid} attention error {error:.2e}")
             start = stop
-
-    def _graph_qk(self, graph_slot: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        if graph_slot not in self.graph_qk:
-            d, t = self.layer.head_dim, GRAPH_BUCKET.num_tokens
-            self.graph_qk[graph_slot] = (
-                torch.zeros((t, Q_HEADS, d), dtype=torch.float32, device=self.layer.device),
-                torch.zeros((t, KV_HEADS, d), dtype=torch.float32, device=self.layer.device))
-        return self.graph_qk[graph_slot]
 
     def _check_graph_buffer(self, row: StepRow, graph_slot: int, positions: torch.Tensor,
                             n: int) -> None:

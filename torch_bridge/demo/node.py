@@ -9,9 +9,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from torch_bridge.demo.model import KV_HEADS, Q_HEADS, TOLERANCE, Layer, Stream
+from torch_bridge.demo.model import KV_HEADS, TOLERANCE, Layer, Stream
 from torch_bridge.engine_types import (Fork, GraphBucket, GraphSlot, KVPlanOutput, KVView,
                                        PositionStep, Segment, StepContext)
+from torch_bridge.published import PublishedPositionInfo
 from torch_bridge.rope_manager import RopeManager
 
 __all__ = ["GRAPH_BUCKET", "LABELS", "Node", "PAGE", "PLAN_LABEL", "PrefixCache", "StepRow"]
@@ -20,6 +21,9 @@ LABELS = ("main", "cfg")
 PLAN_LABEL = "attn"
 PAGE = 16                              # prefix-cache page size (tokens)
 GRAPH_BUCKET = GraphBucket("decode", batch_size=8, num_tokens=8)
+
+
+STALE_ADMIT_STEP = 6                   # where both traces deliver a publication a second time
 
 
 @dataclasses.dataclass
@@ -40,7 +44,6 @@ class Node:
     def __init__(self, name: str, mgr: RopeManager, layer: Layer):
         self.name, self.mgr, self.layer = name, mgr, layer
         self.streams: Dict[Tuple[str, str], Stream] = {}
-        self.graph_qk: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self.graph_pos: Dict[int, torch.Tensor] = {}
 
     def new_stream(self, rid: str, label: str) -> None:
@@ -74,7 +77,8 @@ class Node:
             self.mgr.apply_qk(q, k, PLAN_LABEL)
         else:
             self._check_graph_buffer(row, graph_slot, positions, previous, old, n)
-            q_static, k_static = self._graph_qk(graph_slot)
+            key, tokens = (self.name, graph_slot), GRAPH_BUCKET.num_tokens
+            q_static, k_static = self.layer.static_qk(key, tokens)
             q_static[:n].copy_(q)
             k_static[:n].copy_(k)
             # The replay rotates the whole bucket; the padded rows are never read.
@@ -104,14 +108,6 @@ class Node:
             if counter != cached:
                 row.failures.append(f"{rid}/{label} counter {counter} != KV length {cached}")
 
-    def _graph_qk(self, graph_slot: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        if graph_slot not in self.graph_qk:
-            d, t = self.layer.head_dim, GRAPH_BUCKET.num_tokens
-            self.graph_qk[graph_slot] = (
-                torch.zeros((t, Q_HEADS, d), dtype=torch.float32, device=self.layer.device),
-                torch.zeros((t, KV_HEADS, d), dtype=torch.float32, device=self.layer.device))
-        return self.graph_qk[graph_slot]
-
     def _check_graph_buffer(self, row: StepRow, graph_slot: int, positions: torch.Tensor,
                             previous: Optional[torch.Tensor], old: Optional[torch.Tensor],
                             n: int) -> None:
@@ -129,6 +125,32 @@ class Node:
 
 
 Pages = Tuple[torch.Tensor, torch.Tensor]
+
+
+class TwoNodeTrace:
+    """What the 1-D and the multimodal trace share: a main node and a prefill node that hands
+    its requests over through ``published`` (and delivers one of them again, stale, at
+    STALE_ADMIT_STEP). A subclass gives the events in the order ``run_step`` calls them."""
+
+    nodes: Dict[str, object]
+    published: Optional[Tuple[str, PublishedPositionInfo]] = None
+    stale: Optional[Tuple[str, PublishedPositionInfo]] = None
+
+    @property
+    def main(self):
+        return self.nodes["main"]
+
+    def run_step(self, s: int) -> List[StepRow]:
+        """Step ``s`` of both nodes: the main node's row, then the prefill node's if it ran."""
+        row = StepRow(s, "main")
+        if self.published is not None:
+            self._handoff(row)
+        if s == STALE_ADMIT_STEP and self.stale is not None:
+            self._stale_admit(row)
+        self._arrivals(s, row)
+        prefill_row = self._prefill_node_step(s)
+        self._main_step(row)
+        return [row] if prefill_row is None else [row, prefill_row]
 
 
 class PrefixCache:

@@ -46,7 +46,7 @@ import torch
 
 from jaxrope.config import RopeConfig
 from torch_bridge.config import PositionConfig
-from torch_bridge.demo.model import KV_HEADS, Q_HEADS, TOLERANCE, VOCAB, Layer, Stream
+from torch_bridge.demo.model import KV_HEADS, TOLERANCE, VOCAB, Layer, Stream
 from torch_bridge.demo.node import StepRow
 from torch_bridge.engine_types import (GraphBucket, GraphSlot, KVPlanOutput, KVView, PositionStep,
                                        Segment, StepContext)
@@ -86,7 +86,6 @@ class SpeculativeTrace:
         self.caches: Dict[str, Dict[Tuple[str, str], Stream]] = {"target": {}, "drafter": {}}
         self.requests = [Request(rid, "A", self._tokens(n), self._tokens(1)[0])
                          for rid, n in PROMPTS.items()]
-        self.graph_qk: Dict[Tuple[str, GraphBucket], Tuple[torch.Tensor, torch.Tensor]] = {}
         self.graph_pos: Dict[str, torch.Tensor] = {}
         self.stale: Optional[PublishedPositionInfo] = None
         self.mgr = self.mgrs["A"]
@@ -213,7 +212,7 @@ class SpeculativeTrace:
         q, k, v = layer.project([t for _, ids in views for t in ids])
         n = q.shape[0]
         if graph is not None:
-            qs, ks = self._graph_qk(node, graph)
+            qs, ks = self.target.static_qk((node, graph), graph.num_tokens)
             qs[:n].copy_(q)
             ks[:n].copy_(k)
             mgr.apply_qk(qs, ks, label)   # the replay rotates the whole bucket
@@ -233,14 +232,6 @@ class SpeculativeTrace:
             if not error <= TOLERANCE:
                 row.failures.append(f"{rid} {cache} attention error {error:.2e}")
             start = stop
-
-    def _graph_qk(self, node: str, bucket: GraphBucket) -> Tuple[torch.Tensor, torch.Tensor]:
-        if (node, bucket) not in self.graph_qk:
-            d, t = self.target.head_dim, bucket.num_tokens
-            self.graph_qk[node, bucket] = (
-                torch.zeros((t, Q_HEADS, d), dtype=torch.float32, device=self.device),
-                torch.zeros((t, KV_HEADS, d), dtype=torch.float32, device=self.device))
-        return self.graph_qk[node, bucket]
 
     def _truncate(self, node: str, cache: str, rid: str, keep: int) -> None:
         stream = self.caches[cache][node, rid]

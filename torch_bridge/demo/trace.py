@@ -11,15 +11,14 @@ import torch
 from jaxrope.config import RopeConfig
 from torch_bridge.config import PositionConfig
 from torch_bridge.demo.model import VOCAB, Layer
-from torch_bridge.demo.node import GRAPH_BUCKET, LABELS, Node, PrefixCache, StepRow
+from torch_bridge.demo.node import (GRAPH_BUCKET, LABELS, STALE_ADMIT_STEP, Node, PrefixCache,
+                                    StepRow, TwoNodeTrace)
 from torch_bridge.engine_types import Fork
-from torch_bridge.published import PublishedPositionInfo
 from torch_bridge.rope_manager import RopeManager
 
 __all__ = ["BUDGET", "MIN_STEPS", "TRACE", "Trace"]
 
 BUDGET = {"main": 32, "prefill": 16}   # tokens per step (chunked prefill)
-STALE_ADMIT_STEP = 6
 MIN_STEPS = STALE_ADMIT_STEP + 1       # the stale admit is the trace's last scripted feature
 
 
@@ -51,16 +50,6 @@ TRACE = (
 )
 
 
-TRACE = (
-    RequestSpec("r0", prompt=45, arrival=0, max_new=12),
-    RequestSpec("r1", prompt=23, arrival=0, max_new=5),
-    RequestSpec("r2", prompt=30, arrival=1, max_new=8, cfg_suffix=6),
-    RequestSpec("rD", prompt=27, arrival=2, max_new=8, remote=True),
-    RequestSpec("r3", prompt=40, arrival=3, max_new=6, shares=("r0", 35)),
-    RequestSpec("r4", prompt=20, arrival=9, max_new=4),
-)
-
-
 @dataclasses.dataclass
 class Request:
     spec: RequestSpec
@@ -71,7 +60,7 @@ class Request:
     cfg_ids: List[int] = dataclasses.field(default_factory=list)
 
 
-class Trace:
+class Trace(TwoNodeTrace):
     """The scripted serving trace over a main node and a prefill node."""
 
     def __init__(self, rope: RopeConfig, device: torch.device, seed: int, inject_fault: bool):
@@ -86,14 +75,7 @@ class Trace:
         self.requests: Dict[str, Request] = {}
         self.waiting: Dict[str, List[str]] = {"main": [], "prefill": []}
         self.running: List[str] = []
-        # (rid, publication) from the prefill node: in flight, and kept for a duplicate delivery.
-        self.published: Optional[Tuple[str, PublishedPositionInfo]] = None
-        self.stale: Optional[Tuple[str, PublishedPositionInfo]] = None
         self.graph_steps = 0
-
-    @property
-    def main(self) -> Node:
-        return self.nodes["main"]
 
     @property
     def prefill(self) -> Node:
@@ -101,18 +83,6 @@ class Trace:
 
     def _tokens(self, n: int) -> List[int]:
         return self.rng.integers(0, VOCAB, n).tolist()
-
-    def run_step(self, s: int) -> List[StepRow]:
-        """Step ``s`` of both nodes: the main node's row, then the prefill node's if it ran."""
-        row = StepRow(s, "main")
-        if self.published is not None:
-            self._handoff(row)
-        if s == STALE_ADMIT_STEP and self.stale is not None:
-            self._stale_admit(row)
-        self._arrivals(s, row)
-        prefill_row = self._prefill_node_step(s)
-        self._main_step(row)
-        return [row] if prefill_row is None else [row, prefill_row]
 
     # ------------------------------------------------------------------ events
 
