@@ -25,9 +25,7 @@ from jaxrope.kernels.reference import rope_reference
 from jaxrope.testing import oracle
 
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
-# Relative error (norm) vs float64: float32 math with float64 frequencies, then the
-# output rounding of the dtype (bf16 alone gives ~1.7e-3 at full rotary).
-TOLERANCE = {"float32": 1e-5, "float16": 4e-4, "bfloat16": 2.5e-3}
+TOLERANCE = oracle.RELATIVE_TOLERANCE
 BACKENDS = ("xla", "interpret")
 LARGE = (1 << 19, 1 << 20)
 
@@ -39,11 +37,6 @@ def _qk(rng, tokens, q_heads, k_heads, head_dim, dtype):
     k = rng.standard_normal((tokens, k_heads, head_dim))
     return jnp.asarray(q, dtype), jnp.asarray(k, dtype)
 
-
-def _expected(cfg, x, pos):
-    inv_freq, attention = oracle.serving_frequencies(cfg)
-    return oracle.rope_oracle(np.asarray(x, np.float64), pos, inv_freq, attention,
-                              cfg.rotary_dim, cfg.interleave)
 
 
 def _bits(x):
@@ -59,7 +52,7 @@ def _check(cfg, q, k, pos, out, dtype_name):
     # One error over q and k together: a 1-token, 1-head k alone is too few values
     # for a stable estimate of the rounding floor.
     actual = np.concatenate([np.asarray(y, np.float64).ravel() for y in out])
-    expected = np.concatenate([_expected(cfg, x, pos).ravel() for x in (q, k)])
+    expected = np.concatenate([oracle.rope_of(cfg, x, pos).ravel() for x in (q, k)])
     error = oracle.relative_error(actual, expected)
     assert error < TOLERANCE[dtype_name], f"relative error {error:.3g}"
 
@@ -101,7 +94,7 @@ def test_a_float32_angle_would_fail_the_large_position_bound(name, rng):
     inv_freq, attention = oracle.serving_frequencies(cfg)
     naive = oracle.rope_naive_float32(np.asarray(q, np.float32), pos, inv_freq, attention,
                                       cfg.rotary_dim, cfg.interleave)
-    expected = _expected(cfg, q, pos)
+    expected = oracle.rope_of(cfg, q, pos)
     naive_error = oracle.relative_error(jnp.asarray(naive, jnp.bfloat16), expected)
     ours = oracle.relative_error(rope(q, k, jnp.asarray(pos), cfg=cfg, backend="xla")[0], expected)
     assert naive_error > TOLERANCE["bfloat16"] > ours, (naive_error, ours)

@@ -27,8 +27,7 @@ from jaxrope.testing.kv_oracle import bits, split
 from jaxrope.testing.lowering import cuda_target, triton_modules
 
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
-# Relative error (norm) vs float64, as tests/test_apply.py: float32 math, then rounding.
-TOLERANCE = {"float32": 1e-5, "float16": 4e-4, "bfloat16": 2.5e-3}
+TOLERANCE = oracle.RELATIVE_TOLERANCE
 BACKENDS = ("xla", "interpret")
 FP8_SCALES = {"k_quant_scale": 0.75, "v_quant_scale": 150.0}  # v saturates past |v| ~ 3
 

@@ -70,9 +70,7 @@ def qk(tokens, q_heads=3, k_heads=2, dtype=torch.float32, head_dim=HEAD_DIM):
 
 
 def expected_rotation(x, pos, cfg):
-    inv_freq, attention = oracle.serving_frequencies(cfg)
-    return oracle.rope_oracle(x.float().numpy(), np.asarray(pos), inv_freq, attention,
-                              cfg.rotary_dim, cfg.interleave)
+    return oracle.rope_of(cfg, x.float().numpy(), np.asarray(pos))
 
 
 # ---------------------------------------------------------------------------- ingest

@@ -40,3 +40,16 @@ def device(request):
 def flashinfer():
     """The ``flashinfer`` module (0.5.x) with torch on a CUDA GPU and JAX on the GPU."""
     return fp.require_flashinfer()
+
+
+@pytest.fixture(params=["jax", "auto"])
+def launcher(request, device):
+    """Each bridge launcher by its ``launcher=`` name; "auto" skips where Triton is missing
+    (the KV files override this to check their own launcher)."""
+    if request.param == "auto":
+        import jaxrope as jr
+        from torch_bridge import PositionConfig, RopeManager
+        probe = RopeManager(PositionConfig(rope=jr.RopeConfig(head_dim=128)), device)
+        if probe.launcher is None:
+            pytest.skip("no fast launcher here (Triton unavailable)")
+    return request.param

@@ -32,15 +32,6 @@ HEAD_DIM = 128
 BF16_ATOL = 4 * 2.0 ** -8
 
 
-@pytest.fixture(params=["jax", "auto"])
-def launcher(request, device):
-    if request.param == "auto":
-        probe = RopeManager(PositionConfig(rope=jr.RopeConfig(head_dim=HEAD_DIM)), device)
-        if probe.launcher is None:
-            pytest.skip("no fast launcher here (Triton unavailable)")
-    return request.param
-
-
 def make(device, launcher, **kwargs):
     rope = jr.RopeConfig(head_dim=HEAD_DIM, theta=5e5, max_position=1 << 20)
     return RopeManager(PositionConfig(rope=rope), device, max_seq_len=1 << 20, launcher=launcher,
@@ -66,9 +57,7 @@ def rand_qk(device, tokens, dtype=torch.bfloat16, q_heads=32, k_heads=8):
 
 
 def expected(x, pos, cfg):
-    inv_freq, attention = oracle.serving_frequencies(cfg)
-    return oracle.rope_oracle(x.float().cpu().numpy(), pos.cpu().numpy(), inv_freq, attention,
-                              cfg.rotary_dim, cfg.interleave)
+    return oracle.rope_of(cfg, x.float().cpu().numpy(), pos.cpu().numpy())
 
 
 def test_apply_qk_is_in_place_and_zero_copy(device, launcher):

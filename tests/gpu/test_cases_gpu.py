@@ -30,11 +30,6 @@ def jax_gpu():
         pytest.skip(f"JAX has no GPU backend ({e})")
 
 
-def _expected(cfg, x, pos):
-    inv_freq, attention = oracle.serving_frequencies(cfg)
-    return oracle.rope_oracle(np.asarray(x, np.float64), pos.astype(np.int64), inv_freq,
-                              attention, cfg.rotary_dim, cfg.interleave)
-
 
 @pytest.mark.parametrize("dtype", TOLERANCE)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -54,7 +49,7 @@ def test_pallas_kernel_rotates_every_case_in_place_like_the_oracle(jax_gpu, rng,
         assert (q2.unsafe_buffer_pointer(), k2.unsafe_buffer_pointer()) == pointers, tokens
         for x, y in ((q_host, q2), (k_host, k2)):
             y = np.asarray(y, np.float64)
-            error = oracle.relative_error(y, _expected(cfg, x, pos))
+            error = oracle.relative_error(y, oracle.rope_of(cfg, x, pos))
             assert error < TOLERANCE[dtype], (tokens, error)
             np.testing.assert_array_equal(y[..., cfg.rotary_dim:], x[..., cfg.rotary_dim:])
 
@@ -77,5 +72,5 @@ def test_torch_launch_rotates_every_case_in_place_like_the_oracle(device, rng, c
         torch.cuda.synchronize(device)
         assert (q.data_ptr(), k.data_ptr()) == pointers
         for x, y in ((q_host, q), (k_host, k)):
-            error = oracle.relative_error(y.double().cpu().numpy(), _expected(cfg, x, pos))
+            error = oracle.relative_error(y.double().cpu().numpy(), oracle.rope_of(cfg, x, pos))
             assert error < TOLERANCE["bfloat16"], (tokens, error)

@@ -32,7 +32,7 @@ from jaxrope.testing import kv_oracle, oracle
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("jax_gpu")]
 
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
-TOLERANCE = {"float32": 1e-5, "float16": 4e-4, "bfloat16": 2.5e-3}
+TOLERANCE = oracle.RELATIVE_TOLERANCE
 POSITIONS = {"uniform": (0, 1 << 20), "upper_half": (1 << 19, 1 << 20)}
 TOKENS = 1031
 FP8_SCALES = {"k_quant_scale": 0.75, "v_quant_scale": 150.0}

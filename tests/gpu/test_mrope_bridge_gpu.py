@@ -34,15 +34,6 @@ PROMPT = [mrope.Text(9), mrope.Image((1, 28, 28)), mrope.Text(5),
           mrope.Video((4, 20, 30), second_per_grid_t=1.0), mrope.Text(12)]
 
 
-@pytest.fixture(params=["jax", "auto"])
-def launcher(request, device):
-    if request.param == "auto":
-        probe = RopeManager(PositionConfig(rope=jr.RopeConfig(head_dim=128)), device)
-        if probe.launcher is None:
-            pytest.skip("no fast launcher here (Triton unavailable)")
-    return request.param
-
-
 def make(device, launcher, name="Qwen/Qwen2.5-VL-7B-Instruct"):
     rope = jr.RopeConfig.from_hf(mrope.HF_VL_CONFIGS[name])
     return RopeManager(PositionConfig(rope=rope), device, max_seq_len=32768, launcher=launcher)
@@ -56,10 +47,7 @@ def rand_qk(device, tokens, head_dim, q_heads=32, k_heads=8):
 
 
 def expected(x, pos, cfg):
-    inv_freq, attention = oracle.serving_frequencies(cfg)
-    return oracle.rope_oracle(x.float().cpu().numpy(), np.asarray(pos, np.int64), inv_freq,
-                              attention, cfg.rotary_dim, cfg.interleave, cfg.mrope_section,
-                              cfg.mrope_interleaved)
+    return oracle.rope_of(cfg, x.float().cpu().numpy(), np.asarray(pos, np.int64))
 
 
 def prefill(mgr, rid, config):

@@ -37,13 +37,6 @@ RACE_ITERATIONS = 40
 LOAD_SIZE = 4096               # each float32 [4096, 4096] matmul keeps the GPU busy for ms
 
 
-@pytest.fixture(params=["jax", "auto"])
-def launcher(request, device):
-    if request.param == "auto" and make(device, "auto").launcher is None:
-        pytest.skip("no fast launcher here (Triton unavailable)")
-    return request.param
-
-
 def make(device, launcher):
     rope = jr.RopeConfig(head_dim=HEAD_DIM, theta=5e5, max_position=1 << 20)
     return RopeManager(PositionConfig(rope=rope), device, max_seq_len=1 << 20, launcher=launcher)
@@ -66,9 +59,7 @@ def rand_qk(device, tokens, q_heads=32, k_heads=8):
 
 
 def expected(x, pos, cfg):
-    inv_freq, attention = oracle.serving_frequencies(cfg)
-    return oracle.rope_oracle(x.float().cpu().numpy(), np.asarray(pos), inv_freq, attention,
-                              cfg.rotary_dim, cfg.interleave)
+    return oracle.rope_of(cfg, x.float().cpu().numpy(), np.asarray(pos))
 
 
 def jax_bytes_in_use(device) -> int:
