@@ -8,19 +8,22 @@ Steps (``--quick``: smaller), each through a KV plan output as an engine sends t
 - ``prefill``: 8 requests x 2048-token chunks (``--quick``: 8 x 128);
 
 each ``eager`` (plan(N), commit(N)) and ``preplan`` (plan(N+1, is_preplan) while N is
-current, then commit(N): the pipelined runner's order), the four timed in 5 alternating
-rounds (the host's speed moves within a run by more than the gaps measured: one
-case timed alone read 90 us while the same case later in the run read 60). Host time is the
+current, then commit(N): the pipelined runner's order). Host time is the
 ``time.perf_counter`` span of each call with no device sync inside: what the Python
 thread spends before it can queue the next step (the counters live on the host; a plan
-ends with one non-blocking copy on torch's stream). Every 16 steps the counters are reset
-and the device drained, outside the timed spans; the step records are built before
-timing (the engine's cost, not the manager's). Targets on the H200's host: plan + commit
-<= 50 us median for decode, <= 60 us for prefill.
+ends with one non-blocking copy on torch's stream). The cases run in blocks of 16 steps
+that alternate between them; each block starts from reset counters and a drained
+device, outside the timed spans; the step records are built before timing (the
+engine's cost, not the manager's). Before each block a fixed pure-Python loop reads the
+host's own speed: on the H200's VM it moves by 2x within a run, for seconds at a time,
+so the report gives, beside the medians of all steps, the median over the blocks run at
+full speed (their reading within 1.25x of the run's fastest). Targets on the H200's
+host: plan + commit <= 50 us median for decode, <= 60 us for prefill.
 
-Speculative steps (``--quick``: 32 requests instead of 256), eager, each timed beside a
-plain decode step of the same token count, in alternating rounds (issue 16's target:
-plan + commit within 1.2x of it):
+Speculative steps (``--quick``: 32 requests instead of 256), eager, each in blocks
+alternating with a plain decode step of the same token count (issue 16's target: plan
++ commit within 1.2x of it), reported as the ratio of the pooled medians and as the
+median ratio of the blocks run back to back:
 
 - ``draft[256x4]/chain``: a verify step of 3 chain drafts per request, committed with
   per-request accepted counts (random, drawn before timing) vs ``decode[1024x1]``;
@@ -46,7 +49,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -88,42 +91,50 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_steps(mgr: RopeManager, steps, preplan: bool, warmup: int, device: torch.device,
-                accepted: Optional[List[dict]] = None) -> Tuple[List[float], List[float]]:
-    """Host seconds of each ``plan`` and ``commit`` after ``warmup`` steps (see the module doc);
-    ``accepted``: each eager step's ``commit(accepted=...)``."""
+BLOCK = 16   # steps between counter resets: the unit in which the cases of a run alternate
+# A block counts as run at the host's full speed when the reference loop timed just before
+# it read within this factor of the fastest reading of the run.
+FULL_SPEED = 1.25
+
+
+def timed_blocks(mgr: RopeManager, steps, preplan: bool, device: torch.device,
+                 accepted: Optional[List[dict]] = None) -> Iterator[Tuple[List[float], List[float]]]:
+    """Endless blocks of host seconds ``(plan_s, commit_s)``: each block resets the
+    counters and drains the device (untimed), then runs BLOCK steps of ``steps``, cycled
+    (preplan: step 0 planned untimed, then plan(N+1, is_preplan) + commit(N) timed, the
+    last plan committed untimed). ``accepted``: each eager step's ``commit(accepted=...)``."""
     rids = steps[0][1].request_ids
-    plan_s, commit_s = [], []
     pre = StepContext(rids, is_preplan=True, plan_results=steps[0][1].plan_results)
-    if preplan:
-        mgr.plan(*steps[0])
-    for i in range(1 if preplan else 0, len(steps)):
-        if i % 16 == 0:
-            if preplan:
-                mgr.commit(*steps[i - 1])
-            for rid in rids:
-                mgr.reset_request(rid)
-            _sync(device)
-            if preplan:
-                mgr.plan(*steps[i])
-                continue
+    at = 0
+    while True:
+        for rid in rids:
+            mgr.reset_request(rid)
+        _sync(device)
+        block = [at + j for j in range(BLOCK)]
+        at += BLOCK
+        plan_s, commit_s = [], []
         if preplan:
-            t0 = time.perf_counter()
-            mgr.plan(steps[i][0], pre)
-            t1 = time.perf_counter()
-            mgr.commit(*steps[i - 1])
-            t2 = time.perf_counter()
-        else:
-            extra = {} if accepted is None else {"accepted": accepted[i]}
-            t0 = time.perf_counter()
-            mgr.plan(*steps[i])
-            t1 = time.perf_counter()
-            mgr.commit(*steps[i], **extra)
-            t2 = time.perf_counter()
-        if i >= warmup:
+            mgr.plan(*steps[block[0] % len(steps)])
+        for prev, i in zip(block, block[1:]) if preplan else zip([None] * BLOCK, block):
+            step, ctx = steps[i % len(steps)]
+            if preplan:
+                t0 = time.perf_counter()
+                mgr.plan(step, pre)
+                t1 = time.perf_counter()
+                mgr.commit(*steps[prev % len(steps)])
+                t2 = time.perf_counter()
+            else:
+                extra = {} if accepted is None else {"accepted": accepted[i % len(steps)]}
+                t0 = time.perf_counter()
+                mgr.plan(step, ctx)
+                t1 = time.perf_counter()
+                mgr.commit(step, ctx, **extra)
+                t2 = time.perf_counter()
             plan_s.append(t1 - t0)
             commit_s.append(t2 - t1)
-    return plan_s, commit_s
+        if preplan:
+            mgr.commit(*steps[block[-1] % len(steps)])
+        yield plan_s, commit_s
 
 
 def _case(device: torch.device, requests: int, span: int, count: int, depths=None,
@@ -150,54 +161,73 @@ def _timings(plan_s: List[float], commit_s: List[float]) -> Dict[str, dict]:
                 [p + c for p, c in zip(plan_s, commit_s)], how).as_dict()}
 
 
-def _alternating(cases: Dict[str, tuple], rounds: int, warmup: int,
+def _alternating(cases: Dict[str, tuple], iters: int, warmup: int,
                  device: torch.device) -> Dict[str, Dict[str, dict]]:
-    """Time ``{name: (manager, steps, accepted, preplan)}`` in ``rounds`` alternating chunks
-    (each chunk ``warmup`` untimed steps, then the rest timed), so that every case sees
-    the same load on the host: its state moves between calls by more than the gaps
-    measured."""
+    """Time ``{name: (manager, steps, accepted, preplan)}``: ``warmup`` untimed steps of
+    each, then ``iters // BLOCK`` blocks of every case in turn, so that a case and its
+    neighbours see the same host (its speed moves by 2x within a run on the H200's VM,
+    at times for seconds, at times within one case's share of a round). Before each block
+    a fixed pure-Python loop reads the host's own speed (:func:`host_reference_us`)."""
+    blocks = {name: timed_blocks(mgr, steps, preplan, device, accepted)
+              for name, (mgr, steps, accepted, preplan) in cases.items()}
+    for name, it in blocks.items():
+        for _ in range(-(-warmup // BLOCK)):
+            next(it)
     samples = {name: ([], []) for name in cases}
-    per_round: Dict[str, List[dict]] = {name: [] for name in cases}
-    for _ in range(rounds):
-        for name, (mgr, steps, accepted, preplan) in cases.items():
+    per_block: Dict[str, List[dict]] = {name: [] for name in cases}
+    for _ in range(max(1, iters // BLOCK)):
+        for name, it in blocks.items():
+            next(it)  # untimed: the previous case's block left the caches to its own data
             reference = host_reference_us()
-            plan_s, commit_s = timed_steps(mgr, steps, preplan, warmup, device, accepted)
+            plan_s, commit_s = next(it)
             samples[name][0].extend(plan_s)
             samples[name][1].extend(commit_s)
-            per_round[name].append({"host_reference_us": reference, "plan+commit_median_us": float(
+            per_block[name].append({"host_reference_us": reference, "plan+commit_median_us": float(
                 np.median(np.add(plan_s, commit_s)) * 1e6)})
-    return {name: {**_timings(*samples[name]), "rounds": per_round[name]} for name in cases}
+    fastest = min(b["host_reference_us"] for rows in per_block.values() for b in rows)
+    out = {}
+    for name in cases:
+        full = [b["plan+commit_median_us"] for b in per_block[name]
+                if b["host_reference_us"] <= FULL_SPEED * fastest]
+        out[name] = {**_timings(*samples[name]), "blocks": per_block[name],
+                     "full_speed": {"blocks": len(full), "median_of_block_medians_us":
+                                    float(np.median(full)) if full else None}}
+    return out
 
 
 def host_reference_us() -> float:
-    """Median us of a fixed pure-Python loop, timed just before each chunk: the host's own
-    speed at that moment. On the H200's VM a whole chunk sometimes runs at half speed
-    (this loop slows by as much), most in the first minutes after the machine starts;
-    the rounds in the report let a reader tell such a host from a slower manager."""
+    """Median us of a fixed pure-Python loop: the host's own speed at that moment. On the
+    H200's VM it reads 6.1-6.6 us at full speed and 10.4-14.4 us when the host runs at
+    half speed (2026-12-01, bench/RESULTS.md), which scales plan + commit by as much."""
     spans = []
-    for _ in range(64):
+    for _ in range(16):
         t0 = time.perf_counter()
         sum(i * i for i in range(200))
         spans.append(time.perf_counter() - t0)
     return float(np.median(spans) * 1e6)
 
 
+def _records(iters: int, warmup: int) -> int:
+    """Step records per case: the blocks cycle through them (each block starts from reset
+    counters), so a run of any length holds at most 32 blocks' worth."""
+    return BLOCK * min(32, -(-(iters + warmup) // BLOCK))
+
+
 def bench_plan_commit(device: torch.device, cases: Dict[str, Tuple[int, int]], iters: int,
-                      warmup: int, rounds: int = 5) -> Dict[str, Dict[str, dict]]:
-    """``{name: (requests, span)}``, each eager and preplan, timed in alternating rounds."""
-    chunk = max(1, iters // rounds)
+                      warmup: int) -> Dict[str, Dict[str, dict]]:
+    """``{name: (requests, span)}``, each eager and preplan, in alternating blocks."""
     timed = {}
     for name, (requests, span) in cases.items():
         for mode in ("eager", "preplan"):
-            mgr, steps, _ = _case(device, requests, span, chunk + warmup)
+            mgr, steps, _ = _case(device, requests, span, _records(iters, warmup))
             timed[f"{name}[{requests}x{span}]/{mode}"] = (mgr, steps, None, mode == "preplan")
-    return _alternating(timed, rounds, warmup, device)
+    return _alternating(timed, iters, warmup, device)
 
 
-def bench_speculative(device: torch.device, requests: int, iters: int, warmup: int,
-                      rounds: int = 5) -> Dict[str, dict]:
+def bench_speculative(device: torch.device, requests: int, iters: int,
+                      warmup: int) -> Dict[str, dict]:
     """Each speculative case beside a plain decode step of its token count (module doc),
-    timed in ``rounds`` alternating chunks so that both see the same load on the host."""
+    the two in alternating blocks."""
     cases = {f"draft[{requests}x4]/chain": (dict(span=4, accept=3), 4),
              f"draft[{requests}x8]/tree": (dict(span=8, depths=TREE, accept=max(TREE)), 8),
              f"draft[{requests}x8]/tree-shared": (dict(span=8, depths=TREE, accept=max(TREE),
@@ -206,24 +236,25 @@ def bench_speculative(device: torch.device, requests: int, iters: int, warmup: i
     out: Dict[str, dict] = {}
     print(f"speculative plan + commit host time on {device} (target: <= {SPECULATIVE_RATIO}x a "
           "decode step of the same token count)")
-    chunk = max(1, iters // rounds)
+    count = _records(iters, warmup)
     for key, (kwargs, tokens) in cases.items():
         pair = {name: (*_case(device, **spec), False) for name, spec in (
-            ("ours", dict(requests=requests, count=chunk + warmup, **kwargs)),
-            ("base", dict(requests=requests * tokens, span=1, count=chunk + warmup)))}
-        timed = _alternating(pair, rounds, warmup, device)
+            ("ours", dict(requests=requests, count=count, **kwargs)),
+            ("base", dict(requests=requests * tokens, span=1, count=count)))}
+        timed = _alternating(pair, iters, warmup, device)
         ours, base = timed["ours"], timed["base"]
         plain = f"decode[{requests * tokens}x1]/eager"
         ratio = ours["plan+commit"]["median_us"] / base["plan+commit"]["median_us"]
-        # Each round's two chunks run back to back, so their ratio sees one host speed; the
-        # pooled medians above can fall in different halves of a run whose host speed flips.
+        # A block of each, back to back, sees one host speed far more often than the pooled
+        # medians do when the host's speed flips during the run.
         paired = float(np.median([o["plan+commit_median_us"] / b["plan+commit_median_us"]
-                                  for o, b in zip(ours["rounds"], base["rounds"])]))
+                                  for o, b in zip(ours["blocks"], base["blocks"])]))
         out[key] = {**ours, "baseline": plain, "baseline_plan+commit": base["plan+commit"],
-                    "baseline_rounds": base["rounds"], "ratio": ratio, "paired_ratio": paired,
+                    "baseline_blocks": base["blocks"], "ratio": ratio, "paired_ratio": paired,
                     "target_ratio": SPECULATIVE_RATIO}
         print(f"  {key:27s} {ours['plan+commit']['median_us']:7.1f} us vs {plain:20s} "
-              f"{base['plan+commit']['median_us']:7.1f} us: {ratio:.2f}x (per round: {paired:.2f}x)")
+              f"{base['plan+commit']['median_us']:7.1f} us: {ratio:.2f}x (paired blocks: "
+              f"{paired:.2f}x)")
     return out
 
 
@@ -282,9 +313,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
         print(f"  {key:28s} plan {r['plan']['median_us']:7.1f}  commit "
               f"{r['commit']['median_us']:7.1f}  sum {total['median_us']:7.1f} "
               f"(p90 {total['p90_us']:.1f}) us")
-    print("  per round, host reference loop / decode[eager] median: " + ", ".join(
-        f"{r['host_reference_us']:.1f}/{r['plan+commit_median_us']:.1f}"
-        for r in next(iter(report["plan_commit"].values()))["rounds"]) + " us")
+    refs = [b["host_reference_us"] for r in report["plan_commit"].values() for b in r["blocks"]]
+    print(f"  host reference loop {min(refs):.1f}-{max(refs):.1f} us (median "
+          f"{np.median(refs):.1f}); in blocks within {FULL_SPEED}x of its fastest reading:")
+    for key, r in report["plan_commit"].items():
+        full = r["full_speed"]
+        median = full["median_of_block_medians_us"]
+        print(f"  {key:28s} " + ("   none" if median is None else f"{median:7.1f} us") +
+              f" ({full['blocks']} of {len(r['blocks'])} blocks)")
 
     report["speculative"] = bench_speculative(device, 32 if args.quick else 256, args.iters,
                                               args.warmup)

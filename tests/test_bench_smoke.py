@@ -16,6 +16,7 @@ import shlex
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from bench import rope_bench, rope_report, timing
@@ -206,14 +207,23 @@ def test_bridge_bench_quick_run_times_every_case_and_writes_json(tmp_path):
     assert set(written["plan_commit"]) == {"decode[32x1]/eager", "decode[32x1]/preplan",
                                            "prefill[8x128]/eager", "prefill[8x128]/preplan"}
     for key, case in report["plan_commit"].items():
-        # 5 alternating rounds of 8 timed steps after 10 of warm-up; a preplan round loses
-        # step 16, which restarts the pipeline after the 16-step reset.
-        assert case["plan+commit"]["n"] == (35 if key.endswith("preplan") else 40), key
+        # 40 // 16 = 2 timed blocks of 16 steps each (after one untimed); a preplan block
+        # plans its first step untimed.
+        assert case["plan+commit"]["n"] == (30 if key.endswith("preplan") else 32), key
         assert 0 < case["plan"]["median_us"] <= case["plan+commit"]["median_us"] * 2, key
-        # Each round records the host's speed beside the case's median in that round.
-        assert len(case["rounds"]) == 5 and all(
-            r["host_reference_us"] > 0 and r["plan+commit_median_us"] > 0
-            for r in case["rounds"]), key
+        # Each block records the host's speed beside the block's median; the full-speed
+        # median is over the blocks whose reading is near the run's fastest.
+        blocks = case["blocks"]
+        assert len(blocks) == 2 and all(
+            b["host_reference_us"] > 0 and b["plan+commit_median_us"] > 0 for b in blocks), key
+        full = case["full_speed"]
+        fastest = min(b["host_reference_us"] for c in report["plan_commit"].values()
+                      for b in c["blocks"])
+        kept = [b["plan+commit_median_us"] for b in blocks
+                if b["host_reference_us"] <= bridge_bench.FULL_SPEED * fastest]
+        assert full["blocks"] == len(kept), key
+        assert full["median_of_block_medians_us"] == (
+            pytest.approx(float(np.median(kept))) if kept else None), key
     assert {key.split("/")[1] for key in written["apply_qk"]} == {"jax"}
     assert written["run"]["command"].startswith("python -m bench.bridge_bench")
     # Speculative steps, each beside a decode step of its token count (issue 16's target).
@@ -223,9 +233,9 @@ def test_bridge_bench_quick_run_times_every_case_and_writes_json(tmp_path):
         "draft[32x8]/tree-shared": "decode[256x1]/eager",
         "drafter[32x1]/step": "decode[32x1]/eager"}
     for key, case in speculative.items():
-        assert case["target_ratio"] == 1.2 and case["plan+commit"]["n"] == 40, key
+        assert case["target_ratio"] == 1.2 and case["plan+commit"]["n"] == 32, key
         assert case["ratio"] == pytest.approx(case["plan+commit"]["median_us"]
                                               / case["baseline_plan+commit"]["median_us"]), key
-        per_round = sorted(o["plan+commit_median_us"] / b["plan+commit_median_us"]
-                           for o, b in zip(case["rounds"], case["baseline_rounds"]))
-        assert case["paired_ratio"] == pytest.approx(per_round[2]), key
+        paired = [o["plan+commit_median_us"] / b["plan+commit_median_us"]
+                  for o, b in zip(case["blocks"], case["baseline_blocks"])]
+        assert case["paired_ratio"] == pytest.approx(float(np.median(paired))), key
