@@ -28,6 +28,7 @@ from jaxrope.cases import (APPEND_BY_NAME, APPEND_CASES, MROPE_APPEND_CASES,  # 
                            AppendCase)
 from jaxrope.kernels import kv_pallas, triton_ir  # noqa: E402
 from jaxrope.testing import kv_oracle, oracle  # noqa: E402
+from jaxrope.testing.kv_inputs import FP8_SCALES, cache_shape, fused  # noqa: E402
 from jaxrope.testing.kv_oracle import bits  # noqa: E402
 from jaxrope.testing.lowering import cuda_target  # noqa: E402
 from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext  # noqa: E402
@@ -36,10 +37,7 @@ from torch_bridge.dlpack import NotZeroCopyError  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TOLERANCE = oracle.RELATIVE_TOLERANCE
-FP8_SCALES = {"k_quant_scale": 0.75, "v_quant_scale": 150.0}  # v saturates past |v| ~ 3
 LABEL = "text"
-# The core op jitted, as tests/test_kv_cache.py runs it (the manager's JAX path is jitted too).
-FUSED = jax.jit(jr.apply_rope_and_append_kv, static_argnames=("cfg", "layout", "backend"))
 
 
 @dataclasses.dataclass
@@ -53,12 +51,6 @@ class Call:
     slots: torch.Tensor
     kv_cache: object
     scales: dict
-
-
-def cache_shape(case: AppendCase):
-    c = case.case
-    rows = (case.page_size, c.k_heads) if case.layout == "NHD" else (c.k_heads, case.page_size)
-    return (case.pages, *rows, c.head_dim)
 
 
 def make_call(rng, case: AppendCase, dtype_name: str) -> Call:
@@ -160,7 +152,7 @@ def core_reference(case: AppendCase, x: Call, q_in, kv_in):
         return jnp.asarray(to_numpy(t))
 
     kv = jx(kv_in) if isinstance(kv_in, torch.Tensor) else tuple(jx(c) for c in kv_in)
-    q, kv = FUSED(jx(q_in), jx(x.k), jx(x.v), jnp.asarray(x.pos), kv,
+    q, kv = fused(jx(q_in), jx(x.k), jx(x.v), jnp.asarray(x.pos), kv,
                   jnp.asarray(x.slots.numpy()), case.case.cfg, layout=case.layout,
                   backend="xla", **x.scales)
     if isinstance(kv, tuple):

@@ -23,95 +23,13 @@ from jaxrope import apply as apply_module
 from jaxrope.cases import APPEND_BY_NAME, APPEND_CASES, BY_NAME, AppendCase
 from jaxrope.kernels import kv_pallas, kv_reference
 from jaxrope.testing import kv_oracle, oracle
+from jaxrope.testing.kv_inputs import FP8_SCALES, cache_shape, check_against_oracle, make_inputs, run
 from jaxrope.testing.kv_oracle import bits, split
 from jaxrope.testing.lowering import cuda_target, triton_modules
 
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 TOLERANCE = oracle.RELATIVE_TOLERANCE
 BACKENDS = ("xla", "interpret")
-FP8_SCALES = {"k_quant_scale": 0.75, "v_quant_scale": 150.0}  # v saturates past |v| ~ 3
-
-fused = jax.jit(jr.apply_rope_and_append_kv, static_argnames=("cfg", "layout", "backend"))
-
-
-@dataclasses.dataclass
-class Inputs:
-    q: jax.Array
-    k: jax.Array
-    v: jax.Array
-    pos: np.ndarray
-    slots: np.ndarray
-    kv_cache: object
-    scales: dict
-
-
-def cache_shape(case: AppendCase, pages: int | None = None):
-    c = case.case
-    rows = ((case.page_size, c.k_heads) if case.layout == "NHD" else (c.k_heads, case.page_size))
-    return (pages or case.pages, *rows, c.head_dim)
-
-
-def make_inputs(rng, case: AppendCase, dtype_name: str, max_position: int | None = None) -> Inputs:
-    c, dtype = case.case, DTYPES[dtype_name]
-    tokens = c.tokens
-
-    def normal(*shape):
-        return jnp.asarray(rng.standard_normal(shape), dtype)
-
-    pos = rng.integers(0, max_position or c.cfg.max_position, tokens).astype(np.int32)
-    slots = rng.permutation(case.pages * case.page_size)[:tokens].astype(np.int32)
-    slots[tokens - case.padding:] = -1
-    cache_dtype = jnp.float8_e4m3fn if case.fp8 else dtype
-    shape = cache_shape(case)
-    # Random old contents, so an entry written by mistake shows.
-    old = [jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(cache_dtype) for _ in range(2)]
-    kv_cache = jnp.stack(old, axis=1) if case.combined else tuple(old)
-    return Inputs(normal(tokens, c.q_heads, c.head_dim), normal(tokens, c.k_heads, c.head_dim),
-                  normal(tokens, c.k_heads, c.head_dim), pos, slots, kv_cache,
-                  FP8_SCALES if case.fp8 else {})
-
-
-def run(x: Inputs, case: AppendCase, backend: str, cfg=None):
-    return fused(x.q, x.k, x.v, jnp.asarray(x.pos), x.kv_cache, jnp.asarray(x.slots),
-                 cfg=cfg or case.case.cfg, layout=case.layout, backend=backend, **x.scales)
-
-
-def check_against_oracle(case: AppendCase, x: Inputs, out, dtype_name: str, cfg=None) -> None:
-    cfg = cfg or case.case.cfg
-    q_out, kv_out = out
-    assert isinstance(kv_out, tuple) != case.combined, "the cache comes back in the structure given"
-    new, old = split(kv_out), split(x.kv_cache)
-    written, page, entry = kv_oracle.entries(x.slots, case.pages, case.page_size)
-    assert written.sum() == case.case.tokens - case.padding
-    page, entry = page[written], entry[written]
-    np.testing.assert_array_equal(bits(q_out)[..., cfg.rotary_dim:], bits(x.q)[..., cfg.rotary_dim:],
-                                  err_msg="q: dims past rotary_dim changed")
-    k_rows, v_rows = (kv_oracle.rows(c, case.layout, page, entry) for c in new)
-    k_want = oracle.rope_of(cfg, x.k, x.pos)[written]
-    if case.fp8:
-        scales = x.scales
-        ulps_k = kv_oracle.ulps(k_rows, kv_oracle.e4m3(k_want * scales["k_quant_scale"]))
-        v_want = kv_oracle.e4m3(np.asarray(x.v, np.float64)[written] * scales["v_quant_scale"])
-        ulps_v = kv_oracle.ulps(v_rows, v_want)
-        assert ulps_k.max(initial=0) <= 1 and ulps_v.max(initial=0) <= 1, (ulps_k.max(initial=0),
-                                                                          ulps_v.max(initial=0))
-        actual = [np.asarray(q_out, np.float64).ravel()]
-        expected = [oracle.rope_of(cfg, x.q, x.pos).ravel()]
-    else:
-        np.testing.assert_array_equal(bits(k_rows)[..., cfg.rotary_dim:],
-                                      bits(x.k)[written][..., cfg.rotary_dim:],
-                                      err_msg="k: dims past rotary_dim must be copied")
-        np.testing.assert_array_equal(bits(v_rows), bits(x.v)[written], err_msg="v rows")
-        # One error over q and the k rows: a 1-token, 1-head k alone is too few values.
-        actual = [np.asarray(q_out, np.float64).ravel(), k_rows.astype(np.float64).ravel()]
-        expected = [oracle.rope_of(cfg, x.q, x.pos).ravel(), k_want.ravel()]
-    error = oracle.relative_error(np.concatenate(actual), np.concatenate(expected))
-    assert error < TOLERANCE[dtype_name], f"relative error {error:.3g}"
-    for name, n, o in zip(("k_cache", "v_cache"), new, old):
-        untouched = ~kv_oracle.written_mask(n.shape, case.layout, page, entry)
-        np.testing.assert_array_equal(bits(n)[untouched], bits(o)[untouched],
-                                      err_msg=f"{name}: an entry no slot names changed")
-
 
 def assert_within_one_ulp(a, b, label: str) -> None:
     a, b = np.asarray(a), np.asarray(b)
@@ -122,10 +40,10 @@ def assert_within_one_ulp(a, b, label: str) -> None:
 @pytest.mark.parametrize("dtype_name", DTYPES)
 @pytest.mark.parametrize("case", APPEND_CASES, ids=lambda c: c.name)
 def test_every_append_case_matches_the_oracle_on_both_backends(case, dtype_name, rng):
-    x = make_inputs(rng, case, dtype_name)
+    x = make_inputs(rng, case, DTYPES[dtype_name])
     outs = {backend: run(x, case, backend) for backend in BACKENDS}
     for out in outs.values():
-        check_against_oracle(case, x, out, dtype_name)
+        check_against_oracle(case, x, out, TOLERANCE[dtype_name])
     for a, b in zip(jax.tree.leaves(outs["xla"]), jax.tree.leaves(outs["interpret"])):
         assert_within_one_ulp(a, b, case.name)
 
@@ -135,10 +53,10 @@ def test_every_append_case_matches_the_oracle_on_both_backends(case, dtype_name,
 def test_bf16_stays_at_the_rounding_floor_near_a_million_positions(name, rng):
     case = APPEND_BY_NAME[name]
     cfg = dataclasses.replace(case.case.cfg, max_position=1 << 20)
-    x = make_inputs(rng, case, "bfloat16")
+    x = make_inputs(rng, case, jnp.bfloat16)
     x.pos = rng.integers(1 << 19, 1 << 20, case.case.tokens).astype(np.int32)
     for backend in BACKENDS:
-        check_against_oracle(case, x, run(x, case, backend, cfg), "bfloat16", cfg)
+        check_against_oracle(case, x, run(x, case, backend, cfg), TOLERANCE["bfloat16"], cfg)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -149,7 +67,7 @@ def test_the_cache_holds_what_apply_rope_returns_for_k(name, backend, rng):
     # apply_rope's outputs (within an ulp: XLA may vectorise sin/cos differently in
     # another program).
     case = APPEND_BY_NAME[name]
-    x = make_inputs(rng, case, "bfloat16")
+    x = make_inputs(rng, case, jnp.bfloat16)
     q_out, kv_out = run(x, case, backend)
     q_rope, k_rope = jr.apply_rope(x.q, x.k, jnp.asarray(x.pos), case.case.cfg, backend=backend)
     written, page, entry = kv_oracle.entries(x.slots, case.pages, case.page_size)
@@ -194,7 +112,7 @@ def test_fp8_storage_rounds_to_nearest_even_and_saturates():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp8_scales_multiply_before_saturating(backend, rng):
     case = APPEND_BY_NAME["llama3_fp8_nhd"]
-    x = make_inputs(rng, case, "bfloat16")
+    x = make_inputs(rng, case, jnp.bfloat16)
     x.scales = {"k_quant_scale": 1e4, "v_quant_scale": 1e-3}
     _, kv_out = run(x, case, backend)
     written, page, entry = kv_oracle.entries(x.slots, case.pages, case.page_size)
@@ -213,7 +131,7 @@ def test_fp8_scales_multiply_before_saturating(backend, rng):
 @pytest.mark.parametrize("combined", [False, True], ids=["pair", "combined"])
 def test_donated_q_and_cache_are_updated_in_place(backend, combined, rng):
     case = dataclasses.replace(APPEND_BY_NAME["llama3_nhd_p16"], combined=combined)
-    x = make_inputs(rng, case, "bfloat16")
+    x = make_inputs(rng, case, jnp.bfloat16)
     want = run(x, case, backend)
     in_place = jax.jit(jr.apply_rope_and_append_kv, static_argnames=("cfg", "layout", "backend"),
                        donate_argnums=(0, 4))
@@ -230,7 +148,7 @@ def test_donated_q_and_cache_are_updated_in_place(backend, combined, rng):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_without_donation_the_inputs_are_untouched(backend, rng):
     case = APPEND_BY_NAME["llama3_hnd_p16"]
-    x = make_inputs(rng, case, "bfloat16")
+    x = make_inputs(rng, case, jnp.bfloat16)
     before = [np.array(a) for a in jax.tree.leaves((x.q, x.kv_cache))]
     run(x, case, backend)
     for a, b in zip(jax.tree.leaves((x.q, x.kv_cache)), before):
@@ -240,7 +158,7 @@ def test_without_donation_the_inputs_are_untouched(backend, rng):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_traced_slots_out_of_range_write_nothing(backend, rng):
     case = APPEND_BY_NAME["llama3_nhd_p16"]
-    x = make_inputs(rng, case, "float32")
+    x = make_inputs(rng, case, jnp.float32)
     num_slots = case.pages * case.page_size
     x.slots[:3] = [num_slots, num_slots + 5, -7]   # traced under jit: not checked, skipped
     _, kv_out = run(x, case, backend)
@@ -258,7 +176,7 @@ def test_traced_slots_out_of_range_write_nothing(backend, rng):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_zero_tokens_change_nothing(backend, rng):
     case = APPEND_BY_NAME["llama3_nhd_p16"]
-    x = make_inputs(rng, case, "bfloat16")
+    x = make_inputs(rng, case, jnp.bfloat16)
     empty = jnp.zeros((0, case.case.q_heads, 128), jnp.bfloat16)
     kv = jnp.zeros((0, case.case.k_heads, 128), jnp.bfloat16)
     q_out, kv_out = jr.apply_rope_and_append_kv(empty, kv, kv, jnp.zeros(0, jnp.int32),
@@ -277,7 +195,7 @@ def test_every_launch_shape_gives_the_same_result(name, config, rng):
     # Launch shapes only regroup work: head groups past the last head, token walks past
     # the last token and several groups per program must all give the one-group result.
     case = APPEND_BY_NAME[name]
-    x = make_inputs(rng, case, "float32")
+    x = make_inputs(rng, case, jnp.float32)
     c = case.case
     tables, attention = apply_module.kernel_constants(c.cfg)
     k_cache, v_cache = split(x.kv_cache)

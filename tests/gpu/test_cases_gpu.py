@@ -18,8 +18,7 @@ from jaxrope.testing import oracle
 
 pytestmark = pytest.mark.gpu
 
-# Relative error (norm) vs float64, as in tests/test_apply.py.
-TOLERANCE = {"float32": 1e-5, "float16": 4e-4, "bfloat16": 2.5e-3}
+TOLERANCE = oracle.RELATIVE_TOLERANCE
 
 
 @pytest.fixture(scope="module")

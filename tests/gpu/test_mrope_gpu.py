@@ -19,8 +19,7 @@ from jaxrope.testing import oracle
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("jax_gpu")]
 
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
-# The target for bf16 below 2**20; float32/float16 as in tests/test_apply.py.
-TOLERANCE = {"float32": 1e-5, "float16": 4e-4, "bfloat16": 2.5e-3}
+TOLERANCE = oracle.RELATIVE_TOLERANCE
 POSITIONS = {"uniform": (0, 1 << 20), "near_2_20": ((1 << 20) - 65536, 1 << 20),
              "upper_half": (1 << 19, 1 << 20)}
 
