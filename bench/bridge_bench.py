@@ -110,7 +110,7 @@ def timed_blocks(mgr: RopeManager, steps, preplan: bool, device: torch.device,
         for rid in rids:
             mgr.reset_request(rid)
         _sync(device)
-        block = [at + j for j in range(BLOCK)]
+        block = range(at, at + BLOCK)
         at += BLOCK
         plan_s, commit_s = [], []
         if preplan:
@@ -198,7 +198,8 @@ def _alternating(cases: Dict[str, tuple], iters: int, warmup: int,
 def host_reference_us() -> float:
     """Median us of a fixed pure-Python loop: the host's own speed at that moment. On the
     H200's VM it reads 6.1-6.6 us at full speed and 10.4-14.4 us when the host runs at
-    half speed (2026-12-01, bench/RESULTS.md), which scales plan + commit by as much."""
+    half speed (2026-12-01, bench/RESULTS.md); plan + commit then slows by less (decode
+    1.3-1.8x), its numpy and driver calls less than this bytecode."""
     spans = []
     for _ in range(16):
         t0 = time.perf_counter()

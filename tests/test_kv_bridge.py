@@ -28,6 +28,7 @@ from jaxrope.cases import (APPEND_BY_NAME, APPEND_CASES, MROPE_APPEND_CASES,  # 
                            AppendCase)
 from jaxrope.kernels import kv_pallas, triton_ir  # noqa: E402
 from jaxrope.testing import kv_oracle, oracle  # noqa: E402
+from jaxrope.testing import kv_inputs  # noqa: E402
 from jaxrope.testing.kv_inputs import FP8_SCALES, cache_shape, fused  # noqa: E402
 from jaxrope.testing.kv_oracle import bits  # noqa: E402
 from jaxrope.testing.lowering import cuda_target  # noqa: E402
@@ -111,39 +112,15 @@ def split(kv_cache):
 
 def check_against_oracle(case: AppendCase, x: Call, q_out: torch.Tensor, kv_out, q_in, kv_in,
                          dtype_name: str) -> None:
-    cfg = case.case.cfg
-    new, old = split(kv_out), split(kv_in)
-    slots = x.slots.numpy()
-    written, page, entry = kv_oracle.entries(slots, case.pages, case.page_size)
-    assert written.sum() == case.case.tokens - case.padding
-    page, entry = page[written], entry[written]
-    q_before = to_numpy(q_in).astype(np.float64)
-    np.testing.assert_array_equal(bits(to_numpy(q_out))[..., cfg.rotary_dim:],
-                                  bits(to_numpy(q_in))[..., cfg.rotary_dim:],
-                                  err_msg="q: dims past rotary_dim changed")
-    k_rows, v_rows = (kv_oracle.rows(c, case.layout, page, entry) for c in new)
-    k_in, v_in = to_numpy(x.k), to_numpy(x.v)
-    k_want = oracle.rope_of(cfg, k_in, x.pos)[written]
-    actual = [to_numpy(q_out).astype(np.float64).ravel()]
-    expected = [oracle.rope_of(cfg, q_before, x.pos).ravel()]
-    if case.fp8:
-        k_want = kv_oracle.e4m3(k_want * x.scales["k_quant_scale"])
-        v_want = kv_oracle.e4m3(v_in.astype(np.float64)[written] * x.scales["v_quant_scale"])
-        assert kv_oracle.ulps(k_rows, k_want).max(initial=0) <= 1
-        assert kv_oracle.ulps(v_rows, v_want).max(initial=0) <= 1
-    else:
-        np.testing.assert_array_equal(bits(k_rows)[..., cfg.rotary_dim:],
-                                      bits(k_in)[written][..., cfg.rotary_dim:],
-                                      err_msg="k: dims past rotary_dim must be copied")
-        np.testing.assert_array_equal(bits(v_rows), bits(v_in)[written], err_msg="v rows")
-        actual.append(k_rows.astype(np.float64).ravel())
-        expected.append(k_want.ravel())
-    error = oracle.relative_error(np.concatenate(actual), np.concatenate(expected))
-    assert error < TOLERANCE[dtype_name], f"relative error {error:.3g}"
-    for name, n, o in zip(("k_cache", "v_cache"), new, old):
-        untouched = ~kv_oracle.written_mask(n.shape, case.layout, page, entry)
-        np.testing.assert_array_equal(bits(n)[untouched], bits(o)[untouched],
-                                      err_msg=f"{name}: an entry no slot names changed")
+    """:func:`kv_inputs.check_against_oracle` on numpy copies of the call's tensors (``q_in``,
+    ``kv_in``: before the call)."""
+    def host(cache):
+        return to_numpy(cache) if isinstance(cache, torch.Tensor) else tuple(map(to_numpy, cache))
+
+    before = kv_inputs.Inputs(to_numpy(q_in), to_numpy(x.k), to_numpy(x.v), x.pos,
+                              x.slots.numpy(), host(kv_in), x.scales)
+    kv_inputs.check_against_oracle(case, before, (to_numpy(q_out), host(kv_out)),
+                                   TOLERANCE[dtype_name])
 
 
 def core_reference(case: AppendCase, x: Call, q_in, kv_in):
@@ -207,8 +184,8 @@ def test_slots_outside_the_cache_write_nothing(rng):
     written, page, entry = kv_oracle.entries(x.slots.numpy(), case.pages, case.page_size)
     assert written.sum() == case.case.tokens - 3 - case.padding
     for new, old in zip(split(x.kv_cache), split(before)):
-        untouched = ~kv_oracle.written_mask(new.shape, "HND", page[written], entry[written])
-        np.testing.assert_array_equal(bits(new)[untouched], bits(old)[untouched])
+        kv_oracle.assert_untouched("cache", new, old, kv_oracle.written_mask(
+            new.shape, "HND", page[written], entry[written]))
     np.testing.assert_array_equal(
         bits(kv_oracle.rows(split(x.kv_cache)[1], "HND", page[written], entry[written])),
         bits(to_numpy(x.v))[written])

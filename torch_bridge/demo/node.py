@@ -15,14 +15,13 @@ from torch_bridge.engine_types import (Fork, GraphBucket, GraphSlot, KVPlanOutpu
 from torch_bridge.published import PublishedPositionInfo
 from torch_bridge.rope_manager import RopeManager
 
-__all__ = ["GRAPH_BUCKET", "LABELS", "Node", "PAGE", "PLAN_LABEL", "PrefixCache", "StepRow"]
+__all__ = ["GRAPH_BUCKET", "LABELS", "Node", "PAGE", "PLAN_LABEL", "PrefixCache", "STALE_ADMIT_STEP",
+           "StepRow", "TwoNodeTrace"]
 
 LABELS = ("main", "cfg")
 PLAN_LABEL = "attn"
 PAGE = 16                              # prefix-cache page size (tokens)
 GRAPH_BUCKET = GraphBucket("decode", batch_size=8, num_tokens=8)
-
-
 STALE_ADMIT_STEP = 6                   # where both traces deliver a publication a second time
 
 
