@@ -236,7 +236,8 @@ def _tree_records(rng, rids):
         named = [v for v in views if rng.random() < 0.8]
     if rng.random() < 0.1:
         named.append(("r9", "cond", 1) if rng.random() < 0.5 else (rids[0], "image", 1))
-    forms = ["tuple", "list", "int64", "int32", "uint8", "bool", "float", "set", "2d"]
+    forms = ["tuple", "list", "int64", "int32", "uint8", "bool", "float", "set", "2d", "column",
+             "strided", "big-endian"]
     depths = {}
     for rid, label, count in named:
         count += int(rng.random() < 0.1)                    # sometimes the wrong length
@@ -247,7 +248,8 @@ def _tree_records(rng, rids):
             "int64": lambda: values, "int32": lambda: values.astype(np.int32),
             "uint8": lambda: np.abs(values).astype(np.uint8), "bool": lambda: values > 1,
             "float": lambda: values.astype(float).tolist(), "set": lambda: set(values.tolist()),
-            "2d": lambda: values[None]}[form]()
+            "2d": lambda: values[None], "column": lambda: values[:, None],
+            "strided": lambda: np.repeat(values, 2)[::2], "big-endian": lambda: values.astype(">i8")}[form]()
     if fixed and depths and rng.random() < 0.7:     # one tree object shared by every stream
         shared = next(iter(depths.values()))
         depths = dict.fromkeys(depths, shared)

@@ -76,6 +76,7 @@ __all__ = ["Speculation", "accepted_commit", "attach", "live", "positions", "rea
 _EMPTY = np.zeros((0,), np.int64)
 _EMPTY.flags.writeable = False
 _DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
 
 
 class Speculation(NamedTuple):
@@ -196,13 +197,22 @@ def _flat(values: List[Any]) -> Optional[Tuple[np.ndarray, np.ndarray]]:
             # concatenation would turn a bool row into ints); a value without one is not
             # an array, and arrays of other ndims do not concatenate with 1-D ones.
             dtypes = list(map(_DTYPE, values))
-            if dtypes.count(dtypes[0]) == count:
-                if dtypes[0].kind not in "iu":
-                    return None
-            elif any(d.kind not in "iu" for d in set(dtypes)):
+            one_dtype = dtypes.count(dtypes[0]) == count
+            if any(d.kind not in "iu" for d in ({dtypes[0]} if one_dtype else set(dtypes))):
                 return None
-            flat = np.concatenate(values).astype(np.int64, copy=False)
-            lengths = np.fromiter(map(len, values), np.int64, count)
+            shapes = list(map(_SHAPE, values))
+            if one_dtype and shapes.count(shapes[0]) == count and len(shapes[0]) == 1:
+                # The rows of one [streams, k] array: joining their buffers takes a third of
+                # the time of a 256-row concatenate. A strided row has no such buffer.
+                try:
+                    flat = np.frombuffer(b"".join(values), dtypes[0])
+                except TypeError:
+                    flat = np.concatenate(values)
+                lengths = np.full(count, shapes[0][0], np.int64)
+            else:
+                flat = np.concatenate(values)
+                lengths = np.fromiter(map(len, values), np.int64, count)
+            flat = flat.astype(np.int64, copy=False)
         else:
             return None
     except (TypeError, ValueError, OverflowError, AttributeError):
