@@ -111,9 +111,9 @@ def _check_against_oracle(case: AppendCase, x, got, before, pos):
         expected.append(k_want.ravel())
     error = oracle.relative_error(np.concatenate(actual), np.concatenate(expected))
     assert error < BF16_TOLERANCE, f"relative error {error:.3g}"
-    for new, old in zip((k_cache, v_cache), (k_old, v_old)):
-        untouched = ~kv_oracle.written_mask(new.shape, case.layout, page, entry)
-        np.testing.assert_array_equal(kv_oracle.bits(new)[untouched], kv_oracle.bits(old)[untouched])
+    for label, new, old in zip(("k_cache", "v_cache"), (k_cache, v_cache), (k_old, v_old)):
+        kv_oracle.assert_untouched(label, new, old,
+                                   kv_oracle.written_mask(new.shape, case.layout, page, entry))
 
 
 @pytest.mark.parametrize("extra", [0, 5], ids=["T=N", "T<N"])
