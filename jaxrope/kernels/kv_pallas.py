@@ -69,10 +69,6 @@ _GROUP_ELEMENTS = 128
 _PROGRAM_ELEMENTS = 512
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 @dataclasses.dataclass(frozen=True)
 class AppendBlockConfig:
     """Launch shape of one call of the fused kernel; its only tuning knobs."""
@@ -118,16 +114,14 @@ def block_config(num_tokens: int, q_heads: int, k_heads: int, lanes: int) -> App
 
     Not yet swept on the GPU (bench/kv_append_bench.py measures this shape).
     """
-    heads_per_program = max(1, min(_next_pow2(max(q_heads, k_heads)), _GROUP_ELEMENTS // lanes))
+    heads_per_program = max(1, min(pallas_triton.next_pow2(max(q_heads, k_heads)),
+                                   _GROUP_ELEMENTS // lanes))
     groups = max(1, _PROGRAM_ELEMENTS // (heads_per_program * lanes))
     block = AppendBlockConfig(heads_per_program, groups)
     if sum(head_programs(q_heads, k_heads, block)) <= 3:
         block = dataclasses.replace(block, token_loop=8)
-    for field in ("token_loop", "groups_per_program", "heads_per_program"):
-        while (getattr(block, field) > 1
-               and math.prod(grid(num_tokens, q_heads, k_heads, block)) < _MIN_PROGRAMS):
-            block = dataclasses.replace(block, **{field: getattr(block, field) // 2})
-    return block
+    return pallas_triton.shrink_to_fill(
+        block, lambda b: math.prod(grid(num_tokens, q_heads, k_heads, b)), _MIN_PROGRAMS)
 
 
 def unsupported(cache) -> str | None:
@@ -177,9 +171,9 @@ def _rope_append_kv_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, 
         rotary = (piece(0, 2 * lanes, rotary_dim),)
     else:
         rotary = (piece(0, lanes, half), piece(half, lanes, half))
-    passthrough = ((piece(rotary_dim, _next_pow2(head_dim - rotary_dim),
+    passthrough = ((piece(rotary_dim, pallas_triton.next_pow2(head_dim - rotary_dim),
                           head_dim - rotary_dim),) if rotary_dim < head_dim else ())
-    whole_row = (piece(0, _next_pow2(head_dim), head_dim),)
+    whole_row = (piece(0, pallas_triton.next_pow2(head_dim), head_dim),)
 
     def heads_of(program, g, num_heads):
         first = (program * groups_per_program + g) * hp

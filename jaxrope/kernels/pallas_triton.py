@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -56,15 +56,17 @@ _MIN_PROGRAMS = 264
 _GROUP_ELEMENTS = 128
 # Elements of one program's half-block (2 KB of bf16 read).
 _PROGRAM_ELEMENTS = 512
+_Block = TypeVar("_Block")
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``): a Triton block's extent."""
     return 1 << max(0, (n - 1).bit_length())
 
 
 def lanes_for(rotary_dim: int) -> int:
     """Width of a half-block: ``rotary_dim // 2`` rounded up to a power of two."""
-    return _next_pow2(rotary_dim // 2)
+    return next_pow2(rotary_dim // 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,14 +121,21 @@ def block_config(num_tokens: int, q_heads: int, k_heads: int, lanes: int) -> Blo
     sweep's noise: Hq=32 Hk=8 D=128 84.9 us (98% of the ceiling), D=64 45.0 us;
     Hq=64 Hk=8 D=64 77.1 us; Hq=8 Hk=1 D=256 40.1 us, D=128 15.8 us, D=64 10.6 us.
     """
-    heads_per_program = max(1, min(_next_pow2(max(q_heads, k_heads)), _GROUP_ELEMENTS // lanes))
+    heads_per_program = max(1, min(next_pow2(max(q_heads, k_heads)), _GROUP_ELEMENTS // lanes))
     groups = max(1, _PROGRAM_ELEMENTS // (heads_per_program * lanes))
     block = BlockConfig(1, heads_per_program, 1, groups_per_program=groups, heads_major=True)
     if sum(head_programs(q_heads, k_heads, block)) <= 2:
         block = dataclasses.replace(block, token_loop=8)
+    return shrink_to_fill(block, lambda b: math.prod(grid(num_tokens, q_heads, k_heads, b)),
+                          _MIN_PROGRAMS)
+
+
+def shrink_to_fill(block: _Block, programs: Callable[[_Block], int], min_programs: int) -> _Block:
+    """``block`` with its token walk, then its groups, then its heads per program halved
+    until ``programs(block)`` reaches ``min_programs`` (small T, decode: a grid too small
+    to fill the GPU) or each is 1. The small-T rule of both kernels' launch shapes."""
     for field in ("token_loop", "groups_per_program", "heads_per_program"):
-        while (getattr(block, field) > 1
-               and math.prod(grid(num_tokens, q_heads, k_heads, block)) < _MIN_PROGRAMS):
+        while getattr(block, field) > 1 and programs(block) < min_programs:
             block = dataclasses.replace(block, **{field: getattr(block, field) // 2})
     return block
 
