@@ -18,6 +18,7 @@ tests/gpu/test_kv_mrope_bridge_gpu.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import ml_dtypes
@@ -27,7 +28,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from jaxrope.cases import MROPE_APPEND_CASES, AppendCase  # noqa: E402
-from jaxrope.testing import flashinfer_kv, kv_oracle, oracle  # noqa: E402
+from jaxrope.testing import flashinfer_kv, kv_inputs, kv_oracle, oracle  # noqa: E402
 from torch_bridge import (GraphBucket, GraphSlot, PositionConfig, PositionStep,  # noqa: E402
                           RopeManager, Segment, StepContext)
 
@@ -36,8 +37,7 @@ pytestmark = pytest.mark.gpu
 LABEL = "text"
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOKENS = 517
-BF16_TOLERANCE = 2.5e-3
-FP8_SCALES = {"k_quant_scale": 0.75, "v_quant_scale": 150.0}
+BF16_TOLERANCE = oracle.RELATIVE_TOLERANCE["bfloat16"]
 _SEEDS = itertools.count(20261217)
 
 
@@ -70,7 +70,7 @@ def _inputs(device, case: AppendCase, tokens: int, planned: int):
                 v=normal(tokens, c.k_heads, c.head_dim), pos=pos, pages=pages,
                 slots=torch.from_numpy(slots).to(device),
                 cache=torch.stack(pair, dim=1) if case.combined else pair,
-                scales=FP8_SCALES if case.fp8 else {})
+                scales=kv_inputs.FP8_SCALES if case.fp8 else {})
 
 
 def _clone(cache):
@@ -90,30 +90,15 @@ def _call(mgr, case: AppendCase, x, q, cache):
 
 
 def _check_against_oracle(case: AppendCase, x, got, before, pos):
-    cfg, r = case.case.cfg, case.case.cfg.rotary_dim
-    q, k_cache, v_cache = got
+    """:func:`kv_inputs.check_against_oracle` on numpy ``(q, k_cache, v_cache)`` after
+    (``got``) and before the call; the caches come split (:func:`_numpy`), so the case is
+    checked as a pair."""
     q_in, k_old, v_old = before
     k_in, v_in = (flashinfer_kv.from_torch(t, BF16) for t in (x["k"], x["v"]))
-    written, page, entry = kv_oracle.entries(x["slots"].cpu().numpy(), x["pages"], case.page_size)
-    page, entry = page[written], entry[written]
-    k_rows, v_rows = (kv_oracle.rows(c, case.layout, page, entry) for c in (k_cache, v_cache))
-    np.testing.assert_array_equal(kv_oracle.bits(q)[..., r:], kv_oracle.bits(q_in)[..., r:])
-    k_want = oracle.rope_of(cfg, k_in, pos)[written]
-    actual, expected = [q.astype(np.float64).ravel()], [oracle.rope_of(cfg, q_in, pos).ravel()]
-    if case.fp8:
-        k_want = kv_oracle.e4m3(k_want * FP8_SCALES["k_quant_scale"])
-        v_want = kv_oracle.e4m3(v_in.astype(np.float64)[written] * FP8_SCALES["v_quant_scale"])
-        assert kv_oracle.ulps(k_rows, k_want).max(initial=0) <= 1
-        assert kv_oracle.ulps(v_rows, v_want).max(initial=0) <= 1
-    else:
-        np.testing.assert_array_equal(kv_oracle.bits(v_rows), kv_oracle.bits(v_in[written]))
-        actual.append(k_rows.astype(np.float64).ravel())
-        expected.append(k_want.ravel())
-    error = oracle.relative_error(np.concatenate(actual), np.concatenate(expected))
-    assert error < BF16_TOLERANCE, f"relative error {error:.3g}"
-    for label, new, old in zip(("k_cache", "v_cache"), (k_cache, v_cache), (k_old, v_old)):
-        kv_oracle.assert_untouched(label, new, old,
-                                   kv_oracle.written_mask(new.shape, case.layout, page, entry))
+    inputs = kv_inputs.Inputs(q_in, k_in, v_in, pos, x["slots"].cpu().numpy(), (k_old, v_old),
+                              x["scales"])
+    kv_inputs.check_against_oracle(dataclasses.replace(case, combined=False), inputs,
+                                   (got[0], got[1:]), BF16_TOLERANCE)
 
 
 @pytest.mark.parametrize("extra", [0, 5], ids=["T=N", "T<N"])

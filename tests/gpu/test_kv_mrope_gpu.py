@@ -27,7 +27,7 @@ import pytest
 
 import jaxrope as jr
 from jaxrope.cases import MROPE_APPEND_CASES, AppendCase
-from jaxrope.testing import kv_oracle, oracle
+from jaxrope.testing import kv_inputs, kv_oracle, oracle
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("jax_gpu")]
 
@@ -35,43 +35,35 @@ DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat
 TOLERANCE = oracle.RELATIVE_TOLERANCE
 POSITIONS = {"uniform": (0, 1 << 20), "upper_half": (1 << 19, 1 << 20)}
 TOKENS = 1031
-FP8_SCALES = {"k_quant_scale": 0.75, "v_quant_scale": 150.0}
-
-fused = jax.jit(jr.apply_rope_and_append_kv, static_argnames=("cfg", "layout", "backend"))
 
 
-def _inputs(rng, case: AppendCase, dtype_name: str, where: str = "uniform", tokens: int = TOKENS):
+def _inputs(rng, case: AppendCase, dtype_name: str, where: str = "uniform",
+            tokens: int = TOKENS) -> kv_inputs.Inputs:
+    """numpy inputs of ``tokens`` tokens (positions in the ``where`` window) and a cache of
+    twice as many slots, random old entries."""
     c, dtype = case.case, DTYPES[dtype_name]
     pages = 2 * -(-tokens // case.page_size) + 1
     pos = rng.integers(*POSITIONS[where], (3, tokens)).astype(np.int32)
     slots = rng.permutation(pages * case.page_size)[:tokens].astype(np.int32)
     slots[tokens - case.padding:] = -1
-    rows = (case.page_size, c.k_heads) if case.layout == "NHD" else (c.k_heads, case.page_size)
     cache_dtype = jnp.float8_e4m3fn if case.fp8 else dtype
-    old = tuple(np.asarray(jnp.asarray(rng.standard_normal((pages, *rows, c.head_dim)),
+    old = tuple(np.asarray(jnp.asarray(rng.standard_normal(kv_inputs.cache_shape(case, pages)),
                                        jnp.float32).astype(cache_dtype)) for _ in "kv")
     q, k, v = (np.asarray(jnp.asarray(rng.standard_normal((tokens, h, c.head_dim)), dtype))
                for h in (c.q_heads, c.k_heads, c.k_heads))
-    return dict(q=q, k=k, v=v, pos=pos, slots=slots, old=old, pages=pages,
-                scales=FP8_SCALES if case.fp8 else {})
+    return kv_inputs.Inputs(q, k, v, pos, slots, np.stack(old, axis=1) if case.combined else old,
+                            kv_inputs.FP8_SCALES if case.fp8 else {})
 
 
-def _run(case: AppendCase, x, backend: str):
+def _run(case: AppendCase, x: kv_inputs.Inputs, backend: str):
     """numpy ``(q, k_cache, v_cache)`` of the fused op on device copies of ``x``."""
-    old = tuple(jnp.asarray(c) for c in x["old"])
-    cache = jnp.stack(old, axis=1) if case.combined else old
-    q, kv = fused(jnp.asarray(x["q"]), jnp.asarray(x["k"]), jnp.asarray(x["v"]),
-                  jnp.asarray(x["pos"]), cache, jnp.asarray(x["slots"]), cfg=case.case.cfg,
-                  layout=case.layout, backend=backend, **x["scales"])
-    if case.combined:
-        both = np.asarray(kv)
-        return np.asarray(q), both[:, 0], both[:, 1]
-    return (np.asarray(q), *(np.asarray(c) for c in kv))
+    q, kv = kv_inputs.run(x, case, backend)
+    return (np.asarray(q), *kv_oracle.split(kv))
 
 
-
-def _written(case: AppendCase, x):
-    written, page, entry = kv_oracle.entries(x["slots"], x["pages"], case.page_size)
+def _written(case: AppendCase, x: kv_inputs.Inputs):
+    written, page, entry = kv_oracle.entries(x.slots, len(kv_oracle.split(x.kv_cache)[0]),
+                                             case.page_size)
     return written, page[written], entry[written]
 
 
@@ -83,29 +75,8 @@ def _written(case: AppendCase, x):
 @pytest.mark.parametrize("dtype_name", DTYPES)
 @pytest.mark.parametrize("case", MROPE_APPEND_CASES, ids=lambda c: c.name)
 def test_each_backend_matches_the_oracle(case, dtype_name, where, backend, rng):
-    cfg, r = case.case.cfg, case.case.cfg.rotary_dim
     x = _inputs(rng, case, dtype_name, where)
-    q, k_cache, v_cache = _run(case, x, backend)
-    written, page, entry = _written(case, x)
-    k_rows, v_rows = (kv_oracle.rows(c, case.layout, page, entry) for c in (k_cache, v_cache))
-    np.testing.assert_array_equal(kv_oracle.bits(q)[..., r:], kv_oracle.bits(x["q"])[..., r:])
-    k_want = oracle.rope_of(cfg, x["k"], x["pos"])[written]
-    actual, expected = [q.astype(np.float64).ravel()], [oracle.rope_of(cfg, x["q"], x["pos"]).ravel()]
-    if case.fp8:
-        v_want = kv_oracle.e4m3(x["v"].astype(np.float64)[written] * FP8_SCALES["v_quant_scale"])
-        k_want = kv_oracle.e4m3(k_want * FP8_SCALES["k_quant_scale"])
-        assert kv_oracle.ulps(k_rows, k_want).max(initial=0) <= 1
-        assert kv_oracle.ulps(v_rows, v_want).max(initial=0) <= 1
-    else:
-        np.testing.assert_array_equal(kv_oracle.bits(k_rows)[..., r:], kv_oracle.bits(x["k"][written])[..., r:])
-        np.testing.assert_array_equal(kv_oracle.bits(v_rows), kv_oracle.bits(x["v"][written]))
-        actual.append(k_rows.astype(np.float64).ravel())
-        expected.append(k_want.ravel())
-    error = oracle.relative_error(np.concatenate(actual), np.concatenate(expected))
-    assert error < TOLERANCE[dtype_name], f"relative error {error:.3g}"
-    for label, new, old in zip(("k_cache", "v_cache"), (k_cache, v_cache), x["old"]):
-        kv_oracle.assert_untouched(label, new, old,
-                                   kv_oracle.written_mask(new.shape, case.layout, page, entry))
+    kv_inputs.check_against_oracle(case, x, kv_inputs.run(x, case, backend), TOLERANCE[dtype_name])
 
 
 @pytest.mark.parametrize("case", [c for c in MROPE_APPEND_CASES if not c.fp8],
@@ -113,7 +84,7 @@ def test_each_backend_matches_the_oracle(case, dtype_name, where, backend, rng):
 def test_the_cache_holds_what_apply_rope_returns_for_k(case, rng):
     x = _inputs(rng, case, "bfloat16")
     q, k_cache, _ = _run(case, x, "pallas")
-    q_rope, k_rope = jr.apply_rope(jnp.asarray(x["q"]), jnp.asarray(x["k"]), jnp.asarray(x["pos"]),
+    q_rope, k_rope = jr.apply_rope(jnp.asarray(x.q), jnp.asarray(x.k), jnp.asarray(x.pos),
                                    case.case.cfg, backend="pallas")
     written, page, entry = _written(case, x)
     assert kv_oracle.ulps(q, np.asarray(q_rope)).max() <= 1
@@ -126,8 +97,8 @@ def test_q_and_the_cache_are_rewritten_in_place_when_donated(rng):
     x = _inputs(rng, case, "bfloat16", tokens=64)
     step = jax.jit(jr.apply_rope_and_append_kv, static_argnames=("cfg", "backend"),
                    donate_argnums=(0, 4))
-    q, cache = jnp.asarray(x["q"]), tuple(jnp.asarray(c) for c in x["old"])
+    q, cache = jnp.asarray(x.q), tuple(jnp.asarray(c) for c in x.kv_cache)
     pointers = [a.unsafe_buffer_pointer() for a in (q, *cache)]
-    q2, cache2 = step(q, jnp.asarray(x["k"]), jnp.asarray(x["v"]), jnp.asarray(x["pos"]), cache,
-                      jnp.asarray(x["slots"]), cfg=case.case.cfg, backend="pallas")
+    q2, cache2 = step(q, jnp.asarray(x.k), jnp.asarray(x.v), jnp.asarray(x.pos), cache,
+                      jnp.asarray(x.slots), cfg=case.case.cfg, backend="pallas")
     assert [a.unsafe_buffer_pointer() for a in (q2, *cache2)] == pointers
