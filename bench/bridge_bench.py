@@ -197,9 +197,9 @@ def _alternating(cases: Dict[str, tuple], iters: int, warmup: int,
 
 def host_reference_us() -> float:
     """Median us of a fixed pure-Python loop: the host's own speed at that moment. On the
-    H200's VM it reads 6.1-6.6 us at full speed and 10.4-14.4 us when the host runs at
-    half speed (2026-12-01, bench/RESULTS.md); plan + commit then slows by less (decode
-    1.3-1.8x), its numpy and driver calls less than this bytecode."""
+    H200's VM it reads about 6 us at full speed and 11-22 us when the host runs slow
+    (2026-12-01, bench/RESULTS.md); plan + commit then slows by less, its numpy and
+    driver calls less than this bytecode."""
     spans = []
     for _ in range(16):
         t0 = time.perf_counter()

@@ -56,7 +56,8 @@ _MIN_PROGRAMS = 264
 _GROUP_ELEMENTS = 128
 # Elements of one program's half-block (2 KB of bf16 read).
 _PROGRAM_ELEMENTS = 512
-_Block = TypeVar("_Block")
+
+_Block = TypeVar("_Block")   # a kernel's launch-shape dataclass (shrink_to_fill)
 
 
 def next_pow2(n: int) -> int:
