@@ -38,7 +38,6 @@ def _qk(rng, tokens, q_heads, k_heads, head_dim, dtype):
     return jnp.asarray(q, dtype), jnp.asarray(k, dtype)
 
 
-
 def _bits(x):
     x = np.asarray(x)
     return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
