@@ -5,8 +5,8 @@ static, so they are checked always, under ``jax.jit`` too; its values only where
 are concrete (outside ``jax.jit``), compared at their own width before any cast, so a
 value that does not fit int32 is refused instead of wrapping. Python lists and tuples
 of ints are accepted (numpy arrays then). Messages name the argument and the value:
-``TypeError`` for a type or dtype (bool and float are no integer dtype), ``ValueError``
-for a shape or a value.
+``TypeError`` for what is no array, ``ValueError`` for a dtype (bool and float are no
+integer dtype), a shape or a value, as :func:`jaxrope.apply_rope` does.
 
 Example:
   >>> import numpy as np
@@ -51,7 +51,7 @@ def ints(name: str, x, ndims: Tuple[int, ...] = (1,)) -> Union[np.ndarray, jax.A
         raise TypeError(f"{name} must be an integer array or a list of ints, "
                         f"not {type(x).__name__}")
     if not np.issubdtype(x.dtype, np.integer):  # bool is no np.integer
-        raise TypeError(f"{name}.dtype={x.dtype} must be an integer dtype (int32)")
+        raise ValueError(f"{name}.dtype={x.dtype} must be an integer dtype (int32)")
     if x.ndim not in ndims:
         raise ValueError(f"{name}.shape={tuple(x.shape)} must have "
                          f"{' or '.join(map(str, ndims))} dims")

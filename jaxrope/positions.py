@@ -19,8 +19,9 @@ the end however far the table grows: a PAD entry reads 0, its writes are dropped
 PAD view has count 0. :func:`pad_rows` pads a list of rows to a bucket.
 
 **What is checked.** Every function checks what its arguments show and raises
-``TypeError`` (not a table, not an integer array: bool and float refused) or
-``ValueError`` naming the argument and its value. Always, also under ``jax.jit``
+``TypeError`` (not a table, not an array or list) or ``ValueError`` (a dtype other
+than an integer one, bool and float refused; a shape; a value) naming the argument
+and its value. Always, also under ``jax.jit``
 (these are static): types, ranks, integer dtypes, matching lengths. Python lists and
 tuples of ints are accepted and converted to int32. Concrete values (every value
 outside ``jax.jit``; a constant inside it), at their own width before the int32
