@@ -1,59 +1,108 @@
 """Position counters as an immutable pytree, and the pure transitions a serving engine needs.
 
-A *stream* is one (request, label) pair; each gets a *slot*, an index into
-``PositionTable.counters``, whose value is the stream's next position. Every
-transition takes and returns a table, has static shapes and runs under ``jax.jit``.
+A *stream* is one (request, label) pair; it owns one *row* of a :class:`PositionTable`,
+and ``counters[row]`` is its next position. Every transition takes and returns a table,
+has static shapes and runs under ``jax.jit``.
 
-Variable-length inputs (the views of a step, the forks, the admitted streams) are
-padded to a bucket. One convention: any slot outside ``[0, capacity)`` is padding; it
-reads as zero and its writes are dropped. :data:`PAD` (the largest int32) is the
-padding slot to use: it stays padding when the table grows (see :func:`pad_slots`).
+The step arrays, one name each:
 
-The map from (request_id, label) to slot is host-side state and lives in
-:class:`SlotMap`, outside the pytree.
+- ``rows``: int ``[V]``, table rows, the stream each entry is about (:class:`SlotMap`
+  hands them out). A KV-cache address is a *slot* (vLLM's ``slot_mapping``,
+  ``slots`` of :func:`jaxrope.apply_rope_and_append_kv`), never a row.
+- ``counts``: int ``[V]``, each view's tokens: what :func:`plan` numbers and what
+  :func:`commit` adds, the same array for both.
+- ``out``: int32 ``[N]`` (or ``[3, N]`` for M-RoPE), the buffer :func:`plan` fills.
+
+**Padding.** Variable-length inputs (a step's views, the forks, the admitted streams)
+are padded to a bucket with the row :data:`PAD`, the largest int32, which stays past
+the end however far the table grows: a PAD entry reads 0, its writes are dropped, and a
+PAD view has count 0. :func:`pad_rows` pads a list of rows to a bucket.
+
+**What is checked.** Every function checks what its arguments show and raises
+``TypeError`` (not a table, not an array or list) or ``ValueError`` (a dtype other
+than an integer one, bool and float refused; a shape; a value) naming the argument
+and its value. Always, also under ``jax.jit``
+(these are static): types, ranks, integer dtypes, matching lengths. Python lists and
+tuples of ints are accepted and converted to int32. Concrete values (every value
+outside ``jax.jit``; a constant inside it), at their own width before the int32
+cast: every row in ``[0, capacity)`` or PAD; counts, amounts, positions and epochs in
+``[0, 2**31)``, deltas and depths int32; a PAD view with count 0; :func:`plan`'s
+``sum(counts)`` at most ``out``'s length; no counter carried past ``2**31 - 1`` by
+:func:`commit` or :func:`advance`; each row once in :func:`admit` and
+:func:`rollback`. Traced values (a jitted function's arguments) are not checked, and
+then: a row outside ``[0, capacity)`` acts as PAD (a row past a table that was not
+grown is silently dropped), tokens past ``out``'s length are not planned while
+:func:`commit` still adds the whole count, a negative count or amount moves a counter
+back, a counter carried past ``2**31 - 1`` wraps, and for a row repeated in
+:func:`admit` or :func:`rollback` one unspecified entry wins.
+
+The map from (request_id, label) to row is host-side state and lives in
+:class:`SlotMap`, outside the pytree. It doubles its capacity when a new stream finds no
+free row; the table follows with :func:`grow` (a no-op while the capacities agree; a
+jitted step compiles once per capacity), and :func:`reset` takes what
+:meth:`SlotMap.release` returns.
 
 Example:
   >>> import jax.numpy as jnp
   >>> from jaxrope import positions
   >>> table = positions.init(4)
-  >>> slots = jnp.array([2, 0], jnp.int32)  # two streams, 3 and 2 tokens this step
+  >>> rows = jnp.array([2, 0], jnp.int32)  # two streams, 3 and 2 tokens this step
   >>> counts = jnp.array([3, 2], jnp.int32)
-  >>> positions.plan(table, slots, counts, jnp.full((6,), -1, jnp.int32)).tolist()
+  >>> positions.plan(table, rows, counts, jnp.full((6,), -1, jnp.int32)).tolist()
   [0, 1, 2, 0, 1, -1]
-  >>> table = positions.commit(table, slots, counts)
+  >>> table = positions.commit(table, rows, counts)
   >>> table.counters.tolist()
   [2, 0, 3, 0]
-  >>> padded = positions.pad_slots([2, 0], 4)
+  >>> padded = positions.pad_rows([2, 0], 4)
   >>> padded.tolist() == [2, 0, positions.PAD, positions.PAD]
   True
-  >>> positions.read(table, jnp.asarray(padded)).tolist()
+  >>> positions.read(table, padded).tolist()
   [3, 2, 0, 0]
+  >>> slot_map = positions.SlotMap(capacity=4)
+  >>> [slot_map.acquire(rid, "text") for rid in "abcde"]
+  [0, 1, 2, 3, 4]
+  >>> table = positions.grow(table, slot_map.capacity)  # the map doubled: 8 rows
+  >>> table = positions.commit(table, [4], [7])
+  >>> table = positions.reset(table, slot_map.release("c"))  # c's row 2 starts afresh
+  >>> table.counters.tolist()
+  [2, 0, 0, 0, 7, 0, 0, 0]
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxrope import sharding as _sharding
+from jaxrope.int_arrays import INT32 as _INT32
+from jaxrope.int_arrays import IntArray
+from jaxrope.int_arrays import as_int32 as _int32
+from jaxrope.int_arrays import host as _host
+from jaxrope.int_arrays import in_range as _in_range
+from jaxrope.int_arrays import ints as _ints
+from jaxrope.int_arrays import values as _values
+from jaxrope.numbers import as_int
+from jaxrope.slot_map import SlotMap
 
-# The padding slot: out of range for every table, however far it grows.
-PAD = int(np.iinfo(np.int32).max)
-# Negative slots are padding too (numpy-style wrapping would make -1 the last slot).
+# The padding row: out of range for every table, however far it grows.
+PAD = int(_INT32.max)
+# Negative rows act as padding under jit too (numpy-style wrapping would make -1 the
+# last row).
 _NO_WRAP = {"wrap_negative_indices": False}
+_COLUMNS = ("counters", "deltas", "epochs")
 
 
 class Scheme(enum.Enum):
     """How a view's tokens are numbered.
 
-    SEQUENTIAL: ``counter + arange(n)``, and commit adds the span.
+    SEQUENTIAL: ``counter + arange(n)``, and commit adds the count.
     BLOCK: all ``n`` tokens share ``counter``, and commit adds ``block_step`` for a
-    non-empty segment (block diffusion, parallel decoding of one block).
+    non-empty view (block diffusion, parallel decoding of one block).
 
     Example:
       >>> import jax.numpy as jnp
@@ -83,7 +132,7 @@ def _scheme(scheme) -> Scheme:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PositionTable:
-    """Every stream's record, one slot each: int32 ``[capacity]`` columns.
+    """Every stream's record, one row each: int32 ``[capacity]`` columns.
 
     - ``counters``: the next position;
     - ``deltas``: the M-RoPE position delta (a decode token of an M-RoPE stream sits at
@@ -113,67 +162,153 @@ class PositionTable:
 
     @property
     def capacity(self) -> int:
-        """Number of slots, ``counters.shape[0]``."""
+        """Number of rows, ``counters.shape[0]``."""
         return self.counters.shape[0]
 
 
+# -- argument checks: static facts always, values when concrete ---------------------
+
+
+def _table(table) -> None:
+    if not isinstance(table, PositionTable):
+        raise TypeError(f"table must be a PositionTable, not {type(table).__name__}")
+
+
+def _rows(name: str, rows, table: PositionTable, *, distinct: bool = False) -> jax.Array:
+    """Rows of ``table`` (or PAD), as int32; ``distinct``: each live row once."""
+    rows = _ints(name, rows)
+    values = _host(rows)
+    if values is not None:
+        bad = np.flatnonzero(((values < 0) | (values >= table.capacity)) & (values != PAD))
+        if bad.size:
+            row = values[bad[0]]
+            grown = ("; after SlotMap grew, positions.grow(table, slot_map.capacity)"
+                     if row >= table.capacity else "")
+            raise ValueError(f"{name}[{bad[0]}]={row} is no row of the table (rows "
+                             f"[0, {table.capacity}), or PAD={PAD} for padding){grown}")
+        live, repeats = np.unique(values[values != PAD], return_counts=True)
+        if distinct and (repeats > 1).any():
+            raise ValueError(f"{name} holds row {live[repeats > 1][0]} more than once "
+                             f"(one entry per stream): {values.tolist()}")
+    return _int32(rows)
+
+
+def _no_overflow(name: str, table: PositionTable, rows: jax.Array, amounts: jax.Array) -> None:
+    """Concrete counters plus ``amounts`` at ``rows`` stay within int32."""
+    counters, rows, amounts = _host(table.counters), _host(rows), _host(amounts)
+    if counters is None or rows is None or amounts is None:
+        return
+    live = rows != PAD
+    after = counters.astype(np.int64)
+    np.add.at(after, rows[live], amounts[live].astype(np.int64))
+    if (after > _INT32.max).any():
+        row = int(np.flatnonzero(after > _INT32.max)[0])
+        raise ValueError(f"{name} would carry row {row} from {counters[row]} to {after[row]}, "
+                         f"past the int32 counters' {_INT32.max}")
+
+
+# -- the transitions ------------------------------------------------------------------
+
+
 def init(capacity: int) -> PositionTable:
-    """A table of ``capacity`` slots, all at position 0."""
-    if not isinstance(capacity, int) or capacity <= 0:
+    """A table of ``capacity`` rows, all at position 0."""
+    if as_int(capacity, "capacity") <= 0:
         raise ValueError(f"capacity={capacity!r} must be a positive int")
     return PositionTable(jnp.zeros((capacity,), jnp.int32))
 
 
 def grow(table: PositionTable, capacity: int) -> PositionTable:
-    """The same records in a larger table; new slots start at 0."""
-    if capacity < table.capacity:
+    """The same records in a table of ``capacity`` rows; new rows start at 0.
+
+    ``table`` itself when it already has ``capacity`` rows, so a serving loop calls
+    ``grow(table, slot_map.capacity)`` after each :meth:`SlotMap.acquire` and the table
+    changes shape (a jitted step compiles anew) only when the map doubled.
+    """
+    _table(table)
+    if as_int(capacity, "capacity") < table.capacity:
         raise ValueError(f"capacity={capacity} must be >= current capacity {table.capacity}")
+    if capacity == table.capacity:
+        return table
     return jax.tree.map(lambda column: jnp.pad(column, (0, capacity - table.capacity)), table)
 
 
-def pad_slots(slots: Sequence[int], size: int) -> np.ndarray:
-    """int32 ``[size]``: ``slots`` followed by the padding slot :data:`PAD`."""
-    if len(slots) > size:
-        raise ValueError(f"{len(slots)} entries do not fit the bucket of {size=}")
+def pad_rows(rows: Sequence[int], size: int) -> np.ndarray:
+    """int32 ``[size]``: ``rows`` followed by the padding row :data:`PAD`."""
+    if as_int(size, "size") < 0:
+        raise ValueError(f"size={size!r} must be >= 0")
+    rows = _ints("rows", list(rows))
+    if len(rows) > size:
+        raise ValueError(f"{len(rows)} entries do not fit the bucket of {size=}")
+    _in_range("rows", rows, 0, PAD)
     out = np.full((size,), PAD, np.int32)
-    out[:len(slots)] = slots
+    out[:len(rows)] = rows
     return out
 
 
-def read(table: PositionTable, slots: jax.Array, column: str = "counters") -> jax.Array:
-    """int32 values of one column (default the counters) at ``slots``; padding reads 0."""
-    return getattr(table, column).at[slots].get(mode="fill", fill_value=0, **_NO_WRAP)
+def _read(table: PositionTable, rows: jax.Array, column: str = "counters") -> jax.Array:
+    return getattr(table, column).at[rows].get(mode="fill", fill_value=0, **_NO_WRAP)
 
 
-def _set(column: jax.Array, slots: jax.Array, values) -> jax.Array:
-    return column.at[slots].set(values, mode="drop", **_NO_WRAP)
+def read(table: PositionTable, rows: IntArray, column: str = "counters") -> jax.Array:
+    """int32 values of one column (default the counters) at ``rows``; PAD reads 0."""
+    _table(table)
+    if column not in _COLUMNS:
+        raise ValueError(f"column={column!r} must be one of {_COLUMNS}")
+    return _read(table, _rows("rows", rows, table), column)
 
 
-def plan(table: PositionTable, slots: jax.Array, counts: jax.Array, out: jax.Array, *,
-         scheme: Scheme = Scheme.SEQUENTIAL, depths: Optional[jax.Array] = None) -> jax.Array:
+def _set(column: jax.Array, rows: jax.Array, values) -> jax.Array:
+    return column.at[rows].set(values, mode="drop", **_NO_WRAP)
+
+
+def plan(table: PositionTable, rows: IntArray, counts: IntArray, out: IntArray, *,
+         scheme: Scheme = Scheme.SEQUENTIAL, depths: Optional[IntArray] = None) -> jax.Array:
     """Position ids for an ordered list of views, written over ``out``.
 
     Args:
       table: the streams.
-      slots: int32 ``[V]``, the stream of each view, in token order (padding slots,
-        outside ``[0, capacity)``, read 0).
-      counts: int32 ``[V]``, the number of tokens of each view (0 for padding).
+      rows: int ``[V]``, the stream of each view, in token order (PAD for padding).
+      counts: int ``[V]``, the number of tokens of each view (0 for padding); the
+        same array then goes to :func:`commit`.
       out: int32 ``[N]``, or ``[3, N]`` for M-RoPE positions (rows t, h, w); tokens
         ``[sum(counts), N)`` keep these values (CUDA-graph buffers keep their tail),
         tokens before take the planned positions.
       scheme: SEQUENTIAL numbers view ``v``'s tokens ``counter[v] + arange(counts[v])``;
         BLOCK gives them all ``counter[v]``. M-RoPE adds the stream's delta, the same
         on all three rows (text after the prompt advances every row together).
-      depths: int32 ``[N]`` or None (default): token ``t`` at ``counter + depths[t]``
+      depths: int ``[N]`` or None (default): token ``t`` at ``counter + depths[t]``
         instead of the scheme's numbering (a draft tree's tokens sit at the counter
         plus their depth: :mod:`jaxrope.speculative`); entries past ``sum(counts)``
         are ignored.
 
     Returns:
       int32, ``out``'s shape.
+
+    Raises:
+      TypeError, ValueError: as the module docstring lists; outside ``jax.jit`` also
+        ``sum(counts)`` past ``N`` and a PAD view with tokens.
     """
+    _table(table)
     sequential = _scheme(scheme) is Scheme.SEQUENTIAL
-    counts = counts.astype(jnp.int32)
+    rows = _rows("rows", rows, table)
+    counts = _values("counts", counts, length=rows.shape[0])
+    out = _ints("out", out, (1, 2))
+    if out.ndim == 2 and out.shape[0] != 3:
+        raise ValueError(f"out.shape={tuple(out.shape)} must be [N] or [3, N] (M-RoPE)")
+    _in_range("out", out, _INT32.min, _INT32.max)
+    out = _int32(out)
+    if depths is not None:
+        depths = _values("depths", depths, _INT32.min, _INT32.max, out.shape[-1],
+                         "out.shape[-1]")
+    host_rows, host_counts = _host(rows), _host(counts)
+    if host_counts is not None and host_counts.sum() > out.shape[-1]:
+        raise ValueError(f"counts={host_counts.tolist()} plan {host_counts.sum()} tokens, "
+                         f"more than out's {out.shape[-1]} (out.shape={tuple(out.shape)})")
+    if host_rows is not None and host_counts is not None:
+        empty = np.flatnonzero((host_rows == PAD) & (host_counts > 0))
+        if empty.size:
+            raise ValueError(f"counts[{empty[0]}]={host_counts[empty[0]]} for a PAD view: "
+                             f"a padding view has 0 tokens")
     ends = jnp.cumsum(counts)
     starts = ends - counts
     token = jnp.arange(out.shape[-1], dtype=jnp.int32)
@@ -183,204 +318,151 @@ def plan(table: PositionTable, slots: jax.Array, counts: jax.Array, out: jax.Arr
     marks = jnp.zeros_like(token).at[starts].max(jnp.arange(counts.shape[0], dtype=jnp.int32),
                                                  mode="drop")
     view = jax.lax.cummax(marks, axis=0)
-    base = read(table, slots)
+    base = _read(table, rows)
     if out.ndim == 2:
-        base = base + read(table, slots, "deltas")
+        base = base + _read(table, rows, "deltas")
     base = base[view]
     if depths is not None:
-        base = base + depths.astype(jnp.int32)
+        base = base + depths
     elif sequential:
         base = base + token - starts[view]
     live = token < ends[-1] if counts.shape[0] else jnp.zeros_like(token, bool)
     base, live = jnp.broadcast_to(base, out.shape), jnp.broadcast_to(live, out.shape)
     # Every device numbers the whole step; a sharded `out` keeps its own slice.
     base, live = _sharding.like(out, base, live)
-    return jnp.where(live, base, out.astype(jnp.int32))
+    return jnp.where(live, base, out)
 
 
-def commit(table: PositionTable, slots: jax.Array, spans: jax.Array, *,
+def commit(table: PositionTable, rows: IntArray, counts: IntArray, *,
            scheme: Scheme = Scheme.SEQUENTIAL, block_step: int = 1) -> PositionTable:
-    """Advance each segment's stream by what the step consumed.
+    """Advance each view's stream by what the step consumed: the ``rows`` and ``counts``
+    given to :func:`plan`.
 
-    SEQUENTIAL adds the span; BLOCK adds ``block_step`` for each non-empty segment.
-    Several segments of one stream add up.
+    SEQUENTIAL adds the count; BLOCK adds ``block_step`` for each non-empty view.
+    Several views of one stream add up.
     """
-    spans = spans.astype(jnp.int32)
-    if _scheme(scheme) is Scheme.BLOCK:
-        spans = jnp.where(spans > 0, jnp.int32(block_step), 0)
-    return advance(table, slots, spans)
+    _table(table)
+    block = _scheme(scheme) is Scheme.BLOCK
+    if not isinstance(block_step, jax.core.Tracer) and not (
+            1 <= as_int(block_step, "block_step") <= _INT32.max):
+        raise ValueError(f"block_step={block_step!r} must lie in [1, {_INT32.max}]")
+    rows = _rows("rows", rows, table)
+    counts = _values("counts", counts, length=rows.shape[0])
+    if block:
+        counts = jnp.where(counts > 0, jnp.int32(block_step), 0)
+    _no_overflow("counts", table, rows, counts)
+    return _advance(table, rows, counts)
 
 
-def advance(table: PositionTable, slots: jax.Array, amounts: jax.Array) -> PositionTable:
-    """Add explicit ``amounts`` to the counters at ``slots`` (a step's explicit advance)."""
-    counters = table.counters.at[slots].add(amounts.astype(jnp.int32), mode="drop", **_NO_WRAP)
+def _advance(table: PositionTable, rows: jax.Array, amounts: jax.Array) -> PositionTable:
+    counters = table.counters.at[rows].add(amounts, mode="drop", **_NO_WRAP)
     return dataclasses.replace(table, counters=counters)
 
 
-def fork(table: PositionTable, src_slots: jax.Array, dst_slots: jax.Array) -> PositionTable:
+def advance(table: PositionTable, rows: IntArray, amounts: IntArray) -> PositionTable:
+    """Add explicit ``amounts`` (int ``[V]``, >= 0) to the counters at ``rows`` (a step's
+    explicit advance)."""
+    _table(table)
+    rows = _rows("rows", rows, table)
+    amounts = _values("amounts", amounts, length=rows.shape[0])
+    _no_overflow("amounts", table, rows, amounts)
+    return _advance(table, rows, amounts)
+
+
+def fork(table: PositionTable, src_rows: IntArray, dst_rows: IntArray) -> PositionTable:
     """Copy counters and deltas ``src -> dst`` pairwise (a CFG branch starting where its
     parent is, on the parent's M-RoPE layout). Epochs stay: a fork publishes nothing.
 
     All sources are read before any destination is written.
     """
+    _table(table)
+    src_rows = _rows("src_rows", src_rows, table)
+    dst_rows = _rows("dst_rows", dst_rows, table)
+    if src_rows.shape != dst_rows.shape:
+        raise ValueError(f"dst_rows.shape={tuple(dst_rows.shape)} must match "
+                         f"src_rows.shape={tuple(src_rows.shape)}")
     return dataclasses.replace(
-        table, counters=_set(table.counters, dst_slots, read(table, src_slots)),
-        deltas=_set(table.deltas, dst_slots, read(table, src_slots, "deltas")))
+        table, counters=_set(table.counters, dst_rows, _read(table, src_rows)),
+        deltas=_set(table.deltas, dst_rows, _read(table, src_rows, "deltas")))
 
 
-def raise_to(table: PositionTable, slots: jax.Array, positions: jax.Array) -> PositionTable:
+def raise_to(table: PositionTable, rows: IntArray, positions: IntArray) -> PositionTable:
     """``counter = max(counter, position)``: monotonic and idempotent.
 
-    This is both *admit* (take on published counters; a stale echo never rewinds) and
-    *cached prefix* (move past what the cache holds; the position is absolute, so a
-    repeated probe moves nothing).
+    A cached prefix moves a stream past what the cache holds (the position is
+    absolute, so a repeated probe moves nothing); a position given when a request is
+    ingested takes effect the same way. Published records go through :func:`admit`.
     """
-    counters = table.counters.at[slots].max(positions.astype(jnp.int32), mode="drop", **_NO_WRAP)
+    _table(table)
+    rows = _rows("rows", rows, table)
+    positions = _values("positions", positions, length=rows.shape[0])
+    counters = table.counters.at[rows].max(positions, mode="drop", **_NO_WRAP)
     return dataclasses.replace(table, counters=counters)
 
 
-def admit(table: PositionTable, slots: jax.Array, positions: jax.Array, deltas: jax.Array,
-          epochs: jax.Array) -> PositionTable:
+def admit(table: PositionTable, rows: IntArray, positions: IntArray, deltas: IntArray,
+          epochs: IntArray) -> PositionTable:
     """Take on published records ``(position, delta, epoch)`` in epoch order.
 
     A newer epoch wins even with a lower position (the publisher rolled back: drafts it
     had published were rejected); within an epoch the larger position wins, so a stale
     echo of this node's own publication never rewinds (the seed's monotonic admit); an
-    older epoch changes nothing. The delta comes with the position that wins. ``slots``
+    older epoch changes nothing. The delta comes with the position that wins. ``rows``
     must be distinct.
 
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxrope import positions
       >>> table = positions.PositionTable(jnp.array([9, 9, 9], jnp.int32))
-      >>> s = jnp.array([0, 1, 2], jnp.int32)
-      >>> out = positions.admit(table, s, jnp.array([5, 12, 4], jnp.int32),
+      >>> rows = jnp.array([0, 1, 2], jnp.int32)
+      >>> out = positions.admit(table, rows, jnp.array([5, 12, 4], jnp.int32),
       ...                       jnp.array([-2, -3, -4], jnp.int32), jnp.array([0, 0, 1], jnp.int32))
       >>> out.counters.tolist(), out.deltas.tolist(), out.epochs.tolist()
       ([9, 12, 4], [0, -3, -4], [0, 0, 1])
     """
-    positions, deltas, epochs = (x.astype(jnp.int32) for x in (positions, deltas, epochs))
-    counter, delta, epoch = (read(table, slots, c) for c in ("counters", "deltas", "epochs"))
+    _table(table)
+    rows = _rows("rows", rows, table, distinct=True)
+    positions = _values("positions", positions, length=rows.shape[0])
+    deltas = _values("deltas", deltas, _INT32.min, _INT32.max, rows.shape[0])
+    epochs = _values("epochs", epochs, length=rows.shape[0])
+    counter, delta, epoch = (_read(table, rows, c) for c in _COLUMNS)
     newer = epochs > epoch
     take = newer | ((epochs == epoch) & (positions > counter))
-    return PositionTable(_set(table.counters, slots, jnp.where(take, positions, counter)),
-                         _set(table.deltas, slots, jnp.where(take, deltas, delta)),
-                         _set(table.epochs, slots, jnp.where(newer, epochs, epoch)))
+    return PositionTable(_set(table.counters, rows, jnp.where(take, positions, counter)),
+                         _set(table.deltas, rows, jnp.where(take, deltas, delta)),
+                         _set(table.epochs, rows, jnp.where(newer, epochs, epoch)))
 
 
-def set_deltas(table: PositionTable, slots: jax.Array, deltas: jax.Array) -> PositionTable:
-    """Set the M-RoPE deltas at ``slots`` (once a prompt's layout is known)."""
-    return dataclasses.replace(table, deltas=_set(table.deltas, slots, deltas.astype(jnp.int32)))
+def set_deltas(table: PositionTable, rows: IntArray, deltas: IntArray) -> PositionTable:
+    """Set the M-RoPE deltas at ``rows`` (once a prompt's layout is known)."""
+    _table(table)
+    rows = _rows("rows", rows, table)
+    deltas = _values("deltas", deltas, _INT32.min, _INT32.max, rows.shape[0])
+    return dataclasses.replace(table, deltas=_set(table.deltas, rows, deltas))
 
 
-def rollback(table: PositionTable, slots: jax.Array, positions: jax.Array) -> PositionTable:
+def rollback(table: PositionTable, rows: IntArray, positions: IntArray) -> PositionTable:
     """``counter = min(counter, position)``: undo tokens past ``position`` (rejected drafts).
 
     A counter that moves back starts a new publish epoch (see :func:`admit`); one that
     stays keeps its epoch, so a rollback to where a stream already is changes nothing.
-    ``slots`` must be distinct.
+    ``rows`` must be distinct.
     """
-    counter, epoch = read(table, slots), read(table, slots, "epochs")
-    target = jnp.minimum(counter, positions.astype(jnp.int32))
+    _table(table)
+    rows = _rows("rows", rows, table, distinct=True)
+    positions = _values("positions", positions, length=rows.shape[0])
+    counter, epoch = _read(table, rows), _read(table, rows, "epochs")
+    target = jnp.minimum(counter, positions)
     return dataclasses.replace(
-        table, counters=_set(table.counters, slots, target),
-        epochs=_set(table.epochs, slots, epoch + (target < counter).astype(jnp.int32)))
+        table, counters=_set(table.counters, rows, target),
+        epochs=_set(table.epochs, rows, epoch + (target < counter).astype(jnp.int32)))
 
 
-def reset(table: PositionTable, slots: jax.Array) -> PositionTable:
-    """Every column at ``slots`` to 0 (a freed or reset stream starts afresh)."""
-    return jax.tree.map(lambda column: _set(column, slots, 0), table)
+def reset(table: PositionTable, rows: IntArray) -> PositionTable:
+    """Every column at ``rows`` to 0: a freed or reset stream starts afresh.
 
-
-class SlotMap:
-    """Host-side map ``(request_id, label) -> slot`` with a free list.
-
-    Slots are reused after :meth:`release`; when none is free the capacity doubles
-    and the caller grows its table to :attr:`capacity` (:func:`grow`). The one map a
-    host keeps: :meth:`lookup` turns a step's streams into a slot array in one pass.
-
-    Args:
-      capacity: initial number of slots, a positive int (default 64).
-
-    Attributes:
-      capacity: current number of slots (doubles when a new stream finds none free).
-      peak: the most slots ever in use at once.
-
-    Raises:
-      ValueError: ``capacity`` is not a positive int.
-
-    Example:
-      >>> slots = SlotMap(capacity=2)
-      >>> slots.acquire("r0", "text"), slots.acquire("r0", "image"), slots.acquire("r1", "text")
-      (0, 1, 2)
-      >>> slots.capacity, slots.find("r1", "text"), slots.requests()
-      (4, 2, ['r0', 'r1'])
-      >>> slots.lookup(["r1", "r0"], ["text", "image"]).tolist()
-      [2, 1]
-      >>> slots.release("r0"), len(slots), slots.peak
-      ([0, 1], 1, 3)
+    ``rows`` may be what :meth:`SlotMap.release` returns (a list, possibly empty).
     """
-
-    def __init__(self, capacity: int = 64):
-        if not isinstance(capacity, int) or capacity <= 0:
-            raise ValueError(f"capacity={capacity!r} must be a positive int")
-        self._slot_of: Dict[Tuple[Hashable, Hashable], int] = {}
-        self._by_rid: Dict[Hashable, Dict[Hashable, int]] = {}
-        self._free: List[int] = list(range(capacity - 1, -1, -1))
-        self.capacity = capacity
-        self.peak = 0
-
-    def __len__(self) -> int:
-        """Slots in use."""
-        return len(self._slot_of)
-
-    def __contains__(self, rid: Hashable) -> bool:
-        """Whether ``rid`` holds a slot."""
-        return rid in self._by_rid
-
-    def find(self, rid: Hashable, label: Hashable) -> Optional[int]:
-        """The stream's slot, or None."""
-        return self._slot_of.get((rid, label))
-
-    def lookup(self, rids: Sequence[Hashable], labels: Sequence[Hashable]) -> np.ndarray:
-        """int64 slots of the streams ``zip(rids, labels)``.
-
-        Raises:
-          KeyError: a stream holds no slot (the caller names it).
-        """
-        return np.fromiter(map(self._slot_of.__getitem__, zip(rids, labels)), np.int64,
-                           len(rids))
-
-    def acquire(self, rid: Hashable, label: Hashable) -> int:
-        """The stream's slot, taking a free one (growing if needed) for a new stream."""
-        slot = self._slot_of.get((rid, label))
-        if slot is not None:
-            return slot
-        if not self._free:
-            self._free = list(range(2 * self.capacity - 1, self.capacity - 1, -1))
-            self.capacity *= 2
-        slot = self._slot_of[rid, label] = self._free.pop()
-        self._by_rid.setdefault(rid, {})[label] = slot
-        self.peak = max(self.peak, len(self._slot_of))
-        return slot
-
-    def labels(self, rid: Hashable) -> Dict[Hashable, int]:
-        """``{label: slot}`` of one request (a copy)."""
-        return dict(self._by_rid.get(rid, {}))
-
-    def requests(self) -> List[Hashable]:
-        """Request ids holding at least one slot, in order of their first :meth:`acquire`."""
-        return list(self._by_rid)
-
-    def free_slots(self) -> Tuple[int, ...]:
-        """The free list, next slot to be taken last."""
-        return tuple(self._free)
-
-    def release(self, rid: Hashable) -> List[int]:
-        """Free every slot of ``rid``; returns them (the caller resets their counters)."""
-        labels = self._by_rid.pop(rid, {})
-        for label in labels:
-            del self._slot_of[rid, label]
-        freed = list(labels.values())
-        self._free.extend(sorted(freed, reverse=True))
-        return freed
+    _table(table)
+    rows = _rows("rows", rows, table)
+    return jax.tree.map(lambda column: _set(column, rows, 0), table)

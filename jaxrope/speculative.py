@@ -38,8 +38,8 @@ the drafter's KV slots from row 0 (``counter + delta``, lower than the index onc
 prompt has images) and #54519 took them from ``seq_lens - 1``.
 
 Everything here is pure, static-shape and runs under ``jax.jit``; views follow
-:func:`jaxrope.positions.plan` (padding slots outside ``[0, capacity)``, tokens past the
-live ones keep ``out``'s values).
+:func:`jaxrope.positions.plan` (its table rows, padded with ``positions.PAD``; tokens
+past the live ones keep ``out``'s values).
 
 Example (one stream at 7, a tree of depths ``[0, 1, 1, 2]``; one draft accepted):
   >>> import jax.numpy as jnp
@@ -83,8 +83,8 @@ def plan_chain(table: PositionTable, slots: jax.Array, drafts: jax.Array,
 
     Args:
       table: the streams.
-      slots: int32 ``[V]``, each view's stream; padding slots (outside
-        ``[0, capacity)``) are views of no token.
+      slots: int32 ``[V]``, each view's table row (:func:`jaxrope.positions.plan`'s
+        ``rows``); a ``positions.PAD`` row is a view of no token.
       drafts: int32 ``[V]``, the drafts ``k >= 0`` of each view (0: a plain decode).
       out: int32 ``[N]``, or ``[3, N]`` for M-RoPE (the delta on every row); tokens past
         the views' keep its values.

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import pathlib
 import re
@@ -118,3 +119,20 @@ def test_layout_block_names_existing_files():
     for name in re.findall(r"\b([a-z_]+)\b", core):
         if name in ("apply", "backend", "config", "scaling", "frequencies", "positions"):
             assert (ROOT / "jaxrope" / f"{name}.py").is_file(), name
+
+
+def test_readme_lists_every_public_positions_function_with_its_arguments():
+    from jaxrope import positions
+
+    listed = README.split("`jaxrope.positions` (pure transitions")[1].split("```")[0]
+    listed = " ".join(listed.split())  # the prose wraps lines inside a signature
+    functions = {name: obj for name, obj in vars(positions).items()
+                 if not name.startswith("_") and inspect.isfunction(obj)
+                 and obj.__module__ == positions.__name__}
+    assert {"init", "read", "plan", "commit", "admit", "set_deltas", "pad_rows"} <= set(functions)
+    for name, function in functions.items():
+        arguments = [p.name for p in inspect.signature(function).parameters.values()
+                     if p.default is inspect.Parameter.empty]
+        assert f"`{name}({', '.join(arguments)}" in listed, name
+    for name in ("PAD", "Scheme", "PositionTable", "SlotMap"):
+        assert f"`{name}`" in listed, name

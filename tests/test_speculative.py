@@ -62,7 +62,7 @@ def test_a_jitted_draft_loop_never_retraces_for_a_new_step_or_new_counters(rng):
         return speculative.plan_draft(table, slots, counts, out, step=step, max_seq_len=64)
 
     draft = jax.jit(draft)
-    slots, counts = jnp.asarray(positions.pad_slots([0, 2], 4)), jnp.array([1, 1, 0, 0], jnp.int32)
+    slots, counts = jnp.asarray(positions.pad_rows([0, 2], 4)), jnp.array([1, 1, 0, 0], jnp.int32)
     for step in range(1, 6):
         table = _table(rng.integers(0, 64, 3))
         pos, live = draft(table, slots, counts, jnp.full(3, -1, jnp.int32), step)
@@ -88,7 +88,7 @@ def test_tree_depths_of_a_deep_chain_need_only_log_rounds():
 
 def test_accept_advances_by_the_accepted_drafts_plus_the_root_and_keeps_the_epoch():
     table = positions.rollback(_table([30, 9]), jnp.array([0], jnp.int32), jnp.array([20], jnp.int32))
-    table = speculative.accept(table, jnp.asarray(positions.pad_slots([0, 1], 3)),
+    table = speculative.accept(table, jnp.asarray(positions.pad_rows([0, 1], 3)),
                                jnp.array([2, 0, 5], jnp.int32))
     assert table.counters.tolist() == [23, 10] and table.epochs.tolist() == [1, 0]
 
@@ -111,7 +111,7 @@ def test_speculative_rules_lower_for_cuda():
                                              step=2, max_seq_len=64)
         return speculative.accept(table, slots, counts - 1), tree, draft, live
 
-    args = (positions.init(8), jnp.asarray(positions.pad_slots([1, 3], 4)),
+    args = (positions.init(8), jnp.asarray(positions.pad_rows([1, 3], 4)),
             jnp.array([3, 3, 0, 0], jnp.int32), jnp.zeros(8, jnp.int32))
     with lowering.cuda_target():
         text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -1,7 +1,7 @@
 """Counters under a mesh: a replicated PositionTable, a step whose tokens are sharded.
 
 Run by tests/test_multidevice.py with 8 CPU devices. The table and the step's views
-(slots, counts) are replicated; the step's tokens (q, k and the planned pos_ids) are
+(rows, counts) are replicated; the step's tokens (q, k and the planned pos_ids) are
 split over the devices. plan and commit under jit must give what they give on one
 device, with no cross-device op in the compiled step, and the table stays replicated.
 """
@@ -26,13 +26,13 @@ CFG = jr.RopeConfig(head_dim=64)
 
 
 def _views(rng, views=6):
-    """A step's padded views: distinct slots (padding = CAPACITY), counts summing below TOKENS."""
-    slots = np.full(views, CAPACITY, np.int32)
+    """A step's padded views: distinct rows (padding PAD), counts summing below TOKENS."""
+    rows = np.full(views, positions.PAD, np.int32)
     counts = np.zeros(views, np.int32)
     live = rng.integers(1, views)
-    slots[:live] = rng.choice(CAPACITY, live, replace=False)
+    rows[:live] = rng.choice(CAPACITY, live, replace=False)
     counts[:live] = rng.multinomial(TOKENS - rng.integers(0, 8), np.ones(live) / live)
-    return slots, counts
+    return rows, counts
 
 
 def _table(rng):
@@ -51,10 +51,10 @@ def test_plan_into_a_sharded_buffer_numbers_each_slice_without_collectives(rng, 
     shape, names, tokens_spec = MESHES[layout]
     grid = mesh(axis_type, shape, names)
     replicated = NamedSharding(grid, P())
-    table, (slots, counts) = _table(rng), _views(rng)
+    table, (rows, counts) = _table(rng), _views(rng)
     out = np.full(TOKENS, -7, np.int32)  # the tail past sum(counts) keeps these
-    expected = positions.plan(table, jnp.asarray(slots), jnp.asarray(counts), jnp.asarray(out))
-    args = (jax.device_put(table, replicated), jax.device_put(slots, replicated),
+    expected = positions.plan(table, jnp.asarray(rows), jnp.asarray(counts), jnp.asarray(out))
+    args = (jax.device_put(table, replicated), jax.device_put(rows, replicated),
             jax.device_put(counts, replicated),
             jax.device_put(out, NamedSharding(grid, tokens_spec)))
     plan = jax.jit(positions.plan)
@@ -64,11 +64,11 @@ def test_plan_into_a_sharded_buffer_numbers_each_slice_without_collectives(rng, 
     np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
 
 
-def _step(table, q, k, slots, counts, out, backend):
+def _step(table, q, k, rows, counts, out, backend):
     """One serving step: number the views' tokens, rotate them, advance the counters."""
-    pos_ids = positions.plan(table, slots, counts, out)
+    pos_ids = positions.plan(table, rows, counts, out)
     q, k = jr.apply_rope(q, k, pos_ids, CFG, backend=backend)
-    return positions.commit(table, slots, counts), q, k
+    return positions.commit(table, rows, counts), q, k
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,14 +88,14 @@ def test_a_step_with_sharded_tokens_equals_the_single_device_step(rng, axis_type
                                                                   planned_into):
     grid = mesh(axis_type, (8,), ("data",))
     replicated, by_token = NamedSharding(grid, P()), NamedSharding(grid, P("data"))
-    table, (slots, counts) = _table(rng), _views(rng)
+    table, (rows, counts) = _table(rng), _views(rng)
     q = jnp.asarray(rng.standard_normal((TOKENS, 4, 64)), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((TOKENS, 2, 64)), jnp.bfloat16)
     out = np.zeros(TOKENS, np.int32)
     step = _jitted_step(backend)
-    expected = step(jax.tree.map(jnp.copy, table), q.copy(), k.copy(), slots, counts, out)
+    expected = step(jax.tree.map(jnp.copy, table), q.copy(), k.copy(), rows, counts, out)
     args = (jax.device_put(table, replicated), jax.device_put(q, by_token),
-            jax.device_put(k, by_token), jax.device_put(slots, replicated),
+            jax.device_put(k, by_token), jax.device_put(rows, replicated),
             jax.device_put(counts, replicated),
             jax.device_put(out, by_token if planned_into == "sharded_buffer" else replicated))
     text = step.lower(*args).compile().as_text()
@@ -116,20 +116,20 @@ def test_the_table_stays_replicated_through_every_transition(rng, axis_type):
     grid = mesh(axis_type, (8,), ("data",))
     replicated = NamedSharding(grid, P())
     table = jax.device_put(_table(rng), replicated)
-    slots = jax.device_put(np.array([3, 5, CAPACITY], np.int32), replicated)
+    rows = jax.device_put(np.array([3, 5, positions.PAD], np.int32), replicated)
     amounts = jax.device_put(np.array([4, 9, 1], np.int32), replicated)
 
-    def every(table, slots, amounts):
-        table = positions.commit(table, slots, amounts)
-        table = positions.raise_to(table, slots, amounts * 1000)
-        table = positions.fork(table, slots[:1], slots[1:2])
-        table = positions.rollback(table, slots, amounts * 500)
-        return positions.reset(positions.advance(table, slots, amounts), slots[2:])
+    def every(table, rows, amounts):
+        table = positions.commit(table, rows, amounts)
+        table = positions.raise_to(table, rows, amounts * 1000)
+        table = positions.fork(table, rows[:1], rows[1:2])
+        table = positions.rollback(table, rows, amounts * 500)
+        return positions.reset(positions.advance(table, rows, amounts), rows[2:])
 
     transitions = jax.jit(every)
-    assert collectives(transitions.lower(table, slots, amounts).compile().as_text()) == []
-    got = transitions(table, slots, amounts)
+    assert collectives(transitions.lower(table, rows, amounts).compile().as_text()) == []
+    got = transitions(table, rows, amounts)
     assert got.counters.sharding.is_fully_replicated
     expected = every(positions.PositionTable(jnp.asarray(np.asarray(table.counters))),
-                     jnp.asarray(np.asarray(slots)), jnp.asarray(np.asarray(amounts)))
+                     jnp.asarray(np.asarray(rows)), jnp.asarray(np.asarray(amounts)))
     np.testing.assert_array_equal(np.asarray(got.counters), np.asarray(expected.counters))
