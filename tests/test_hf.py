@@ -18,7 +18,8 @@ import pytest
 import jaxrope as jr
 from jaxrope import hf
 from jaxrope.models import MODEL_TYPES
-from jaxrope.mrope import HF_VL_CONFIGS, hf_mrope_args, hf_text_config
+from jaxrope.models import HF_VL_CONFIGS
+from jaxrope.mrope import hf_mrope_args, hf_text_config
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "hf_configs")
 ENTRIES = {e["model_id"]: e for e in (json.load(open(p)) for p in sorted(glob.glob(

@@ -34,7 +34,8 @@ import pytest
 import jaxrope as jr
 from jaxrope import hf
 from jaxrope.models import MODEL_TYPES
-from jaxrope.mrope import HF_MODEL_TYPES, HF_VL_CONFIGS
+from jaxrope.models import HF_VL_CONFIGS
+from jaxrope.mrope import HF_MODEL_TYPES
 from jaxrope.testing import oracle
 
 REQUIRE_ENV = "JAXROPE_REQUIRE_TRANSFORMERS"
@@ -120,7 +121,7 @@ def _hf_config(config):
     """The transformers config the model would load; remote-code families as the
     transformers port whose rotation their code matches (see their table rows)."""
     # A deep copy: transformers' config classes rewrite the nested rope dicts in place, and
-    # these are shared tables (jaxrope.mrope.HF_VL_CONFIGS) that later tests read.
+    # these are shared tables (jaxrope.models.HF_VL_CONFIGS) that later tests read.
     config = copy.deepcopy(dict(config))
     model_type = config.pop("model_type")
     if model_type == "chatglm":  # modeling_chatglm.py: RotaryEmbedding(kv_channels // 2, ...)

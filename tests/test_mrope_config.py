@@ -11,7 +11,8 @@ import pytest
 import jaxrope as jr
 from jaxrope.apply import kernel_constants
 from jaxrope.models import HF_CONFIGS
-from jaxrope.mrope import HF_VL_CONFIGS, hf_index_args, hf_mrope_args, hf_text_config
+from jaxrope.models import HF_VL_CONFIGS
+from jaxrope.mrope import hf_index_args, hf_mrope_args, hf_text_config
 
 REQUIRE_TRANSFORMERS = os.environ.get("JAXROPE_REQUIRE_TRANSFORMERS") == "1"
 

@@ -5,8 +5,9 @@ HF config fields.
   :class:`Text`, :class:`Image` and :class:`Video` parts (:mod:`jaxrope.mrope.index`);
 - :func:`hf_mrope_args`, :func:`hf_index_args`, :func:`hf_text_config`: what a HF
   ``config.json`` says about M-RoPE, for the model types :data:`HF_MODEL_TYPES`
-  (:mod:`jaxrope.mrope.hf`; :meth:`jaxrope.RopeConfig.from_hf` reads them through it);
-- :data:`HF_VL_CONFIGS`: real VL configs' RoPE fields (:mod:`jaxrope.mrope.configs`).
+  (:mod:`jaxrope.mrope.hf`; :meth:`jaxrope.RopeConfig.from_hf` reads them through it).
+
+Real VL configs' RoPE fields are :data:`jaxrope.models.HF_VL_CONFIGS`.
 
 The rotation itself is :func:`jaxrope.apply_rope` with a :class:`jaxrope.RopeConfig`
 whose ``mrope_section`` is set, and ``pos_ids [3, T]``.
@@ -22,7 +23,6 @@ Example:
   ((7, 2, 128), -2)
 """
 
-from jaxrope.mrope.configs import HF_VL_CONFIGS
 from jaxrope.mrope.hf import HF_MODEL_TYPES, hf_index_args, hf_mrope_args, hf_text_config
 from jaxrope.mrope.index import ADVANCES, FAMILIES, Image, Text, Video, rope_index
 
@@ -30,7 +30,6 @@ __all__ = [
     "ADVANCES",
     "FAMILIES",
     "HF_MODEL_TYPES",
-    "HF_VL_CONFIGS",
     "Image",
     "Text",
     "Video",
