@@ -172,15 +172,14 @@ class RopeConfig:
         return self.frequencies(seq_len=self.max_position)
 
     def cos_sin_cache(self, max_position: int, dtype: Any = np.float32) -> np.ndarray:
-        """The cos/sin table other RoPE kernels read, ``[max_position, R]``.
-
-        Row ``p`` is ``[cos(p f_0) .. cos(p f_{R/2-1}), sin(p f_0) .. sin(p f_{R/2-1})]``
-        times the attention factor, with ``f`` the :meth:`serving_frequencies` the
-        jaxrope kernels use; computed in float64, then cast to ``dtype``. This is
-        FlashInfer's ``apply_rope_with_cos_sin_cache_inplace(positions, query, key,
-        head_size, cos_sin_cache, is_neox)`` table (float32, ``is_neox = not
-        interleave``) and vLLM's ``RotaryEmbedding.cos_sin_cache`` (the same
-        ``[max_position, rotary_dim]`` cos-then-sin layout, in the model dtype).
+        """The cos/sin table other RoPE kernels read, ``[max_position, R]``: rows ``0 ..
+        max_position - 1`` of :func:`jaxrope.cos_sin_cache.cos_sin_rows` (the one
+        implementation, where the layout is written: row ``p`` is ``cos(p f)`` for the
+        ``R/2`` :meth:`serving_frequencies` ``f``, then ``sin(p f)``, times the attention
+        factor, computed in float64 and cast to ``dtype``). FlashInfer's
+        ``apply_rope_with_cos_sin_cache_inplace`` reads this table (float32, ``is_neox =
+        not interleave``), vLLM's ``RotaryEmbedding.cos_sin_cache`` is the same one in
+        the model dtype.
 
         Args:
           max_position: rows ``[0, max_position)``, at most ``self.max_position``.

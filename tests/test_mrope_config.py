@@ -91,11 +91,11 @@ class TestFields:
 
 class TestFingerprint:
     @pytest.mark.parametrize("cfg, digest", ONE_D_FINGERPRINTS)
-    def test_1d_configs_keep_the_bytes_they_had_before_mrope(self, cfg, digest):
+    def test_1d_configs_keep_their_pinned_fingerprints(self, cfg, digest):
         assert cfg.fingerprint().hex() == digest
 
     def test_an_mrope_config_is_pinned_too(self):
-        # Recorded when M-RoPE was added; a change here invalidates caches keyed by it.
+        # Pinned like the 1-D ones: a change here invalidates caches keyed by it.
         assert QWEN2_VL.fingerprint().hex() == (
             "89b74f80a6555617d0775d84e57552f4487d3d50f838b01965795f5f62ee839b")
 

@@ -5,7 +5,9 @@ HF config fields.
   :class:`Text`, :class:`Image` and :class:`Video` parts (:mod:`jaxrope.mrope.index`);
 - :func:`hf_mrope_args`, :func:`hf_index_args`, :func:`hf_text_config`: what a HF
   ``config.json`` says about M-RoPE, for the model types :data:`HF_MODEL_TYPES`
-  (:mod:`jaxrope.mrope.hf`; :meth:`jaxrope.RopeConfig.from_hf` reads them through it).
+  (:mod:`jaxrope.mrope.hf`; :meth:`jaxrope.RopeConfig.from_hf` reads them through it);
+- :func:`mrope_rows`: the row of ``[3, T]`` each frequency pair reads, for a rotation
+  written outside the kernels (:mod:`jaxrope.mrope.sections`).
 
 Real VL configs' RoPE fields are :data:`jaxrope.models.HF_VL_CONFIGS`.
 
@@ -25,6 +27,7 @@ Example:
 
 from jaxrope.mrope.hf import HF_MODEL_TYPES, hf_index_args, hf_mrope_args, hf_text_config
 from jaxrope.mrope.index import ADVANCES, FAMILIES, Image, Text, Video, rope_index
+from jaxrope.mrope.sections import mrope_rows
 
 __all__ = [
     "ADVANCES",
@@ -36,5 +39,6 @@ __all__ = [
     "hf_index_args",
     "hf_mrope_args",
     "hf_text_config",
+    "mrope_rows",
     "rope_index",
 ]
