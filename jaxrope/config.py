@@ -172,14 +172,12 @@ class RopeConfig:
         return self.frequencies(seq_len=self.max_position)
 
     def cos_sin_cache(self, max_position: int, dtype: Any = np.float32) -> np.ndarray:
-        """The cos/sin table other RoPE kernels read, ``[max_position, R]``: rows ``0 ..
-        max_position - 1`` of :func:`jaxrope.cos_sin_cache.cos_sin_rows` (the one
-        implementation, where the layout is written: row ``p`` is ``cos(p f)`` for the
-        ``R/2`` :meth:`serving_frequencies` ``f``, then ``sin(p f)``, times the attention
-        factor, computed in float64 and cast to ``dtype``). FlashInfer's
-        ``apply_rope_with_cos_sin_cache_inplace`` reads this table (float32, ``is_neox =
-        not interleave``), vLLM's ``RotaryEmbedding.cos_sin_cache`` is the same one in
-        the model dtype.
+        """The cos/sin table other RoPE kernels read, ``[max_position, R]``.
+
+        Row ``p`` is ``cos(p f)`` for the ``R/2`` :meth:`serving_frequencies` ``f``, then
+        ``sin(p f)``, times the attention factor, in float64 cast to ``dtype``: rows ``0 ..
+        max_position - 1`` of :func:`jaxrope.cos_sin_cache.cos_sin_rows`, the one
+        implementation (whose module says which FlashInfer and vLLM calls read it).
 
         Args:
           max_position: rows ``[0, max_position)``, at most ``self.max_position``.
