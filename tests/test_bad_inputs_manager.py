@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bad_input_harness import (CURRENT, CURRENT_CTX, CURRENT_POSITIONS, GRAPH, HEAD_DIM, STAGED,
-                               STAGED_CTX, Bad, apply, busy_manager, finish, needs_torch, plan,
-                               prefix, qk, raises_naming_it_and_changes_nothing, rope_manager,
-                               seg, torch)
+from bad_input_harness import (HEAD_DIM, Bad, apply, busy_manager, finish, needs_torch, plan, prefix,
+                               qk, raises_naming_it_and_changes_nothing, rope_manager, seg, torch)
 
 if torch is not None:
+    from bad_input_harness import (CURRENT, CURRENT_CTX, CURRENT_POSITIONS, GRAPH, STAGED,
+                                   STAGED_CTX)
     from torch_bridge import (EngineInfo, Fork, GraphSlot, KVPlanOutput, KVView, PositionConfig,
                               PositionManager, PositionStep, PublishedPositionInfo, ResourceSpec,
                               RopeManager, Segment, StepContext)

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from bad_input_harness import (GRAPH, Bad, busy_manager, mrope_finish, mrope_manager, needs_torch,
-                               plan, qk, raises_naming_it_and_changes_nothing, seg, torch)
+from bad_input_harness import (Bad, busy_manager, mrope_finish, mrope_manager, needs_torch, plan, qk,
+                               raises_naming_it_and_changes_nothing, seg, torch)
 
 if torch is not None:
+    from bad_input_harness import GRAPH
     from torch_bridge import PublishedPositionInfo
 
 

@@ -12,11 +12,11 @@ import pytest
 
 import jaxrope as jr
 
-from bad_input_harness import (CURRENT, CURRENT_CTX, LABELS, Bad, busy_manager, finish,
-                               needs_torch, plan, raises_naming_it_and_changes_nothing, seg,
-                               torch)
+from bad_input_harness import (LABELS, Bad, busy_manager, finish, needs_torch, plan,
+                               raises_naming_it_and_changes_nothing, seg, torch)
 
 if torch is not None:
+    from bad_input_harness import CURRENT, CURRENT_CTX
     from torch_bridge import PositionConfig, PositionManager, PositionStep, Segment, StepContext
 
 
