@@ -90,9 +90,7 @@ def hf_text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def _model_type(config: Mapping[str, Any]) -> Optional[str]:
     model_type = config.get("model_type") or hf_text_config(config).get("model_type")
-    if isinstance(model_type, str) and model_type.endswith("_text"):
-        model_type = model_type[:-len("_text")]
-    return model_type
+    return model_type.removesuffix("_text") if isinstance(model_type, str) else model_type
 
 
 def _known_row(model_type: Optional[str]) -> Optional[ModelRow]:
