@@ -62,6 +62,17 @@ def test_admit_and_publish_bad_input_raises_naming_the_argument_and_changes_noth
 # ------------------------------------------------------------------------------ reported, not raised
 
 
+def _admit_reports_and_changes_nothing(published, fragment: str) -> None:
+    """Admitting ``published`` on the busy manager reports ``fragment`` (not ok, not
+    ready), leaves the snapshot as it was and the manager ending as an untouched twin."""
+    mgr, twin = busy_manager(), busy_manager()
+    before = mgr.state_snapshot()
+    outcome = mgr.admit_retrieve("a", "node", "walk", published)
+    assert (outcome.ok, outcome.ready) == (False, False) and fragment in outcome.reason, outcome
+    assert mgr.state_snapshot() == before
+    assert finish(mgr) == finish(twin)
+
+
 @needs_torch
 @pytest.mark.parametrize("published,fragment", [
     (PublishedPositionInfo({"image": 3}) if torch else None, "label='image'"),
@@ -77,12 +88,7 @@ def test_admit_and_publish_bad_input_raises_naming_the_argument_and_changes_noth
 ], ids=["unknown label", "negative", "past max_seq_len", "float", "foreign fingerprint",
         "deltas into 1-D", "negative epoch"])
 def test_admit_of_unusable_published_counters_reports_and_changes_nothing(published, fragment):
-    mgr, twin = busy_manager(), busy_manager()
-    before = mgr.state_snapshot()
-    outcome = mgr.admit_retrieve("a", "node", "walk", published)
-    assert (outcome.ok, outcome.ready) == (False, False) and fragment in outcome.reason
-    assert mgr.state_snapshot() == before
-    assert finish(mgr) == finish(twin)
+    _admit_reports_and_changes_nothing(published, fragment)
 
 
 @needs_torch
@@ -134,13 +140,7 @@ def _record_bytes(mutate=lambda data: data, rope=None):
     (lambda: b"{'cond': 5}", "(magic): bad magic"),
 ], ids=["truncated", "bit flip", "trailing byte", "foreign fingerprint", "empty", "not a record"])
 def test_admit_of_unusable_record_bytes_reports_and_changes_nothing(data, fragment):
-    data = data()
-    mgr, twin = busy_manager(), busy_manager()
-    before = mgr.state_snapshot()
-    outcome = mgr.admit_retrieve("a", "node", "walk", data)
-    assert (outcome.ok, outcome.ready) == (False, False) and fragment in outcome.reason, outcome
-    assert mgr.state_snapshot() == before
-    assert finish(mgr) == finish(twin)
+    _admit_reports_and_changes_nothing(data(), fragment)
 
 
 @needs_torch
