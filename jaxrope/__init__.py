@@ -1,9 +1,43 @@
 """jaxrope: rotary position embedding for LLM serving, in JAX and Pallas.
 
-The public API is the list below; every other module is an implementation detail.
+The public API is exactly what ``__all__`` lists, by one rule:
+
+- the top level holds what one call of the rotation needs, from its config to the state
+  its positions come from: the ops :func:`apply_rope` and
+  :func:`apply_rope_and_append_kv`, :class:`RopeConfig` and its scaling variants
+  (:class:`Linear`, :class:`DynamicNTK`, :class:`Yarn`, :class:`LongRope`,
+  :class:`Llama3`, :class:`Proportional`), the backends (:data:`BACKENDS`,
+  :class:`BackendUnavailable`), and the position state's types (:class:`PositionTable`,
+  :class:`Scheme`, :class:`SlotMap`, also reachable through :mod:`jaxrope.positions`);
+- every other public name belongs to a subject and is reached through its module, each
+  with its own ``__all__``: :mod:`jaxrope.hf` (``from_hf``, ``nope_layers``),
+  :mod:`jaxrope.models` (the ``model_type`` table and the sample HF configs),
+  :mod:`jaxrope.mrope` (M-RoPE prompt positions and config fields),
+  :mod:`jaxrope.positions` (the position table's transitions), :mod:`jaxrope.speculative`
+  (draft and verify positions) and :mod:`jaxrope.wire` (published records as bytes).
+
+Every other module is private: importable, but its names may change without notice.
+They are the implementation of the above (``apply``, ``backend``, ``config``,
+``cos_sin_cache``, ``errors``, ``frequencies``, ``int_arrays``, ``kernels``, ``kv_cache``,
+``numbers``, ``scaling``, ``sharding``, ``slot_map``; ``hf_source``, ``hf_layers``, ``hf_fields`` and
+``hf_examples`` behind :mod:`jaxrope.hf` and :mod:`jaxrope.models`), the demo program
+(``demo``, run as ``python -m jaxrope.demo``), and support for the tests and
+benchmarks: ``cases`` (the table of named cases they share, imported as
+``jaxrope.cases``) and ``testing`` (oracles and reference implementations). No module
+of jaxrope or torch_bridge outside these two imports them; tests/test_packaging.py
+checks that, and that every module is named here or in ``__all__``.
+
+Example:
+  >>> import jax.numpy as jnp, jaxrope as jr
+  >>> cfg = jr.RopeConfig(head_dim=64, theta=10000.0)
+  >>> q = k = jnp.ones((3, 2, 64), jnp.float32)
+  >>> jr.apply_rope(q, k, jnp.arange(3, dtype=jnp.int32), cfg)[0].shape
+  (3, 2, 64)
+  >>> jr.Scheme is jr.positions.Scheme
+  True
 """
 
-from jaxrope import cases, hf, models, mrope, positions, speculative, wire
+from jaxrope import hf, models, mrope, positions, speculative, wire
 from jaxrope.apply import apply_rope
 from jaxrope.backend import BACKENDS
 from jaxrope.config import RopeConfig
@@ -29,7 +63,6 @@ __all__ = [
     "Yarn",
     "apply_rope",
     "apply_rope_and_append_kv",
-    "cases",
     "hf",
     "models",
     "mrope",

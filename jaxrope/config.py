@@ -174,13 +174,10 @@ class RopeConfig:
     def cos_sin_cache(self, max_position: int, dtype: Any = np.float32) -> np.ndarray:
         """The cos/sin table other RoPE kernels read, ``[max_position, R]``.
 
-        Row ``p`` is ``[cos(p f_0) .. cos(p f_{R/2-1}), sin(p f_0) .. sin(p f_{R/2-1})]``
-        times the attention factor, with ``f`` the :meth:`serving_frequencies` the
-        jaxrope kernels use; computed in float64, then cast to ``dtype``. This is
-        FlashInfer's ``apply_rope_with_cos_sin_cache_inplace(positions, query, key,
-        head_size, cos_sin_cache, is_neox)`` table (float32, ``is_neox = not
-        interleave``) and vLLM's ``RotaryEmbedding.cos_sin_cache`` (the same
-        ``[max_position, rotary_dim]`` cos-then-sin layout, in the model dtype).
+        Row ``p`` is ``cos(p f)`` for the ``R/2`` :meth:`serving_frequencies` ``f``, then
+        ``sin(p f)``, times the attention factor, in float64 cast to ``dtype``: rows ``0 ..
+        max_position - 1`` of :func:`jaxrope.cos_sin_cache.cos_sin_rows`, the one
+        implementation (whose module says which FlashInfer and vLLM calls read it).
 
         Args:
           max_position: rows ``[0, max_position)``, at most ``self.max_position``.

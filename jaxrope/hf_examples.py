@@ -1,27 +1,33 @@
-"""A few real HF ``config.json`` files' RoPE fields, keyed by model id (the demo's models).
+"""Real HF ``config.json`` files' RoPE fields, keyed by model id; public as
+:data:`jaxrope.models.HF_CONFIGS` (text models, the demo's) and
+:data:`jaxrope.models.HF_VL_CONFIGS` (vision-language models).
 
 Each entry keeps only what decides rotary embeddings (``model_type``, head
 geometry, ``max_position_embeddings``, ``rope_theta`` / ``rotary_emb_base``,
-``rope_scaling`` / ``rope_parameters``, partial-rotary fields), with the values
-and spellings the published file uses, so that :meth:`RopeConfig.from_hf` is
-tested against what users actually load. The comment above each entry names the
-model and the public copy its numbers were checked against. The parity suite's
-wider set (30+ models, every family of :mod:`jaxrope.models`) is data in
-``tests/data/hf_configs/``.
+``rope_scaling`` / ``rope_parameters``, partial-rotary fields; for a VL model also
+the ``vision_config`` merge and timing fields), with the values, spellings and
+nesting the published file uses, so that :meth:`RopeConfig.from_hf` is tested
+against what users actually load. The comment above each entry names the model
+and the public copy its numbers were checked against. Tests build transformers'
+own config classes from the VL entries and compare jaxrope's rotation with
+transformers' rotary classes. The parity suite's wider set (30+ models, every
+family of :mod:`jaxrope.models`) is data in ``tests/data/hf_configs/``.
 
 Example:
   >>> import jaxrope as jr
-  >>> from jaxrope.hf_examples import HF_CONFIGS
+  >>> from jaxrope.models import HF_CONFIGS, HF_VL_CONFIGS
   >>> cfg = jr.RopeConfig.from_hf(HF_CONFIGS["meta-llama/Llama-3.1-8B"])
   >>> cfg.head_dim, cfg.rotary_dim, type(cfg.scaling).__name__
   (128, 128, 'Llama3')
+  >>> HF_VL_CONFIGS["Qwen/Qwen2-VL-7B-Instruct"]["rope_scaling"]["mrope_section"]
+  [16, 24, 24]
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict
 
-__all__ = ["HF_CONFIGS"]
+__all__ = ["HF_CONFIGS", "HF_VL_CONFIGS"]
 
 # meta-llama/Llama-3.1-8B config.json; geometry and rope_scaling checked against
 # copies of the 8B config (32 heads, 8 KV heads, hidden 4096, 131072 positions).
@@ -199,4 +205,97 @@ HF_CONFIGS: Dict[str, Dict[str, Any]] = {
     "deepseek-ai/DeepSeek-V2-Lite-Chat@transformers-v5": _DEEPSEEK_V2_LITE_CHAT_V5,
     "EleutherAI/gpt-neox-20b": _GPT_NEOX_20B,
     "EleutherAI/gpt-j-6b": _GPT_J_6B,
+}
+
+# Qwen/Qwen2-VL-7B-Instruct config.json (flat, transformers 4.41 layout): hidden 3584, 28
+# heads, 4 KV heads, 32768 positions, theta 1e6, "type": "mrope"; checked against a
+# verbatim copy in a public Qwen2-VL loading test.
+_QWEN2_VL_7B = {
+    "model_type": "qwen2_vl",
+    "hidden_size": 3584,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vision_config": {"spatial_merge_size": 2, "temporal_patch_size": 2, "patch_size": 14},
+}
+
+# Qwen/Qwen2.5-VL-7B-Instruct config.json: as Qwen2-VL-7B with 128000 positions and the
+# vision tower's tokens_per_second 2; checked against a verbatim copy in a public
+# Qwen2.5-VL modeling test.
+_QWEN2_5_VL_7B = {
+    "model_type": "qwen2_5_vl",
+    "hidden_size": 3584,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 128000,
+    "rope_theta": 1000000.0,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vision_config": {"spatial_merge_size": 2, "temporal_patch_size": 2, "patch_size": 14,
+                      "tokens_per_second": 2},
+}
+
+# Qwen/Qwen3-VL-4B-Instruct config.json (nested text_config, explicit head_dim 128 with
+# hidden 2560 and 32 heads, 262144 positions, theta 5e6, interleaved [24, 20, 20]);
+# checked against a verbatim copy in a public Qwen3-VL loader test.
+_QWEN3_VL_4B = {
+    "model_type": "qwen3_vl",
+    "text_config": {
+        "model_type": "qwen3_vl_text",
+        "head_dim": 128,
+        "hidden_size": 2560,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 262144,
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20],
+                         "rope_type": "default"},
+        "rope_theta": 5000000,
+    },
+    "vision_config": {"spatial_merge_size": 2, "temporal_patch_size": 2, "patch_size": 16},
+}
+
+# Qwen/Qwen3-VL-30B-A3B-Instruct config.json (the MoE: nested qwen3_vl_moe_text, head_dim
+# 128, hidden 2048, 32 heads, 4 KV heads, theta 5e6, interleaved [24, 20, 20]); checked
+# against a public loader test that copies the released file.
+_QWEN3_VL_30B_A3B = {
+    "model_type": "qwen3_vl_moe",
+    "text_config": {
+        "model_type": "qwen3_vl_moe_text",
+        "head_dim": 128,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 262144,
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20],
+                         "rope_type": "default"},
+        "rope_theta": 5000000,
+    },
+    "vision_config": {"spatial_merge_size": 2, "temporal_patch_size": 2, "patch_size": 16},
+}
+
+# zai-org/GLM-4.1V-9B-Thinking config.json (nested text_config: hidden 4096, 32 heads,
+# 2 KV heads, partial_rotary_factor 0.5, theta 10000, 65536 positions, [8, 12, 12]);
+# checked against public GLM-4V loader tests that copy its text config.
+_GLM_4_1V_9B = {
+    "model_type": "glm4v",
+    "text_config": {
+        "model_type": "glm4v_text",
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 2,
+        "partial_rotary_factor": 0.5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 65536,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [8, 12, 12]},
+    },
+    "vision_config": {"spatial_merge_size": 2, "temporal_patch_size": 2, "patch_size": 14},
+}
+
+HF_VL_CONFIGS: Dict[str, Dict[str, Any]] = {
+    "Qwen/Qwen2-VL-7B-Instruct": _QWEN2_VL_7B,
+    "Qwen/Qwen2.5-VL-7B-Instruct": _QWEN2_5_VL_7B,
+    "Qwen/Qwen3-VL-4B-Instruct": _QWEN3_VL_4B,
+    "Qwen/Qwen3-VL-30B-A3B-Instruct": _QWEN3_VL_30B_A3B,
+    "zai-org/GLM-4.1V-9B-Thinking": _GLM_4_1V_9B,
 }

@@ -9,9 +9,13 @@ and its defaults are the config class's (checked there too). Remote-code models
 (``trust_remote_code``: ChatGLM, MiniCPM) name their own file and the transformers
 port that rotates the same way, which the parity suite uses.
 
-Adding a family is one row; an M-RoPE family is a row with ``mrope=True``, whose pair
-layout, sections and interleaving come from :mod:`jaxrope.mrope.hf` (``from_hf``
-refuses one that table does not know).
+Adding a family is one row; an M-RoPE family is a row with ``mrope=True`` and, when
+jaxrope implements its layout, an :class:`MropeLayout` (sections and their
+interleaving; :mod:`jaxrope.mrope.hf` reads it, ``from_hf`` refuses a family without).
+
+The sample configs live here too: :data:`HF_CONFIGS` (text models) and
+:data:`HF_VL_CONFIGS` (vision-language models), real ``config.json`` files' RoPE
+fields keyed by model id.
 
 Example:
   >>> from jaxrope.models import MODEL_TYPES
@@ -19,16 +23,34 @@ Example:
   (True, False)
   >>> MODEL_TYPES["deepseek_v3"].head_dim_key
   'qk_rope_head_dim'
+  >>> MODEL_TYPES["qwen3_vl"].mrope_layout.mrope_interleaved, MODEL_TYPES["glm4v_moe"].mrope_layout
+  (True, None)
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
 
-from jaxrope.hf_examples import HF_CONFIGS
+from jaxrope.hf_examples import HF_CONFIGS, HF_VL_CONFIGS
 
-__all__ = ["HF_CONFIGS", "MODEL_TYPES", "ModelRow"]
+__all__ = ["HF_CONFIGS", "HF_VL_CONFIGS", "MODEL_TYPES", "ModelRow", "MropeLayout"]
+
+
+class MropeLayout(NamedTuple):
+    """How an M-RoPE family's code spreads the ``t``, ``h`` and ``w`` rows of ``pos_ids [3, T]``
+    over the frequency pairs (the pair layout is the row's ``interleave``).
+
+    Args:
+      family: the :func:`jaxrope.mrope.rope_index` family that numbers its prompts.
+      mrope_interleaved: Qwen3-VL's interleaved sections (True) or sections laid end
+        to end (False); the code's choice, whatever the config says.
+      default_section: the sections transformers uses when a config has none.
+    """
+
+    family: str
+    mrope_interleaved: bool
+    default_section: Tuple[int, int, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +97,9 @@ class ModelRow:
       nope: which layers do not rotate: ``"no_rope_layers"`` (a 0/1 list, 1 = RoPE,
         else every ``no_rope_layer_interval``-th layer) or ``"full_attention"``.
       refuse: ``((field, value, reason), ...)``: configs that do not use RoPE.
-      mrope: the family rotates with M-RoPE (multimodal positions ``[3, T]``); its
-        ``interleave`` is not read (the layout is :func:`jaxrope.mrope.hf_mrope_args`').
+      mrope: the family rotates with M-RoPE (multimodal positions ``[3, T]``).
+      mrope_layout: that family's :class:`MropeLayout` when jaxrope implements it;
+        None for an M-RoPE family whose layout it does not (``from_hf`` refuses it).
     """
 
     source: Tuple[str, str, str]
@@ -107,6 +130,7 @@ class ModelRow:
     nope: Optional[str] = None
     refuse: Tuple[Tuple[str, Any, str], ...] = ()
     mrope: bool = False
+    mrope_layout: Optional[MropeLayout] = None
 
 
 # The row for a model_type not in the table: NeoX halves, partial_rotary_factor read.
@@ -253,31 +277,35 @@ MODEL_TYPES: Dict[str, ModelRow] = {
         note="DeepSeek-V3's MLA rotation"),
 }
 
-# -- M-RoPE: positions [3, T]. The pair layout, the sections and their interleaving are
-# jaxrope.mrope.hf's table (one place); a row gives what the 1-D reader needs. The
-# rotary classes rotate the whole head (partial_rotary_factor refused) except GLM-4V's,
-# which read rope_parameters.partial_rotary_factor (default 1.0, GLM-4.1V says 0.5).
+# -- M-RoPE: positions [3, T]. Each family's layout (MropeLayout) is a property of its code
+# like the pair layout; jaxrope.mrope.hf reads both from these rows. The rotary classes
+# rotate the whole head (partial_rotary_factor refused) except GLM-4V's, which read
+# rope_parameters.partial_rotary_factor (default 1.0, GLM-4.1V says 0.5).
 _MROPE_ROWS = {
     "qwen2_vl": dict(source=("qwen2_vl", "Qwen2VLRotaryEmbedding", "apply_rotary_pos_emb"),
-                     theta_default=1e6, max_position_default=32768),
+                     theta_default=1e6, max_position_default=32768,
+                     mrope_layout=MropeLayout("qwen2_vl", False, (16, 24, 24))),
     "qwen2_5_vl": dict(source=("qwen2_5_vl", "Qwen2_5_VLRotaryEmbedding", "apply_rotary_pos_emb"),
-                       theta_default=1e6, max_position_default=32768),
+                       theta_default=1e6, max_position_default=32768,
+                       mrope_layout=MropeLayout("qwen2_5_vl", False, (16, 24, 24))),
     "qwen3_vl": dict(source=("qwen3_vl", "Qwen3VLTextRotaryEmbedding", "apply_rotary_pos_emb"),
-                     head_dim_default=128, theta_default=500000.0, max_position_default=128000),
+                     head_dim_default=128, theta_default=500000.0, max_position_default=128000,
+                     mrope_layout=MropeLayout("qwen3_vl", True, (24, 20, 20))),
     "qwen3_vl_moe": dict(source=("qwen3_vl_moe", "Qwen3VLMoeTextRotaryEmbedding",
                                  "apply_rotary_pos_emb"),
                          head_dim_default=128, theta_default=500000.0,
-                         max_position_default=128000),
+                         max_position_default=128000,
+                         mrope_layout=MropeLayout("qwen3_vl", True, (24, 20, 20))),
     "glm4v": dict(source=("glm4v", "Glm4vTextRotaryEmbedding", "apply_rotary_pos_emb"),
-                  partial_rotary=1.0, max_position_default=32768),
-    # Not in jaxrope.mrope's table (GLM-4.5V rotates NeoX halves): from_hf refuses it.
+                  interleave=True, partial_rotary=1.0, max_position_default=32768,
+                  mrope_layout=MropeLayout("glm4v", False, (8, 12, 12))),
+    # GLM-4.5V rotates NeoX halves with its own sections: no layout, so from_hf refuses it.
     "glm4v_moe": dict(source=("glm4v_moe", "Glm4vMoeTextRotaryEmbedding", "apply_rotary_pos_emb"),
                       partial_rotary=0.5, max_position_default=65536),
 }
 for _name, _fields in _MROPE_ROWS.items():
     MODEL_TYPES[_name] = MODEL_TYPES[_name + "_text"] = ModelRow(
-        mrope=True, note="M-RoPE: layout, sections and interleaving from jaxrope.mrope.hf",
-        **_fields)
+        mrope=True, note="M-RoPE: sections over the t, h and w rows of pos_ids", **_fields)
 
 # Multimodal wrappers whose text_config has the text model_type; a text_config without
 # one is read with the wrapper's row.

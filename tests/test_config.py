@@ -127,7 +127,7 @@ class TestMaxPositionPolicy:
         assert cfg.max_position == 1 << 20
 
     def test_a_served_length_past_the_accurate_range_is_refused_not_clamped(self):
-        # Issue 14: 2**25 positions used to become 2**24 without a word.
+        # 2**25 positions must raise, not become 2**24 without a word.
         config = dict(HF_CONFIGS["Qwen/Qwen2.5-7B-Instruct+yarn"])
         config["rope_scaling"] = dict(config["rope_scaling"], factor=1024.0)
         with pytest.raises(ValueError, match="max_position_embeddings=32768.*33554432"):

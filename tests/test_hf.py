@@ -18,7 +18,8 @@ import pytest
 import jaxrope as jr
 from jaxrope import hf
 from jaxrope.models import MODEL_TYPES
-from jaxrope.mrope import HF_VL_CONFIGS, hf_mrope_args, hf_text_config
+from jaxrope.models import HF_VL_CONFIGS
+from jaxrope.mrope import hf_mrope_args, hf_text_config
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "hf_configs")
 ENTRIES = {e["model_id"]: e for e in (json.load(open(p)) for p in sorted(glob.glob(
@@ -110,8 +111,8 @@ def test_llama4_reads_the_nested_text_config_and_equal_freq_factors():
 
 @pytest.mark.parametrize("model_id", sorted(MROPE))
 def test_mrope_models_are_read_with_their_sections_never_as_1d(model_id):
-    # Issue 14: rope_type "mrope" became "default" and the sections were dropped, a
-    # rotation right for text tokens only. The layouts are jaxrope.mrope's table.
+    # Read as 1-D (rope_type "mrope" taken for "default", the sections dropped), a config
+    # rotates text tokens right and image tokens wrong. The layouts are the model table's.
     cfg = jr.RopeConfig.from_hf(_config(model_id))
     assert cfg.mrope_section is not None and sum(cfg.mrope_section) == cfg.rotary_dim // 2
     assert hf_mrope_args(_config(model_id)) == {

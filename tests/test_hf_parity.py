@@ -34,7 +34,8 @@ import pytest
 import jaxrope as jr
 from jaxrope import hf
 from jaxrope.models import MODEL_TYPES
-from jaxrope.mrope import HF_MODEL_TYPES, HF_VL_CONFIGS
+from jaxrope.models import HF_VL_CONFIGS
+from jaxrope.mrope import HF_MODEL_TYPES
 from jaxrope.testing import oracle
 
 REQUIRE_ENV = "JAXROPE_REQUIRE_TRANSFORMERS"
@@ -120,7 +121,7 @@ def _hf_config(config):
     """The transformers config the model would load; remote-code families as the
     transformers port whose rotation their code matches (see their table rows)."""
     # A deep copy: transformers' config classes rewrite the nested rope dicts in place, and
-    # these are shared tables (jaxrope.mrope.HF_VL_CONFIGS) that later tests read.
+    # these are shared tables (jaxrope.models.HF_VL_CONFIGS) that later tests read.
     config = copy.deepcopy(dict(config))
     model_type = config.pop("model_type")
     if model_type == "chatglm":  # modeling_chatglm.py: RotaryEmbedding(kv_channels // 2, ...)
@@ -492,9 +493,9 @@ def test_cohere_command_r_and_glm4_9b_chat_hf_rotate_interleaved_pairs(model_id,
 
 @pytest.mark.parametrize("model_id", sorted(m for m, c in VL_CONFIGS.items() if "+" not in m))
 def test_vl_configs_rotate_with_their_sections_not_as_1d_rope(model_id, rng):
-    # Issue 14: rope_type "mrope" became "default" and the sections were ignored, which
+    # Read as 1-D (rope_type "mrope" taken for "default", the sections ignored), a config
     # is right for text tokens only. Read right, image tokens rotate as transformers
-    # rotates them; the old 1-D reading (every slot at the t row) is far off.
+    # rotates them; a 1-D reading (every slot at the t row) is far off.
     config = VL_CONFIGS[model_id]
     cfg = jr.RopeConfig.from_hf(config)
     pos = _mrope_positions(rng, cfg)

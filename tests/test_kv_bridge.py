@@ -9,7 +9,7 @@ backend on the same inputs. Then the manager's own behaviour (int64 slots, 2-D v
 staging copies, fewer tokens than planned, on 1-D and M-RoPE plans, launchers asked first, bound
 launches), and the Triton launcher's steps that run without a GPU (export, compile for
 sm_90, a failing export declined once, tensors off CUDA declined). Bad inputs are in
-tests/test_bad_inputs.py.
+tests/test_bad_inputs_kv_append.py.
 """
 
 from __future__ import annotations

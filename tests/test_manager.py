@@ -1,7 +1,7 @@
 """RopeManager / PositionManager on CPU torch: every method's semantics.
 
 Counters are checked through the public ``position`` and ``mgr.table``; bad inputs are
-catalogued in tests/test_bad_inputs.py, random operation sequences against the core's
+catalogued in tests/test_bad_inputs_*.py, random operation sequences against the core's
 transitions in tests/test_manager_state_machine.py.
 """
 

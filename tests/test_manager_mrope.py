@@ -16,14 +16,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import jaxrope as jr  # noqa: E402
-from jaxrope import mrope  # noqa: E402
+from jaxrope import models, mrope  # noqa: E402
 from jaxrope.positions import Scheme  # noqa: E402
 from jaxrope.testing import oracle  # noqa: E402
 from torch_bridge import (Fork, GraphBucket, GraphSlot, KVPlanOutput, KVView,  # noqa: E402
                           PositionConfig, PositionStep, PublishedPositionInfo, RopeManager,
                           Segment, StepContext)
 
-VL = mrope.HF_VL_CONFIGS["Qwen/Qwen2.5-VL-7B-Instruct"]
+VL = models.HF_VL_CONFIGS["Qwen/Qwen2.5-VL-7B-Instruct"]
 ROPE = jr.RopeConfig.from_hf(VL)
 # A 392 x 392 image at patch 14 is a 28 x 28 grid: 196 tokens after the 2 x 2 merge,
 # spanning 14 positions, so its prompt's delta is 14 - 196 = -182 (the decode offset
@@ -224,11 +224,11 @@ def _expected(x, pos, cfg):
                               cfg.mrope_interleaved)
 
 
-@pytest.mark.parametrize("name", sorted(mrope.HF_VL_CONFIGS))
+@pytest.mark.parametrize("name", sorted(models.HF_VL_CONFIGS))
 def test_apply_qk_rotates_in_place_at_the_3_by_n_positions(name, rng):
-    cfg = jr.RopeConfig.from_hf(mrope.HF_VL_CONFIGS[name])
+    cfg = jr.RopeConfig.from_hf(models.HF_VL_CONFIGS[name])
     mgr = make(rope=cfg)
-    pos, delta = mrope.rope_index(PROMPT, **mrope.hf_index_args(mrope.HF_VL_CONFIGS[name]))
+    pos, delta = mrope.rope_index(PROMPT, **mrope.hf_index_args(models.HF_VL_CONFIGS[name]))
     mgr.ingest_request("r0", deltas={"text": delta})
     step, ctx = step_of(("r0", "text", pos.shape[1]), pos_ids=torch.from_numpy(pos.copy()))
     mgr.plan(step, ctx)

@@ -17,7 +17,8 @@ import jaxrope as jr
 from jaxrope.apply import kernel_constants
 from jaxrope.cases import BY_NAME, MROPE_CASES
 from jaxrope.kernels import mosaic_gpu, pallas_triton, triton_ir
-from jaxrope.mrope import HF_VL_CONFIGS, hf_mrope_args
+from jaxrope.models import HF_VL_CONFIGS
+from jaxrope.mrope import hf_mrope_args
 from jaxrope.testing import oracle
 
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}

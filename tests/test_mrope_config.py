@@ -11,7 +11,8 @@ import pytest
 import jaxrope as jr
 from jaxrope.apply import kernel_constants
 from jaxrope.models import HF_CONFIGS
-from jaxrope.mrope import HF_VL_CONFIGS, hf_index_args, hf_mrope_args, hf_text_config
+from jaxrope.models import HF_VL_CONFIGS
+from jaxrope.mrope import hf_index_args, hf_mrope_args, hf_text_config
 
 REQUIRE_TRANSFORMERS = os.environ.get("JAXROPE_REQUIRE_TRANSFORMERS") == "1"
 
@@ -90,11 +91,11 @@ class TestFields:
 
 class TestFingerprint:
     @pytest.mark.parametrize("cfg, digest", ONE_D_FINGERPRINTS)
-    def test_1d_configs_keep_the_bytes_they_had_before_mrope(self, cfg, digest):
+    def test_1d_configs_keep_their_pinned_fingerprints(self, cfg, digest):
         assert cfg.fingerprint().hex() == digest
 
     def test_an_mrope_config_is_pinned_too(self):
-        # Recorded when M-RoPE was added; a change here invalidates caches keyed by it.
+        # Pinned like the 1-D ones: a change here invalidates caches keyed by it.
         assert QWEN2_VL.fingerprint().hex() == (
             "89b74f80a6555617d0775d84e57552f4487d3d50f838b01965795f5f62ee839b")
 

@@ -1,11 +1,23 @@
 """torch_bridge: the PyTorch-facing RopeManager over the jaxrope core (the only torch importer).
 
-The public API is the list below: what an engine uses. Everything else is an
-implementation detail; the DLPack plumbing stays importable from
-:mod:`torch_bridge.dlpack`. A launcher declines a call by raising
-:class:`jaxrope.BackendUnavailable`.
+The public API is exactly what ``__all__`` lists: the classes an engine uses (the
+managers, their config, the engine types they take and return, the launchers) and
+two modules used as ``torch_bridge.<module>.<name>``: :mod:`torch_bridge.dlpack`
+(zero-copy tensors between torch and JAX) and :mod:`torch_bridge.handoff` (a
+request's record and KV between processes). Every other module is private:
+importable, its names may change without notice. A launcher declines a call by
+raising :class:`jaxrope.BackendUnavailable`.
+
+Example:
+  >>> import jaxrope as jr
+  >>> from torch_bridge import PositionConfig, RopeManager
+  >>> mgr = RopeManager(PositionConfig(rope=jr.RopeConfig(head_dim=64)), "cpu", max_seq_len=16)
+  >>> mgr.ingest_request("r0")
+  >>> mgr.position("r0", "text")
+  0
 """
 
+from torch_bridge import dlpack, handoff
 from torch_bridge.config import PositionConfig
 from torch_bridge.engine_types import (AdmitOutcome, EngineInfo, Fork, GraphBucket, GraphSlot,
                                        KVPlanOutput, KVView, PositionStep, PublishedInfo, Resource,
@@ -36,4 +48,6 @@ __all__ = [
     "RopeManager",
     "Segment",
     "StepContext",
+    "dlpack",
+    "handoff",
 ]

@@ -28,6 +28,12 @@ Non-contiguous tensors cannot be imported (DLPack import needs compact strides) 
 imported buffers must meet XLA's alignment; with ``allow_copy=True`` such tensors
 are staged through a contiguous copy and written back (two extra copies), otherwise
 :class:`NotZeroCopyError` is raised.
+
+Example:
+  >>> import torch
+  >>> t = torch.arange(4, dtype=torch.float32)
+  >>> to_torch(to_jax(t) * 2).tolist()
+  [0.0, 2.0, 4.0, 6.0]
 """
 
 from __future__ import annotations

@@ -36,12 +36,10 @@ import numpy as np
 import torch
 
 from torch_bridge.engine_types import Fork, KVPlanOutput, PositionStep, StepContext
-from torch_bridge.streams import CommitArrays, StreamTable
+from torch_bridge.streams import _EMPTY, CommitArrays, StreamTable
 
 __all__ = ["LabelArrays", "StepArrays", "StepReader", "check_hashable"]
 
-_EMPTY = np.zeros((0,), np.int64)
-_EMPTY.flags.writeable = False
 # Plan labels whose last views are remembered before the cache starts over.
 _MAX_CACHED_LABELS = 1024
 

@@ -6,7 +6,10 @@ HF config fields.
 - :func:`hf_mrope_args`, :func:`hf_index_args`, :func:`hf_text_config`: what a HF
   ``config.json`` says about M-RoPE, for the model types :data:`HF_MODEL_TYPES`
   (:mod:`jaxrope.mrope.hf`; :meth:`jaxrope.RopeConfig.from_hf` reads them through it);
-- :data:`HF_VL_CONFIGS`: real VL configs' RoPE fields (:mod:`jaxrope.mrope.configs`).
+- :func:`mrope_rows`: the row of ``[3, T]`` each frequency pair reads, for a rotation
+  written outside the kernels (:mod:`jaxrope.mrope.sections`).
+
+Real VL configs' RoPE fields are :data:`jaxrope.models.HF_VL_CONFIGS`.
 
 The rotation itself is :func:`jaxrope.apply_rope` with a :class:`jaxrope.RopeConfig`
 whose ``mrope_section`` is set, and ``pos_ids [3, T]``.
@@ -22,20 +25,20 @@ Example:
   ((7, 2, 128), -2)
 """
 
-from jaxrope.mrope.configs import HF_VL_CONFIGS
 from jaxrope.mrope.hf import HF_MODEL_TYPES, hf_index_args, hf_mrope_args, hf_text_config
 from jaxrope.mrope.index import ADVANCES, FAMILIES, Image, Text, Video, rope_index
+from jaxrope.mrope.sections import mrope_rows
 
 __all__ = [
     "ADVANCES",
     "FAMILIES",
     "HF_MODEL_TYPES",
-    "HF_VL_CONFIGS",
     "Image",
     "Text",
     "Video",
     "hf_index_args",
     "hf_mrope_args",
     "hf_text_config",
+    "mrope_rows",
     "rope_index",
 ]

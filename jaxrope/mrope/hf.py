@@ -1,18 +1,21 @@
-"""What a HF vision-language ``config.json`` says about M-RoPE, as jaxrope arguments.
+"""What a HF vision-language ``config.json`` says about M-RoPE: the one place it is read.
 
-Pure functions of a config dict, for :meth:`jaxrope.RopeConfig.from_hf` to merge with
-the fields it already reads (``rope_theta``, head geometry, ``partial_rotary_factor``):
+Pure functions of a config dict:
 
 - :func:`hf_text_config`: the dict that holds the text model's fields (the nested
   ``text_config`` of a VL config, else the config itself);
 - :func:`hf_mrope_args`: ``mrope_section``, ``mrope_interleaved`` and the pair layout
   ``interleave`` of an M-RoPE model, or None for a 1-D one;
 - :func:`hf_index_args`: the family, spatial merge and ``tokens_per_second`` that
-  :func:`jaxrope.mrope.rope_index` needs.
+  :func:`jaxrope.mrope.rope_index` needs;
+- :func:`split_mrope`: :meth:`jaxrope.RopeConfig.from_hf`'s M-RoPE step: the M-RoPE
+  fields found (:func:`mrope_field`), checked and taken out of the rope parameters,
+  so that what is left is read exactly as for a 1-D model.
 
 The layouts are properties of each model's code in transformers 5.24, not of its
-config, so they come from one table keyed by ``model_type`` (checked against the
-transformers rotary classes in tests/test_mrope_apply.py):
+config, so they come from the model table (:class:`jaxrope.models.MropeLayout` on
+the :data:`jaxrope.models.MODEL_TYPES` rows; checked against the transformers
+rotary classes in tests/test_mrope_apply.py):
 
 =============================  ============  ===============  ============================
 model_type                     sections      pairs            default ``mrope_section``
@@ -29,36 +32,35 @@ ones transformers falls back to when a config has none. Other models with an
 own layout, ...) are refused: a guessed layout would rotate silently wrong.
 
 Example:
-  >>> from jaxrope.mrope import HF_VL_CONFIGS, hf_mrope_args
+  >>> from jaxrope.models import HF_VL_CONFIGS
+  >>> from jaxrope.mrope import hf_mrope_args
   >>> hf_mrope_args(HF_VL_CONFIGS["Qwen/Qwen3-VL-4B-Instruct"])
   {'mrope_section': (24, 20, 20), 'mrope_interleaved': True, 'interleave': False}
   >>> hf_mrope_args({"model_type": "llama", "rope_theta": 5e5}) is None
   True
+  >>> raw = HF_VL_CONFIGS["Qwen/Qwen2-VL-7B-Instruct"]
+  >>> fields, args = split_mrope(raw, raw, "qwen2_vl", mrope_model=True)
+  >>> fields["rope_scaling"], args["mrope_section"]
+  ({}, (16, 24, 24))
+  >>> mrope_field({"rope_parameters": {"rope_type": "mrope"}})
+  ('rope_parameters.rope_type', 'mrope')
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
-__all__ = ["HF_MODEL_TYPES", "hf_index_args", "hf_mrope_args", "hf_text_config"]
+from jaxrope.models import MODEL_TYPES, ModelRow
 
+__all__ = ["HF_MODEL_TYPES", "MROPE_KEYS", "hf_index_args", "hf_mrope_args", "hf_text_config",
+           "mrope_field", "split_mrope"]
 
-class _Layout(NamedTuple):
-    family: str
-    mrope_interleaved: bool
-    interleave: bool
-    default_section: Tuple[int, int, int]
-
-
-_LAYOUTS = {
-    "qwen2_vl": _Layout("qwen2_vl", False, False, (16, 24, 24)),
-    "qwen2_5_vl": _Layout("qwen2_5_vl", False, False, (16, 24, 24)),
-    "qwen3_vl": _Layout("qwen3_vl", True, False, (24, 20, 20)),
-    "qwen3_vl_moe": _Layout("qwen3_vl", True, False, (24, 20, 20)),
-    "glm4v": _Layout("glm4v", False, True, (8, 12, 12)),
-}
 # The model types whose M-RoPE layout is known (their ``_text`` configs too).
-HF_MODEL_TYPES: Tuple[str, ...] = tuple(sorted(_LAYOUTS))
+HF_MODEL_TYPES: Tuple[str, ...] = tuple(sorted(
+    name for name, row in MODEL_TYPES.items()
+    if row.mrope_layout is not None and not name.endswith("_text")))
+MROPE_KEYS = ("mrope_section", "mrope_interleaved")
+_PARAMS = ("rope_scaling", "rope_parameters")
 # transformers' Qwen2_5_VLVisionConfig default, for a config that omits it.
 _DEFAULT_TOKENS_PER_SECOND = 4
 _DEFAULT_SPATIAL_MERGE = 2
@@ -77,7 +79,8 @@ def hf_text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
       TypeError: ``config`` is not a dict.
 
     Example:
-      >>> from jaxrope.mrope import HF_VL_CONFIGS, hf_text_config
+      >>> from jaxrope.models import HF_VL_CONFIGS
+      >>> from jaxrope.mrope import hf_text_config
       >>> hf_text_config(HF_VL_CONFIGS["zai-org/GLM-4.1V-9B-Thinking"])["partial_rotary_factor"]
       0.5
     """
@@ -87,9 +90,12 @@ def hf_text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def _model_type(config: Mapping[str, Any]) -> Optional[str]:
     model_type = config.get("model_type") or hf_text_config(config).get("model_type")
-    if isinstance(model_type, str) and model_type.endswith("_text"):
-        model_type = model_type[:-len("_text")]
-    return model_type
+    return model_type.removesuffix("_text") if isinstance(model_type, str) else model_type
+
+
+def _known_row(model_type: Optional[str]) -> Optional[ModelRow]:
+    """The row of an M-RoPE model type whose layout is known, else None."""
+    return MODEL_TYPES[model_type] if model_type in HF_MODEL_TYPES else None
 
 
 def _rope_params(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -116,26 +122,28 @@ def hf_mrope_args(config: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
         table, or an ``mrope_interleaved`` the model's code contradicts.
 
     Example:
-      >>> from jaxrope.mrope import HF_VL_CONFIGS, hf_mrope_args
+      >>> from jaxrope.models import HF_VL_CONFIGS
+      >>> from jaxrope.mrope import hf_mrope_args
       >>> hf_mrope_args(HF_VL_CONFIGS["zai-org/GLM-4.1V-9B-Thinking"])
       {'mrope_section': (8, 12, 12), 'mrope_interleaved': False, 'interleave': True}
     """
     params = _rope_params(_mapping(config))
     model_type = _model_type(config)
-    layout = _LAYOUTS.get(model_type)
+    row = _known_row(model_type)
     section = params.get("mrope_section")
-    if layout is None:
+    if row is None:
         if section is None:
             return None
         raise ValueError(f"model_type={model_type!r} has rope mrope_section={section!r}, but its "
-                         f"M-RoPE layout is not known here; known: {sorted(_LAYOUTS)}")
+                         f"M-RoPE layout is not known here; known: {list(HF_MODEL_TYPES)}")
+    layout = row.mrope_layout
     flag = params.get("mrope_interleaved")
     if flag is not None and flag != layout.mrope_interleaved:
         raise ValueError(f"mrope_interleaved={flag!r} contradicts model_type={model_type!r}, whose "
                          f"rotary embedding is {'interleaved' if layout.mrope_interleaved else 'sectioned'}")
     section = layout.default_section if section is None else tuple(section)
     return {"mrope_section": section, "mrope_interleaved": layout.mrope_interleaved,
-            "interleave": layout.interleave}
+            "interleave": row.interleave}
 
 
 def hf_index_args(config: Mapping[str, Any]) -> Dict[str, Any]:
@@ -150,15 +158,17 @@ def hf_index_args(config: Mapping[str, Any]) -> Dict[str, Any]:
       ValueError: the model type is not an M-RoPE model of the table.
 
     Example:
-      >>> from jaxrope.mrope import HF_VL_CONFIGS, hf_index_args
+      >>> from jaxrope.models import HF_VL_CONFIGS
+      >>> from jaxrope.mrope import hf_index_args
       >>> hf_index_args(HF_VL_CONFIGS["Qwen/Qwen2.5-VL-7B-Instruct"])
       {'family': 'qwen2_5_vl', 'spatial_merge_size': 2, 'tokens_per_second': 2}
     """
     model_type = _model_type(_mapping(config))
-    layout = _LAYOUTS.get(model_type)
-    if layout is None:
+    row = _known_row(model_type)
+    if row is None:
         raise ValueError(f"model_type={model_type!r} is not an M-RoPE model known here; known: "
-                         f"{sorted(_LAYOUTS)}")
+                         f"{list(HF_MODEL_TYPES)}")
+    layout = row.mrope_layout
     vision = config.get("vision_config") or {}
     tokens_per_second = None
     if layout.family == "qwen2_5_vl":
@@ -166,3 +176,70 @@ def hf_index_args(config: Mapping[str, Any]) -> Dict[str, Any]:
     return {"family": layout.family,
             "spatial_merge_size": vision.get("spatial_merge_size", _DEFAULT_SPATIAL_MERGE),
             "tokens_per_second": tokens_per_second}
+
+
+def mrope_field(fields: Mapping[str, Any], where: str = "") -> Optional[Tuple[str, Any]]:
+    """``(dotted name, value)`` of the first field asking for M-RoPE: at the top level or
+    anywhere inside the rope parameters (per-layer-type blocks included); else None."""
+    for key in ("rope_type", "type"):
+        if fields.get(key) == "mrope":
+            return f"{where}{key}", fields[key]
+    for key in MROPE_KEYS:
+        if fields.get(key) is not None:
+            return f"{where}{key}", fields[key]
+    for key, value in fields.items():
+        if isinstance(value, Mapping) and (where or key in _PARAMS):
+            found = mrope_field(value, f"{where}{key}.")
+            if found:
+                return found
+    return None
+
+
+def split_mrope(raw: Mapping[str, Any], fields: Mapping[str, Any], model_type: str, *,
+                mrope_model: bool) -> Tuple[Dict[str, Any], Optional[Dict[str, Any]]]:
+    """``(fields without the M-RoPE keys, hf_mrope_args(raw))``, or ``(fields, None)`` for
+    a 1-D config.
+
+    Args:
+      raw: the whole config (``hf_mrope_args`` reads its ``text_config`` first).
+      fields: the text model's fields, as ``from_hf`` reads them.
+      model_type: the text model's type (``qwen3_vl_text`` or ``qwen3_vl`` alike).
+      mrope_model: the model's code rotates with M-RoPE whatever the config says.
+
+    Raises:
+      NotImplementedError: M-RoPE fields, or an M-RoPE model, whose layout
+        the model table does not know (GLM-4.5V's ``glm4v_moe``; an
+        ``mrope_section`` on a 1-D model).
+      ValueError: an M-RoPE key where the model's code does not read it (the top
+        level, a per-layer-type block), or one it contradicts (``hf_mrope_args``).
+    """
+    found = mrope_field(fields)
+    if not (found or mrope_model):
+        return dict(fields), None
+    if model_type.removesuffix("_text") not in HF_MODEL_TYPES:
+        what = (f"{found[0]}={found[1]!r}" if found
+                else f"model_type={model_type!r} (its code rotates with M-RoPE)")
+        raise NotImplementedError(
+            f"{what}: jaxrope implements the M-RoPE layouts (sections over t, h and w "
+            f"positions, pair layout) of model types {list(HF_MODEL_TYPES)} "
+            f"(jaxrope.mrope.hf), not of model_type={model_type!r}; a 1-D rotation would be "
+            "right for text tokens only")
+    for key in MROPE_KEYS:
+        if fields.get(key) is not None:
+            raise ValueError(f"{key}={fields[key]!r} at the top level is not read by "
+                             f"model_type={model_type!r}; its code reads rope_parameters.{key}")
+    args = hf_mrope_args(raw)
+    out = dict(fields)
+    for key in _PARAMS:
+        params = out.get(key)
+        if isinstance(params, Mapping):
+            params = {k: v for k, v in params.items() if k not in MROPE_KEYS}
+            for type_key in ("rope_type", "type"):
+                if params.get(type_key) == "mrope":
+                    del params[type_key]
+            out[key] = params
+    left = mrope_field(out)
+    if left:
+        raise ValueError(f"{left[0]}={left[1]!r} is not read by model_type={model_type!r}; its "
+                         "code reads the M-RoPE keys of rope_parameters itself")
+    return out, args

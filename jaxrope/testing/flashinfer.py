@@ -187,8 +187,9 @@ def flashinfer_frequencies(kwargs: Mapping[str, object]) -> np.ndarray:
 def cos_sin_cache(cfg: jr.RopeConfig, pos_ids: np.ndarray, dense: bool) -> Tuple[np.ndarray, np.ndarray]:
     """FlashInfer's float32 cache ``[rows + 1, R]`` and the row of each token ``[T]``.
 
-    Values come from float64 (``cfg``'s serving frequencies and attention factor), so the
-    cache path isolates FlashInfer's layout conventions from its angle arithmetic.
+    The rows are :func:`jaxrope.cos_sin_cache.cos_sin_rows`' (float64 from ``cfg``'s
+    serving frequencies and attention factor, as :meth:`jaxrope.RopeConfig.cos_sin_cache`),
+    so the cache path isolates FlashInfer's layout conventions from its angle arithmetic.
     ``dense``: row ``p`` is position ``p`` (FlashInfer's usual table, ``pos_ids`` passed
     as they are); otherwise one row per distinct position, to keep a 2**20-position
     table off the GPU. One zero row is appended: with ``is_neox=False`` the kernel's
@@ -196,7 +197,7 @@ def cos_sin_cache(cfg: jr.RopeConfig, pos_ids: np.ndarray, dense: bool) -> Tuple
     """
     positions = np.arange(int(pos_ids.max()) + 1) if dense else np.unique(pos_ids)
     rows = pos_ids if dense else np.searchsorted(positions, pos_ids)
-    cache = cos_sin_rows(cfg, positions, np.float32)  # RopeConfig.cos_sin_cache's rows
+    cache = cos_sin_rows(cfg, positions, np.float32)
     cache = np.concatenate([cache, np.zeros((1, cache.shape[1]), np.float32)])
     return cache, rows.astype(np.int32)
 

@@ -12,8 +12,9 @@ each rotated by ``pos * inv_freq[i]``, then scaled by the attention factor;
 dims ``[R, D)`` are copied.
 
 M-RoPE (``mrope_section``): positions ``[3, T]`` and pair ``i`` takes its position from
-the row :func:`mrope_rows` gives it, written here from the definitions (sections laid
-end to end, or Qwen3-VL's interleaving) independently of the kernels' masks.
+the row :func:`jaxrope.mrope.sections.mrope_rows` gives it, a numpy transcription of the
+definitions (sections laid end to end, or Qwen3-VL's interleaving) independent of the
+kernels' masks.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
+from jaxrope.mrope.sections import mrope_rows
 from jaxrope.scaling import DynamicNTK, Linear, Llama3, LongRope, Proportional, Yarn
 
 
@@ -174,26 +176,6 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rotary_dim: int,
     out[..., first] = a * cos - b * sin
     out[..., second] = b * cos + a * sin
     return out
-
-
-def mrope_rows(mrope_section: Sequence[int], mrope_interleaved: bool) -> np.ndarray:
-    """int ``[R/2]``: the row (0 = t, 1 = h, 2 = w) each frequency pair takes its position from.
-
-    Sectioned: ``s_t`` zeros, ``s_h`` ones, ``s_w`` twos. Interleaved (Qwen3-VL): pair ``j``
-    is h when ``j % 3 == 1`` and ``j < 3 s_h``, w when ``j % 3 == 2`` and ``j < 3 s_w``, else t.
-    """
-    s_t, s_h, s_w = mrope_section
-    if not mrope_interleaved:
-        return np.repeat([0, 1, 2], [s_t, s_h, s_w])
-    rows = []
-    for j in range(s_t + s_h + s_w):
-        if j % 3 == 1 and j < 3 * s_h:
-            rows.append(1)
-        elif j % 3 == 2 and j < 3 * s_w:
-            rows.append(2)
-        else:
-            rows.append(0)
-    return np.array(rows)
 
 
 def _slot_positions(pos: np.ndarray, mrope_section, mrope_interleaved) -> np.ndarray:

@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import jaxrope as jr  # noqa: E402
-from jaxrope import mrope  # noqa: E402
+from jaxrope import models, mrope  # noqa: E402
 from jaxrope.testing import oracle  # noqa: E402
 from torch_bridge import (GraphBucket, GraphSlot, PositionConfig, PositionStep,  # noqa: E402
                           RopeManager, Segment, StepContext)
@@ -35,7 +35,7 @@ PROMPT = [mrope.Text(9), mrope.Image((1, 28, 28)), mrope.Text(5),
 
 
 def make(device, launcher, name="Qwen/Qwen2.5-VL-7B-Instruct"):
-    rope = jr.RopeConfig.from_hf(mrope.HF_VL_CONFIGS[name])
+    rope = jr.RopeConfig.from_hf(models.HF_VL_CONFIGS[name])
     return RopeManager(PositionConfig(rope=rope), device, max_seq_len=32768, launcher=launcher)
 
 
@@ -60,10 +60,10 @@ def prefill(mgr, rid, config):
     return step, ctx, planned, pos, delta
 
 
-@pytest.mark.parametrize("name", sorted(mrope.HF_VL_CONFIGS))
+@pytest.mark.parametrize("name", sorted(models.HF_VL_CONFIGS))
 def test_prefill_rotates_in_place_at_the_prompts_rows(device, launcher, name):
     mgr = make(device, launcher, name)
-    step, ctx, planned, pos, _ = prefill(mgr, "r0", mrope.HF_VL_CONFIGS[name])
+    step, ctx, planned, pos, _ = prefill(mgr, "r0", models.HF_VL_CONFIGS[name])
     assert planned.shape == pos.shape and planned.device == device
     q, k = rand_qk(device, pos.shape[1], mgr.rope.head_dim)
     want_q, want_k = expected(q, pos, mgr.rope), expected(k, pos, mgr.rope)
@@ -80,7 +80,7 @@ def test_prefill_rotates_in_place_at_the_prompts_rows(device, launcher, name):
 
 def test_fewer_q_tokens_than_planned_read_the_first_columns(device, launcher):
     mgr = make(device, launcher)
-    _, _, planned, pos, _ = prefill(mgr, "r0", mrope.HF_VL_CONFIGS["Qwen/Qwen2.5-VL-7B-Instruct"])
+    _, _, planned, pos, _ = prefill(mgr, "r0", models.HF_VL_CONFIGS["Qwen/Qwen2.5-VL-7B-Instruct"])
     tokens = 100  # inside the image: the rows differ
     q, k = rand_qk(device, tokens, mgr.rope.head_dim)
     want = expected(q, pos[:, :tokens], mgr.rope)
@@ -90,7 +90,7 @@ def test_fewer_q_tokens_than_planned_read_the_first_columns(device, launcher):
 
 
 def test_decode_after_a_handoff_rotates_at_counter_plus_delta(device, launcher):
-    config = mrope.HF_VL_CONFIGS["Qwen/Qwen2.5-VL-7B-Instruct"]
+    config = models.HF_VL_CONFIGS["Qwen/Qwen2.5-VL-7B-Instruct"]
     prefill_node, decode_node = make(device, launcher), make(device, launcher)
     step, ctx, _, pos, delta = prefill(prefill_node, "r0", config)
     prefill_node.commit(step, ctx)

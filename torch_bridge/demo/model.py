@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from jaxrope.config import RopeConfig
-from jaxrope.testing import oracle
+from jaxrope.mrope.sections import mrope_rows
 
 __all__ = ["HIDDEN", "KV_HEADS", "Layer", "Q_HEADS", "Stream", "TOLERANCE", "VOCAB"]
 
@@ -112,7 +112,7 @@ class Layer:
     def _rotate(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
         r = self.rope.rotary_dim
         if pos.ndim == 2:  # M-RoPE: frequency slot j at row mrope_rows[j]'s position
-            rows = oracle.mrope_rows(self.rope.mrope_section, self.rope.mrope_interleaved)
+            rows = mrope_rows(self.rope.mrope_section, self.rope.mrope_interleaved)
             pos = pos[rows].T  # [L, R/2]
         else:
             pos = pos[:, None]

@@ -2,7 +2,7 @@
 
 ``python -m jaxrope.demo --model qwen2.5-vl`` (or ``qwen2-vl``, ``qwen3-vl``, ``glm-4.1v``)
 runs this instead of the text trace, with the model's real RoPE config
-(``RopeConfig.from_hf`` of :data:`jaxrope.mrope.HF_VL_CONFIGS`: sections, pair layout,
+(``RopeConfig.from_hf`` of :data:`jaxrope.models.HF_VL_CONFIGS`: sections, pair layout,
 rotated fraction) and its :func:`jaxrope.mrope.rope_index` family:
 
 - ``v0`` (text, an image, text, a 4-frame video, text) is prefilled on the *prefill*
@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from jaxrope import mrope
+from jaxrope import models, mrope
 from jaxrope.config import RopeConfig
 from torch_bridge.config import PositionConfig
 from torch_bridge.demo.model import KV_HEADS, TOLERANCE, VOCAB, Layer, Stream
@@ -103,7 +103,7 @@ class MultimodalTrace(TwoNodeTrace):
     """The scripted multimodal trace; ``run_step(s)`` gives the step's :class:`StepRow`\\ s."""
 
     def __init__(self, model: str, device: torch.device, seed: int, inject_fault: bool):
-        self.config = mrope.HF_VL_CONFIGS[MODELS[model]]
+        self.config = models.HF_VL_CONFIGS[MODELS[model]]
         self.rope: RopeConfig = RopeConfig.from_hf(self.config)
         self.index_args = mrope.hf_index_args(self.config)
         self.rng = np.random.default_rng(seed)
