@@ -17,11 +17,13 @@ DEMO_ARGS ?=
 .PHONY: demo test test-core-jax011 bench gpu clean
 
 # What the demo needs (torch and jaxrope's own dependencies), then what the tests and
-# benchmarks add; `make demo` installs only the first, `make test` both.
+# benchmarks add; `make demo` installs only the first, `make test` both. --no-compile:
+# byte-compiling every module of torch and jaxlib takes longer than the demo runs, and
+# Python compiles the modules it imports on first use.
 $(VENV)/.demo-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q "$(TORCH)"
-	$(VENV)/bin/pip install -q -e .
+	$(VENV)/bin/pip install -q --no-compile "$(TORCH)"
+	$(VENV)/bin/pip install -q --no-compile -e .
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.demo-installed

@@ -2,8 +2,8 @@
 
 The module-scoped run starts a prefill process and a decode process (gloo on
 127.0.0.1, a TCPStore this test process owns), SIGKILLs the decode process after the
-commit of its step 5 (before it publishes), restarts it and lets it finish; about 15 s
-on two CPU cores. Each check below reads that one run's log independently of
+commit of its step 5 (before it publishes), restarts it and lets it finish; 46-90 s
+on two CPU cores (quiet to shared). Each check below reads that one run's log independently of
 :func:`~torch_bridge.demo.disagg.verify`. The in-process twin
 (:func:`~torch_bridge.demo.disagg.run_in_process`, the same nodes) shows the checks
 fail when the resume is wrong: a record claiming a position its KV lacks, tokens the
