@@ -64,6 +64,7 @@ def parser(prog: str = "python -m jaxrope.demo") -> argparse.ArgumentParser:
                         "counts its rounds (1-D models only)")
     return p
 
+
 INSTALL_HINT = ("jaxrope.demo drives the PyTorch facade (torch_bridge) and needs torch: "
                 "pip install -e '.[torch]' from a clone (CPU-only: pip install torch "
                 "--index-url https://download.pytorch.org/whl/cpu), or run `make demo`, "

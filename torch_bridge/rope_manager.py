@@ -52,8 +52,10 @@ class RopeManager(PositionManager):
         kernel's Triton launcher on CUDA, "jax" none, an object itself if it has
         ``rotate_and_append_kv_`` (see :class:`torch_bridge.KVLauncher`), else none.
       backend: the jaxrope backend of the JAX path ("auto", "pallas", "xla", "interpret").
-      allow_copy: let the JAX path stage non-contiguous or misaligned q/k through a
-        contiguous copy (written back in place); False raises instead.
+      allow_copy: let the JAX path stage q/k through copies (written back in place):
+        padded to a token bucket, so it compiles once per bucket, and contiguous where
+        they are non-contiguous or misaligned; False raises on the latter instead and
+        compiles once per token count.
 
     Attributes:
       launcher: the resolved launcher, or None; assignable.
@@ -194,7 +196,7 @@ class RopeManager(PositionManager):
                     if bound(q, k, pos):
                         return q, k
         q3, k3 = self._checked_qk(q, k, label, plan)
-        padded = q3.shape[0] > plan.limits[label]
+        padded = q3.shape[0] > plan.limits[label]   # an engine's padded batch: cut the tail
         if padded:
             q3, k3 = q3[:plan.limits[label]], k3[:plan.limits[label]]
         tokens = q3.shape[0]
