@@ -40,7 +40,12 @@ VL_MODELS = {
 
 
 def parser(prog: str = "python -m jaxrope.demo") -> argparse.ArgumentParser:
-    """The demo's command line, named ``prog`` in its usage line (no torch, no JAX)."""
+    """The demo's command line, named ``prog`` in its usage line (no torch, no JAX).
+
+    Example:
+      >>> parser("python -m torch_bridge.demo").format_usage().split()[:5]
+      ['usage:', 'python', '-m', 'torch_bridge.demo', '[-h]']
+    """
     p = argparse.ArgumentParser(
         prog=prog,
         description="Drive torch_bridge.RopeManager through a multi-request serving trace and "
