@@ -16,10 +16,17 @@ DEMO_ARGS ?=
 
 .PHONY: demo test test-core-jax011 bench gpu clean
 
-$(VENV)/.installed: pyproject.toml
+# What the demo needs (torch and jaxrope's own dependencies), then what the tests and
+# benchmarks add; `make demo` installs only the first, `make test` both. --no-compile:
+# byte-compiling every module of torch and jaxlib takes longer than the demo runs, and
+# Python compiles the modules it imports on first use.
+$(VENV)/.demo-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q "$(TORCH)"
+	$(VENV)/bin/pip install -q --no-compile "$(TORCH)"
+	$(VENV)/bin/pip install -q --no-compile -e .
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.demo-installed
 	$(VENV)/bin/pip install -q -e ".[test,bench,triton,hf]"
 	touch $@
 
@@ -29,7 +36,7 @@ $(VENV312)/.installed: pyproject.toml
 	$(VENV312)/bin/pip install -q "$(JAX011)" -e ".[test]"
 	touch $@
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.demo-installed
 	$(VENV)/bin/python -m jaxrope.demo $(DEMO_ARGS)
 
 # The full CPU suite: core + torch bridge (its Triton kernel through Triton's interpreter)

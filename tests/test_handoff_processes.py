@@ -2,8 +2,8 @@
 
 The module-scoped run starts a prefill process and a decode process (gloo on
 127.0.0.1, a TCPStore this test process owns), SIGKILLs the decode process after the
-commit of its step 5 (before it publishes), restarts it and lets it finish; about 15 s
-on two CPU cores. Each check below reads that one run's log independently of
+commit of its step 5 (before it publishes), restarts it and lets it finish; 46-90 s
+on two CPU cores (quiet to shared). Each check below reads that one run's log independently of
 :func:`~torch_bridge.demo.disagg.verify`. The in-process twin
 (:func:`~torch_bridge.demo.disagg.run_in_process`, the same nodes) shows the checks
 fail when the resume is wrong: a record claiming a position its KV lacks, tokens the
@@ -28,7 +28,7 @@ from jaxrope import wire  # noqa: E402
 from torch_bridge import PositionConfig, PublishedPositionInfo, RopeManager  # noqa: E402
 from torch_bridge.demo.disagg import (DecodeNode, DisaggReport, DisaggSpec,  # noqa: E402
                                       new_node, prefill, run_in_process, verify)
-from torch_bridge.demo.disagg_processes import run  # noqa: E402
+from torch_bridge.demo.disagg_processes import report_lines, run  # noqa: E402
 from torch_bridge.demo.model import TOLERANCE  # noqa: E402
 from torch_bridge.handoff import Handoff, RecordStore  # noqa: E402
 
@@ -53,6 +53,23 @@ def test_the_two_process_run_passes_its_checks(report):
     assert report.failures == []
     assert report.exit_codes == {"prefill": 0, "decode0": -signal.SIGKILL, "decode1": 0}
     assert len(report.lost) == 1   # the prefill process saw the first decode process die
+
+
+def test_a_passing_run_prints_the_kill_it_planned_and_no_gloo_error(report):
+    lines = report_lines(report, 0.0)
+    assert lines[-1].startswith("verdict: PASS"), lines[-1]
+    assert not [line for line in lines if "gloo" in line or "Connection closed" in line], lines
+    assert ("prefill: session 0's decode peer (decode0, killed by this run) went away; "
+            "session 1 served its restart") in lines
+
+
+def test_a_failing_run_prints_the_error_the_prefill_process_saw():
+    failed = DisaggReport(SPEC, {}, {}, lost=["Connection closed by peer [127.0.0.1]:1"],
+                          failures=["decode1 exited with 1, want 0"])
+    lines = report_lines(failed, 0.0)
+    assert "prefill: session 0's decode peer died: Connection closed by peer [127.0.0.1]:1" in lines
+    assert lines[-1].startswith("verdict: FAIL") and lines[-1].endswith(
+        "first: decode1 exited with 1, want 0")
 
 
 def test_every_prefill_and_decode_step_matches_the_float64_recompute(report):

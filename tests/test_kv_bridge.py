@@ -309,7 +309,7 @@ class _AppendingLauncher:
         self.calls.append((tuple(q.shape), pos_ids.tolist(), geometry, scales))
         if self.decline:
             raise jr.BackendUnavailable("declined for the test")
-        self._jax(q, k, v, caches, geometry, jnp.asarray(pos_ids.numpy()), slots, cfg, scales)
+        self._jax(q, k, v, caches, geometry, pos_ids, slots, cfg, scales)
 
     def _bind(self, q, k, v, caches, slots, cfg, geometry, scales):
         def run(q, k, v, pos_ids, kv_cache, slots):
@@ -317,7 +317,7 @@ class _AppendingLauncher:
             caches = (kv_cache,) if geometry.combined else tuple(kv_cache)
             self._jax(q.view(q.shape[0], -1, cfg.head_dim), k.view(k.shape[0], -1, cfg.head_dim),
                       v.view(v.shape[0], -1, cfg.head_dim), caches, geometry,
-                      jnp.asarray(pos_ids.numpy()), slots, cfg, scales)
+                      pos_ids, slots, cfg, scales)
             return True
         return run
 

@@ -761,12 +761,15 @@ def test_the_bound_launch_never_skips_the_checks_of_a_different_call():
         mgr.apply_qk(q.double(), k.double(), "text")
     with pytest.raises(ValueError, match="unknown"):
         mgr.apply_qk(q, k, "image")
-    # A new plan with fewer positions: the same q no longer fits.
+    # A new plan with fewer positions: the bound launch would rotate all of q; the full
+    # path hands the launcher the planned tokens only, the tail untouched, and binds nothing.
     mgr.commit(PositionStep([Segment("a", "text", 3)]), ctx_for("a"))
     mgr.plan(PositionStep([Segment("a", "text", 2)]), ctx_for("a"))
-    with pytest.raises(ValueError, match="planned positions"):
-        mgr.apply_qk(q, k, "text")
-    assert launcher.bound_calls == 0
+    tail = q[2:].clone()
+    mgr.apply_qk(q, k, "text")
+    mgr.apply_qk(q, k, "text")
+    assert launcher.bound_calls == 0 and [call[0][0] for call in launcher.calls] == [3, 2, 2]
+    assert torch.equal(q[2:], tail)
 
 
 def test_views_given_as_lists_are_read_again_every_step():

@@ -1,8 +1,10 @@
 """Every code block of README.md is executed or checked, so the README cannot rot.
 
-- ``python`` blocks run as written (the PyTorch ones skip when torch is missing); a block
-  whose preceding prose names ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
-  runs in a child interpreter with that flag, so it gets N CPU devices.
+- ``python`` blocks run as pasted: each in a fresh interpreter started in the checkout,
+  without ``XLA_FLAGS`` (a block that needs a flag sets it itself, before importing jax),
+  so a block that depends on an earlier one or on import order fails here (the PyTorch
+  ones skip when torch is missing). The interpreters start together, as many at a time
+  as there are CPUs, and each test waits for its own.
 - ``bash`` blocks: ``make X`` must be a real target (``make -n X``), ``bash S`` must be a
   syntactically valid script (``bash -n S``), and the ``pip download`` line must name
   the wheels ``bench/gpu_suite.sh`` installs (it needs the network, so it only runs
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import inspect
+import importlib.util
 import os
 import pathlib
 import re
@@ -43,32 +46,48 @@ def test_readme_has_the_two_setup_commands_first():
     assert first_bash == ["make", "demo", "make", "test"]
 
 
-@pytest.mark.parametrize("index", range(len(_blocks("python"))))
-def test_python_block_runs(index):
+class _Runs:
+    """The python blocks' interpreters, started on first use, as many at once as CPUs."""
+
+    def __init__(self, blocks):
+        self._blocks, self._procs, self._results = blocks, {}, {}
+        self._env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+    def _start(self, index):
+        self._procs[index] = subprocess.Popen(
+            [sys.executable, "-c", self._blocks[index]], cwd=ROOT, env=self._env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def result(self, index):
+        """``(returncode, stderr)`` of block ``index``, starting later blocks meanwhile."""
+        if index not in self._results:
+            todo = [i for i in range(index, len(self._blocks))
+                    if i not in self._procs and i not in self._results and _runnable(i)]
+            while len(self._procs) < (os.cpu_count() or 1) and todo:
+                self._start(todo.pop(0))
+            if index not in self._procs:
+                self._start(index)
+            proc = self._procs.pop(index)
+            _, err = proc.communicate(timeout=600)
+            self._results[index] = (proc.returncode, err)
+        return self._results[index]
+
+
+def _runnable(index) -> bool:
     code = _blocks("python")[index]
-    if "import torch" in code or "torch_bridge" in code:  # the bridge imports torch
-        pytest.importorskip("torch")
-    devices = _devices_wanted(index)
-    if devices:
-        # XLA fixes the CPU device count when its client starts, and this process's has
-        # one: run the block in a fresh interpreter with the count the prose names.
-        env = dict(os.environ, JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-        result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
-                                capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-6000:]
-        return
-    namespace = {"__name__": f"readme_block_{index}"}
-    exec(compile(code, f"README.md python block {index}", "exec"), namespace)
+    needs_torch = "import torch" in code or "torch_bridge" in code  # the bridge imports torch
+    return not needs_torch or importlib.util.find_spec("torch") is not None
 
 
-def _devices_wanted(index: int) -> int:
-    """CPU devices python block ``index`` needs: the prose just before it names
-    ``XLA_FLAGS=--xla_force_host_platform_device_count=N``, else 0."""
-    starts = [m.start() for m in re.finditer(r"```python\n", README)]
-    before = README[:starts[index]].rsplit("```", 1)[-1]
-    flag = re.search(r"XLA_FLAGS=--xla_force_host_platform_device_count=(\d+)", before)
-    return int(flag.group(1)) if flag else 0
+_RUNS = _Runs(_blocks("python"))
+
+
+@pytest.mark.parametrize("index", range(len(_blocks("python"))))
+def test_python_block_runs_as_pasted_in_a_fresh_interpreter(index):
+    if not _runnable(index):
+        pytest.skip("the block needs torch")
+    returncode, stderr = _RUNS.result(index)
+    assert returncode == 0, stderr[-6000:]
 
 
 def _bash_lines():

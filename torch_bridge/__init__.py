@@ -17,6 +17,18 @@ Example:
   0
 """
 
+try:
+    import torch  # noqa: F401
+except ModuleNotFoundError as e:
+    if e.name != "torch":
+        raise
+    # A ModuleNotFoundError still (name "torch"), so callers can tell what is missing.
+    raise ModuleNotFoundError(
+        "torch_bridge needs PyTorch, which is not installed: pip install 'jaxrope[torch]' "
+        "(from a clone: pip install -e '.[torch]'); for the CPU-only build install torch first: "
+        "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
+        name="torch") from e
+
 from torch_bridge import dlpack, handoff
 from torch_bridge.config import PositionConfig
 from torch_bridge.engine_types import (AdmitOutcome, EngineInfo, Fork, GraphBucket, GraphSlot,

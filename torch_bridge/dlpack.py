@@ -8,6 +8,11 @@ Three operations:
   torch tensors, with the inputs donated so that XLA can write the results into the
   imported buffers themselves.
 
+and the token buckets of the bridge's JAX paths: a jitted function compiles once per
+input shape, and an engine's token count changes every step, so :func:`token_bucket`
+rounds it up to a power of two and :func:`pad_tokens` stages a tensor at that size (the
+callers write back only the real tokens).
+
 Stream ordering on CUDA, with no host synchronisation: ``jax.dlpack.from_dlpack``
 passes JAX's stream for external ready events to ``tensor.__dlpack__(stream=...)``,
 and torch makes that stream wait for the work queued so far on torch's *current*
@@ -45,7 +50,12 @@ import jax
 import jax.dlpack
 import torch
 
-__all__ = ["InPlace", "NotZeroCopyError", "jax_device", "to_jax", "to_torch"]
+__all__ = ["InPlace", "MIN_BUCKET", "NotZeroCopyError", "jax_device", "pad_tokens",
+           "read_only", "to_jax", "to_torch", "token_bucket", "write_back"]
+
+# The smallest token bucket: decode batches of 1..16 tokens share one compile (padding a
+# few tokens costs less than a compile, which takes seconds on CPU).
+MIN_BUCKET = 16
 
 
 class NotZeroCopyError(ValueError):
@@ -122,6 +132,22 @@ def to_jax(tensor: torch.Tensor) -> jax.Array:
         raise
 
 
+def read_only(tensor: torch.Tensor, allow_copy: bool) -> jax.Array:
+    """:func:`to_jax` of a tensor the JAX function only reads; with ``allow_copy``, a fresh
+    contiguous copy's where ``tensor`` cannot be imported as is (strides or alignment).
+
+    Raises:
+      NotZeroCopyError: ``allow_copy=False`` and the tensor cannot be imported as is.
+    """
+    try:
+        return to_jax(tensor)
+    except NotZeroCopyError:
+        if not allow_copy:
+            raise
+        # torch's allocators align far beyond XLA's requirement.
+        return to_jax(tensor.clone(memory_format=torch.contiguous_format))
+
+
 def to_torch(array: jax.Array) -> torch.Tensor:
     """A torch tensor over ``array``'s memory (no copy); torch's current stream waits for it.
 
@@ -131,6 +157,49 @@ def to_torch(array: jax.Array) -> torch.Tensor:
       [0, 1, 2]
     """
     return torch.from_dlpack(array)
+
+
+def token_bucket(tokens: int) -> int:
+    """The token count a JAX path compiles for: the next power of two ``>= tokens``, at
+    least :data:`MIN_BUCKET`.
+
+    Compiles grow with ``log2`` of the largest token count rather than one per count; the
+    padding costs at most as many tokens again.
+
+    Example:
+      >>> [token_bucket(t) for t in (1, 16, 17, 100, 128, 129)]
+      [16, 16, 32, 128, 128, 256]
+    """
+    return max(MIN_BUCKET, 1 << (tokens - 1).bit_length())
+
+
+def pad_tokens(tensor: torch.Tensor, size: int, *, dim: int = 0,
+               fill: float = 0) -> torch.Tensor:
+    """``tensor`` with exactly ``size`` entries along ``dim``: itself when it has them, else
+    a new contiguous tensor holding its first ``min(n, size)`` entries, ``fill`` after.
+
+    Example:
+      >>> pad_tokens(torch.tensor([5, 6, 7]), 4, fill=-1).tolist()
+      [5, 6, 7, -1]
+      >>> pad_tokens(torch.arange(6).view(2, 3), 2, dim=-1).tolist()
+      [[0, 1], [3, 4]]
+    """
+    dim %= tensor.ndim
+    n = tensor.shape[dim]
+    if n == size:
+        return tensor
+    shape = (*tensor.shape[:dim], size, *tensor.shape[dim + 1:])
+    staged = torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)
+    kept = min(n, size)
+    staged.narrow(dim, 0, kept).copy_(tensor.narrow(dim, 0, kept))
+    return staged
+
+
+def write_back(tensor: torch.Tensor, staged: torch.Tensor) -> None:
+    """Copy the first ``tensor.shape[0]`` rows of ``staged`` (from :func:`pad_tokens`) into
+    ``tensor``; nothing when ``staged`` is ``tensor`` itself."""
+    if staged is not tensor:
+        tensor.copy_(staged[:tensor.shape[0]])
 
 
 Signature = Tuple[Tuple[Tuple[int, ...], torch.dtype], ...]

@@ -32,7 +32,7 @@ import torch
 
 from jaxrope.config import RopeConfig
 from jaxrope.kv_cache import LAYOUTS, apply_rope_and_append_kv
-from torch_bridge.dlpack import InPlace, NotZeroCopyError, to_jax
+from torch_bridge.dlpack import InPlace, pad_tokens, read_only, token_bucket, write_back
 
 __all__ = ["CacheGeometry", "JaxAppend", "call_signature", "check_call", "int32_slots"]
 
@@ -241,22 +241,12 @@ def _rope_and_append(q, *rest, cfg: RopeConfig, layout: str, backend: str, fp8: 
         caches = [jax.lax.bitcast_convert_type(c, jnp.float8_e4m3fn) for c in caches]
     k_scale, v_scale = scales if fp8 else (None, None)
     q, kv_cache = apply_rope_and_append_kv(
-        q, k, v, pos_ids[..., :q.shape[0]], caches[0] if len(caches) == 1 else tuple(caches), slots,
+        q, k, v, pos_ids, caches[0] if len(caches) == 1 else tuple(caches), slots,
         cfg, layout=layout, k_quant_scale=k_scale, v_quant_scale=v_scale, backend=backend)
     out = jax.tree.leaves(kv_cache)
     if fp8:
         out = [jax.lax.bitcast_convert_type(c, jnp.uint8) for c in out]
     return (q, *out)
-
-
-def _read_only(tensor: torch.Tensor, allow_copy: bool) -> jax.Array:
-    try:
-        return to_jax(tensor)
-    except NotZeroCopyError:
-        if not allow_copy:
-            raise
-        # A fresh contiguous copy: torch's allocators align far beyond XLA's requirement.
-        return to_jax(tensor.clone(memory_format=torch.contiguous_format))
 
 
 class JaxAppend:
@@ -267,6 +257,12 @@ class JaxAppend:
     copies the results back where it does not (on CPU, the whole cache every call). k, v
     and the slots are only read. Stream-ordered as every DLPack exchange of
     :mod:`torch_bridge.dlpack`: after torch's current stream, before what is queued next.
+
+    The jitted call sees ``T`` rounded up to a token bucket
+    (:func:`torch_bridge.dlpack.token_bucket`), so it compiles once per bucket and cache
+    signature: q, k, v and the slots are staged into bucket-sized copies, the padding
+    tokens at position 0 and slot -1 (never written), and only q's first ``T`` rows are
+    written back. With ``allow_copy=False`` nothing is staged (one compile per token count).
 
     Args:
       device: the torch device of the tensors.
@@ -280,7 +276,7 @@ class JaxAppend:
       >>> cache = torch.zeros(4, 2, 4, 1, 8)            # 4 pages of 4, keys and values
       >>> slots = torch.tensor([6, -1])                   # page 1 entry 2; padding
       >>> _, geometry, scales = check_call(k, v, cache, slots, "NHD", None, None, q.device)
-      >>> append(q, k, v, (cache,), geometry, jnp.arange(2, dtype=jnp.int32), slots,
+      >>> append(q, k, v, (cache,), geometry, torch.arange(2, dtype=torch.int32), slots,
       ...        jr.RopeConfig(head_dim=8), scales)
       >>> cache[1, 1, 2, 0].tolist(), float(cache.abs().sum())   # v written once, nothing else
       ([3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0], 32.0)
@@ -291,12 +287,12 @@ class JaxAppend:
         self._calls: Dict[int, InPlace] = {}
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 caches: Sequence[torch.Tensor], geometry: CacheGeometry, pos_ids: jax.Array,
+                 caches: Sequence[torch.Tensor], geometry: CacheGeometry, pos_ids: torch.Tensor,
                  slots: torch.Tensor, cfg: RopeConfig, scales: Tuple[float, float],
                  allow_copy: bool = True) -> None:
         """Rotate ``q [T, Hq, D]`` in place at ``pos_ids[..., :T]`` and write k, v into ``caches``.
 
-        ``pos_ids`` int32 ``[N >= T]``, or ``[3, N]`` for an M-RoPE ``cfg``.
+        ``pos_ids`` int32 ``[N >= T]``, or ``[3, N]`` for an M-RoPE ``cfg``, on q's device.
 
         ``caches``, ``geometry`` and ``scales`` as :func:`check_call` returns them.
         """
@@ -307,8 +303,12 @@ class JaxAppend:
             call = self._calls[len(caches)] = InPlace(
                 _rope_and_append, 1 + len(caches),
                 static_argnames=("cfg", "layout", "backend", "fp8"))
-        k, v, slots = (_read_only(x, allow_copy) for x in (k, v, int32_slots(slots)))
+        size = token_bucket(q.shape[0]) if allow_copy else q.shape[0]
+        staged = pad_tokens(q, size)
+        k, v, slots = (read_only(pad_tokens(x, size, fill=fill), allow_copy)
+                       for x, fill in ((k, 0), (v, 0), (int32_slots(slots), -1)))
         # Scales are traced arguments (one compile serves every layer's), fp8 caches only.
-        call([q, *caches], k, v, pos_ids, slots, scales if geometry.quantized else None,
-             allow_copy=allow_copy, cfg=cfg,
+        call([staged, *caches], k, v, read_only(pad_tokens(pos_ids, size, dim=-1), True), slots,
+             scales if geometry.quantized else None, allow_copy=allow_copy, cfg=cfg,
              layout=geometry.layout, backend=self.backend, fp8=geometry.quantized)
+        write_back(q, staged)

@@ -67,7 +67,6 @@ class Plan:
       limits: ``{plan_label: int}``, the most q tokens ``apply_qk`` accepts.
       commit: the commit still to apply (without removed requests' streams).
       pre_src, pre_dst: pre-forks still to apply at promotion (a staged plan's).
-      jax_arrays: positions imported into JAX, filled on first use by the JAX path.
       live: ``{plan_label: bool host array}`` of a draft step's labels holding a token past
         ``max_seq_len`` (False, planned at 0); a label without one is live everywhere.
       dropped: the requests removed since the plan (a later ingest of the same id is a
@@ -81,7 +80,6 @@ class Plan:
     commit: CommitArrays = None  # type: ignore[assignment]
     pre_src: np.ndarray = None  # type: ignore[assignment]
     pre_dst: np.ndarray = None  # type: ignore[assignment]
-    jax_arrays: Dict[str, Any] = dataclasses.field(default_factory=dict)
     live: Dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     dropped: Set[Hashable] = dataclasses.field(default_factory=set)
 

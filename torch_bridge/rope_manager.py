@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, Hashable, Optional, Tuple
 
-import jax
 import torch
 
 from jaxrope.config import RopeConfig
@@ -53,8 +52,10 @@ class RopeManager(PositionManager):
         kernel's Triton launcher on CUDA, "jax" none, an object itself if it has
         ``rotate_and_append_kv_`` (see :class:`torch_bridge.KVLauncher`), else none.
       backend: the jaxrope backend of the JAX path ("auto", "pallas", "xla", "interpret").
-      allow_copy: let the JAX path stage non-contiguous or misaligned q/k through a
-        contiguous copy (written back in place); False raises instead.
+      allow_copy: let the JAX path stage q/k through copies (written back in place):
+        padded to a token bucket, so it compiles once per bucket, and contiguous where
+        they are non-contiguous or misaligned; False raises on the latter instead and
+        compiles once per token count.
 
     Attributes:
       launcher: the resolved launcher, or None; assignable.
@@ -152,7 +153,8 @@ class RopeManager(PositionManager):
           label: a plan label of the current plan; token ``t`` gets ``pos_ids(label)[t]``
             (M-RoPE: column ``t`` of the ``[3, n]`` rows, ``config.rope.mrope_section``
             splitting the frequencies over them). ``T`` may be less than the planned
-            tokens (the first ``T`` are used).
+            tokens (the first ``T`` are used) or more (an engine's padded batch): tokens
+            past the planned ones are left untouched.
           rotary_dim, interleave, rope_scale, rope_theta, low_freq_factor,
             high_freq_factor, old_context_len: per-call overrides with FlashInfer's
             meaning (see :class:`torch_bridge.rotate.ConfigCache`).
@@ -162,6 +164,9 @@ class RopeManager(PositionManager):
         Returns:
           ``(q, k)``: the same tensors, rotated. Dims ``[rotary_dim, D)`` are untouched.
 
+        The JAX path compiles once per token bucket (powers of two, at least 16; see
+        :class:`torch_bridge.rotate.JaxRotation`), not once per token count.
+
         Ordering: on CUDA the rotation runs after the work queued on torch's current
         stream and before whatever is queued next on it; there is no host sync.
         Zero copy: the launcher works on the tensors themselves; the JAX path
@@ -170,8 +175,8 @@ class RopeManager(PositionManager):
 
         Raises:
           ValueError: no positions planned for ``label`` (or it is unknown), q/k of the
-            wrong rank, head size, dtype, device or token count (more tokens than
-            planned), or an invalid override.
+            wrong rank, head size, dtype or device, k's token count unlike q's, or an
+            invalid override.
           TypeError: q or k not a tensor, or an unknown keyword argument.
           RuntimeError: called under CUDA-graph capture without a launcher that
             accepts the call.
@@ -191,6 +196,9 @@ class RopeManager(PositionManager):
                     if bound(q, k, pos):
                         return q, k
         q3, k3 = self._checked_qk(q, k, label, plan)
+        padded = q3.shape[0] > plan.limits[label]   # an engine's padded batch: cut the tail
+        if padded:
+            q3, k3 = q3[:plan.limits[label]], k3[:plan.limits[label]]
         tokens = q3.shape[0]
         if rope_dtype is not None and not isinstance(rope_dtype, torch.dtype):
             raise ValueError(f"{rope_dtype=} must be a torch.dtype or None")
@@ -207,14 +215,14 @@ class RopeManager(PositionManager):
                 pass
             else:
                 bind = getattr(self.launcher, "bind", None)
-                if bind is not None and not llama31:
+                # A bound run gets q as given: not one longer than its plan.
+                if bind is not None and not llama31 and not padded:
                     if len(self._bound) >= _MAX_BOUND:
                         self._bound.clear()
                     self._bound[_call_signature(label, q, k, overrides)] = bind(q3, k3, cfg)
                 return q, k
         self._refuse_jax_under_capture("apply_qk", self.launcher)
-        self._jax_rotation()(q3, k3, self._jax_positions(plan, label), cfg,
-                             allow_copy=self.allow_copy)
+        self._jax_rotation()(q3, k3, plan.tensors[label], cfg, allow_copy=self.allow_copy)
         return q, k
 
     def apply_qk_and_append_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -230,7 +238,8 @@ class RopeManager(PositionManager):
         Args:
           q: ``[T, Hq, D]`` or ``[T, Hq * D]``, float32/float16/bfloat16, on ``device``;
             rotated in place at ``pos_ids(label)[:T]`` (M-RoPE: the first ``T`` columns
-            of the ``[3, n]`` rows), as ``apply_qk`` rotates it.
+            of the ``[3, n]`` rows), as ``apply_qk`` rotates it: tokens past the planned
+            ones (an engine's padded batch) are neither rotated nor cached.
           k: ``[T, Hk, D]`` or ``[T, Hk * D]``, q's dtype; read only (not rotated in
             place: the cache gets the rotated k).
           v: k's shape and dtype; read only.
@@ -307,6 +316,10 @@ class RopeManager(PositionManager):
         v3 = self._heads(v, "v")
         caches, geometry, scales = kv_append.check_call(k3, v3, kv_cache, slots, layout,
                                                         k_quant_scale, v_quant_scale, self.device)
+        padded = q3.shape[0] > plan.limits[label]
+        if padded:
+            n = plan.limits[label]
+            q3, k3, v3, slots = q3[:n], k3[:n], v3[:n], slots[:n]
         self._plans.active()
         if q3.shape[0] == 0:
             return q, kv_cache
@@ -318,7 +331,7 @@ class RopeManager(PositionManager):
                 pass
             else:
                 bind = getattr(self.kv_launcher, "bind", None)
-                if bind is not None:
+                if bind is not None and not padded:  # as in apply_qk
                     if len(self._kv_bound) >= _MAX_BOUND:
                         self._kv_bound.clear()
                     signature = kv_append.call_signature(label, q, k, v, kv_cache, slots, layout,
@@ -329,13 +342,13 @@ class RopeManager(PositionManager):
         self._refuse_jax_under_capture("apply_qk_and_append_kv", self.kv_launcher)
         if self._kv_jax is None:
             self._kv_jax = kv_append.JaxAppend(self.device, self._backend)
-        self._kv_jax(q3, k3, v3, caches, geometry, self._jax_positions(plan, label), slots,
-                     self.rope, scales, allow_copy=self.allow_copy)
+        self._kv_jax(q3, k3, v3, caches, geometry, plan.tensors[label], slots, self.rope, scales,
+                     allow_copy=self.allow_copy)
         return q, kv_cache
 
     def _checked_qk(self, q: torch.Tensor, k: torch.Tensor, label: Hashable,
                     plan: Optional[Plan]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``[T, H, D]`` views of q and k, checked against ``plan``'s positions for ``label``."""
+        """``[T, H, D]`` views of q and k, checked for a ``label`` with positions in ``plan``."""
         check_hashable(label, "label")
         if plan is None or label not in plan.tensors:
             self._check_plan_label(label)
@@ -346,9 +359,6 @@ class RopeManager(PositionManager):
         tokens = q3.shape[0]
         if k3.shape[0] != tokens:
             raise ValueError(f"k.shape[0]={k3.shape[0]} must equal q.shape[0]={tokens} (tokens)")
-        if tokens > plan.limits[label]:
-            raise ValueError(f"q has {tokens} tokens but plan label {label!r} has "
-                             f"{plan.limits[label]} planned positions")
         return q3, k3
 
     def _refuse_jax_under_capture(self, method: str, launcher: Any) -> None:
@@ -356,16 +366,6 @@ class RopeManager(PositionManager):
             raise RuntimeError(f"{method} under CUDA-graph capture needs the launcher: the JAX "
                                "path runs on JAX's stream, which the capture cannot record, and "
                                f"the launcher is {'off' if launcher is None else 'declining'}")
-
-    @staticmethod
-    def _jax_positions(plan: Plan, label: Hashable) -> jax.Array:
-        positions = plan.jax_arrays.get(label)
-        if positions is None:
-            # Positions are small: where their buffer is not aligned as XLA needs (a host
-            # array, a view into a step's joined copy) JAX may copy them.
-            positions = plan.jax_arrays[label] = jax.dlpack.from_dlpack(plan.tensors[label],
-                                                                         copy=None)
-        return positions
 
     def _jax_rotation(self) -> JaxRotation:
         if self._jax is None:

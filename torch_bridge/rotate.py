@@ -21,7 +21,7 @@ from jaxrope.apply import SUPPORTED_DTYPES, kernel_constants
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 from jaxrope.scaling import Linear, Llama3
-from torch_bridge.dlpack import InPlace
+from torch_bridge.dlpack import InPlace, pad_tokens, read_only, token_bucket, write_back
 
 __all__ = ["ConfigCache", "JaxRotation", "Launcher", "TORCH_DTYPES", "resolve_launcher"]
 
@@ -182,24 +182,29 @@ class ConfigCache:
 
 def _rotate(q, k, pos_ids, tables, *, impl, rotary_dim: int, interleave: bool,
             attention_factor: float, mrope_section, mrope_interleaved: bool):
-    # pos_ids [N] or M-RoPE [3, N]: the first T tokens of every row.
-    return impl(q, k, pos_ids[..., :q.shape[0]], tables, rotary_dim=rotary_dim,
-                interleave=interleave, attention_factor=attention_factor,
-                mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
+    return impl(q, k, pos_ids, tables, rotary_dim=rotary_dim, interleave=interleave,
+                attention_factor=attention_factor, mrope_section=mrope_section,
+                mrope_interleaved=mrope_interleaved)
 
 
 class JaxRotation:
     """The JAX path: the jaxrope kernel on DLPack imports of q and k, written in place.
+
+    The jitted call sees ``T`` rounded up to a token bucket
+    (:func:`torch_bridge.dlpack.token_bucket`: powers of two, at least 16), so it compiles
+    once per bucket, not once per token count: q and k are staged into bucket-sized copies
+    (padding tokens at position 0) and only their first ``T`` rows are written back. A
+    ``T`` that is a bucket already runs on the tensors themselves, and with
+    ``allow_copy=False`` q and k are never staged (one compile per token count).
 
     Args:
       device: the JAX device the tensors live on.
       backend: the jaxrope backend ("auto": Pallas on GPU, XLA elsewhere).
 
     Example:
-      >>> import jax.numpy as jnp
       >>> rot = JaxRotation(jax.devices("cpu")[0])
       >>> q, k = torch.randn(3, 2, 8), torch.randn(3, 1, 8)
-      >>> rot(q, k, jnp.arange(3, dtype=jnp.int32), RopeConfig(head_dim=8))
+      >>> rot(q, k, torch.arange(3, dtype=torch.int32), RopeConfig(head_dim=8))
     """
 
     def __init__(self, device: jax.Device, backend: str = "auto"):
@@ -224,13 +229,17 @@ class JaxRotation:
             entry = self._tables[cfg] = (jax.device_put(tables, self.device), attention)
         return entry
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, pos_ids: jax.Array, cfg: RopeConfig,
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor, cfg: RopeConfig,
                  allow_copy: bool = True) -> None:
         """Rotate ``q [T, Hq, D]``, ``k [T, Hk, D]`` in place at ``pos_ids[..., :T]`` (int32
-        ``[N >= T]``; M-RoPE ``[3, N]``)."""
+        ``[N >= T]``; M-RoPE ``[3, N]``) on q's device."""
+        tokens = q.shape[0]
+        size = token_bucket(tokens) if allow_copy else tokens
+        staged = [pad_tokens(x, size) for x in (q, k)]
         tables, attention = self.constants(cfg)
-        self.call([q, k], pos_ids, tables, allow_copy=allow_copy, impl=self.impl,
-                  rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
-                  attention_factor=attention, mrope_section=cfg.mrope_section,
-                  mrope_interleaved=cfg.mrope_interleaved)
-
+        self.call(staged, read_only(pad_tokens(pos_ids, size, dim=-1), True), tables,
+                  allow_copy=allow_copy, impl=self.impl, rotary_dim=cfg.rotary_dim,
+                  interleave=cfg.interleave, attention_factor=attention,
+                  mrope_section=cfg.mrope_section, mrope_interleaved=cfg.mrope_interleaved)
+        for x, padded in zip((q, k), staged):
+            write_back(x, padded)

@@ -10,6 +10,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from jaxrope.config import RopeConfig
+from jaxrope.demo import MODELS, VL_MODELS, parser
 from jaxrope.models import HF_CONFIGS
 from torch_bridge.demo import multimodal
 from torch_bridge.demo.model import KV_HEADS, Q_HEADS, TOLERANCE
@@ -17,16 +18,8 @@ from torch_bridge.demo.node import GRAPH_BUCKET, StepRow
 from torch_bridge.demo.speculative import DRAFT_BUCKET, MIN_ROUNDS, SpeculativeTrace, print_row
 from torch_bridge.demo.trace import BUDGET, MIN_STEPS, Trace
 
-__all__ = ["MODELS", "VL_MODELS", "main"]
+__all__ = ["MODELS", "VL_MODELS", "main", "run"]
 
-MODELS = {
-    "llama3.1": "meta-llama/Llama-3.1-8B",
-    "qwen2.5-yarn": "Qwen/Qwen2.5-7B-Instruct+yarn",
-    "phi3-longrope": "microsoft/Phi-3-mini-128k-instruct",
-    "deepseek-v2": "deepseek-ai/DeepSeek-V2-Lite",
-}
-# M-RoPE models: the multimodal trace (torch_bridge.demo.multimodal).
-VL_MODELS = multimodal.MODELS
 
 def _pick_device(choice: str) -> Tuple[torch.device, Optional[str]]:
     """The device to run on, and a note when "auto" had to fall back to the CPU."""
@@ -44,39 +37,24 @@ def _pick_device(choice: str) -> Tuple[torch.device, Optional[str]]:
     return torch.device("cpu"), None
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m jaxrope.demo",
-        description="Drive torch_bridge.RopeManager through a multi-request serving trace and "
-                    "check a tiny attention layer against a float64 recompute at every step.")
-    parser.add_argument("--model", choices=sorted(MODELS) + sorted(VL_MODELS), default="llama3.1",
-                        help="real RoPE config to use (default: llama3.1); the M-RoPE models "
-                             f"{', '.join(sorted(VL_MODELS))} run the image + video trace")
-    parser.add_argument("--steps", type=int, default=14,
-                        help=f"main-node steps to run, >= {MIN_STEPS} (default: 14)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto: CUDA when torch and JAX both see a GPU, else CPU")
-    parser.add_argument("--seed", type=int, default=0, help="weights and token ids (default: 0)")
-    parser.add_argument("--inject-fault", action="store_true",
-                        help="for tests: the prefix-cache probe claims one token too many (M-RoPE "
-                             "models: the decode node admits the handoff without its delta; with "
-                             "--speculative: a rollback is published without its epoch), so "
-                             "a request's positions are off and the run must FAIL")
-    parser.add_argument("--speculative", action="store_true",
-                        help="the speculative-decoding trace instead: draft steps, verify with "
-                             "random acceptance, rollbacks, a handoff after a rollback; --steps "
-                             f"counts its rounds (>= {MIN_ROUNDS}; 1-D models only)")
-    return parser
+def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m torch_bridge.demo") -> int:
+    """Run the demo with ``argv`` (default: the command line); returns the exit status (0
+    pass, 1 mismatch).
+
+    Raises:
+      SystemExit: ``--help`` (status 0) or invalid arguments (status 2).
+    """
+    command_line = parser(prog)
+    return run(command_line, command_line.parse_args(argv))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the demo; returns the exit status (0 pass, 1 mismatch).
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run the demo for ``args`` parsed by ``parser`` (:func:`jaxrope.demo.parser`), which
+    reports the checks argparse cannot make; returns the exit status (0 pass, 1 mismatch).
 
     Raises:
       SystemExit: invalid arguments (status 2).
     """
-    parser = _parser()
-    args = parser.parse_args(argv)
     if args.speculative and args.model in VL_MODELS:
         parser.error(f"--speculative runs a 1-D model's trace; --model={args.model} is M-RoPE")
     if args.speculative and args.steps < MIN_ROUNDS:

@@ -51,7 +51,7 @@ from torch_bridge.demo.disagg import DecodeNode, DisaggReport, DisaggSpec, new_n
 from torch_bridge.demo.model import TOLERANCE
 from torch_bridge.handoff import RecordStore, join_session, recv_handoff, send_handoff
 
-__all__ = ["LOOPBACK", "main", "run"]
+__all__ = ["LOOPBACK", "main", "report_lines", "run"]
 
 LOOPBACK = "127.0.0.1"
 # The children run this module with -m (where __name__ is "__main__").
@@ -104,7 +104,7 @@ def _prefill_process(port: int, spec: DisaggSpec) -> int:
                 done = torch.zeros(1, dtype=torch.int64)
                 dist.recv(done, 1)
             except RuntimeError as e:   # the decode process died: serve its next incarnation
-                store.set(f"lost/{session}", str(e).splitlines()[0][:200])
+                store.set(f"lost/{session}", str(e).splitlines()[0])
                 continue
         return 1 if failed else 0
     return 1
@@ -273,20 +273,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       kill_after=None if args.no_kill else args.kill_after)
     started = time.perf_counter()
     report = run(spec, timeout=args.timeout)
-    for name, rows in report.rows.items():
-        for row in rows:
-            print(f"{name:<8} {row['step']:>3} {row['kind']:<8} {str(row['positions']):<40} "
-                  f"{row['error']:.1e}  {', '.join(row['events'])}")
+    print("\n".join(report_lines(report, time.perf_counter() - started)))
+    return 1 if report.failures else 0
+
+
+def report_lines(report: DisaggReport, seconds: float) -> List[str]:
+    """What ``main`` prints for a run's ``report``: its rows, each lost decode peer, and the
+    verdict. The error the prefill process saw when a peer died is printed only where the
+    run failed: on a passing run the one peer lost is the decode process the run killed."""
+    lines = [f"{name:<8} {row['step']:>3} {row['kind']:<8} {str(row['positions']):<40} "
+             f"{row['error']:.1e}  {', '.join(row['events'])}"
+             for name, rows in report.rows.items() for row in rows]
     for session, error in enumerate(report.lost):
-        print(f"prefill: session {session}'s decode peer died: {error}")
-    summary = (f"{sum(map(len, report.rows.values()))} steps, {len(spec.requests)} requests, "
-               f"{report.bytes_per_stream:g} bytes a stream, tolerance {TOLERANCE:.0e}, "
-               f"exit codes {report.exit_codes}, {time.perf_counter() - started:.1f} s")
+        if report.failures:
+            lines.append(f"prefill: session {session}'s decode peer died: {error}")
+        else:
+            lines.append(f"prefill: session {session}'s decode peer (decode{session}, killed by "
+                         f"this run) went away; session {session + 1} served its restart")
+    summary = (f"{sum(map(len, report.rows.values()))} steps, {len(report.spec.requests)} "
+               f"requests, {report.bytes_per_stream:g} bytes a stream, tolerance "
+               f"{TOLERANCE:.0e}, exit codes {report.exit_codes}, {seconds:.1f} s")
     if report.failures:
-        print(f"verdict: FAIL — {summary}; first: {report.failures[0]}")
-        return 1
-    print(f"verdict: PASS — {summary}")
-    return 0
+        lines.append(f"verdict: FAIL — {summary}; first: {report.failures[0]}")
+    else:
+        lines.append(f"verdict: PASS — {summary}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import torch
 
 from jaxrope import models, mrope
 from jaxrope.config import RopeConfig
+from jaxrope.demo import VL_MODELS
 from torch_bridge.config import PositionConfig
 from torch_bridge.demo.model import KV_HEADS, TOLERANCE, VOCAB, Layer, Stream
 from torch_bridge.demo.node import GRAPH_BUCKET, STALE_ADMIT_STEP, StepRow, TwoNodeTrace
@@ -53,12 +54,7 @@ from torch_bridge.rope_manager import RopeManager
 
 __all__ = ["BUDGET", "MIN_STEPS", "MODELS", "MultimodalTrace", "PROMPTS"]
 
-MODELS = {
-    "qwen2-vl": "Qwen/Qwen2-VL-7B-Instruct",
-    "qwen2.5-vl": "Qwen/Qwen2.5-VL-7B-Instruct",
-    "qwen3-vl": "Qwen/Qwen3-VL-4B-Instruct",
-    "glm-4.1v": "zai-org/GLM-4.1V-9B-Thinking",
-}
+MODELS = VL_MODELS   # the --model names of this trace
 LABEL = "text"
 BUDGET = {"main": 48, "prefill": 64}   # tokens per step (chunked prefill)
 MIN_STEPS = STALE_ADMIT_STEP + 1
