@@ -7,14 +7,18 @@ PYTHON   ?= python3
 PY312    ?= $(firstword $(wildcard /root/.pyenv/versions/3.12*/bin/python3) $(shell command -v python3.12))
 VENV     ?= .venv
 VENV312  ?= .venv312
+VENV012  ?= .venv312-jax012
 # Pinned first: an unpinned torch would pull a multi-GB CUDA build.
 TORCH    ?= torch==2.13.0
 JAX011   ?= jax==0.11.2
+JAX012   ?= jax==0.12.0.1
+# pytest-xdist workers (the test extra installs it): one per core of CI's 2-core machine.
+WORKERS  ?= auto
 PYTEST_ARGS ?=
 # Arguments of the demo, e.g. `make demo DEMO_ARGS="--model qwen2.5-vl"` (the M-RoPE trace).
 DEMO_ARGS ?=
 
-.PHONY: demo test test-core-jax011 bench gpu clean
+.PHONY: demo test test-core-jax011 test-core-jax012 bench gpu clean
 
 # What the demo needs (torch and jaxrope's own dependencies), then what the tests and
 # benchmarks add; `make demo` installs only the first, `make test` both. --no-compile:
@@ -32,8 +36,12 @@ $(VENV)/.installed: $(VENV)/.demo-installed
 
 $(VENV312)/.installed: pyproject.toml
 	$(PY312) -m venv $(VENV312)
-	$(VENV312)/bin/pip install -q --upgrade pip
-	$(VENV312)/bin/pip install -q "$(JAX011)" -e ".[test]"
+	$(VENV312)/bin/pip install -q --no-compile "$(JAX011)" -e ".[test]"
+	touch $@
+
+$(VENV012)/.installed: pyproject.toml
+	$(PY312) -m venv $(VENV012)
+	$(VENV012)/bin/pip install -q --no-compile "$(JAX012)" -e ".[test]"
 	touch $@
 
 demo: $(VENV)/.demo-installed
@@ -43,14 +51,19 @@ demo: $(VENV)/.demo-installed
 # + the parity suite against transformers, on the default JAX of this Python. The
 # REQUIRE variables turn a missing triton or transformers into failures, not skips.
 test: $(VENV)/.installed
-	JAXROPE_REQUIRE_TRITON=1 JAXROPE_REQUIRE_TRANSFORMERS=1 $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	JAXROPE_REQUIRE_TRITON=1 JAXROPE_REQUIRE_TRANSFORMERS=1 $(VENV)/bin/python -m pytest -q -n $(WORKERS) $(PYTEST_ARGS)
 
 # The core suite on the JAX version the GPU machine runs (torch tests skip there).
 test-core-jax011: $(VENV312)/.installed
-	$(VENV312)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(VENV312)/bin/python -m pytest -q -n $(WORKERS) $(PYTEST_ARGS)
+
+# The core suite on the newest JAX on the index (its Pallas Triton backend still ships,
+# deprecated; the Mosaic GPU interpreter tests run here too).
+test-core-jax012: $(VENV012)/.installed
+	$(VENV012)/bin/python -m pytest -q -n $(WORKERS) $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python -m bench.rope_bench --quick
 
 clean:
-	rm -rf $(VENV) $(VENV312) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV312) $(VENV012) .pytest_cache .hypothesis
