@@ -22,7 +22,7 @@ from jaxrope.cases import BY_NAME, CASES
 from jaxrope.kernels import mosaic_gpu
 from jaxrope.kernels.reference import rope_reference
 
-from jaxrope.testing import oracle
+from jaxrope.testing import kv_oracle, oracle
 
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 TOLERANCE = oracle.RELATIVE_TOLERANCE
@@ -277,8 +277,10 @@ class TestBadInputs:
 def test_every_launch_shape_gives_the_same_rotation(name, block):
     # Launch shapes only regroup work: head counts that do not divide the groups, token
     # counts that do not divide the blocks, several head groups per program, token loops
-    # that run past the last token and heads-major program order must all give
-    # bit-identical results to the one-group shape.
+    # that run past the last token and heads-major program order must all give the
+    # one-group shape's results, to a rounding of the products (kv_oracle.row_ulps: the
+    # interpreter's XLA program changes with the block shape; on the GPU,
+    # tests/gpu/test_launch_shapes_gpu.py holds the kernel to bits).
     from jaxrope.apply import kernel_constants
     from jaxrope.kernels import pallas_triton
     cfg = BY_NAME[name].cfg
@@ -297,7 +299,8 @@ def test_every_launch_shape_gives_the_same_rotation(name, block):
 
     want, got = run(1, 1, 1, 1, 1, 0), run(*block)
     want_q, want_k = (np.asarray(x) for x in want)
-    assert np.array_equal(np.asarray(got[0]), want_q) and np.array_equal(np.asarray(got[1]), want_k)
+    for a, b in ((got[0], want_q), (got[1], want_k)):
+        assert kv_oracle.row_ulps(np.asarray(a), b).max() <= 2
     expected = oracle.rope_oracle(np.asarray(q), np.asarray(pos, np.int64),
                                   *oracle.serving_frequencies(cfg), cfg.rotary_dim, cfg.interleave)
     np.testing.assert_allclose(want_q, expected, rtol=0, atol=1e-4)

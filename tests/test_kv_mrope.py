@@ -37,8 +37,9 @@ def test_every_mrope_append_case_matches_the_oracle_on_both_backends(case, dtype
     for out in outs.values():
         check_against_oracle(case, x, out, TOLERANCE[dtype_name])
     for a, b in zip(jax.tree.leaves(outs["xla"]), jax.tree.leaves(outs["interpret"])):
-        worst = kv_oracle.ulps(np.asarray(a), np.asarray(b)).max(initial=0)
-        assert worst <= 1, f"{case.name}: xla and interpret differ by {worst} ulp"
+        # To a rounding of the products: kv_oracle.row_ulps says why not bit for bit.
+        worst = kv_oracle.row_ulps(np.asarray(a), np.asarray(b)).max(initial=0)
+        assert worst <= 2, f"{case.name}: xla and interpret differ by {worst} ulp of the row's scale"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

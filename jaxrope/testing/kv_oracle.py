@@ -83,3 +83,22 @@ def ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     if a.dtype != b.dtype:
         raise ValueError(f"{a.dtype=} must equal {b.dtype=}")
     return np.abs(ordered(a) - ordered(b))
+
+
+def row_ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Elementwise distance of two arrays of one float dtype in units in the last place of
+    the largest magnitude in each row (last axis).
+
+    Two evaluations of one rotation that round differently (a fused multiply-add where
+    the other multiplies, then adds, as XLA's CPU compiler in JAX 0.12 emits for some
+    block shapes) differ by about one rounding of the products, whose scale is the row's,
+    not the result's: at an element near zero that is hundreds of its own ulps. Measured
+    against the row's scale it is one or two.
+    """
+    if a.dtype != b.dtype:
+        raise ValueError(f"{a.dtype=} must equal {b.dtype=}")
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    scale = np.maximum(np.abs(a64), np.abs(b64)).max(axis=-1, keepdims=True)
+    info = np.finfo(a.dtype)
+    unit = np.exp2(np.floor(np.log2(np.maximum(scale, float(info.tiny))))) * float(info.eps)
+    return np.abs(a64 - b64) / unit
