@@ -126,12 +126,13 @@ def _in_cache(slots, num_slots: int):
 
 
 def _slots(slots, num_tokens: int, num_slots: int):
-    """``slots`` as the int32 ``[T]`` the kernels read: -1 wherever a slot is outside the cache.
+    """``slots`` as the int32 ``[T]`` the kernels read, each outside the cache still outside it.
 
     Visible slots of any integer width are checked (a slot past the cache or a repeated
     one raises); traced ones are not, and a slot outside ``[0, num_slots)`` is skipped.
-    Either way the range is decided at the slots' own width before the cast, so no slot
-    wraps into ``[0, num_slots)`` (int64 ``-2**32 + 5`` cast to int32 would be 5).
+    Either way the range is decided at the slots' own width before the cast (a slot
+    outside becomes -1), so none wraps into the cache (int64 ``-2**32 + 5`` cast to int32
+    would be 5). int32 slots pass as they are: the kernels skip those outside the cache.
     """
     if not _is_array(slots):
         raise TypeError(f"slots must be an integer array, got {type(slots).__name__}")
@@ -144,9 +145,9 @@ def _slots(slots, num_tokens: int, num_slots: int):
     xp = jnp if isinstance(slots, jax.Array) else np
     if xp is np:
         slots = np.asarray(slots)
-    ok = _in_cache(slots, num_slots)
     if _visible(slots) and num_tokens:
-        values, inside = np.asarray(slots), np.asarray(ok)
+        values = np.asarray(slots)
+        inside = _in_cache(values, num_slots)
         if (~inside & (values >= 0)).any():
             raise ValueError(f"slots must be < {num_slots} (pages * page_size) or negative "
                              f"(skipped), got a maximum of {int(values.max())}")
@@ -154,6 +155,9 @@ def _slots(slots, num_tokens: int, num_slots: int):
         if (counts > 1).any():
             raise ValueError(f"slots must not repeat a slot (which write would win is "
                              f"undefined), got {unique[counts > 1][:8].tolist()} more than once")
+    if slots.dtype == np.int32:
+        return jnp.asarray(slots)
+    ok = _in_cache(slots, num_slots)
     # The where runs at the slots' own width, then the cast sees only slots in the cache.
     narrowed = xp.where(ok, slots, 0).astype(np.int32)
     return jnp.asarray(xp.where(ok, narrowed, np.int32(-1)))

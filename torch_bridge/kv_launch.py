@@ -204,14 +204,18 @@ class KVAppendLauncher:
 
         ``run`` takes the caller's arguments as given (q, k, v ``[T, H, D]`` or ``[T, H *
         D]``, ``kv_cache`` the pair or the combined tensor); the caller has validated
-        them once for this signature. Per call ``run`` checks only contiguity and 32-byte
-        alignment and returns False (launching nothing) when they fail, so the caller
-        can take its full path.
+        them once for this signature. Per call ``run`` checks only contiguity, 32-byte
+        alignment and that a pair's two tensors do not overlap, and returns False
+        (launching nothing) when one fails, so the caller takes its full path (which
+        refuses an overlapping pair).
         """
         launch, count_ptr, tables_ptr, scales_ptr = self._launch_for(q, cfg, geometry, scales,
                                                                      None)
         combined, num_slots = geometry.combined, geometry.num_slots
         mrope = cfg.mrope_section is not None
+        # Two contiguous tensors of this many bytes overlap exactly when their starts are
+        # closer than that.
+        cache_bytes = caches[0].numel() * caches[0].element_size()
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: torch.Tensor,
                 kv_cache: Any, slots: torch.Tensor) -> bool:
@@ -221,7 +225,8 @@ class KVAppendLauncher:
             else:
                 k_cache, v_cache = kv_cache
                 cache_ptrs = (k_cache.data_ptr(), v_cache.data_ptr())
-                contiguous = k_cache.is_contiguous() and v_cache.is_contiguous()
+                contiguous = (k_cache.is_contiguous() and v_cache.is_contiguous()
+                              and abs(cache_ptrs[0] - cache_ptrs[1]) >= cache_bytes)
             slots = int32_slots(slots, num_slots)
             if mrope:
                 pos_ids = mrope_block(pos_ids, q.shape[0])

@@ -209,3 +209,26 @@ def test_fused_append_skips_slots_outside_the_cache_at_their_own_width(device, l
         graph.replay()
         assert written() == {6: float(tokens)}, (dtype_name, slots.tolist())
         mgr.commit(step, ctx)
+
+
+def test_a_cache_pair_sharing_memory_is_refused_after_a_bound_launch(device, launcher):
+    """A signature bound with two caches does not let one tensor passed twice through."""
+    mgr = make(device, launcher)
+    (rid,) = ingest(mgr, 1, 1000)
+    step, ctx = PositionStep([Segment(rid, "text", 2)]), StepContext((rid,))
+    q = torch.zeros(2, 32, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    v = torch.ones(2, 8, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.zeros(4, 16, 8, HEAD_DIM, device=device, dtype=torch.bfloat16)
+                        for _ in "kv")
+    slots = torch.tensor([0, 5], device=device)
+    for pair in ((k_cache, v_cache), (k_cache, v_cache), (k_cache, k_cache)):
+        mgr.plan(step, ctx)
+        if pair[1] is k_cache:
+            k_cache.zero_()
+            with pytest.raises(ValueError, match="k_cache and v_cache share memory"):
+                mgr.apply_qk_and_append_kv(q, v, v, "text", pair, slots)
+            torch.cuda.synchronize(device)
+            assert not k_cache.any()
+        else:
+            mgr.apply_qk_and_append_kv(q, v, v, "text", pair, slots)
+        mgr.commit(step, ctx)
