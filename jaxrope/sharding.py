@@ -37,9 +37,9 @@ How the per-shard call is made depends on where JAX shows the sharding:
   ``jax.make_mesh`` defaults to Explicit in JAX 0.10 and 0.11): the type names the mesh
   but not the spec; the compiler's propagation chooses shardings after tracing. The
   kernel is wrapped in ``jax.experimental.custom_partitioning``, whose ``partition``
-  callback receives the shardings the partitioner settled on, checks them with the
-  layout :func:`runnable_specs` makes of them and returns the per-shard call on it
-  (the partitioner reshards an operand whose sharding differs). The Shardy rule gives
+  callback receives the shardings the partitioner settled on and returns the per-shard
+  call on the layout :func:`runnable_specs` makes of them (the partitioner reshards an
+  operand whose sharding differs). The Shardy rule gives
   q, k and ``pos_ids`` separate factors, so each operand's own sharding reaches that
   callback and the choice is made in one place, by one rule. Costs of this path: the
   kernel is inserted by the partitioner, so only the compiled module shows it; and a
