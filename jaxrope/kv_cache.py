@@ -6,11 +6,13 @@ rotated k and the v into the cache at each token's slot in one launch on the GPU
 
 Vocabulary and conventions:
 
-- **slots** (vLLM's ``slot_mapping``): int ``[T]``, token ``t`` goes to page
-  ``slots[t] // page_size``, entry ``slots[t] % page_size``; a negative slot (padding,
-  conventionally -1) writes nothing. FlashInfer's ``(kv_indices, kv_indptr,
-  batch_indices, positions)`` describe the same thing: ``slot = kv_indices[kv_indptr[b]
-  + p // page_size] * page_size + p % page_size`` for token ``(b, p)``.
+- **slots** (vLLM's ``slot_mapping``): int ``[T]`` of any width, token ``t`` goes to
+  page ``slots[t] // page_size``, entry ``slots[t] % page_size``; a negative slot
+  (padding, conventionally -1) writes nothing, and so does any traced slot outside
+  ``[0, pages * page_size)``, decided at the slots' own width (nothing wraps).
+  FlashInfer's ``(kv_indices, kv_indptr, batch_indices, positions)`` describe the same
+  thing: ``slot = kv_indices[kv_indptr[b] + p // page_size] * page_size + p %
+  page_size`` for token ``(b, p)``.
 - **kv_cache**: FlashInfer's ``paged_kv_cache``: a tuple ``(k_cache, v_cache)`` of
   ``[pages, page_size, Hk, D]`` arrays (``layout="NHD"``, FlashInfer's default) or
   ``[pages, Hk, page_size, D]`` (``"HND"``), or one ``[pages, 2, page_size, Hk, D]``
@@ -61,6 +63,12 @@ def _caches(kv_cache, layout: str, k) -> Tuple[Tuple, bool]:
             raise TypeError(f"kv_cache must be a (k_cache, v_cache) pair of arrays or one array, "
                             f"got a {type(kv_cache).__name__} of {len(kv_cache)}")
         k_cache, v_cache = kv_cache
+        if k_cache is v_cache:
+            # Visible outside jit and for one traced value inside it; two jit arguments
+            # holding one buffer are distinct tracers (donating both, JAX refuses the call).
+            raise ValueError("kv_cache=(c, c) passes one array as both k_cache and v_cache: "
+                             "keys and values need separate caches; pass two arrays or one "
+                             "[pages, 2, ...] array")
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
             if c.ndim != 4:
                 raise ValueError(f"{name}.shape={tuple(c.shape)} must be rank 4: "
@@ -103,24 +111,56 @@ def _page_size(caches, layout: str, combined: bool) -> int:
     return caches[0].shape[2 if combined else 1] if layout == "NHD" else caches[0].shape[-2]
 
 
-def _check_slots(slots, num_tokens: int, num_slots: int) -> None:
+def _in_cache(slots, num_slots: int):
+    """Which ``slots`` lie in ``[0, num_slots)``, compared at their own width (numpy or jnp).
+
+    A bound the dtype cannot hold is left out instead of converted (converting wraps it):
+    every int8 is below 1000. The torch bridge's twin is
+    :func:`torch_bridge.kv_append.int32_slots`; tests/test_kv_slot_fuzz.py checks both
+    against one numpy reference.
+    """
+    ok = slots >= 0
+    if num_slots <= np.iinfo(slots.dtype).max:
+        ok = ok & (slots < num_slots)
+    return ok
+
+
+def _slots(slots, num_tokens: int, num_slots: int):
+    """``slots`` as the int32 ``[T]`` the kernels read, each outside the cache still outside it.
+
+    Visible slots of any integer width are checked (a slot past the cache or a repeated
+    one raises); traced ones are not, and a slot outside ``[0, num_slots)`` is skipped.
+    Either way the range is decided at the slots' own width before the cast (a slot
+    outside becomes -1), so none wraps into the cache (int64 ``-2**32 + 5`` cast to int32
+    would be 5). int32 slots pass as they are: the kernels skip those outside the cache.
+    """
     if not _is_array(slots):
         raise TypeError(f"slots must be an integer array, got {type(slots).__name__}")
     if slots.ndim != 1 or slots.shape[0] != num_tokens:
         raise ValueError(f"slots.shape={tuple(slots.shape)} must be [T] with T={num_tokens}")
     if not jnp.issubdtype(slots.dtype, jnp.integer):
         raise ValueError(f"slots.dtype={slots.dtype} must be an integer type (int32)")
-    if not _visible(slots) or not num_tokens:
-        return
-    values = np.asarray(slots).astype(np.int64)
-    if values.max() >= num_slots:
-        raise ValueError(f"slots must be < {num_slots} (pages * page_size) or negative "
-                         f"(skipped), got a maximum of {int(values.max())}")
-    taken = values[values >= 0]
-    unique, counts = np.unique(taken, return_counts=True)
-    if (counts > 1).any():
-        raise ValueError(f"slots must not repeat a slot (which write would win is undefined), "
-                         f"got {unique[counts > 1][:8].tolist()} more than once")
+    # A numpy array keeps its values on the host: without jax_enable_x64, jnp.asarray
+    # would cut int64 and uint64 to 32 bits before any check could see them.
+    xp = jnp if isinstance(slots, jax.Array) else np
+    if xp is np:
+        slots = np.asarray(slots)
+    if _visible(slots) and num_tokens:
+        values = np.asarray(slots)
+        inside = _in_cache(values, num_slots)
+        if (~inside & (values >= 0)).any():
+            raise ValueError(f"slots must be < {num_slots} (pages * page_size) or negative "
+                             f"(skipped), got a maximum of {int(values.max())}")
+        unique, counts = np.unique(values[inside], return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(f"slots must not repeat a slot (which write would win is "
+                             f"undefined), got {unique[counts > 1][:8].tolist()} more than once")
+    if slots.dtype == np.int32:
+        return jnp.asarray(slots)
+    ok = _in_cache(slots, num_slots)
+    # The where runs at the slots' own width, then the cast sees only slots in the cache.
+    narrowed = xp.where(ok, slots, 0).astype(np.int32)
+    return jnp.asarray(xp.where(ok, narrowed, np.int32(-1)))
 
 
 def _scale(name: str, value, quantized: bool):
@@ -158,10 +198,13 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
         ``[pages, Hk, page_size, D]`` (HND); or one array ``[pages, 2, page_size, Hk, D]``
         (``[pages, 2, Hk, page_size, D]``) with keys at ``[:, 0]`` and values at ``[:, 1]``.
         Dtype: k's, or ``float8_e4m3fn``.
-      slots: int ``[T]``: token ``t`` is written to page ``slots[t] // page_size``, entry
-        ``slots[t] % page_size``; a negative slot writes nothing (padding). Visible slots
-        must be below ``pages * page_size`` and not repeat; traced slots out of range are
-        skipped like negative ones.
+      slots: ``[T]`` of any integer dtype (numpy or jax): token ``t`` is written to page
+        ``slots[t] // page_size``, entry ``slots[t] % page_size``; a negative slot writes
+        nothing (padding, conventionally -1). Visible slots must be below ``pages *
+        page_size`` and not repeat. Traced slots are not checked: one outside ``[0, pages
+        * page_size)`` is skipped like a negative one, and of two tokens naming one slot
+        either may win (element by element). The range is decided at the slots' own
+        width, so no value wraps into the cache (int64 ``-2**32 + 5`` is skipped, not 5).
       cfg: the :class:`jaxrope.RopeConfig`; static under ``jit``.
       layout: "NHD" (default, FlashInfer's) or "HND".
       k_quant_scale, v_quant_scale: fp8 caches only (None otherwise): the cache stores
@@ -182,7 +225,10 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
     Raises:
       TypeError: ``cfg`` is not a RopeConfig, or an input is not an array (or a pair).
       ValueError: a shape, dtype, device, layout, visible position, slot or scale is
-        invalid, ``pos_ids [T]`` for an M-RoPE config or ``[3, T]`` for a 1-D one.
+        invalid, ``pos_ids [T]`` for an M-RoPE config or ``[3, T]`` for a 1-D one, or
+        ``kv_cache=(c, c)`` names one array twice (seen outside ``jit``, and inside it
+        for one traced value; two ``jit`` arguments holding one buffer are distinct
+        tracers there, and donating both is refused by JAX itself).
       BackendUnavailable: ``backend="pallas"`` off GPU or on an fp8 cache of 2-4 GiB
         (:func:`jaxrope.kernels.kv_pallas.unsupported`; "auto" takes the XLA path
         there), ``"mosaic"`` (no fused kernel).
@@ -223,7 +269,7 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
     num_slots = caches[0].shape[0] * page_size
     if num_slots >= 2 ** 31:
         raise ValueError(f"the cache has {num_slots} slots; slots are int32, at most 2**31 - 1")
-    _check_slots(slots, q.shape[0], num_slots)
+    slots = _slots(slots, q.shape[0], num_slots)
     quantized = jnp.dtype(caches[0].dtype) == FP8
     scales = jnp.stack([_scale("k_quant_scale", k_quant_scale, quantized),
                         _scale("v_quant_scale", v_quant_scale, quantized)])
@@ -233,7 +279,7 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
     if combined:
         # [pages, 2, ...] -> [2 * pages, ...]: page p's keys are view page 2p, values 2p + 1.
         caches = (caches[0].reshape(-1, *caches[0].shape[2:]),)
-    args = (q, k, v, jnp.asarray(pos_ids, jnp.int32), jnp.asarray(slots, jnp.int32),
+    args = (q, k, v, jnp.asarray(pos_ids, jnp.int32), slots,
             jnp.asarray(tables), scales, caches)
     kwargs = dict(layout=layout, page_size=page_size, components=2 if combined else 1,
                   rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,

@@ -19,8 +19,12 @@ What may be sharded (:func:`local_specs` checks it once, for both mechanisms bel
 - head_dim (axis 2): never. A rotation pairs dims of one head (halves or adjacent
   pairs), so a split head would need its other half from another device.
 
-Anything else raises ``ValueError`` naming the array, its sharding and what would work,
-rather than compiling a collective.
+Any other layout needs communication. On Explicit axes it raises ``ValueError`` naming
+the array, its sharding and what would work, at the call (under ``jit`` while tracing,
+before anything compiles), as JAX's own ops refuse implicit communication there. On Auto
+axes, where the compiler chooses shardings, it runs: the kernel asks for the nearest
+layout it takes (:func:`runnable_specs`) and XLA reshards the operands to it, so the
+compiled module then holds that collective.
 
 How the per-shard call is made depends on where JAX shows the sharding:
 
@@ -33,16 +37,14 @@ How the per-shard call is made depends on where JAX shows the sharding:
   ``jax.make_mesh`` defaults to Explicit in JAX 0.10 and 0.11): the type names the mesh
   but not the spec; the compiler's propagation chooses shardings after tracing. The
   kernel is wrapped in ``jax.experimental.custom_partitioning``, whose ``partition``
-  callback receives the shardings the partitioner settled on, checks them with the
-  same :func:`local_specs` and returns the same per-shard call. The Shardy rule gives
-  q, k and ``pos_ids`` separate factors, so a conflict between them reaches that check
-  (and its error) instead of being resolved by a reshard. Costs of this path: under
-  ``jit`` a refusal arrives when compiling, as a ``JaxRuntimeError`` carrying the
-  ``ValueError``'s message (outside ``jit`` the shardings are visible and it is a
-  plain ``ValueError`` at the call); the kernel is inserted by the partitioner, so
-  only the compiled module shows it; and a kernel with effects cannot run there
-  (``custom_partitioning`` does not lower the Mosaic GPU kernel's mutable refs:
-  ``BackendUnavailable``, use Explicit axes).
+  callback receives the shardings the partitioner settled on and returns the per-shard
+  call on the layout :func:`runnable_specs` makes of them (the partitioner reshards an
+  operand whose sharding differs). The Shardy rule gives
+  q, k and ``pos_ids`` separate factors, so each operand's own sharding reaches that
+  callback and the choice is made in one place, by one rule. Costs of this path: the
+  kernel is inserted by the partitioner, so only the compiled module shows it; and a
+  kernel with effects cannot run there (``custom_partitioning`` does not lower the
+  Mosaic GPU kernel's mutable refs: ``BackendUnavailable``, use Explicit axes).
 
 Why not one mechanism: ``shard_map`` needs the specs at trace time, which Auto axes
 do not give; ``custom_partitioning`` traces its body once on the global, explicitly
@@ -57,8 +59,8 @@ sharding off the arrays instead of taking it as an argument, so ``apply_rope`` k
 its signature.
 
 Arrays on no mesh (one device), and arrays inside a ``shard_map`` (Manual axes: they
-already are local blocks), call the kernel directly, exactly as before. A mesh that
-mixes Auto and Explicit axes raises ``NotImplementedError``.
+already are local blocks), call the kernel directly. A mesh that mixes Auto and Explicit
+axes raises ``NotImplementedError``.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -72,6 +74,9 @@ Example:
   (None, 'model', None)
   >>> [tuple(s) for s in local_specs(P(None, "model"), P(), P(), q.shape, k.shape, {"model": 1})]
   [(None, 'model', None), (None, None, None), (None,)]
+  >>> [tuple(s) for s in runnable_specs(P(), P("model"), P(), (4, 2, 64), (4, 1, 64),
+  ...                                   {"model": 2})]     # k's tokens follow q's
+  [(None, None, None), (None, None, None), (None,)]
 """
 
 from __future__ import annotations
@@ -152,6 +157,31 @@ def local_specs(q_spec, k_spec, pos_spec, q_shape: Sequence[int], k_shape: Seque
     return _spec(q_axes), _spec(k_axes), _spec((tokens,))
 
 
+def runnable_specs(q_spec, k_spec, pos_spec, q_shape: Sequence[int], k_shape: Sequence[int],
+                   mesh_shape: Mapping[str, int]) -> Tuple[PartitionSpec, ...]:
+    """The layout nearest to the given one that :func:`local_specs` accepts (Auto axes).
+
+    Arguments as :func:`local_specs`. The rule: q's tokens keep their mesh axes when
+    they split T evenly (else tokens are replicated), and k and ``pos_ids`` follow
+    them; each array's heads keep the axes that the tokens leave free when those split
+    its heads evenly (else heads are replicated); head_dim is replicated. What differs
+    from the given specs is what XLA reshards (``pos_ids`` sliced, or gathered).
+
+    Returns:
+      ``(q, k, pos_ids)`` specs, as :func:`local_specs` returns them for that layout.
+    """
+    q_axes, k_axes = _padded(q_spec, 3), _padded(k_spec, 3)
+
+    def splits(size: int, axes: Tuple[str, ...]) -> Tuple[str, ...]:
+        return axes if size % math.prod(mesh_shape[a] for a in axes) == 0 else ()
+
+    tokens = splits(q_shape[0], q_axes[0])
+    q_heads = splits(q_shape[1], tuple(a for a in q_axes[1] if a not in tokens))
+    k_heads = splits(k_shape[1], tuple(a for a in k_axes[1] if a not in tokens))
+    return local_specs(_spec((tokens, q_heads, ())), _spec((tokens, k_heads, ())),
+                       _spec((tokens,)), q_shape, k_shape, mesh_shape)
+
+
 def _mesh_kind(mesh) -> Optional[AxisType]:
     """``Explicit`` or ``Auto`` for a mesh to shard over, None for no mesh or only Manual axes.
 
@@ -179,9 +209,8 @@ def per_shard(impl: Callable, q, k, pos_ids) -> Callable:
       A callable with ``impl``'s signature.
 
     Raises:
-      ValueError: a sharding :func:`local_specs` refuses. With Auto axes under ``jit``
-        the compiler's partitioning callback raises it, wrapped in a
-        ``JaxRuntimeError``, when the call is compiled.
+      ValueError: on Explicit axes, a sharding :func:`local_specs` refuses (Auto axes
+        run it resharded to :func:`runnable_specs`).
       NotImplementedError: a mesh mixing Auto and Explicit axes, or M-RoPE ``pos_ids
         [3, T]`` on a mesh.
       BackendUnavailable: Auto axes and a kernel with effects (the Mosaic GPU kernel's
@@ -198,16 +227,7 @@ def per_shard(impl: Callable, q, k, pos_ids) -> Callable:
             "takes 1-D positions only; run M-RoPE under your own shard_map (check_vma=False)")
     if kind == AxisType.Explicit:
         return _explicit(impl, q, k, pos_ids)
-    if not isinstance(q, jax.core.Tracer) and isinstance(q.sharding, NamedSharding):
-        # Outside jit the shardings are visible: refuse here rather than when compiling.
-        local_specs(q.sharding.spec, k.sharding.spec, _concrete_spec(pos_ids), q.shape,
-                    k.shape, dict(q.sharding.mesh.shape))
     return functools.partial(_auto, impl)
-
-
-def _concrete_spec(x) -> Optional[PartitionSpec]:
-    sharding = getattr(x, "sharding", None)
-    return sharding.spec if isinstance(sharding, NamedSharding) else None
 
 
 def like(reference, *values):
@@ -290,8 +310,8 @@ def _partitioned(impl: Callable, kwargs: Tuple[Tuple[str, object], ...]) -> Call
 
     def shardings(mesh, arg_shapes):
         q, k, pos_ids, _ = arg_shapes
-        specs = local_specs(q.sharding.spec, k.sharding.spec, pos_ids.sharding.spec,
-                            q.shape, k.shape, dict(mesh.shape))
+        specs = runnable_specs(q.sharding.spec, k.sharding.spec, pos_ids.sharding.spec,
+                               q.shape, k.shape, dict(mesh.shape))
         return tuple(NamedSharding(mesh, s) for s in specs)
 
     def partition(mesh, arg_shapes, result_shape):
@@ -303,7 +323,7 @@ def _partitioned(impl: Callable, kwargs: Tuple[Tuple[str, object], ...]) -> Call
         return shardings(mesh, arg_shapes)[:2]
 
     # Separate factors for q's, k's and pos_ids' axes: the partitioner passes each
-    # operand's own sharding to `partition`, where local_specs accepts or refuses it.
+    # operand's own sharding to `partition`, where runnable_specs settles the layout.
     op.def_partition(partition=partition, infer_sharding_from_operands=infer,
                      sharding_rule="t h d, s g e, p, r f -> t h d, s g e",
                      need_replication_factors=("r", "f"))

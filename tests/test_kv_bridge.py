@@ -475,3 +475,92 @@ def test_the_kv_launcher_declines_cpu_tensors_and_the_manager_takes_the_jax_path
     q, kv = x.q.clone(), x.kv_cache.clone()
     mgr.apply_qk_and_append_kv(q, x.k, x.v, LABEL, kv, x.slots)
     assert torch.equal(q, want[0]) and torch.equal(kv, want[1])
+
+
+# Slots and aliasing on the bridge (the core's side: tests/test_kv_slot_range.py).
+
+def _one_step_manager(tokens: int) -> RopeManager:
+    mgr = manager(jr.RopeConfig(head_dim=8))
+    plan(mgr, np.zeros(tokens, np.int32))
+    return mgr
+
+
+def test_int64_slots_past_2_32_are_skipped_not_cut_to_their_low_32_bits():
+    mgr = _one_step_manager(2)
+    cache = tuple(torch.zeros(2, 4, 1, 8) for _ in "kv")
+    v = torch.tensor([1.0, 2.0])[:, None, None].expand(2, 1, 8).contiguous()
+    mgr.apply_qk_and_append_kv(torch.ones(2, 2, 8), v, v, LABEL, cache,
+                               torch.tensor([2 ** 32 + 5, 3]))
+    assert cache[1][:, :, 0, 0].reshape(-1).tolist() == [0, 0, 0, 2, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("name", ["uint8", "int8", "int16", "int32", "int64", "uint16",
+                                  "uint32", "uint64"])
+def test_the_launchers_int32_slots_decide_the_range_at_the_slots_own_width(name):
+    # Both launcher paths (the first call and the bound one) narrow slots through this.
+    dtype = getattr(torch, name)
+    info = torch.iinfo(dtype)
+    candidates = [0, 5, 299, 300, -1, info.min, info.max, 2 ** 32 + 5, -2 ** 32 + 5,
+                  2 ** 64 - 2 ** 32 + 5, 2 ** 31 + 5]
+    values = [v for v in candidates if info.min <= v <= info.max]
+    got = kv_append.int32_slots(torch.tensor(values, dtype=dtype), 300)
+    assert got.dtype == torch.int32
+    inside = [v if 0 <= v < 300 else -1 for v in values]
+    if dtype == torch.int32:   # passed as is: the kernels skip what is outside the cache
+        inside = values
+    assert got.tolist() == inside
+
+
+def test_a_cache_pair_sharing_memory_is_refused_and_changes_nothing():
+    mgr = _one_step_manager(2)
+    c = torch.zeros(3, 4, 1, 8)
+    q, k = torch.ones(2, 2, 8), torch.ones(2, 1, 8)
+    for pair in ((c, c), (c, c.view(3, 4, 1, 8)), (c[:2], c[1:]),
+                 (c[:, :2], c[:, 1:3])):
+        with pytest.raises(ValueError, match="kv_cache's k_cache and v_cache share memory"):
+            mgr.apply_qk_and_append_kv(q, k, k, LABEL, pair, torch.tensor([0, 5]))
+    assert not c.any() and torch.equal(q, torch.ones(2, 2, 8))
+
+
+def test_vllm_split_views_of_a_combined_cache_give_the_combined_result(rng):
+    # vLLM hands its FlashInfer cache [pages, 2, ...] to reshape_and_cache_flash as
+    # kv[:, 0] and kv[:, 1]: interleaved views, no element shared.
+    case = APPEND_BY_NAME["neox_quarter_nhd_combined"]
+    x = make_call(rng, case, "float32")
+    want = _reference_call(case, x)
+    mgr = manager(case.case.cfg)
+    plan(mgr, x.pos)
+    q, kv = x.q.clone(), x.kv_cache.clone()
+    mgr.apply_qk_and_append_kv(q, x.k, x.v, LABEL, (kv[:, 0], kv[:, 1]), x.slots)
+    assert torch.equal(q, want[0]) and torch.equal(kv, want[1])
+
+
+def test_share_memory_agrees_with_the_element_addresses_of_random_views(rng):
+    storage = torch.zeros(4 * 3 * 5 * 2)
+    whole = storage.view(4, 3, 5, 2)
+
+    def view():
+        # A random strided slice: a random start, stop and step on each axis.
+        index = []
+        for n in whole.shape:
+            start = int(rng.integers(n))
+            index.append(slice(start, int(rng.integers(start + 1, n + 1)), int(rng.integers(1, 3))))
+        return whole[tuple(index)]
+
+    def addresses(t):
+        offset = t.storage_offset() + np.zeros((), np.int64)
+        for n, stride in zip(t.shape, t.stride()):
+            offset = np.add.outer(offset, np.arange(n) * stride)
+        return set(offset.reshape(-1).tolist())
+
+    for trial in range(400):
+        a = view()
+        if trial % 2:
+            b = view()   # another layout: refused whenever an element is shared
+            assert kv_append.share_memory(a, b) or not addresses(a) & addresses(b)
+            continue
+        # The same layout at another offset (as vLLM's kv[:, 0] and kv[:, 1]): exact.
+        span = sum((n - 1) * st for n, st in zip(a.shape, a.stride())) + 1
+        b = storage.as_strided(a.shape, a.stride(), int(rng.integers(storage.numel() - span + 1)))
+        assert kv_append.share_memory(a, b) == bool(addresses(a) & addresses(b)), (
+            a.shape, a.stride(), a.storage_offset(), b.storage_offset())

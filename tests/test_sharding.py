@@ -55,6 +55,33 @@ def test_local_specs_refuse_layouts_that_would_need_communication(q_spec, k_spec
         sharding.local_specs(q_spec, k_spec, pos_spec, (8, 4, 64), (8, 2, 64), {"m": 2, "n": 3})
 
 
+@pytest.mark.parametrize("q_spec, k_spec, pos_spec, runnable", [
+    # head_dim replicated
+    (P(None, None, "m"), P(), P(), [(None, None, None), (None, None, None), (None,)]),
+    # k's tokens follow q's, replicated or sharded
+    (P(), P("m"), P(), [(None, None, None), (None, None, None), (None,)]),
+    (P("m"), P(), P(), [("m", None, None), ("m", None, None), ("m",)]),
+    # pos_ids follows the tokens
+    (P("m"), P("m"), P(("m", "n")), [("m", None, None), ("m", None, None), ("m",)]),
+    (P(None, "m"), P(None, "m"), P("n"), [(None, "m", None), (None, "m", None), (None,)]),
+    # k's heads give up the axis the tokens took
+    (P("m"), P(None, "m"), P(), [("m", None, None), ("m", None, None), ("m",)]),
+    # axes that do not split evenly are replicated: q's 4 heads over 3, 8 tokens over 6
+    (P(None, "n"), P(None, "m"), P(), [(None, None, None), (None, "m", None), (None,)]),
+    (P(("m", "n")), P(("m", "n")), P(), [(None, None, None), (None, None, None), (None,)]),
+    # a layout local_specs takes stays as it is
+    (P("n", "m"), P("n"), P("n"), [("n", "m", None), ("n", None, None), ("n",)]),
+])
+def test_runnable_specs_pick_the_nearest_layout_local_specs_takes(q_spec, k_spec, pos_spec,
+                                                                 runnable):
+    shapes, mesh_shape = ((6, 4, 64), (6, 2, 64)), {"m": 2, "n": 3}
+    if q_spec == P(("m", "n")):
+        shapes = ((8, 4, 64), (8, 2, 64))
+    specs = sharding.runnable_specs(q_spec, k_spec, pos_spec, *shapes, mesh_shape)
+    assert [tuple(s) for s in specs] == runnable
+    assert sharding.local_specs(*specs, *shapes, mesh_shape) == specs
+
+
 def test_off_a_mesh_the_kernel_is_called_as_before():
     q, k = jnp.zeros((4, 2, 64)), jnp.zeros((4, 1, 64))
     pos = jnp.zeros((4,), jnp.int32)

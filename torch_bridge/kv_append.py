@@ -9,14 +9,16 @@ what the method needs beyond ``apply_qk``'s checks of q and k:
   ...]`` tensor, its layout, heads, head size, dtype and device), the slots and the fp8
   scales, checked from their static properties once per call signature; it returns the
   :class:`CacheGeometry` both paths address the cache by;
-- :func:`int32_slots`: slots as the kernels read them;
+- :func:`int32_slots`: slots as the kernels read them, the range decided at their own
+  width on the device;
 - :class:`JaxAppend`: the JAX path, the core op on DLPack imports with q and the cache
   rewritten in place (:class:`torch_bridge.dlpack.InPlace`);
 - :func:`call_signature`: what the checks depend on, the key of a bound launch.
 
 Slot values live on the device and are not checked (that would wait for the device):
 as under ``jax.jit`` in the core, a slot outside ``[0, pages * page_size)`` writes
-nothing, and two tokens naming one slot leave which write wins undefined.
+nothing, at any integer width (int64 ``2**32 + 5`` is skipped, never slot 5), and of two
+tokens naming one slot either may win.
 """
 
 from __future__ import annotations
@@ -34,10 +36,15 @@ from jaxrope.config import RopeConfig
 from jaxrope.kv_cache import LAYOUTS, apply_rope_and_append_kv
 from torch_bridge.dlpack import InPlace, pad_tokens, read_only, token_bucket, write_back
 
-__all__ = ["CacheGeometry", "JaxAppend", "call_signature", "check_call", "int32_slots"]
+__all__ = ["CacheGeometry", "JaxAppend", "call_signature", "check_call", "int32_slots",
+           "share_memory"]
 
 FP8 = torch.float8_e4m3fn
-SLOT_DTYPES = (torch.int32, torch.int64)
+SLOT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16,
+               torch.uint32, torch.uint64)
+# torch implements no comparisons for these (2.13: '"ge_cpu" not implemented for
+# 'UInt16''): they are compared in a signed dtype that holds each of their values.
+_COMPARED_AS = {torch.uint16: torch.int32, torch.uint32: torch.int64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +126,10 @@ def _caches(kv_cache: Any, layout: str, k: torch.Tensor,
         if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
             raise ValueError(f"v_cache ({tuple(v_cache.shape)}, {v_cache.dtype}) must match "
                              f"k_cache ({tuple(k_cache.shape)}, {k_cache.dtype})")
+        if share_memory(k_cache, v_cache):
+            raise ValueError("kv_cache's k_cache and v_cache share memory (one tensor twice, or "
+                             "overlapping views): the values would overwrite the rotated keys; "
+                             "pass two separate tensors or one [pages, 2, ...] tensor")
         caches, combined, name = (k_cache, v_cache), False, "k_cache"
         view = tuple(k_cache.shape)
     elif isinstance(kv_cache, torch.Tensor):
@@ -180,8 +191,9 @@ def check_call(k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slots: Any, layo
       TypeError: the cache is neither a pair of tensors nor a tensor, slots are not a
         tensor, or a scale is not a number.
       ValueError: v unlike k; an unknown layout; a cache of the wrong rank, heads, head
-        size, dtype or device, or requiring grad; slots of the wrong shape, dtype or
-        device; a scale given for a cache in k's dtype, or not finite and > 0.
+        size, dtype or device, or requiring grad; a ``(k_cache, v_cache)`` pair sharing
+        memory (:func:`share_memory`); slots of the wrong shape, dtype or device; a
+        scale given for a cache in k's dtype, or not finite and > 0.
     """
     if v.shape != k.shape or v.dtype != k.dtype:
         raise ValueError(f"v ({tuple(v.shape)}, {v.dtype}) must match k ({tuple(k.shape)}, "
@@ -190,12 +202,13 @@ def check_call(k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slots: Any, layo
         raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
     caches, geometry = _caches(kv_cache, layout, k, device)
     if not isinstance(slots, torch.Tensor):
-        raise TypeError(f"slots must be an int32 or int64 torch.Tensor [T] (vLLM's slot_mapping), "
+        raise TypeError(f"slots must be an integer torch.Tensor [T] (vLLM's slot_mapping, int64), "
                         f"got {type(slots).__name__}")
     if slots.device != device:
         raise ValueError(f"slots is on {slots.device}, expected {device} (the manager's device)")
     if slots.dtype not in SLOT_DTYPES:
-        raise ValueError(f"slots.dtype={slots.dtype} must be torch.int32 or torch.int64")
+        raise ValueError(f"slots.dtype={slots.dtype} must be an integer dtype (vLLM passes "
+                         f"torch.int64)")
     if tuple(slots.shape) != (k.shape[0],):
         raise ValueError(f"slots.shape={tuple(slots.shape)} must be [T] with T={k.shape[0]}")
     scales = (_scale("k_quant_scale", k_quant_scale, geometry.quantized),
@@ -203,15 +216,78 @@ def check_call(k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slots: Any, layo
     return caches, geometry, scales
 
 
-def int32_slots(slots: torch.Tensor) -> torch.Tensor:
-    """``slots`` as the kernels read them: int32 (int64 keeps its low 32 bits, as JAX's own
-    int64 import does; every valid slot fits, and -1 stays -1).
+def int32_slots(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """``slots`` as the kernels read them: int32, -1 wherever a slot is outside ``[0, num_slots)``.
+
+    The range is decided at the slots' own width, on the device (torch ops on the current
+    stream, no host sync), before the cast: cast first, int64 ``2**32 + 7`` would be
+    slot 7. A bound the dtype cannot hold is left out (every uint8 is below 1000). int32
+    slots pass as they are: the kernels skip what is outside the cache. The core's twin
+    is ``jaxrope.kv_cache._in_cache``.
 
     Example:
-      >>> int32_slots(torch.tensor([5, -1, 2 ** 32 + 7])).tolist()
-      [5, -1, 7]
+      >>> int32_slots(torch.tensor([5, -1, 2 ** 32 + 7, -2 ** 32 + 7]), 64).tolist()
+      [5, -1, -1, -1]
     """
-    return slots if slots.dtype == torch.int32 else slots.to(torch.int32)
+    if slots.dtype == torch.int32:
+        return slots
+    if slots.dtype == torch.uint64:
+        # Read as int64: values >= 2**63 turn negative, outside the cache as they were.
+        slots = slots.view(torch.int64)
+    elif slots.dtype in _COMPARED_AS:
+        slots = slots.to(_COMPARED_AS[slots.dtype])
+    ok = slots >= 0
+    if num_slots <= torch.iinfo(slots.dtype).max:
+        ok &= slots < num_slots
+    return torch.where(ok, torch.where(ok, slots, 0).to(torch.int32), -1)
+
+
+def _span(t: torch.Tensor) -> Tuple[int, int]:
+    """The bytes ``[start, end)`` from ``t``'s first element to past its last one."""
+    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1 if t.numel() else 0
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _reaches(delta: int, dims: Sequence[Tuple[int, int]], budget: list) -> bool:
+    """Whether ``delta == sum(j * stride)`` for some ``|j| < n`` over ``dims`` ((stride, n),
+    largest stride first): two views of one layout ``delta`` elements apart then share one.
+
+    At each stride the rest can reach at most ``sum((n - 1) * stride)`` of the smaller
+    strides, so only the few ``j`` that leave at most that much are tried (two for a
+    layout without internal overlap). ``budget`` caps the search: past it, assume they
+    share (refusing is the safe side).
+    """
+    if not dims:
+        return delta == 0
+    budget[0] -= 1
+    if budget[0] < 0:
+        return True
+    (stride, n), rest = dims[0], dims[1:]
+    reach = sum((m - 1) * s for s, m in rest)
+    low, high = max(-(n - 1), -((reach - delta) // stride)), min(n - 1, (delta + reach) // stride)
+    return any(_reaches(delta - j * stride, rest, budget) for j in range(low, high + 1))
+
+
+def share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (one dtype) have an element at a common address.
+
+    Exact for two views of one layout (same shape and strides, e.g. vLLM's ``kv[:, 0]``
+    and ``kv[:, 1]`` of a ``[pages, 2, ...]`` cache, which interleave without sharing);
+    other pairs share when their byte spans overlap.
+
+    Example:
+      >>> kv = torch.zeros(4, 2, 16, 2, 8)
+      >>> share_memory(kv[:, 0], kv[:, 1]), share_memory(kv[:, 0], kv[:, 0]), share_memory(kv, kv[1:])
+      (False, True, True)
+    """
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    if a1 <= b0 or b1 <= a0:
+        return False
+    delta, misaligned = divmod(abs(b0 - a0), a.element_size())
+    if a.shape != b.shape or a.stride() != b.stride() or misaligned:
+        return True
+    dims = sorted(((s, n) for s, n in zip(a.stride(), a.shape) if n > 1 and s), reverse=True)
+    return _reaches(delta, dims, [10_000])
 
 
 def call_signature(label: Hashable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -306,7 +382,8 @@ class JaxAppend:
         size = token_bucket(q.shape[0]) if allow_copy else q.shape[0]
         staged = pad_tokens(q, size)
         k, v, slots = (read_only(pad_tokens(x, size, fill=fill), allow_copy)
-                       for x, fill in ((k, 0), (v, 0), (int32_slots(slots), -1)))
+                       for x, fill in ((k, 0), (v, 0),
+                                       (int32_slots(slots, geometry.num_slots), -1)))
         # Scales are traced arguments (one compile serves every layer's), fp8 caches only.
         call([staged, *caches], k, v, read_only(pad_tokens(pos_ids, size, dim=-1), True), slots,
              scales if geometry.quantized else None, allow_copy=allow_copy, cfg=cfg,

@@ -16,8 +16,10 @@ as the rope launcher does (:func:`torch_bridge.triton_launch.mrope_block`: the p
 
 The token count is read from a device table, so one compiled kernel serves every T; the
 cache geometry (pages, page size, layout, dtype) is part of the kernel, which an engine
-fixes once. int64 slots (vLLM's ``slot_mapping``) are narrowed to int32 on torch's
-stream first (one small kernel); pass int32 slots to skip it.
+fixes once. Slots of another integer dtype (vLLM's int64 ``slot_mapping``) are
+narrowed to int32 on torch's stream first, a slot outside the cache becoming -1 at its
+own width (:func:`torch_bridge.kv_append.int32_slots`: a few small kernels, no host
+sync); pass int32 slots to skip them.
 
 CUDA graphs: call once outside capture for every signature (shapes, dtypes, cache,
 scales) a graph will hold. That first call exports, compiles and allocates the count,
@@ -58,7 +60,7 @@ class KVLauncher(Protocol):
     device, ``D == cfg.head_dim``), ``pos_ids`` int32 ``[N >= T]`` (the first ``T`` are
     used; an M-RoPE config's ``[3, N]``, its first ``T`` columns), ``caches`` the engine's
     cache tensors (the ``(k_cache, v_cache)`` pair, or the combined tensor alone),
-    ``slots`` int32 or int64 ``[T]``, ``geometry`` a
+    ``slots`` ``[T]`` of any integer dtype, ``geometry`` a
     :class:`torch_bridge.kv_append.CacheGeometry`, ``scales`` ``(k_scale, v_scale)``
     floats (1.0 for a cache in k's dtype). Rotates q in place and writes the rotated k
     and the v into the cache with :func:`jaxrope.apply_rope_and_append_kv`'s semantics.
@@ -167,8 +169,8 @@ class KVAppendLauncher:
         ``k, v [T, Hk, D]``, ``pos_ids`` int32 ``[>= T]`` (M-RoPE: ``[3, N >= T]``, its
         first ``T`` columns copied into one contiguous block when ``N > T``:
         :func:`torch_bridge.triton_launch.mrope_block`), ``caches`` the engine's tensors
-        (a ``(k_cache, v_cache)`` pair or the combined tensor alone), ``slots`` int32 or
-        int64 ``[T]``, ``geometry`` and ``scales`` as
+        (a ``(k_cache, v_cache)`` pair or the combined tensor alone), ``slots`` ``[T]`` of
+        any integer dtype, ``geometry`` and ``scales`` as
         :func:`torch_bridge.kv_append.check_call` returns them: the caller has validated
         shapes, dtypes and devices; this checks only what the compiled kernel assumes.
         ``block`` overrides the launch-shape heuristic (benchmarks sweep it).
@@ -188,7 +190,7 @@ class KVAppendLauncher:
                 raise BackendUnavailable(f"{name} is on {t.device}: the launcher needs CUDA")
             if not t.is_contiguous() or t.data_ptr() % ALIGN:
                 raise BackendUnavailable(f"{name} must be contiguous and {ALIGN}-byte aligned")
-        slots = int32_slots(slots)
+        slots = int32_slots(slots, geometry.num_slots)
         launch, count_ptr, tables_ptr, scales_ptr = self._launch_for(q, cfg, geometry, scales,
                                                                      block)
         q_ptr, cache_ptrs = q.data_ptr(), tuple(c.data_ptr() for c in caches)
@@ -202,14 +204,18 @@ class KVAppendLauncher:
 
         ``run`` takes the caller's arguments as given (q, k, v ``[T, H, D]`` or ``[T, H *
         D]``, ``kv_cache`` the pair or the combined tensor); the caller has validated
-        them once for this signature. Per call ``run`` checks only contiguity and 32-byte
-        alignment and returns False (launching nothing) when they fail, so the caller
-        can take its full path.
+        them once for this signature. Per call ``run`` checks only contiguity, 32-byte
+        alignment and that a pair's two tensors do not overlap, and returns False
+        (launching nothing) when one fails, so the caller takes its full path (which
+        refuses an overlapping pair).
         """
         launch, count_ptr, tables_ptr, scales_ptr = self._launch_for(q, cfg, geometry, scales,
                                                                      None)
-        combined = geometry.combined
+        combined, num_slots = geometry.combined, geometry.num_slots
         mrope = cfg.mrope_section is not None
+        # Two contiguous tensors of this many bytes overlap exactly when their starts are
+        # closer than that.
+        cache_bytes = caches[0].numel() * caches[0].element_size()
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: torch.Tensor,
                 kv_cache: Any, slots: torch.Tensor) -> bool:
@@ -219,9 +225,9 @@ class KVAppendLauncher:
             else:
                 k_cache, v_cache = kv_cache
                 cache_ptrs = (k_cache.data_ptr(), v_cache.data_ptr())
-                contiguous = k_cache.is_contiguous() and v_cache.is_contiguous()
-            if slots.dtype != torch.int32:
-                slots = slots.to(torch.int32)
+                contiguous = (k_cache.is_contiguous() and v_cache.is_contiguous()
+                              and abs(cache_ptrs[0] - cache_ptrs[1]) >= cache_bytes)
+            slots = int32_slots(slots, num_slots)
             if mrope:
                 pos_ids = mrope_block(pos_ids, q.shape[0])
             q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()

@@ -250,11 +250,12 @@ class RopeManager(PositionManager):
             ``[pages, 2, page_size, Hk, D]`` (``[pages, 2, Hk, page_size, D]``) tensor
             with keys at ``[:, 0]`` and values at ``[:, 1]``; k's dtype or
             ``torch.float8_e4m3fn``; written in place.
-          slots: int32 or int64 ``[T]`` on ``device``, vLLM's ``slot_mapping``: token
-            ``t`` goes to page ``slots[t] // page_size``, entry ``slots[t] % page_size``;
-            -1 (any slot outside ``[0, pages * page_size)``) skips the token. Values are
-            not checked (they are on the device); two tokens naming one slot leave which
-            write wins undefined.
+          slots: ``[T]`` of any integer dtype (vLLM's int64 ``slot_mapping``) on
+            ``device``: token ``t`` goes to page ``slots[t] // page_size``, entry
+            ``slots[t] % page_size``; -1 (any slot outside ``[0, pages * page_size)``,
+            decided at the slots' own width: nothing wraps) skips the token. Values are
+            not checked (they are on the device); of two tokens naming one slot either
+            may win.
           layout: "NHD" (default, FlashInfer's) or "HND".
           k_quant_scale, v_quant_scale: fp8 caches only (None otherwise): the cache
             stores ``e4m3(clip(x * scale, -448, 448))`` of the float32 rotated k (and v),
@@ -276,9 +277,9 @@ class RopeManager(PositionManager):
 
         Raises:
           ValueError: as ``apply_qk`` for label, q and k; v unlike k; an unknown layout;
-            a cache of the wrong rank, heads, head size, dtype or device; slots of the
-            wrong shape, dtype or device; a scale given for a cache in k's dtype, or not
-            finite and > 0.
+            a cache of the wrong rank, heads, head size, dtype or device; a
+            ``(k_cache, v_cache)`` pair sharing memory; slots of the wrong shape, dtype
+            or device; a scale given for a cache in k's dtype, or not finite and > 0.
           TypeError: a tensor argument of the wrong type, the cache neither a pair nor a
             tensor, or a scale that is not a number.
           RuntimeError: called under CUDA-graph capture without a launcher that accepts

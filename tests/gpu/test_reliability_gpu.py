@@ -166,3 +166,69 @@ def test_apply_qk_is_stream_ordered_between_large_kernels(device, launcher, stre
                                    rtol=0, atol=BF16_ATOL, err_msg=f"q of call {i}")
         np.testing.assert_allclose(got_k.float().cpu().numpy(), expected(src_k, positions, mgr.rope),
                                    rtol=0, atol=BF16_ATOL, err_msg=f"k of call {i}")
+
+
+@pytest.mark.parametrize("dtype_name", ["int64", "uint64", "uint32", "int16", "uint8"])
+def test_fused_append_skips_slots_outside_the_cache_at_their_own_width(device, launcher,
+                                                                        dtype_name):
+    """Slots that an int32 cast would wrap onto slot 3 (2**32 + 3, -2**32 + 3, ...) skip their
+    token on both launcher calls (the first, then the bound one) and in a CUDA graph replay."""
+    dtype = getattr(torch, dtype_name)
+    info = torch.iinfo(dtype)
+    mgr = make(device, launcher)
+    (rid,) = ingest(mgr, 1, 1000)
+    tokens = 4
+    step, ctx = PositionStep([Segment(rid, "text", tokens)]), StepContext((rid,))
+    wraps = [v for v in (2 ** 32 + 3, -2 ** 32 + 3, 2 ** 64 - 2 ** 32 + 3, 2 ** 31 + 3, 259,
+                         info.max, info.min) if info.min <= v <= info.max and not 0 <= v < 64]
+    chosen = (wraps * tokens)[:tokens - 1]
+    slots = torch.tensor([*chosen, 5], dtype=dtype, device=device)
+    ids = torch.arange(1, tokens + 1, device=device, dtype=torch.bfloat16)[:, None, None]
+    v = ids.expand(tokens, 8, HEAD_DIM).contiguous()
+    q = torch.zeros(tokens, 32, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 2, 16, 8, HEAD_DIM, device=device, dtype=torch.bfloat16)  # 64 slots
+
+    def written():
+        torch.cuda.synchronize(device)
+        values = cache[:, 1, :, 0, 0].reshape(-1)
+        return {i: float(x) for i, x in enumerate(values.tolist()) if x}
+
+    for _ in range(3):   # the launcher's first call, then its bound launch
+        mgr.plan(step, ctx)
+        cache.zero_()
+        mgr.apply_qk_and_append_kv(q, v, v, "text", cache, slots)
+        assert written() == {5: float(tokens)}, (dtype_name, slots.tolist())
+        mgr.commit(step, ctx)
+    if launcher == "auto":
+        mgr.plan(step, ctx)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            mgr.apply_qk_and_append_kv(q, v, v, "text", cache, slots)
+        cache.zero_()
+        slots[-1] = 6
+        graph.replay()
+        assert written() == {6: float(tokens)}, (dtype_name, slots.tolist())
+        mgr.commit(step, ctx)
+
+
+def test_a_cache_pair_sharing_memory_is_refused_after_a_bound_launch(device, launcher):
+    """A signature bound with two caches does not let one tensor passed twice through."""
+    mgr = make(device, launcher)
+    (rid,) = ingest(mgr, 1, 1000)
+    step, ctx = PositionStep([Segment(rid, "text", 2)]), StepContext((rid,))
+    q = torch.zeros(2, 32, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    v = torch.ones(2, 8, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.zeros(4, 16, 8, HEAD_DIM, device=device, dtype=torch.bfloat16)
+                        for _ in "kv")
+    slots = torch.tensor([0, 5], device=device)
+    for pair in ((k_cache, v_cache), (k_cache, v_cache), (k_cache, k_cache)):
+        mgr.plan(step, ctx)
+        if pair[1] is k_cache:
+            k_cache.zero_()
+            with pytest.raises(ValueError, match="k_cache and v_cache share memory"):
+                mgr.apply_qk_and_append_kv(q, v, v, "text", pair, slots)
+            torch.cuda.synchronize(device)
+            assert not k_cache.any()
+        else:
+            mgr.apply_qk_and_append_kv(q, v, v, "text", pair, slots)
+        mgr.commit(step, ctx)

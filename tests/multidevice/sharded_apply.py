@@ -134,11 +134,15 @@ def test_outside_jit_a_sharded_call_keeps_the_sharding(rng, axis_type):
     np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(expected[1]))
 
 
-# (q spec, k spec, pos_ids spec, Hq, Hk, message)
-REFUSED = {
+# Layouts no per-shard call takes as given: (q spec, k spec, pos_ids spec, Hq, Hk, the
+# Explicit-axes message).
+NEEDS_COMMUNICATION = {
     "head_dim": (P(None, None, "model"), P(), P(), 8, 4, "sharded over its head_dim"),
     "tokens_differ": (P("data"), P("model"), P(), 8, 4,
                       r"q's tokens \(axis 0\) are sharded over \('data',\) but k's over"),
+    "only_k_tokens_sharded": (P(), P("data"), P(), 8, 4,
+                              r"q's tokens \(axis 0\) are sharded over no mesh axis but k's "
+                              r"over \('data',\)"),
     "pos_ids_elsewhere": (P("data"), P("data"), P("model"), 8, 4,
                           r"pos_ids is sharded over \('model',\) but q's and k's tokens"),
     "pos_ids_without_tokens": (P(None, "model"), P(None, "model"), P("data"), 8, 4,
@@ -147,36 +151,55 @@ REFUSED = {
 }
 
 
-@pytest.mark.parametrize("case", REFUSED)
-@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
-def test_a_layout_that_would_need_communication_is_refused(axis_type, case):
-    q_spec, k_spec, pos_spec, q_heads, k_heads, message = REFUSED[case]
-    grid = mesh(axis_type)
-    q = jax.device_put(jnp.zeros((TOKENS, q_heads, 64)), NamedSharding(grid, q_spec))
-    k = jax.device_put(jnp.zeros((TOKENS, k_heads, 64)), NamedSharding(grid, k_spec))
-    pos = jax.device_put(jnp.zeros((TOKENS,), jnp.int32), NamedSharding(grid, pos_spec))
-    rope = _rope(CFG, "interpret")
-    # Explicit axes: at trace time. Auto axes: the compiler's partitioning callback
-    # raises the same ValueError, wrapped in a JaxRuntimeError.
-    with pytest.raises((ValueError, RuntimeError), match=message):
-        rope.lower(q, k, pos).compile()
-    # Outside jit the sharding is visible either way: a plain ValueError at the call.
+def _placed(grid, rng, case):
+    q_spec, k_spec, pos_spec, q_heads, k_heads, _ = NEEDS_COMMUNICATION[case]
+    q, k, pos = _inputs(rng, q_heads, k_heads)
+    placed = tuple(jax.device_put(x, NamedSharding(grid, spec))
+                   for x, spec in ((q, q_spec), (k, k_spec), (pos, pos_spec)))
+    return (q, k, jnp.asarray(pos)), placed
+
+
+@pytest.mark.parametrize("case", NEEDS_COMMUNICATION)
+def test_on_explicit_axes_a_layout_that_needs_communication_raises_before_compiling(rng, case):
+    _, placed = _placed(mesh("explicit"), rng, case)
+    message = NEEDS_COMMUNICATION[case][-1]
+    # The specs are part of the types: the refusal comes while tracing, nothing compiled.
     with pytest.raises(ValueError, match=message):
-        jr.apply_rope(q, k, pos, CFG, backend="xla")
+        jax.jit(functools.partial(jr.apply_rope, cfg=CFG, backend="interpret")).lower(*placed)
+    with pytest.raises(ValueError, match=message):
+        jr.apply_rope(*placed, CFG, backend="xla")
 
 
-def test_heads_that_split_unevenly_are_refused():
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("case", NEEDS_COMMUNICATION)
+def test_on_auto_axes_a_layout_that_needs_communication_runs_resharded(rng, case, backend):
+    # The compiler chose the shardings: the kernel asks for the nearest layout it takes
+    # (sharding.runnable_specs) and XLA inserts the reshard.
+    unsharded, placed = _placed(mesh("auto"), rng, case)
+    rope = jax.jit(functools.partial(jr.apply_rope, cfg=CFG, backend=backend))
+    expected = rope(*unsharded)
+    assert collectives(rope.lower(*placed).compile().as_text()), "no reshard was inserted"
+    for got, want in zip(rope(*placed), expected):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # Outside jit the same op runs (compiled on its own, so compared to a bf16 ulp).
+    for got, want in zip(jr.apply_rope(*placed, CFG, backend=backend), expected):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=2.0 ** -7, atol=2.0 ** -7)
+
+
+def test_heads_that_split_unevenly_run_replicated_on_auto_axes(rng):
     # device_put refuses uneven NamedShardings; inside jit an Auto constraint can ask
-    # for 6 heads over 4 devices, which the partitioner would pad.
+    # for 6 heads over 4 devices, which the kernel takes with q's heads replicated.
     grid = mesh("auto")
+    pos = jnp.arange(TOKENS, dtype=jnp.int32)
 
     def step(q, k):
         q = jax.lax.with_sharding_constraint(q, NamedSharding(grid, P(None, "model")))
-        return jr.apply_rope(q, k, jnp.arange(TOKENS, dtype=jnp.int32), CFG, backend="interpret")
+        return jr.apply_rope(q, k, pos, CFG, backend="interpret")
 
-    with pytest.raises(RuntimeError, match=r"q.shape\[1\]=6 \(heads\) does not split evenly "
-                                           r"over mesh axes \('model',\) \(4 devices\)"):
-        jax.jit(step).lower(jnp.zeros((TOKENS, 6, 64)), jnp.zeros((TOKENS, 2, 64))).compile()
+    q, k, _ = _inputs(rng, 6, 2)
+    for got, want in zip(jax.jit(step)(q, k), _rope(CFG, "interpret")(q.copy(), k.copy(), pos)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(ValueError, match=r"k.shape\[1\]=2 \(heads\) does not split evenly"):
         sharding.local_specs(P(), P(None, "model"), P(), (4, 8, 64), (4, 2, 64), {"model": 4})
 
