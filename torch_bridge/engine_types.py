@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Hashable, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -43,6 +44,8 @@ __all__ = [
     "Segment",
     "StepContext",
 ]
+
+_REQUEST = operator.itemgetter(0)
 
 
 class Segment(NamedTuple):
@@ -231,7 +234,9 @@ class StepContext:
     """Everything about a step that is not the positions' own input.
 
     Attributes:
-      request_ids: the step's requests, in batch order.
+      request_ids: the step's requests, in batch order, or None (default: not stated).
+        When given, ``plan`` refuses a step whose segments name another request
+        (:meth:`check_segments`).
       graph_walk: the engine's graph walk name, or None.
       is_preplan: True when this step is planned while the previous one still runs
         (the plan is staged, see ``RopeManager.plan``).
@@ -244,17 +249,36 @@ class StepContext:
       >>> ctx = StepContext(request_ids=["r0", "r1"])
       >>> ctx.request_ids, ctx.is_preplan, ctx.graph_slot
       (('r0', 'r1'), False, None)
+      >>> ctx.check_segments([Segment("r2", "text", 1)])
+      Traceback (most recent call last):
+      ...
+      ValueError: step.segments[0] names request_id='r2', which is not in ctx.request_ids=('r0', 'r1') (the step's batch)
     """
 
-    request_ids: Tuple[Hashable, ...] = ()
+    request_ids: Optional[Tuple[Hashable, ...]] = None
     graph_walk: Optional[str] = None
     is_preplan: bool = False
     plan_results: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     graph_slot: Optional[GraphSlot] = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.request_ids, tuple):
+        if self.request_ids is not None and not isinstance(self.request_ids, tuple):
             object.__setattr__(self, "request_ids", tuple(self.request_ids))
+
+    def check_segments(self, segments: Sequence[Segment]) -> None:
+        """Every segment's request is one of :attr:`request_ids` (when given).
+
+        Raises:
+          ValueError: the first segment naming another request.
+        """
+        if self.request_ids is None:
+            return
+        batch = set(self.request_ids)
+        if batch.issuperset(map(_REQUEST, segments)):
+            return
+        i, segment = next((i, s) for i, s in enumerate(segments) if s[0] not in batch)
+        raise ValueError(f"step.segments[{i}] names request_id={segment[0]!r}, which is not in "
+                         f"ctx.request_ids={self.request_ids!r} (the step's batch)")
 
 
 class AdmitOutcome(NamedTuple):
@@ -268,8 +292,8 @@ class AdmitOutcome(NamedTuple):
     Example:
       >>> from torch_bridge import PositionConfig, PositionManager, PublishedPositionInfo
       >>> mgr = PositionManager(PositionConfig(), "cpu")
-      >>> mgr.admit_retrieve("r9", None, None, PublishedPositionInfo({"text": 5}))
-      AdmitOutcome(ok=False, ready=False, reason="request_id='r9' was never ingested")
+      >>> mgr.admit_retrieve("r9", None, None, PublishedPositionInfo({"text": 5})).reason
+      "published record refused (request): request_id='r9' was never ingested (call ingest_request first)"
     """
 
     ok: bool

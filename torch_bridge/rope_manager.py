@@ -55,6 +55,7 @@ class RopeManager(PositionManager):
       backend: the jaxrope backend of the JAX path ("auto", "pallas", "xla", "interpret").
       allow_copy: let the JAX path stage non-contiguous or misaligned q/k through a
         contiguous copy (written back in place); False raises instead.
+      writer: the writer id of :class:`~torch_bridge.PositionManager`.
 
     Attributes:
       launcher: the resolved launcher, or None; assignable.
@@ -81,8 +82,9 @@ class RopeManager(PositionManager):
 
     def __init__(self, config: PositionConfig, device: Any, max_seq_len: int = 32768,
                  head_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16, *,
-                 launcher: Any = "auto", backend: str = "auto", allow_copy: bool = True):
-        super().__init__(config, device, max_seq_len)
+                 launcher: Any = "auto", backend: str = "auto", allow_copy: bool = True,
+                 writer: Optional[int] = None):
+        super().__init__(config, device, max_seq_len, writer=writer)
         rope = config.rope
         if rope is None:
             if head_dim is None:
