@@ -443,7 +443,8 @@ def test_a_rollback_reaches_the_node_that_admitted_the_drafts():
     assert decode.admit_retrieve("a", None, None, first).ok  # stale: epoch 0
     assert decode.position("a", "text") == 10
     run_step(decode, [Segment("a", "text", 1)])
-    assert decode.publish("a").record("text") == (11, 0, 1, ((prefill.writer, 1),))
+    assert decode.publish("a").record("text") == (11, 0, 1)
+    assert decode.publish("a").rewinds == {"text": ((prefill.writer, 1),)}
 
 
 def test_a_rollback_that_moves_nothing_keeps_the_epoch():
@@ -451,7 +452,7 @@ def test_a_rollback_that_moves_nothing_keeps_the_epoch():
     mgr.ingest_request("a")
     run_step(mgr, [Segment("a", "text", 5)])
     mgr.rollback("a", "text", 9)
-    assert mgr.publish("a").record("text") == (5, 0, 0, ())
+    assert mgr.publish("a").record("text") == (5, 0, 0) and mgr.publish("a").rewinds == {}
 
 
 def test_a_rollback_of_a_planned_stream_is_refused_and_changes_nothing():
@@ -459,7 +460,7 @@ def test_a_rollback_of_a_planned_stream_is_refused_and_changes_nothing():
     mgr.ingest_request("a")
     mgr.plan(PositionStep([Segment("a", "text", 4)]), ctx_for("a"))
     before = mgr.state_snapshot()
-    with pytest.raises(ValueError, match="numbered by the current plan, not yet committed"):
+    with pytest.raises(ValueError, match=r"in a plan not yet committed \(the current plan numbers it"):
         mgr.rollback("a", "text", 0)
     assert mgr.state_snapshot() == before
 

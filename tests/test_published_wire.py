@@ -236,7 +236,7 @@ def _model_admit(state, rid, published):
         mine = (state["slots"][slot], state["deltas"][slot], state["epochs"][slot],
                 state["rewinds"].get(slot, ()))
         if label in published.counters:
-            theirs = published.record(label)
+            theirs = (*published.record(label), published.rewinds_of(label))
             newer, older = _includes(theirs[3], mine[3]), _includes(mine[3], theirs[3])
             if not (newer or older):
                 return None
@@ -296,7 +296,8 @@ def test_the_fuzz_sees_both_outcomes_of_well_formed_records():
     conflict = wire.encode(fingerprint, [wire.StreamRecord("text", 99, 4, ((SENDER, 2),))])
     mgr = busy_receiver()
     assert mgr.admit_retrieve("a", None, None, taken).ok
-    assert mgr.publish("a").record("text") == (99, 4, 2, ((RECEIVER, 2),))
+    assert mgr.publish("a").record("text") == (99, 4, 2)
+    assert mgr.publish("a").rewinds_of("text") == ((RECEIVER, 2),)
     outcome = mgr.admit_retrieve("a", None, None, refused)
     assert not outcome.ok and f"published.counters['text']={MAX_SEQ_LEN + 1}" in outcome.reason
     outcome = mgr.admit_retrieve("a", None, None, conflict)

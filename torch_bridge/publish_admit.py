@@ -155,9 +155,9 @@ def rewind_blocked(plans: StepPlans, slot: int, stream: str) -> Optional[str]:
     staged plan numbers it (see the module docstring)."""
     for which, plan in (("current", plans.current), ("staged", plans.staged)):
         if plan is not None and slot in _numbered(plan):
-            return (f"stream {stream} is numbered by the {which} plan, not yet committed: its "
-                    "positions were numbered from the counter a rewind would move; commit "
-                    "that step (a draft step commits nothing) or clear_preplan first")
+            return (f"stream {stream} is in a plan not yet committed (the {which} plan numbers "
+                    "it from the counter a rewind would move): commit that step (a draft "
+                    "step commits nothing) or clear_preplan first")
     return None
 
 

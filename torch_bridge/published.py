@@ -94,10 +94,9 @@ class PublishedPositionInfo(PublishedInfo):
         epoch = self.epochs.get(label, 0)
         return ((0, epoch),) if epoch else ()
 
-    def record(self, label: str) -> Tuple[int, int, int, Rewinds]:
-        """``(position, delta, epoch, rewinds)`` of one label."""
-        return (self.counters[label], self.deltas.get(label, 0), self.epochs.get(label, 0),
-                self.rewinds_of(label))
+    def record(self, label: str) -> Tuple[int, int, int]:
+        """``(position, delta, epoch)`` of one label (its rewinds: :meth:`rewinds_of`)."""
+        return self.counters[label], self.deltas.get(label, 0), self.epochs.get(label, 0)
 
     def update(self, other: "PublishedPositionInfo") -> None:
         """Merge ``other`` in, per label in the order of :func:`jaxrope.wire.rewind_order`
@@ -113,9 +112,10 @@ class PublishedPositionInfo(PublishedInfo):
             raise TypeError(f"other must be a PublishedPositionInfo, got {type(other).__name__}")
         taken = []
         for label in other.counters:
-            position, delta, epoch, rewinds = other.record(label)
+            position, delta, epoch = other.record(label)
+            rewinds = other.rewinds_of(label)
             if label in self.counters:
-                mine, _, _, my_rewinds = self.record(label)
+                mine, my_rewinds = self.counters[label], self.rewinds_of(label)
                 order = wire.rewind_order(my_rewinds, rewinds)
                 if order == "conflict":
                     raise ValueError(conflict_message(repr(label), my_rewinds, rewinds))
@@ -157,7 +157,8 @@ class PublishedPositionInfo(PublishedInfo):
             raise ValueError(f"deltas/epochs/rewinds name labels {orphans!r} that have no counter")
         streams = []
         for label in self.counters:
-            position, delta, epoch, rewinds = self.record(label)
+            position, delta, epoch = self.record(label)
+            rewinds = self.rewinds_of(label)
             problem = epoch_problem(epoch, rewinds)
             if problem is not None:
                 raise ValueError(f"stream {label!r}: {problem}")
