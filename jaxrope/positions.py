@@ -44,6 +44,8 @@ from jaxrope import sharding as _sharding
 
 # The padding slot: out of range for every table, however far it grows.
 PAD = int(np.iinfo(np.int32).max)
+# Publish epochs are int32 columns, as counters.
+MAX_EPOCH = int(np.iinfo(np.int32).max)
 # Negative slots are padding too (numpy-style wrapping would make -1 the last slot).
 _NO_WRAP = {"wrap_negative_indices": False}
 
@@ -249,6 +251,10 @@ def admit(table: PositionTable, slots: jax.Array, positions: jax.Array, deltas: 
     older epoch changes nothing. The delta comes with the position that wins. ``slots``
     must be distinct.
 
+    Raises:
+      ValueError: outside ``jit``, an epoch outside ``[0, 2**31 - 1]`` (int32, as the
+        table's epochs); under ``jit`` unchecked.
+
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxrope import positions
@@ -259,6 +265,11 @@ def admit(table: PositionTable, slots: jax.Array, positions: jax.Array, deltas: 
       >>> out.counters.tolist(), out.deltas.tolist(), out.epochs.tolist()
       ([9, 12, 4], [0, -3, -4], [0, 0, 1])
     """
+    if _host_value(epochs) is not None:
+        bad = (_host_value(epochs) < 0) | (_host_value(epochs) > MAX_EPOCH)
+        if bad.any():
+            raise ValueError(f"epochs[{int(np.argmax(bad))}]={int(_host_value(epochs)[bad][0])} "
+                             f"outside [0, {MAX_EPOCH}] (epochs are int32)")
     positions, deltas, epochs = (x.astype(jnp.int32) for x in (positions, deltas, epochs))
     counter, delta, epoch = (read(table, slots, c) for c in ("counters", "deltas", "epochs"))
     newer = epochs > epoch
@@ -279,12 +290,29 @@ def rollback(table: PositionTable, slots: jax.Array, positions: jax.Array) -> Po
     A counter that moves back starts a new publish epoch (see :func:`admit`); one that
     stays keeps its epoch, so a rollback to where a stream already is changes nothing.
     ``slots`` must be distinct.
+
+    Raises:
+      ValueError: outside ``jit``, a stream that would move back at the last epoch,
+        ``2**31 - 1`` (its next would wrap the int32 epoch); under ``jit`` unchecked.
     """
     counter, epoch = read(table, slots), read(table, slots, "epochs")
     target = jnp.minimum(counter, positions.astype(jnp.int32))
+    moved, epoch_now = _host_value(target < counter), _host_value(epoch)
+    if moved is not None and epoch_now is not None and (moved & (epoch_now >= MAX_EPOCH)).any():
+        i = int(np.argmax(moved & (epoch_now >= MAX_EPOCH)))
+        raise ValueError(f"rollback of slots[{i}] at publish epoch {int(epoch_now[i])}, the "
+                         f"last: epochs are int32, in [0, {MAX_EPOCH}]")
     return dataclasses.replace(
         table, counters=_set(table.counters, slots, target),
         epochs=_set(table.epochs, slots, epoch + (target < counter).astype(jnp.int32)))
+
+
+def _host_value(x) -> Optional[np.ndarray]:
+    """``x`` on the host, or None under ``jit`` (a tracer has no value)."""
+    try:
+        return np.asarray(x)
+    except jax.errors.TracerArrayConversionError:
+        return None
 
 
 def reset(table: PositionTable, slots: jax.Array) -> PositionTable:
