@@ -101,7 +101,8 @@ CASES = [
                                      rewinds={"text": ((2, 1), (1, 1))}), "rewinds",
      r"published.rewinds\['text'\]: rewinds=.* writers must be distinct and ascending", {}),
     ("conflicting rewinds", "r0", _conflicting(), "conflict",
-     r"stream \('r0', 'text'\): rewinds \(\(2, 2\),\) conflict with \(\(1, 1\),\): two writers", {}),
+     r"stream \('r0', 'text'\): rewinds \(\(2, 2\),\) conflict with \(\(1, 1\),\): two "
+     r"writers", {}),
     ("newer epoch for a planned stream", "planned",
      info({"text": 3}, epochs={"text": 1}, rewinds={"text": ((1, 1),)}), "planned",
      r"the record starts a newer epoch, but stream \('planned', 'text'\) is in a plan not yet "

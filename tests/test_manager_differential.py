@@ -201,7 +201,8 @@ class Run:
             rewinds = {**mine, 99: mine.get(99, 0) + 1}
         pairs = tuple(sorted((w, n) for w, n in rewinds.items() if n))
         epoch = sum(n for _, n in pairs)
-        published = PublishedPositionInfo({"text": position}, epochs={"text": epoch} if epoch else {},
+        published = PublishedPositionInfo({"text": position},
+                                          epochs={"text": epoch} if epoch else {},
                                           fingerprint=receiver.mgr.fingerprint(),
                                           rewinds={"text": pairs} if pairs else {})
         self.admit(receiver, rid, {"text": (position, dict(pairs))}, published)

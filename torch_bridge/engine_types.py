@@ -234,7 +234,7 @@ class StepContext:
     """Everything about a step that is not the positions' own input.
 
     Attributes:
-      request_ids: the step's requests, in batch order, or None (default: not stated).
+      request_ids: the step's requests, in batch order; empty (the default) states none.
         When given, ``plan`` refuses a step whose segments name another request
         (:meth:`check_segments`).
       graph_walk: the engine's graph walk name, or None.
@@ -255,23 +255,23 @@ class StepContext:
       ValueError: step.segments[0] names request_id='r2', which is not in ctx.request_ids=('r0', 'r1') (the step's batch)
     """
 
-    request_ids: Optional[Tuple[Hashable, ...]] = None
+    request_ids: Tuple[Hashable, ...] = ()
     graph_walk: Optional[str] = None
     is_preplan: bool = False
     plan_results: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     graph_slot: Optional[GraphSlot] = None
 
     def __post_init__(self) -> None:
-        if self.request_ids is not None and not isinstance(self.request_ids, tuple):
+        if not isinstance(self.request_ids, tuple):
             object.__setattr__(self, "request_ids", tuple(self.request_ids))
 
     def check_segments(self, segments: Sequence[Segment]) -> None:
-        """Every segment's request is one of :attr:`request_ids` (when given).
+        """Every segment's request is one of :attr:`request_ids` (when any is given).
 
         Raises:
           ValueError: the first segment naming another request.
         """
-        if self.request_ids is None:
+        if not self.request_ids:
             return
         batch = set(self.request_ids)
         if batch.issuperset(map(_REQUEST, segments)):

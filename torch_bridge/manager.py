@@ -20,6 +20,7 @@ raises leaves every counter, slot, plan and graph buffer as it was.
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections.abc import Mapping
 from typing import Any, Dict, Hashable, List, Optional, Tuple, Union
 
@@ -44,6 +45,7 @@ _FINGERPRINT_VERSION = b"jaxrope.positions/1"
 _INITIAL_SLOTS = 256
 # Positions are int32 on the device.
 _MAX_SEQ_LEN = int(np.iinfo(np.int32).max)
+_REQUEST = operator.itemgetter(0)
 
 
 class PositionManager(Resource):
@@ -109,6 +111,7 @@ class PositionManager(Resource):
         self._records = PublishAdmit(self._streams, self._reader, self._plans, self._args,
                                      self.fingerprint, self.writer)
         self._fingerprint: Optional[bytes] = None
+        self._batch: Tuple[Tuple[Hashable, ...], set] = ((), set())
 
     # ---------------------------------------------------------------- construction
 
@@ -314,7 +317,7 @@ class PositionManager(Resource):
           TypeError: ``step`` or ``ctx`` has the wrong type, or a view/segment is
             not a 3-tuple.
           ValueError: a request not ingested (never, or removed), a segment whose request
-            is not in ``ctx.request_ids`` (when given), an unknown label, a negative count,
+            is not in a non-empty ``ctx.request_ids``, an unknown label, a negative count,
             a stream with two views in one plan label, two forks into one stream from
             different sources, explicit pos_ids of the wrong shape/dtype/device (``[n]``
             for an M-RoPE manager, ``[3, n]`` for a 1-D one) or outside ``[0,
@@ -325,7 +328,12 @@ class PositionManager(Resource):
             outside the capture into a graph slot, replay reads its buffer).
         """
         arrays = self._reader.read(step, ctx, device=self.device, max_seq_len=self.max_seq_len)
-        ctx.check_segments(step.segments)
+        ids = ctx.request_ids
+        if ids:
+            if ids != self._batch[0]:  # a continuous batch: the same ids step after step
+                self._batch = (ids, set(ids))
+            if not self._batch[1].issuperset(map(_REQUEST, step.segments)):
+                ctx.check_segments(step.segments)  # raises, naming the segment
         if step.depths is not None:
             arrays = speculative.attach(self._reader, self._streams, step, arrays,
                                         self.config.scheme)
@@ -402,39 +410,37 @@ class PositionManager(Resource):
         mask = plan.live.get(label)
         return np.ones(plan.arrays.labels[label].num_tokens, bool) if mask is None else mask
 
-    # ---------------------------------------------------------------- records (PublishAdmit)
+    # ---------------------------------------------------------------- records: each method is
+    # torch_bridge.publish_admit.PublishAdmit's of the same name (documented there)
 
     def publish(self, request_id: Hashable) -> Optional[PublishedPositionInfo]:
-        """Where every stream of the request has reached (:meth:`PublishAdmit.publish`)."""
+        """Where every stream of the request has reached; None for an unknown request."""
         return self._records.publish(request_id)
 
     def publish_snapshot_for_step(self, request_id: Hashable, node_name: Optional[str],
                                   graph_walk: Optional[str]) -> Optional[Snapshot]:
-        """A cheap record of what :meth:`publish` returns now
-        (:meth:`PublishAdmit.publish_snapshot_for_step`)."""
+        """A cheap record of what :meth:`publish` returns now."""
         return self._records.publish_snapshot_for_step(request_id, node_name, graph_walk)
 
     def publish_from_snapshot(self, request_id: Hashable, snapshot: Optional[Snapshot],
                               node_name: Optional[str],
                               graph_walk: Optional[str]) -> Optional[PublishedPositionInfo]:
-        """The publication of a snapshot (:meth:`PublishAdmit.publish_from_snapshot`)."""
+        """What :meth:`publish` returned when ``snapshot`` was taken."""
         return self._records.publish_from_snapshot(request_id, snapshot, node_name, graph_walk)
 
     def admit_retrieve(self, rid: Hashable, node_name: Optional[str], graph_walk: Optional[str],
                        published: Union[PublishedPositionInfo, bytes, None]) -> AdmitOutcome:
-        """Take on published records, or refuse them with a reason
-        (:meth:`PublishAdmit.admit_retrieve`)."""
+        """Take on published records, or refuse them with a reason (nothing changes then)."""
         return self._records.admit_retrieve(rid, node_name, graph_walk, published)
 
     def rollback(self, rid: Hashable, label: str, to_position: int) -> None:
-        """Rewind a stream, starting a new publish epoch (:meth:`PublishAdmit.rollback`)."""
+        """Rewind stream ``(rid, label)`` to ``to_position``, starting a new publish epoch."""
         self._records.rollback(rid, label, to_position)
 
     def apply_cached_prefix(self, rid: Hashable, node_name: Optional[str],
                             graph_walk: Optional[str], inputs: Any,
                             prefix: Optional[Mapping[str, int]]) -> None:
-        """Move streams past what the prefix cache holds
-        (:meth:`PublishAdmit.apply_cached_prefix`)."""
+        """Move streams past what the prefix cache holds: ``counter = max(counter, cached)``."""
         self._records.apply_cached_prefix(rid, node_name, graph_walk, inputs, prefix)
 
     # ---------------------------------------------------------------- inspection
