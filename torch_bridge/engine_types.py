@@ -281,6 +281,30 @@ class StepContext:
                          f"ctx.request_ids={self.request_ids!r} (the step's batch)")
 
 
+class BatchCheck:
+    """:meth:`StepContext.check_segments` over a manager's steps, keeping the last batch's
+    set: a continuous batch sends the same ids step after step, so an unchanged batch
+    costs one tuple compare and a superset test."""
+
+    def __init__(self) -> None:
+        self._ids: Tuple[Hashable, ...] = ()
+        self._batch: set = set()
+
+    def check(self, ctx: StepContext, segments: Sequence[Segment]) -> None:
+        """``ctx.check_segments(segments)``.
+
+        Raises:
+          ValueError: a segment naming a request outside a non-empty ``ctx.request_ids``.
+        """
+        ids = ctx.request_ids
+        if not ids:
+            return
+        if ids != self._ids:
+            self._ids, self._batch = ids, set(ids)
+        if not self._batch.issuperset(map(_REQUEST, segments)):
+            ctx.check_segments(segments)
+
+
 class AdmitOutcome(NamedTuple):
     """Result of admitting a request's published state.
 

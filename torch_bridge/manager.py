@@ -20,7 +20,6 @@ raises leaves every counter, slot, plan and graph buffer as it was.
 from __future__ import annotations
 
 import hashlib
-import operator
 from collections.abc import Mapping
 from typing import Any, Dict, Hashable, List, Optional, Tuple, Union
 
@@ -29,8 +28,8 @@ import torch
 
 from jaxrope.positions import PositionTable
 from torch_bridge.config import PositionConfig
-from torch_bridge.engine_types import (AdmitOutcome, EngineInfo, GraphSlot, PositionStep,
-                                       Resource, ResourceSpec, StepContext)
+from torch_bridge.engine_types import (AdmitOutcome, BatchCheck, EngineInfo, GraphSlot,
+                                       PositionStep, Resource, ResourceSpec, StepContext)
 from torch_bridge.plans import Plan, StepPlans
 from torch_bridge.publish_admit import PublishAdmit, RecordArgs, Snapshot, writer_id
 from torch_bridge.published import PublishedPositionInfo
@@ -45,7 +44,6 @@ _FINGERPRINT_VERSION = b"jaxrope.positions/1"
 _INITIAL_SLOTS = 256
 # Positions are int32 on the device.
 _MAX_SEQ_LEN = int(np.iinfo(np.int32).max)
-_REQUEST = operator.itemgetter(0)
 
 
 class PositionManager(Resource):
@@ -111,7 +109,7 @@ class PositionManager(Resource):
         self._records = PublishAdmit(self._streams, self._reader, self._plans, self._args,
                                      self.fingerprint, self.writer)
         self._fingerprint: Optional[bytes] = None
-        self._batch: Tuple[Tuple[Hashable, ...], set] = ((), set())
+        self._batch = BatchCheck()
 
     # ---------------------------------------------------------------- construction
 
@@ -328,12 +326,7 @@ class PositionManager(Resource):
             outside the capture into a graph slot, replay reads its buffer).
         """
         arrays = self._reader.read(step, ctx, device=self.device, max_seq_len=self.max_seq_len)
-        ids = ctx.request_ids
-        if ids:
-            if ids != self._batch[0]:  # a continuous batch: the same ids step after step
-                self._batch = (ids, set(ids))
-            if not self._batch[1].issuperset(map(_REQUEST, step.segments)):
-                ctx.check_segments(step.segments)  # raises, naming the segment
+        self._batch.check(ctx, step.segments)
         if step.depths is not None:
             arrays = speculative.attach(self._reader, self._streams, step, arrays,
                                         self.config.scheme)
@@ -470,11 +463,9 @@ class PositionManager(Resource):
         plus their contents (positions, the commit still to apply, pending pre-forks).
 
         Returns:
-          ``{"counters": {(rid, label): int}``, ``"slots"`` / ``"deltas"`` / ``"epochs"``:
-          every slot's counter, M-RoPE delta and publish epoch (free slots included),
-          ``"rewinds"``: ``{slot: ((writer, rollbacks), ...)}`` of the rolled-back slots,
-          ``"requests"``: ``{rid: slots}``, ``"slot_map"``: capacity,
-          live, peak and free list, ``"current"`` / ``"staged"``: the plans (or None),
+          the streams' records (:meth:`torch_bridge.streams.StreamTable.snapshot`: counters,
+          every slot's counter, delta, epoch and rewinds, requests, slot map), and
+          ``"current"`` / ``"staged"``: the plans (or None),
           ``"graph_buffers"``: ``{(graph_slot, plan_label): values}``,
           ``"plan_labels"``: every label ``apply_qk`` / ``pos_ids`` accept``}``.
 
