@@ -91,6 +91,8 @@ from jaxrope.slot_map import SlotMap
 
 # The padding row: out of range for every table, however far it grows.
 PAD = int(_INT32.max)
+# Publish epochs are int32 columns, as counters.
+MAX_EPOCH = int(_INT32.max)
 # Negative rows act as padding under jit too (numpy-style wrapping would make -1 the
 # last row).
 _NO_WRAP = {"wrap_negative_indices": False}
@@ -410,6 +412,10 @@ def admit(table: PositionTable, rows: IntArray, positions: IntArray, deltas: Int
     older epoch changes nothing. The delta comes with the position that wins. ``rows``
     must be distinct.
 
+    Raises:
+      ValueError: outside ``jit``, an epoch outside ``[0, 2**31 - 1]`` (int32, as the
+        table's epochs); under ``jit`` unchecked.
+
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxrope import positions
@@ -447,12 +453,21 @@ def rollback(table: PositionTable, rows: IntArray, positions: IntArray) -> Posit
     A counter that moves back starts a new publish epoch (see :func:`admit`); one that
     stays keeps its epoch, so a rollback to where a stream already is changes nothing.
     ``rows`` must be distinct.
+
+    Raises:
+      ValueError: outside ``jit``, a stream that would move back at the last epoch,
+        ``2**31 - 1`` (its next would wrap the int32 epoch); under ``jit`` unchecked.
     """
     _table(table)
     rows = _rows("rows", rows, table, distinct=True)
     positions = _values("positions", positions, length=rows.shape[0])
     counter, epoch = _read(table, rows), _read(table, rows, "epochs")
     target = jnp.minimum(counter, positions)
+    moved, epoch_now = _host(target < counter), _host(epoch)
+    if moved is not None and epoch_now is not None and (moved & (epoch_now >= MAX_EPOCH)).any():
+        i = int(np.argmax(moved & (epoch_now >= MAX_EPOCH)))
+        raise ValueError(f"rollback of rows[{i}] at publish epoch {int(epoch_now[i])}, the "
+                         f"last: epochs are int32, in [0, {MAX_EPOCH}]")
     return dataclasses.replace(
         table, counters=_set(table.counters, rows, target),
         epochs=_set(table.epochs, rows, epoch + (target < counter).astype(jnp.int32)))

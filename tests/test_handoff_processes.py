@@ -103,11 +103,11 @@ def test_final_records_are_within_64_bytes_a_stream_and_admitted_by_a_fresh_mana
     for index, rid in enumerate(SPEC.rids):
         prompt, max_new = SPEC.requests[index]
         record, ids = report.records[rid]
-        assert len(record) == 44 + (13 + len("main")) + (13 + len("cfg")) == 77
+        assert len(record) == 44 + (10 + len("main")) + (10 + len("cfg")) == 71
         final = PublishedPositionInfo.from_bytes(record, expect_fingerprint=fingerprint)
         assert final.counters == {"main": prompt + max_new, "cfg": 0}
         assert ids == [SPEC.token(index, p) for p in range(prompt, prompt + max_new)]
-    assert report.bytes_per_stream == 16.5
+    assert report.bytes_per_stream == 13.5
 
 
 def test_the_in_process_twin_logs_the_same_positions_and_events(report):

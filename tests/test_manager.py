@@ -444,6 +444,7 @@ def test_a_rollback_reaches_the_node_that_admitted_the_drafts():
     assert decode.position("a", "text") == 10
     run_step(decode, [Segment("a", "text", 1)])
     assert decode.publish("a").record("text") == (11, 0, 1)
+    assert decode.publish("a").rewinds == {"text": ((prefill.writer, 1),)}
 
 
 def test_a_rollback_that_moves_nothing_keeps_the_epoch():
@@ -451,7 +452,7 @@ def test_a_rollback_that_moves_nothing_keeps_the_epoch():
     mgr.ingest_request("a")
     run_step(mgr, [Segment("a", "text", 5)])
     mgr.rollback("a", "text", 9)
-    assert mgr.publish("a").record("text") == (5, 0, 0)
+    assert mgr.publish("a").record("text") == (5, 0, 0) and mgr.publish("a").rewinds == {}
 
 
 def test_a_rollback_of_a_planned_stream_is_refused_and_changes_nothing():
@@ -459,7 +460,7 @@ def test_a_rollback_of_a_planned_stream_is_refused_and_changes_nothing():
     mgr.ingest_request("a")
     mgr.plan(PositionStep([Segment("a", "text", 4)]), ctx_for("a"))
     before = mgr.state_snapshot()
-    with pytest.raises(ValueError, match="in a plan not yet committed"):
+    with pytest.raises(ValueError, match=r"in a plan not yet committed \(the current plan numbers it"):
         mgr.rollback("a", "text", 0)
     assert mgr.state_snapshot() == before
 
@@ -482,8 +483,10 @@ def test_remove_frees_the_request_and_a_new_ingest_starts_at_zero():
     run_step(mgr, [Segment("a", "text", 6)])
     mgr.remove_request("a")
     mgr.remove_request("a")
-    with pytest.raises(ValueError, match="never ingested"):
+    with pytest.raises(ValueError, match=r"request_id='a' was removed \(remove_request\)"):
         mgr.position("a", "text")
+    with pytest.raises(ValueError, match="request_id='z' was never ingested"):
+        mgr.position("z", "text")
     assert mgr.publish("a") is None
     mgr.ingest_request("a")
     assert mgr.position("a", "text") == 0
@@ -511,7 +514,7 @@ def test_reset_request_zeroes_counters_and_free_removes_it():
     assert counters(mgr, "dummy") == {"cond": 0, "uncond": 0}
     mgr.reset_request("dummy", free=True)
     assert "dummy" not in mgr.requests()
-    with pytest.raises(ValueError, match="never ingested"):
+    with pytest.raises(ValueError, match="request_id='dummy' was removed"):
         mgr.reset_request("dummy")
 
 

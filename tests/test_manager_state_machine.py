@@ -583,28 +583,44 @@ class ManagerMachine(RuleBasedStateMachine):
         before = self.mgr.state_snapshot()
         epochs = {label: e for label, e in epochs.items() if label in published}
         deltas = {label: d for label, d in deltas.items() if label in published and self.mrope}
+        # The manager's own rollbacks: one writer, so the rewind order is the epoch order.
+        rewinds = {label: ((self.mgr.writer, e),) for label, e in epochs.items() if e}
         outcome = self.mgr.admit_retrieve(rid, "node", "walk",
-                                          PublishedPositionInfo(published, deltas, epochs))
+                                          PublishedPositionInfo(published, deltas, epochs,
+                                                                rewinds=rewinds))
         valid = (rid in self.model.requests and all(v <= MAX_SEQ_LEN for v in published.values())
                  and all(abs(d) <= MAX_SEQ_LEN for d in deltas.values()))
-        assert outcome.ok == valid and outcome.ready == valid
+        if valid:   # a newer epoch never reaches a stream a plan numbers
+            epochs_now = self.model.table.epochs
+            valid = not any(e > int(epochs_now[self.model.slot(rid, label)])
+                            and self.planned(rid, label) for label, e in epochs.items())
+        assert outcome.ok == valid and outcome.ready == valid, outcome
         if not valid:
             assert self.mgr.state_snapshot() == before
             return
         self.model.admit(rid, published, epochs, deltas)
+
+    def planned(self, rid: str, label: str) -> bool:
+        """Whether the current or staged plan numbers the stream: its views (a draft step's
+        too), its segments, its post-forks' targets, and a staged plan's pre-forks'."""
+        for which, p in (("current", self.model.current), ("staged", self.model.staged)):
+            if p is None or rid in p.dropped:
+                continue
+            streams = ({(s[0], s[1]) for s in p.segments}
+                       | {(v[0], v[1]) for views in p.views.values() for v in views}
+                       | {(r, dst) for r, _, dst in p.post_forks})
+            if which == "staged":
+                streams |= {(r, dst) for r, _, dst in p.pre_forks}
+            if (rid, label) in streams:
+                return True
+        return False
 
     @rule(data=st.data(), label=st.sampled_from(LABELS), to=POSITIONS)
     def rollback(self, data, label, to):
         """An engine's rewind between steps: refused while a plan holds the stream."""
         rid = self.pick(data)
         model = self.model
-        pending = [p for p in (model.current, model.staged) if p is not None]
-        # The streams a plan's commit writes: its segments' (an advance names only those)
-        # and its post-forks' targets.
-        planned = any((rid, label) in ({(s[0], s[1]) for s in p.segments} if not p.draft else set())
-                      | {(r, dst) for r, _, dst in p.post_forks}
-                      for p in pending if rid not in p.dropped)
-        if rid not in model.requests or to > MAX_SEQ_LEN or planned:
+        if rid not in model.requests or to > MAX_SEQ_LEN or self.planned(rid, label):
             self.expect_failure(self.mgr.rollback, rid, label, to)
             return
         self.mgr.rollback(rid, label, to)

@@ -1,8 +1,8 @@
 """The torch bridge's wire format: a publication as bytes, and ``admit_retrieve`` of bytes.
 
-A record that round-trips is the publication it was made from, at ``13 + len(label)``
-bytes a stream (at most 61) plus 44; a label that cannot fit is refused when the
-record is made. ``admit_retrieve`` of bytes does exactly what admitting the object
+A record that round-trips is the publication it was made from, at ``10 + len(label)``
+bytes a stream plus 8 per writer that rolled it back, plus 44; a label that cannot fit is
+refused when the record is made. ``admit_retrieve`` of bytes does exactly what admitting the object
 does; of anything else (a truncated, corrupted, foreign or random byte string) it
 returns ``AdmitOutcome(ok=False, ready=False, reason)`` and the manager's
 ``state_snapshot()`` is unchanged.
@@ -13,7 +13,7 @@ substitutions, insertions and deletions each (at least 700 inputs a record, 1273
 all), 5000
 random byte strings (half behind a valid magic and version), and 400 well-formed
 records under the right fingerprint with drawn labels and values, each of which must
-be refused or land exactly where the epoch-order rule (written out here) says.
+be refused or land exactly where the rewind order (written out here) says.
 """
 
 from __future__ import annotations
@@ -38,9 +38,13 @@ FUZZ = settings(deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-def manager(labels=LABELS, rope=ROPE) -> RopeManager:
+# The writer ids of the receiver (busy_receiver) and of the senders.
+RECEIVER, SENDER = 1, 2
+
+
+def manager(labels=LABELS, rope=ROPE, writer=SENDER) -> RopeManager:
     return RopeManager(PositionConfig(rope=rope, labels=labels), "cpu", max_seq_len=MAX_SEQ_LEN,
-                       launcher="jax")
+                       launcher="jax", writer=writer)
 
 
 def run_step(mgr, segments):
@@ -52,7 +56,7 @@ def run_step(mgr, segments):
 
 def busy_receiver() -> RopeManager:
     """Two requests with non-zero positions, deltas and epochs, a plan in flight."""
-    mgr = manager()
+    mgr = manager(writer=RECEIVER)
     mgr.ingest_request("a", {"text": 10}, deltas={"text": -7, "image": 3})
     mgr.ingest_request("b")
     run_step(mgr, [("a", "text", 20), ("a", "image", 9), ("b", "cfg", 4)])
@@ -64,7 +68,8 @@ def busy_receiver() -> RopeManager:
 def streams_of(mgr):
     """The stream part of a snapshot (plans compare by identity, so differ across managers)."""
     state = mgr.state_snapshot()
-    return {key: state[key] for key in ("counters", "slots", "deltas", "epochs", "requests")}
+    return {key: state[key] for key in ("counters", "slots", "deltas", "epochs", "rewinds",
+                                        "requests")}
 
 
 def refuse(mgr, before, data):
@@ -79,7 +84,7 @@ def refuse(mgr, before, data):
 # ------------------------------------------------------------------ records of real publications
 
 
-def test_a_real_publication_round_trips_at_13_bytes_a_stream_plus_its_label():
+def test_a_real_publication_round_trips_at_10_bytes_a_stream_plus_its_label_and_rewinds():
     long_label = "ä" * 24  # 48 bytes in UTF-8: the longest label the format carries
     labels = LABELS + (long_label,)
     sender = manager(labels)
@@ -89,11 +94,12 @@ def test_a_real_publication_round_trips_at_13_bytes_a_stream_plus_its_label():
     sender.rollback("r", "image", 60)          # a new epoch on one stream
     published = sender.publish("r")
     assert published.deltas == {"text": -12, "video": 5} and published.epochs == {"image": 1}
+    assert published.rewinds == {"image": ((SENDER, 1),)}
 
     data = published.to_bytes()
-    per_stream = {label: 13 + len(label.encode()) for label in labels}
+    per_stream = {label: 10 + len(label.encode()) + 8 * (label == "image") for label in labels}
     assert len(data) == 44 + sum(per_stream.values())
-    assert max(per_stream.values()) == 61 <= 64
+    assert max(per_stream.values()) == 58
     decoded = PublishedPositionInfo.from_bytes(data, expect_fingerprint=sender.fingerprint())
     assert decoded == published
 
@@ -103,11 +109,11 @@ def test_a_real_publication_round_trips_at_13_bytes_a_stream_plus_its_label():
     assert receiver.publish("r") == published
 
 
-def test_the_two_stream_record_of_the_demo_labels_is_77_bytes():
+def test_the_two_stream_record_of_the_demo_labels_is_71_bytes():
     sender = manager(("main", "cfg"), jr.RopeConfig(head_dim=64, theta=5e5))
     sender.ingest_request("r")
     run_step(sender, [("r", "main", 27)])
-    assert len(sender.publish("r").to_bytes()) == 44 + (13 + 4) + (13 + 3)
+    assert len(sender.publish("r").to_bytes()) == 44 + (10 + 4) + (10 + 3)
 
 
 @pytest.mark.parametrize("label,size", [("x" * 49, 49), ("é" * 25, 50), ("\U0001f600" * 13, 52)])
@@ -163,7 +169,8 @@ def test_admit_of_bytes_for_an_unknown_request_reports_it():
     mgr = busy_receiver()
     before = mgr.state_snapshot()
     outcome = mgr.admit_retrieve("ghost", None, None, data)
-    assert not outcome.ok and "'ghost' was never ingested" in outcome.reason
+    assert not outcome.ok and outcome.reason == (
+        f"{REFUSED} (request): request_id='ghost' was never ingested (call ingest_request first)")
     assert mgr.state_snapshot() == before
 
 
@@ -178,7 +185,8 @@ def publications(draw):
     deltas = {label: draw(st.integers(-MAX_SEQ_LEN, MAX_SEQ_LEN)) for label in labels}
     epochs = {label: draw(st.integers(0, 3)) for label in labels}
     return PublishedPositionInfo(counters, {k: v for k, v in deltas.items() if v},
-                                 {k: v for k, v in epochs.items() if v}, manager().fingerprint())
+                                 {k: v for k, v in epochs.items() if v}, manager().fingerprint(),
+                                 {k: ((SENDER, v),) for k, v in epochs.items() if v})
 
 
 @settings(FUZZ, max_examples=16)
@@ -212,17 +220,28 @@ def test_random_bytes_are_refused(anything, behind_a_header):
         refuse(mgr, before, data)
 
 
+def _includes(a, b) -> bool:
+    """Whether rewinds ``a`` hold every rollback of ``b``: per writer at least as many."""
+    counts = dict(a)
+    return all(counts.get(writer, 0) >= n for writer, n in b)
+
+
 def _model_admit(state, rid, published):
-    """The epoch order, written out: ``{(rid, label): (position, delta, epoch)}`` after admit."""
+    """The rewind order, written out: ``{label: (position, delta, epoch, rewinds)}`` after
+    admit, or None when a stream's rewinds conflict (the record is refused)."""
     slots = dict(zip(LABELS, state["requests"][rid]))
     out = {}
     for label in LABELS:
         slot = slots[label]
-        mine = (state["slots"][slot], state["deltas"][slot], state["epochs"][slot])
+        mine = (state["slots"][slot], state["deltas"][slot], state["epochs"][slot],
+                state["rewinds"].get(slot, ()))
         if label in published.counters:
-            theirs = published.record(label)
-            if theirs[2] > mine[2] or (theirs[2] == mine[2] and theirs[0] > mine[0]):
-                mine = (theirs[0], theirs[1], max(mine[2], theirs[2]))
+            theirs = (*published.record(label), published.rewinds_of(label))
+            newer, older = _includes(theirs[3], mine[3]), _includes(mine[3], theirs[3])
+            if not (newer or older):
+                return None
+            if (newer and not older) or (newer and older and theirs[0] > mine[0]):
+                mine = theirs
         out[label] = mine
     return out
 
@@ -234,39 +253,52 @@ def well_formed_records(draw):
     labels = draw(st.lists(names, min_size=1, max_size=5, unique=True))
     position = st.integers(0, MAX_SEQ_LEN + 2) | st.integers(0, 2**31 - 1)
     delta = st.integers(-MAX_SEQ_LEN - 2, MAX_SEQ_LEN + 2) | st.integers(-2**31, 2**31 - 1)
-    epoch = st.integers(0, 4) | st.integers(0, 2**32 - 1)
-    streams = [wire.StreamRecord(label, draw(position), draw(delta), draw(epoch))
-               for label in labels]
+    writer = st.sampled_from((0, RECEIVER, SENDER, 3)) | st.integers(0, 2**32 - 1)
+    count = st.integers(1, 3) | st.integers(1, 2**31 - 1)
+    streams = []
+    for label in labels:
+        rewinds = dict(draw(st.lists(st.tuples(writer, count), max_size=3)))
+        while sum(rewinds.values()) > wire.MAX_EPOCH:
+            rewinds.popitem()
+        streams.append(wire.StreamRecord(label, draw(position), draw(delta),
+                                         tuple(sorted(rewinds.items()))))
     return wire.encode(manager().fingerprint(), streams)
 
 
 @settings(FUZZ, max_examples=400)
 @given(well_formed_records())
-def test_a_well_formed_record_is_refused_or_lands_where_the_epoch_order_says(data):
+def test_a_well_formed_record_is_refused_or_lands_where_the_rewind_order_says(data):
     mgr = busy_receiver()
     before = mgr.state_snapshot()
     published = PublishedPositionInfo.from_bytes(data)
     outcome = mgr.admit_retrieve("a", None, None, data)
     after = mgr.state_snapshot()
+    known = set(published.counters) <= set(LABELS)
+    expected = _model_admit(before, "a", published) if known else None
     if not outcome.ok:
-        assert not outcome.ready and outcome.reason and after == before
+        assert not outcome.ready and outcome.reason.startswith(REFUSED) and after == before
         return
-    assert set(published.counters) <= set(LABELS)
+    assert known and expected is not None
     slots = dict(zip(LABELS, after["requests"]["a"]))
-    landed = {label: (after["slots"][s], after["deltas"][s], after["epochs"][s])
-              for label, s in slots.items()}
-    assert landed == _model_admit(before, "a", published)
-    assert {k: v for k, v in after.items() if k not in ("counters", "slots", "deltas", "epochs")} \
-        == {k: v for k, v in before.items() if k not in ("counters", "slots", "deltas", "epochs")}
+    landed = {label: (after["slots"][s], after["deltas"][s], after["epochs"][s],
+                      after["rewinds"].get(s, ())) for label, s in slots.items()}
+    assert landed == expected
+    records = ("counters", "slots", "deltas", "epochs", "rewinds")
+    assert {k: v for k, v in after.items() if k not in records} \
+        == {k: v for k, v in before.items() if k not in records}
 
 
 def test_the_fuzz_sees_both_outcomes_of_well_formed_records():
     """The property above is not vacuous: drawn records are both taken on and refused."""
     fingerprint = manager().fingerprint()
-    taken = wire.encode(fingerprint, [wire.StreamRecord("text", 99, 4, 2)])
+    taken = wire.encode(fingerprint, [wire.StreamRecord("text", 99, 4, ((RECEIVER, 2),))])
     refused = wire.encode(fingerprint, [wire.StreamRecord("text", MAX_SEQ_LEN + 1)])
+    conflict = wire.encode(fingerprint, [wire.StreamRecord("text", 99, 4, ((SENDER, 2),))])
     mgr = busy_receiver()
     assert mgr.admit_retrieve("a", None, None, taken).ok
     assert mgr.publish("a").record("text") == (99, 4, 2)
+    assert mgr.publish("a").rewinds_of("text") == ((RECEIVER, 2),)
     outcome = mgr.admit_retrieve("a", None, None, refused)
     assert not outcome.ok and f"published.counters['text']={MAX_SEQ_LEN + 1}" in outcome.reason
+    outcome = mgr.admit_retrieve("a", None, None, conflict)
+    assert not outcome.ok and outcome.reason.startswith(f"{REFUSED} (conflict)")

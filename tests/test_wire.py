@@ -33,12 +33,29 @@ def _labels():
 
 
 @st.composite
+def rewinds(draw, max_writers=3):
+    writers = sorted(draw(st.sets(st.integers(0, 2**32 - 1), max_size=max_writers)))
+    budget, pairs = wire.MAX_EPOCH, []
+    for writer in writers:
+        if budget < 1:
+            break
+        count = draw(st.integers(1, min(budget, 2**31 - 1)))
+        budget -= count
+        pairs.append((writer, count))
+    return tuple(pairs)
+
+
+@st.composite
 def records(draw, max_streams=6):
     labels = draw(st.lists(_labels(), max_size=max_streams, unique=True))
     streams = [StreamRecord(label, draw(st.integers(0, 2**31 - 1)),
-                            draw(st.integers(-2**31, 2**31 - 1)), draw(st.integers(0, 2**32 - 1)))
+                            draw(st.integers(-2**31, 2**31 - 1)), draw(rewinds()))
                for label in labels]
     return draw(st.binary(min_size=32, max_size=32)), streams
+
+
+def _size(record: StreamRecord) -> int:
+    return 10 + len(record.label.encode()) + 8 * len(record.rewinds)
 
 
 def _refused(data: bytes, **kwargs) -> WireFormatError:
@@ -56,7 +73,7 @@ def _with_checksum(body: bytes) -> bytes:
 def test_a_valid_record_round_trips_exactly(record):
     fingerprint, streams = record
     data = wire.encode(fingerprint, streams)
-    assert len(data) == HEADER + CHECKSUM + sum(13 + len(s.label.encode()) for s in streams)
+    assert len(data) == HEADER + CHECKSUM + sum(map(_size, streams))
     assert wire.decode(data) == (fingerprint, tuple(streams))
     assert wire.decode(bytearray(data), expect_fingerprint=fingerprint)[1] == tuple(streams)
 
@@ -77,7 +94,7 @@ def _damaged(data: bytes, value: int):
 @settings(max_examples=40, deadline=None)
 @given(records(max_streams=3), st.integers(0, 255))
 def test_every_single_change_of_a_record_is_refused(record, value):
-    # 11 inputs per byte of a 44-175 byte record, ~500-1900 per example. One change is
+    # 11 inputs per byte of a 44-300 byte record, ~500-3300 per example. One change is
     # always caught (CRC-32 catches every burst of up to 32 bits, the layout's lengths the
     # rest), so none can be a lucky collision.
     data = wire.encode(*record)
@@ -116,19 +133,25 @@ def test_a_checksummed_record_decodes_canonically_or_is_refused(flags, count, fi
     assert wire.encode(*decoded) == data
 
 
+_PAIRS = st.lists(st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1)), max_size=3)
+
+
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.tuples(st.binary(min_size=0, max_size=8), st.integers(-2**31, 2**31 - 1),
-                          st.integers(-2**31, 2**31 - 1), st.integers(0, 2**32 - 1)),
+                          st.integers(-2**31, 2**31 - 1), _PAIRS | st.just([])),
                 max_size=4))
 def test_structurally_sound_records_with_bad_fields_are_refused_for_the_right_reason(raw):
-    # Well-formed layout and checksum, raw label bytes and signed positions: a label that
-    # is empty, not UTF-8 or repeated, or a negative position, is refused and named.
+    # Well-formed layout and checksum, raw label bytes, signed positions and any rewind
+    # pairs: a label that is empty, not UTF-8 or repeated, a negative position, writers
+    # not ascending, a writer with no rollback or an epoch past 2**31 - 1 is refused and
+    # named.
     body = struct.pack("<4sBBH", wire.MAGIC, wire.VERSION, 0, len(raw)) + FINGERPRINT
-    for label, position, delta, epoch in raw:
-        body += bytes((len(label),)) + label + struct.pack("<iiI", position, delta, epoch)
+    for label, position, delta, pairs in raw:
+        body += bytes((len(label),)) + label + struct.pack("<iiB", position, delta, len(pairs))
+        body += b"".join(struct.pack("<II", *pair) for pair in pairs)
     data = _with_checksum(body)
     labels = []
-    for label, position, _, _ in raw:
+    for label, position, _, pairs in raw:
         try:
             text = label.decode("utf-8")
         except UnicodeDecodeError:
@@ -139,6 +162,17 @@ def test_structurally_sound_records_with_bad_fields_are_refused_for_the_right_re
             return
         if position < 0:
             assert "negative position" in str(_refused(data))
+            return
+        writers = [w for w, _ in pairs]
+        if any(a >= b for a, b in zip(writers, writers[1:])):
+            assert "writers must be distinct and ascending" in str(_refused(data))
+            return
+        if any(count < 1 for _, count in pairs):
+            assert "rollbacks must be >= 1" in str(_refused(data))
+            return
+        if sum(count for _, count in pairs) > wire.MAX_EPOCH:
+            error = _refused(data)
+            assert error.reason == "value" and "outside [0, 2147483647]" in str(error)
             return
         if text in labels:
             assert "repeats an earlier stream's" in str(_refused(data))
@@ -153,23 +187,40 @@ def _record(*streams):
 
 @pytest.mark.parametrize("data, reason, message", [
     (b"", "truncated", "truncated at byte 0: a record has at least 44 bytes"),
-    (b"JRPR\x01" + bytes(20), "truncated", "truncated at byte 25"),
+    (b"JRPR\x02" + bytes(20), "truncated", "truncated at byte 25"),
     (b"XRPR" + bytes(60), "magic", r"bad magic b'XRPR' \(expected b'JRPR'\)"),
-    (b"JRPR\x02" + bytes(60), "version", r"unknown format version 2 \(this decoder reads "
-                                         r"version 1\)"),
-    (_record()[:-1], "truncated", "truncated at byte 60: stream 0 ends at byte 57, then the "
+    (b"JRPR\x01" + bytes(60), "version", r"unknown format version 1 \(this decoder reads "
+                                         r"version 2\)"),
+    (b"JRPR\x03" + bytes(60), "version", r"unknown format version 3"),
+    (_record()[:-1], "truncated", "truncated at byte 57: stream 0 ends at byte 54, then the "
                                   "4-byte checksum"),
+    (_record(StreamRecord("t", 1, 0, ((5, 1),)))[:-5], "truncated",
+     "stream 0 ends at byte 59"),
     (_record() + b"\x00", "length", "1 bytes between the last stream's end"),
     (_record()[:-1] + bytes(((_record()[-1] ^ 1),)), "checksum",
      "checksum mismatch .*: the record is corrupted"),
-    (_with_checksum(b"JRPR\x01\x80\x00\x00" + FINGERPRINT), "flags",
-     "flags 0x80 set; version 1 defines none"),
-    (_with_checksum(b"JRPR\x01\x00\x01\x00" + FINGERPRINT + b"\x02\xc3\x28" + bytes(12)),
+    (_with_checksum(b"JRPR\x02\x80\x00\x00" + FINGERPRINT), "flags",
+     "flags 0x80 set; version 2 defines none"),
+    (_with_checksum(b"JRPR\x02\x00\x01\x00" + FINGERPRINT + b"\x02\xc3\x28" + bytes(9)),
      "label", r"stream 0 \(byte 40\): label is not UTF-8"),
-    (_with_checksum(b"JRPR\x01\x00\x01\x00" + FINGERPRINT + b"\x01a" + struct.pack("<iiI", -5, 0, 0)),
+    (_with_checksum(b"JRPR\x02\x00\x01\x00" + FINGERPRINT + b"\x01a" + struct.pack("<iiB", -5, 0, 0)),
      "value", r"stream 0 \(byte 40\): negative position=-5 outside \[0, 2147483647\]"),
-    (_with_checksum(b"JRPR\x01\x00\x02\x00" + FINGERPRINT + (b"\x01a" + bytes(12)) * 2),
-     "label", r"stream 1 \(byte 54\): label='a' repeats an earlier stream's"),
+    (_with_checksum(b"JRPR\x02\x00\x02\x00" + FINGERPRINT + (b"\x01a" + bytes(9)) * 2),
+     "label", r"stream 1 \(byte 51\): label='a' repeats an earlier stream's"),
+    # The epoch is the sum of the rollbacks: 2**31 of them wrap an int32 epoch.
+    (_with_checksum(b"JRPR\x02\x00\x01\x00" + FINGERPRINT + b"\x01a" + struct.pack(
+        "<iiBII", 5, 0, 1, 7, 2**31)), "value",
+     r"stream 0 \(byte 40\): epoch=2147483648 \(the sum of rewinds=\(\(7, 2147483648\),\)\) "
+     r"outside \[0, 2147483647\]"),
+    (_with_checksum(b"JRPR\x02\x00\x01\x00" + FINGERPRINT + b"\x01a" + struct.pack(
+        "<iiBIIII", 5, 0, 2, 7, 2**30, 8, 2**30)), "value", r"epoch=2147483648 .* outside"),
+    (_with_checksum(b"JRPR\x02\x00\x01\x00" + FINGERPRINT + b"\x01a" + struct.pack(
+        "<iiBIIII", 5, 0, 2, 8, 1, 7, 1)), "rewinds", "writers must be distinct and ascending"),
+    (_with_checksum(b"JRPR\x02\x00\x01\x00" + FINGERPRINT + b"\x01a" + struct.pack(
+        "<iiBII", 5, 0, 1, 7, 0)), "rewinds", r"each writer's rollbacks must be >= 1"),
+    (_with_checksum(b"JRPR\x02\x00\x01\x00" + FINGERPRINT + b"\x01a" + struct.pack(
+        "<iiB", 5, 0, 17) + b"".join(struct.pack("<II", w, 1) for w in range(17))), "rewinds",
+     "rewinds name 17 writers, the format carries at most 16"),
 ])
 def test_each_refusal_says_what_is_wrong(data, reason, message):
     error = _refused(data)
@@ -189,11 +240,12 @@ def test_a_foreign_fingerprint_is_refused_only_when_one_is_expected():
     assert _refused("not bytes").reason == "type"
 
 
-def test_a_stream_takes_at_most_64_bytes():
-    longest = StreamRecord("x" * wire.MAX_LABEL_BYTES, 2**31 - 1, -2**31, 2**32 - 1)
-    assert len(wire.encode(FINGERPRINT, [longest])) - HEADER - CHECKSUM == 61
+def test_a_stream_takes_10_bytes_and_its_label_plus_8_per_rewinding_writer():
+    pairs = tuple((w, 1) for w in range(wire.MAX_WRITERS))
+    longest = StreamRecord("x" * wire.MAX_LABEL_BYTES, 2**31 - 1, -2**31, pairs)
+    assert len(wire.encode(FINGERPRINT, [longest])) - HEADER - CHECKSUM == 10 + 48 + 8 * 16
     many = [StreamRecord(f"s{i}", i) for i in range(1000)]
-    assert len(wire.encode(FINGERPRINT, many)) <= HEADER + CHECKSUM + 64 * len(many)
+    assert len(wire.encode(FINGERPRINT, many)) <= HEADER + CHECKSUM + 15 * len(many)
 
 
 @pytest.mark.parametrize("streams, reason, message", [
@@ -206,7 +258,14 @@ def test_a_stream_takes_at_most_64_bytes():
     ([StreamRecord("a", -1)], "value", r"negative position=-1 outside \[0, 2147483647\]"),
     ([StreamRecord("a", 2**31)], "value", "position=2147483648 outside"),
     ([StreamRecord("a", 0, delta=2**31)], "value", "delta=2147483648 outside"),
-    ([StreamRecord("a", 0, epoch=-1)], "value", r"negative epoch=-1 outside \[0, 4294967295\]"),
+    ([StreamRecord("a", 0, rewinds=((1, 2**31 - 1), (2, 1)))], "value",
+     r"epoch=2147483648 \(the sum of rewinds=\(\(1, 2147483647\), \(2, 1\)\)\) outside "
+     r"\[0, 2147483647\]"),
+    ([StreamRecord("a", 0, rewinds=((1, 0),))], "rewinds", "rollbacks must be >= 1"),
+    ([StreamRecord("a", 0, rewinds=((2, 1), (1, 1)))], "rewinds", "distinct and ascending"),
+    ([StreamRecord("a", 0, rewinds=((2**32, 1),))], "rewinds", r"writer ids must be in "
+                                                               r"\[0, 4294967295\]"),
+    ([StreamRecord("a", 0, rewinds=[(1, 1)])], "type", "must be a tuple of"),
     ([StreamRecord("a", 1.0)], "type", r"position=1.0 must be an int"),
     ([StreamRecord("a", True)], "type", r"position=True must be an int"),
     ([StreamRecord(3, 1)], "type", r"label=3 must be a str"),

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Hashable, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -43,6 +44,8 @@ __all__ = [
     "Segment",
     "StepContext",
 ]
+
+_REQUEST = operator.itemgetter(0)
 
 
 class Segment(NamedTuple):
@@ -231,7 +234,9 @@ class StepContext:
     """Everything about a step that is not the positions' own input.
 
     Attributes:
-      request_ids: the step's requests, in batch order.
+      request_ids: the step's requests, in batch order; empty (the default) states none.
+        When given, ``plan`` refuses a step whose segments name another request
+        (:meth:`check_segments`).
       graph_walk: the engine's graph walk name, or None.
       is_preplan: True when this step is planned while the previous one still runs
         (the plan is staged, see ``RopeManager.plan``).
@@ -244,6 +249,10 @@ class StepContext:
       >>> ctx = StepContext(request_ids=["r0", "r1"])
       >>> ctx.request_ids, ctx.is_preplan, ctx.graph_slot
       (('r0', 'r1'), False, None)
+      >>> ctx.check_segments([Segment("r2", "text", 1)])
+      Traceback (most recent call last):
+      ...
+      ValueError: step.segments[0] names request_id='r2', which is not in ctx.request_ids=('r0', 'r1') (the step's batch)
     """
 
     request_ids: Tuple[Hashable, ...] = ()
@@ -255,6 +264,45 @@ class StepContext:
     def __post_init__(self) -> None:
         if not isinstance(self.request_ids, tuple):
             object.__setattr__(self, "request_ids", tuple(self.request_ids))
+
+    def check_segments(self, segments: Sequence[Segment]) -> None:
+        """Every segment's request is one of :attr:`request_ids` (when any is given).
+
+        Raises:
+          ValueError: the first segment naming another request.
+        """
+        if not self.request_ids:
+            return
+        batch = set(self.request_ids)
+        if batch.issuperset(map(_REQUEST, segments)):
+            return
+        i, segment = next((i, s) for i, s in enumerate(segments) if s[0] not in batch)
+        raise ValueError(f"step.segments[{i}] names request_id={segment[0]!r}, which is not in "
+                         f"ctx.request_ids={self.request_ids!r} (the step's batch)")
+
+
+class BatchCheck:
+    """:meth:`StepContext.check_segments` over a manager's steps, keeping the last batch's
+    set: a continuous batch sends the same ids step after step, so an unchanged batch
+    costs one tuple compare and a superset test."""
+
+    def __init__(self) -> None:
+        self._ids: Tuple[Hashable, ...] = ()
+        self._batch: set = set()
+
+    def check(self, ctx: StepContext, segments: Sequence[Segment]) -> None:
+        """``ctx.check_segments(segments)``.
+
+        Raises:
+          ValueError: a segment naming a request outside a non-empty ``ctx.request_ids``.
+        """
+        ids = ctx.request_ids
+        if not ids:
+            return
+        if ids != self._ids:
+            self._ids, self._batch = ids, set(ids)
+        if not self._batch.issuperset(map(_REQUEST, segments)):
+            ctx.check_segments(segments)
 
 
 class AdmitOutcome(NamedTuple):
@@ -268,8 +316,8 @@ class AdmitOutcome(NamedTuple):
     Example:
       >>> from torch_bridge import PositionConfig, PositionManager, PublishedPositionInfo
       >>> mgr = PositionManager(PositionConfig(), "cpu")
-      >>> mgr.admit_retrieve("r9", None, None, PublishedPositionInfo({"text": 5}))
-      AdmitOutcome(ok=False, ready=False, reason="request_id='r9' was never ingested")
+      >>> mgr.admit_retrieve("r9", None, None, PublishedPositionInfo({"text": 5})).reason
+      "published record refused (request): request_id='r9' was never ingested (call ingest_request first)"
     """
 
     ok: bool

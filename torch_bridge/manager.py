@@ -1,4 +1,4 @@
-"""``PositionManager``: the seed engine's position resource, a facade over five parts.
+"""``PositionManager``: the seed engine's position resource, a facade over six parts.
 
 Where each concern lives (one module each):
 
@@ -9,7 +9,8 @@ Where each concern lives (one module each):
 - :mod:`torch_bridge.upload`: a step's positions to the device in one stream-ordered
   copy, CUDA-graph buffers;
 - :mod:`torch_bridge.publish_admit`: a request's records out and in (publish, snapshots,
-  admit, rollback, cached prefix), a mixin of the facade.
+  admit, rollback, cached prefix) and the checks of ``{label: value}`` arguments, two
+  components built from the parts above.
 
 ``RopeManager`` (:mod:`torch_bridge.rope_manager`) adds ``apply_qk``. Every public
 method validates first and changes state only once nothing can fail: a call that
@@ -20,20 +21,20 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import Any, Dict, Hashable, List, Optional, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
 
 from jaxrope.positions import PositionTable
 from torch_bridge.config import PositionConfig
-from torch_bridge.engine_types import (EngineInfo, GraphSlot, PositionStep, Resource, ResourceSpec,
-                                       StepContext)
+from torch_bridge.engine_types import (AdmitOutcome, BatchCheck, EngineInfo, GraphSlot,
+                                       PositionStep, Resource, ResourceSpec, StepContext)
 from torch_bridge.plans import Plan, StepPlans
-from torch_bridge.publish_admit import PublishAdmit
+from torch_bridge.publish_admit import PublishAdmit, RecordArgs, Snapshot, writer_id
+from torch_bridge.published import PublishedPositionInfo
 from torch_bridge.step_arrays import StepReader, check_hashable
 from torch_bridge import speculative
-from torch_bridge import streams as rules
 from torch_bridge.streams import StreamTable
 from torch_bridge.upload import PositionUpload
 
@@ -45,7 +46,7 @@ _INITIAL_SLOTS = 256
 _MAX_SEQ_LEN = int(np.iinfo(np.int32).max)
 
 
-class PositionManager(PublishAdmit, Resource):
+class PositionManager(Resource):
     """Per-(request, label) position counters and the position ids of each step.
 
     Args:
@@ -53,14 +54,19 @@ class PositionManager(PublishAdmit, Resource):
       device: the torch device position ids are produced on (``"cpu"``, ``"cuda:0"``).
       max_seq_len: positions must stay in ``[0, max_seq_len)``; a counter may reach
         ``max_seq_len`` (the stream is full).
+      writer: this manager's writer id in ``[1, 2**32 - 1]``, counted in the rewinds of
+        its rollbacks (README, "Who may roll a stream back"); default a random one. A
+        process that takes over another's role (a restarted decode process resuming
+        from its published records) passes the same id.
 
     Attributes:
       name: the resource name ("position", or the spec's name under :meth:`build`).
-      config, device, max_seq_len: as given.
+      config, device, max_seq_len, writer: as given.
 
     Raises:
       TypeError: ``config`` is not a PositionConfig.
-      ValueError: an invalid ``device`` or ``max_seq_len`` (named in the message).
+      ValueError: an invalid ``device``, ``max_seq_len`` or ``writer`` (named in the
+        message).
 
     Example:
       >>> from torch_bridge import PositionConfig, PositionStep, Segment, StepContext
@@ -77,7 +83,8 @@ class PositionManager(PublishAdmit, Resource):
     name: str = "position"
     prefix_skip_safe: bool = True
 
-    def __init__(self, config: PositionConfig, device: Any, max_seq_len: int = 32768):
+    def __init__(self, config: PositionConfig, device: Any, max_seq_len: int = 32768, *,
+                 writer: Optional[int] = None):
         if not isinstance(config, PositionConfig):
             raise TypeError(f"config must be a torch_bridge.PositionConfig, got "
                             f"{type(config).__name__}")
@@ -85,11 +92,11 @@ class PositionManager(PublishAdmit, Resource):
                 or not 0 < max_seq_len <= _MAX_SEQ_LEN):
             raise ValueError(f"max_seq_len={max_seq_len!r} must be a positive int <= {_MAX_SEQ_LEN} "
                              "(positions are int32 on the device)")
+        self.writer = writer_id(writer)
         self.config = config
         self.device = _torch_device(device)
         self.max_seq_len = int(max_seq_len)
         self._labels = config.labels
-        self._label_index = {label: i for i, label in enumerate(config.labels)}
         self._plan_labels_seen = set(config.labels)
         # M-RoPE (config.rope.mrope_section): every position tensor is [3, n], t, h, w rows.
         self._mrope = getattr(config.rope, "mrope_section", None) is not None
@@ -98,7 +105,11 @@ class PositionManager(PublishAdmit, Resource):
         self._plans = StepPlans(self._streams, config.scheme, config.block_step, self.max_seq_len,
                                 self._mrope)
         self._upload = PositionUpload(self.device, self._mrope)
+        self._args = RecordArgs(config.labels, self.max_seq_len, self._mrope)
+        self._records = PublishAdmit(self._streams, self._reader, self._plans, self._args,
+                                     self.fingerprint, self.writer)
         self._fingerprint: Optional[bytes] = None
+        self._batch = BatchCheck()
 
     # ---------------------------------------------------------------- construction
 
@@ -198,13 +209,11 @@ class PositionManager(PublishAdmit, Resource):
           4
         """
         check_hashable(rid, "rid")
-        targets = self._positions_arg(overrides or {}, "overrides")
-        delta_targets = self._deltas_arg(deltas or {}, "deltas")
+        targets = self._args.positions(overrides or {}, "overrides")
+        delta_targets = self._args.deltas(deltas or {}, "deltas")
         self._streams.ingest(rid)
-        self._raise_to(rid, targets)
-        if delta_targets:
-            slots, values = self._label_arrays(rid, delta_targets)
-            rules.set_deltas(self._streams.columns, slots, values)
+        self._streams.raise_to(rid, targets)
+        self._streams.set_deltas(rid, delta_targets)
 
     def remove_request(self, rid: Hashable) -> None:
         """Forget ``rid`` and free its slots (their counters go back to 0); unknown ids are ignored.
@@ -225,7 +234,7 @@ class PositionManager(PublishAdmit, Resource):
         """Set ``rid``'s counters to 0 (dummy requests of CUDA-graph capture); ``free`` also removes it.
 
         Raises:
-          ValueError: ``rid`` was never ingested.
+          ValueError: ``rid`` is not ingested (never, or removed).
           TypeError: ``free`` is not a bool.
         """
         if not isinstance(free, bool):
@@ -234,7 +243,7 @@ class PositionManager(PublishAdmit, Resource):
         if free:
             self.remove_request(rid)
         else:
-            rules.reset(self._streams.columns, np.asarray(slots))
+            self._streams.reset(slots)
 
     def position(self, rid: Hashable, label: str) -> int:
         """The next position of stream ``(rid, label)`` (committed counters, no device read).
@@ -244,7 +253,8 @@ class PositionManager(PublishAdmit, Resource):
         ``position + delta`` (:meth:`delta`).
 
         Raises:
-          ValueError: unknown request or label.
+          ValueError: unknown label, or a request not ingested (the message says whether
+            it was removed or never ingested).
         """
         return int(self._streams.counters[self._reader.slot(rid, label)])
 
@@ -304,7 +314,8 @@ class PositionManager(PublishAdmit, Resource):
         Raises:
           TypeError: ``step`` or ``ctx`` has the wrong type, or a view/segment is
             not a 3-tuple.
-          ValueError: a request never ingested, an unknown label, a negative count,
+          ValueError: a request not ingested (never, or removed), a segment whose request
+            is not in a non-empty ``ctx.request_ids``, an unknown label, a negative count,
             a stream with two views in one plan label, two forks into one stream from
             different sources, explicit pos_ids of the wrong shape/dtype/device (``[n]``
             for an M-RoPE manager, ``[3, n]`` for a 1-D one) or outside ``[0,
@@ -315,6 +326,7 @@ class PositionManager(PublishAdmit, Resource):
             outside the capture into a graph slot, replay reads its buffer).
         """
         arrays = self._reader.read(step, ctx, device=self.device, max_seq_len=self.max_seq_len)
+        self._batch.check(ctx, step.segments)
         if step.depths is not None:
             arrays = speculative.attach(self._reader, self._streams, step, arrays,
                                         self.config.scheme)
@@ -391,6 +403,39 @@ class PositionManager(PublishAdmit, Resource):
         mask = plan.live.get(label)
         return np.ones(plan.arrays.labels[label].num_tokens, bool) if mask is None else mask
 
+    # ---------------------------------------------------------------- records: each method is
+    # torch_bridge.publish_admit.PublishAdmit's of the same name (documented there)
+
+    def publish(self, request_id: Hashable) -> Optional[PublishedPositionInfo]:
+        """Where every stream of the request has reached; None for an unknown request."""
+        return self._records.publish(request_id)
+
+    def publish_snapshot_for_step(self, request_id: Hashable, node_name: Optional[str],
+                                  graph_walk: Optional[str]) -> Optional[Snapshot]:
+        """A cheap record of what :meth:`publish` returns now."""
+        return self._records.publish_snapshot_for_step(request_id, node_name, graph_walk)
+
+    def publish_from_snapshot(self, request_id: Hashable, snapshot: Optional[Snapshot],
+                              node_name: Optional[str],
+                              graph_walk: Optional[str]) -> Optional[PublishedPositionInfo]:
+        """What :meth:`publish` returned when ``snapshot`` was taken."""
+        return self._records.publish_from_snapshot(request_id, snapshot, node_name, graph_walk)
+
+    def admit_retrieve(self, rid: Hashable, node_name: Optional[str], graph_walk: Optional[str],
+                       published: Union[PublishedPositionInfo, bytes, None]) -> AdmitOutcome:
+        """Take on published records, or refuse them with a reason (nothing changes then)."""
+        return self._records.admit_retrieve(rid, node_name, graph_walk, published)
+
+    def rollback(self, rid: Hashable, label: str, to_position: int) -> None:
+        """Rewind stream ``(rid, label)`` to ``to_position``, starting a new publish epoch."""
+        self._records.rollback(rid, label, to_position)
+
+    def apply_cached_prefix(self, rid: Hashable, node_name: Optional[str],
+                            graph_walk: Optional[str], inputs: Any,
+                            prefix: Optional[Mapping[str, int]]) -> None:
+        """Move streams past what the prefix cache holds: ``counter = max(counter, cached)``."""
+        self._records.apply_cached_prefix(rid, node_name, graph_walk, inputs, prefix)
+
     # ---------------------------------------------------------------- inspection
 
     @property
@@ -418,10 +463,9 @@ class PositionManager(PublishAdmit, Resource):
         plus their contents (positions, the commit still to apply, pending pre-forks).
 
         Returns:
-          ``{"counters": {(rid, label): int}``, ``"slots"`` / ``"deltas"`` / ``"epochs"``:
-          every slot's counter, M-RoPE delta and publish epoch (free slots included),
-          ``"requests"``: ``{rid: slots}``, ``"slot_map"``: capacity,
-          live, peak and free list, ``"current"`` / ``"staged"``: the plans (or None),
+          the streams' records (:meth:`torch_bridge.streams.StreamTable.snapshot`: counters,
+          every slot's counter, delta, epoch and rewinds, requests, slot map), and
+          ``"current"`` / ``"staged"``: the plans (or None),
           ``"graph_buffers"``: ``{(graph_slot, plan_label): values}``,
           ``"plan_labels"``: every label ``apply_qk`` / ``pos_ids`` accept``}``.
 
@@ -433,18 +477,8 @@ class PositionManager(PublishAdmit, Resource):
           >>> mgr.state_snapshot() == before, before["counters"]
           (True, {('r0', 'text'): 0})
         """
-        streams, slot_map = self._streams, self._streams.slot_map
-        requests = {rid: streams.slots_of(rid) for rid in streams.requests()}
         return {
-            "counters": {(rid, label): int(streams.counters[slot])
-                         for rid, slots in requests.items()
-                         for label, slot in zip(self._labels, slots)},
-            "slots": tuple(streams.counters.tolist()),
-            "deltas": tuple(streams.columns.deltas.tolist()),
-            "epochs": tuple(streams.columns.epochs.tolist()),
-            "requests": requests,
-            "slot_map": {"capacity": slot_map.capacity, "live": len(slot_map),
-                         "peak": slot_map.peak, "free": slot_map.free_slots()},
+            **self._streams.snapshot(),
             "current": None if self._plans.current is None else self._plans.current.state(),
             "staged": None if self._plans.staged is None else self._plans.staged.state(),
             "graph_buffers": {key: tuple(buffer.tolist())

@@ -56,6 +56,7 @@ class RopeManager(PositionManager):
         padded to a token bucket, so it compiles once per bucket, and contiguous where
         they are non-contiguous or misaligned; False raises on the latter instead and
         compiles once per token count.
+      writer: the writer id of :class:`~torch_bridge.PositionManager`.
 
     Attributes:
       launcher: the resolved launcher, or None; assignable.
@@ -82,8 +83,9 @@ class RopeManager(PositionManager):
 
     def __init__(self, config: PositionConfig, device: Any, max_seq_len: int = 32768,
                  head_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16, *,
-                 launcher: Any = "auto", backend: str = "auto", allow_copy: bool = True):
-        super().__init__(config, device, max_seq_len)
+                 launcher: Any = "auto", backend: str = "auto", allow_copy: bool = True,
+                 writer: Optional[int] = None):
+        super().__init__(config, device, max_seq_len, writer=writer)
         rope = config.rope
         if rope is None:
             if head_dim is None:

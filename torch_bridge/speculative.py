@@ -407,8 +407,8 @@ def _tree_depths_into(deepest: np.ndarray, slots: np.ndarray, spec: Speculation)
     deepest[tree] = spec.tree_depths[order][at[tree]]
 
 
-# (slot epoch, keys, their slots) of the last streams named, per stream table: a decode
-# batch names the same streams step after step (in its depths and in accepted). The epoch
+# (slot version, keys, their slots) of the last streams named, per stream table: a decode
+# batch names the same streams step after step (in its depths and in accepted). The version
 # changes on every ingest and remove, the only changes of a stream's slot.
 _NAMED: "weakref.WeakKeyDictionary[StreamTable, tuple]" = weakref.WeakKeyDictionary()
 
@@ -416,14 +416,14 @@ _NAMED: "weakref.WeakKeyDictionary[StreamTable, tuple]" = weakref.WeakKeyDiction
 def _cached_slots(streams: StreamTable, keys: tuple) -> Optional[np.ndarray]:
     """The slots of ``keys`` when they were the last named and no slot changed since."""
     cached = _NAMED.get(streams)
-    if cached is not None and cached[0] == streams.epoch and cached[1] == keys:
+    if cached is not None and cached[0] == streams.slot_version and cached[1] == keys:
         return cached[2]
     return None
 
 
 def _remember_slots(streams: StreamTable, keys: tuple, slots: np.ndarray) -> np.ndarray:
     slots.flags.writeable = False  # shared by later steps
-    _NAMED[streams] = (streams.epoch, keys, slots)
+    _NAMED[streams] = (streams.slot_version, keys, slots)
     return slots
 
 

@@ -14,7 +14,7 @@ stream label is its own plan label.
 
 A continuous batch sends the same views step after step until a request joins or
 leaves, so a plan label's arrays are cached: an equal tuple of views under the same
-slot epoch costs one comparison instead of a lookup per stream.
+slot version costs one comparison instead of a lookup per stream.
 
 Example:
   >>> from torch_bridge.engine_types import PositionStep, Segment, StepContext
@@ -76,6 +76,14 @@ class StepArrays(NamedTuple):
     speculation: Any = None
 
 
+def unknown_request(streams: StreamTable, rid: Hashable) -> str:
+    """Why ``rid`` has no streams: removed (by ``remove_request``) or never ingested."""
+    if streams.was_removed(rid):
+        return (f"request_id={rid!r} was removed (remove_request); ingest_request it again "
+                "to reuse the id")
+    return f"request_id={rid!r} was never ingested (call ingest_request first)"
+
+
 def check_hashable(value: Any, name: str) -> None:
     """Raise TypeError naming ``name`` when ``value`` cannot be a dict key."""
     try:
@@ -123,11 +131,11 @@ class StepReader:
         return slot
 
     def request_slots(self, rid: Hashable) -> Tuple[int, ...]:
-        """The request's slots; ValueError if it was never ingested."""
+        """The request's slots; ValueError if it is not ingested (removed, or never ingested)."""
         check_hashable(rid, "rid")
         slots = self._streams.slots_of(rid)
         if slots is None:
-            raise ValueError(f"request_id={rid!r} was never ingested (call ingest_request first)")
+            raise ValueError(unknown_request(self._streams, rid))
         return slots
 
     def records(self, records: Sequence[Any], what: str) -> Tuple[np.ndarray, np.ndarray]:
@@ -252,7 +260,7 @@ class StepReader:
     def _label_arrays(self, plan_label: str, views: Tuple[Any, ...]) -> LabelArrays:
         cached = self._last_views.get(plan_label)
         # The cache holds plain tuples: a record that is a list (mutable) never equals it.
-        if cached is not None and cached[0] == self._streams.epoch and cached[1] == views:
+        if cached is not None and cached[0] == self._streams.slot_version and cached[1] == views:
             return cached[2]
         slots, counts = self.records(views, f"the views of plan label {plan_label!r}")
         if len(set(slots.tolist())) != len(slots):
@@ -262,7 +270,8 @@ class StepReader:
         arrays = LabelArrays(slots, counts, int(counts.sum()))
         if len(self._last_views) >= _MAX_CACHED_LABELS:
             self._last_views.clear()
-        self._last_views[plan_label] = (self._streams.epoch, tuple(map(tuple, views)), arrays)
+        self._last_views[plan_label] = (self._streams.slot_version, tuple(map(tuple, views)),
+                                        arrays)
         return arrays
 
     def _explicit(self, given: Any, labels: Mapping[str, LabelArrays],

@@ -27,11 +27,13 @@ Example:
 
 from __future__ import annotations
 
-from typing import Hashable, NamedTuple, Optional, Sequence, Tuple
+import collections
+from typing import Any, Dict, Hashable, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
 from jaxrope.positions import Scheme, SlotMap
+from jaxrope.wire import Rewinds, rewound
 
 __all__ = ["Columns", "CommitArrays", "StreamTable", "accept", "admit", "advance", "apply_commit",
            "commit", "fork", "plan", "plan_draft", "raise_to", "reset", "rollback", "set_deltas",
@@ -268,6 +270,11 @@ def apply_commit(columns: Columns, step: CommitArrays, scheme: Scheme,
         fork(columns, step.fork_src, step.fork_dst)
 
 
+# How many removed request ids a table remembers, to say "removed" rather than "never
+# ingested" about them: the most recent ones, a few kilobytes.
+_REMEMBERED_REMOVALS = 4096
+
+
 class StreamTable:
     """Every stream of the manager: the slot map and the counters, on the host.
 
@@ -277,22 +284,28 @@ class StreamTable:
 
     Attributes:
       columns: every slot's record (free slots all 0); ``counters`` is ``columns.counters``.
+      rewinds: ``{slot: ((writer, rollbacks), ...)}`` of the slots rolled back (their
+        epoch is the sum; :func:`jaxrope.wire.rewind_order`); a slot left out has none.
       slot_map: the :class:`jaxrope.SlotMap` ``(request_id, label) -> slot``.
-      epoch: changes whenever a stream's slot may have (ingest, remove), so cached
+      slot_version: changes whenever a stream's slot may have (ingest, remove), so cached
         slot arrays can tell they are stale.
 
     Example:
       >>> streams = StreamTable(("text",), capacity=2)
       >>> streams.ingest("r0"), streams.ingest("r0"), streams.slots_of("r0")
       (True, False, (0,))
+      >>> _ = streams.release("r0"); streams.was_removed("r0")
+      True
     """
 
     def __init__(self, labels: Tuple[str, ...], capacity: int = 256):
         self.labels = labels
         self.slot_map = SlotMap(capacity)
         self.columns = Columns.zeros(capacity)
-        self.epoch = 0
+        self.rewinds: Dict[int, Rewinds] = {}
+        self.slot_version = 0
         self._requests: dict = {}
+        self._removed: "collections.OrderedDict[Hashable, None]" = collections.OrderedDict()
 
     def __contains__(self, rid: Hashable) -> bool:
         return rid in self._requests
@@ -317,16 +330,83 @@ class StreamTable:
         self._requests[rid] = tuple(self.slot_map.acquire(rid, label) for label in self.labels)
         if self.slot_map.capacity > len(self.columns.counters):
             self.columns = self.columns.grown(self.slot_map.capacity)
-        self.epoch += 1
+        self._removed.pop(rid, None)
+        self.slot_version += 1
         return True
 
     def release(self, rid: Hashable) -> Tuple[int, ...]:
-        """Free the request's slots (their counters back to 0); returns them."""
+        """Free the request's slots (their records back to 0); returns them."""
         slots = self._requests.pop(rid)
         self.slot_map.release(rid)
-        reset(self.columns, np.asarray(slots))
-        self.epoch += 1
+        self.reset(slots)
+        self._removed[rid] = None
+        if len(self._removed) > _REMEMBERED_REMOVALS:
+            self._removed.popitem(last=False)
+        self.slot_version += 1
         return slots
+
+    def snapshot(self) -> Dict[str, Any]:
+        """Copies of the records and the slot map (``PositionManager.state_snapshot``'s
+        ``counters``, ``slots``, ``deltas``, ``epochs``, ``rewinds``, ``requests`` and
+        ``slot_map``)."""
+        requests = {rid: slots for rid, slots in self._requests.items()}
+        counters, slot_map = self.counters, self.slot_map
+        return {
+            "counters": {(rid, label): int(counters[slot]) for rid, slots in requests.items()
+                         for label, slot in zip(self.labels, slots)},
+            "slots": tuple(counters.tolist()),
+            "deltas": tuple(self.columns.deltas.tolist()),
+            "epochs": tuple(self.columns.epochs.tolist()),
+            "rewinds": dict(self.rewinds),
+            "requests": requests,
+            "slot_map": {"capacity": slot_map.capacity, "live": len(slot_map),
+                         "peak": slot_map.peak, "free": slot_map.free_slots()},
+        }
+
+    def was_removed(self, rid: Hashable) -> bool:
+        """Whether ``rid`` was removed and not ingested since (among the last 4096 removed)."""
+        return rid in self._removed
+
+    def reset(self, slots: Sequence[int]) -> None:
+        """Every record at ``slots`` to 0, rewinds included (:func:`reset`)."""
+        reset(self.columns, np.asarray(slots, np.int64))
+        for slot in slots:
+            self.rewinds.pop(int(slot), None)
+
+    def label_arrays(self, rid: Hashable, values: Dict[int, int]) -> Tuple[np.ndarray, np.ndarray]:
+        """int64 ``(slots, values)`` of an ingested request's ``{label index: value}``."""
+        request = self._requests[rid]
+        return (np.asarray([request[i] for i in values], np.int64),
+                np.asarray(list(values.values()), np.int64))
+
+    def raise_to(self, rid: Hashable, positions: Dict[int, int]) -> None:
+        """``counter = max(counter, position)`` of an ingested request's ``{label index:
+        position}`` (:func:`raise_to`)."""
+        if positions:
+            raise_to(self.columns, *self.label_arrays(rid, positions))
+
+    def set_deltas(self, rid: Hashable, deltas: Dict[int, int]) -> None:
+        """The M-RoPE deltas of an ingested request's ``{label index: delta}``."""
+        if deltas:
+            set_deltas(self.columns, *self.label_arrays(rid, deltas))
+
+    def rewind(self, slot: int, position: int, writer: int) -> None:
+        """Roll ``slot`` back to ``position`` (:func:`rollback`); a counter that moves back
+        counts a rollback by ``writer`` (its epoch grows by one)."""
+        moved = position < self.columns.counters[slot]
+        rollback(self.columns, np.asarray([slot]), np.asarray([position]))
+        if moved:
+            self.rewinds[slot] = rewound(self.rewinds.get(slot, ()), writer)
+
+    def take(self, slots: np.ndarray, positions: np.ndarray, deltas: np.ndarray,
+             epochs: np.ndarray, rewinds: Sequence[Rewinds]) -> None:
+        """Admit records whose rewinds are not older nor conflicting (the caller checked):
+        :func:`admit`, and a stream that takes a newer epoch takes its rewinds."""
+        newer = epochs > self.columns.epochs[slots]
+        admit(self.columns, slots, positions, deltas, epochs)
+        for slot, record, take in zip(slots.tolist(), rewinds, newer.tolist()):
+            if take:
+                self.rewinds[slot] = record
 
     def lookup(self, rids: Sequence[Hashable], labels: Sequence[str]) -> np.ndarray:
         """int64 slots of the streams ``zip(rids, labels)``.

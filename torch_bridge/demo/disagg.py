@@ -31,7 +31,7 @@ Example:
   decode {'r0': 11, 'r1': 6}
   decode {'r0': 12, 'r1': 7}
   >>> report.bytes_per_stream
-  16.5
+  13.5
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ __all__ = ["DecodeNode", "DisaggReport", "DisaggSpec", "new_node", "prefill", "r
            "verify"]
 
 MAX_SEQ_LEN = 4096
-# jaxrope.wire: a 44-byte header and checksum, then 13 + len(label) bytes a stream.
+# jaxrope.wire: a 44-byte header and checksum, then 10 + len(label) bytes a stream (and 8
+# per writer that rolled it back).
 _RECORD_OVERHEAD = 44
 Log = Callable[[dict], None]
 
