@@ -48,6 +48,39 @@ def _jax_time(backend: str, cfg, q, k, pos, iters: int, reps: int) -> timing.Tim
     return timing.JaxLoop(step, (q, k), (pos,), iters=iters, unroll=8).time(reps)
 
 
+def sweep(args) -> List[Dict[str, Any]]:
+    """The Mosaic kernel's split knobs (bytes a thread rotates at once, groups in flight),
+    1-D; with ``--use-best`` the fastest (summed over token counts) times the table."""
+    from jaxrope.kernels import mosaic_gpu
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    saved = mosaic_gpu._GROUP_BYTES, mosaic_gpu._IN_FLIGHT
+    for tokens in args.tokens:
+        q = jnp.asarray(rng.standard_normal((tokens, Q_HEADS, HEAD_DIM)), jnp.bfloat16)
+        k = jnp.asarray(rng.standard_normal((tokens, K_HEADS, HEAD_DIM)), jnp.bfloat16)
+        pos = jnp.asarray(rng.integers(0, 65536, tokens).astype(np.int32))
+        iters = max(8, 8 * round(4e12 * 0.01 / (2 * (q.nbytes + k.nbytes)) / 8))
+        for group_bytes, in_flight in args.sweep:
+            mosaic_gpu._GROUP_BYTES, mosaic_gpu._IN_FLIGHT = group_bytes, in_flight
+            try:
+                t = _jax_time("mosaic", ONE_D, q, k, pos, iters, args.reps)
+            finally:
+                mosaic_gpu._GROUP_BYTES, mosaic_gpu._IN_FLIGHT = saved
+            rows.append(dict(tokens=tokens, group_bytes=group_bytes, in_flight=in_flight,
+                             us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us))
+            print(f"sweep tokens {tokens} group_bytes {group_bytes} in_flight {in_flight}: "
+                  f"{t.median_us:.1f} us", flush=True)
+    if args.use_best and rows:
+        total = {}
+        for r in rows:
+            key = (r["group_bytes"], r["in_flight"])
+            total[key] = total.get(key, 0.0) + r["us"] / r["tokens"]
+        best = min(total, key=total.get)
+        mosaic_gpu._GROUP_BYTES, mosaic_gpu._IN_FLIGHT = best
+        print(f"table with group_bytes {best[0]} in_flight {best[1]}", flush=True)
+    return rows
+
+
 def run(args) -> Dict[str, Any]:
     import torch
     import flashinfer.rope as fi
@@ -121,8 +154,17 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--liger", default=None)
+    parser.add_argument("--sweep", nargs="*", default=[], metavar="BYTES:IN_FLIGHT",
+                        help="first time the Mosaic kernel at these split knobs")
+    parser.add_argument("--use-best", action="store_true",
+                        help="time the table at the sweep's fastest knobs")
     args = parser.parse_args(argv)
+    args.sweep = [tuple(int(x) for x in item.split(":")) for item in args.sweep]
+    swept = sweep(args) if args.sweep else []
     report = run(args)
+    from jaxrope.kernels import mosaic_gpu
+    report.update(sweep=swept, mosaic_knobs=dict(group_bytes=mosaic_gpu._GROUP_BYTES,
+                                                 in_flight=mosaic_gpu._IN_FLIGHT))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "mosaic_bench.json").write_text(json.dumps(report, indent=1))

@@ -25,9 +25,8 @@ Example:
   ('auto', 'mosaic', 'triton', 'pallas', 'xla', 'interpret')
   >>> resolve("auto", "cpu") is resolve("xla", "cpu")
   True
-  >>> backend_name("auto", "cuda", compute_capability="9.0"), backend_name("auto", "cuda",
-  ...     compute_capability="8.0"), backend_name("pallas", "cuda")
-  ('mosaic', 'triton', 'triton')
+  >>> backend_name("auto", "cuda", compute_capability="8.0"), backend_name("pallas", "cuda")
+  ('triton', 'triton')
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ pairs per slot and every head of a head group in its registers. The layout is a 
 GPU ``TiledLayout`` whose head dimension is never split across threads, so removing it
 (``reduce``) gives the layout of a ``[tokens, R/2]`` array that every head group of q
 and of k broadcasts for free: the angle is computed once per (token, pair) and serves
-``Hq + Hk`` heads, for any head count. Head groups are loaded one ahead of the group
-being rotated, so a group's stores overlap the next group's loads.
+``Hq + Hk`` heads, for any head count. Head groups are loaded ahead of the group
+being rotated (``Plan.in_flight``), so a group's stores overlap later groups' loads.
 
 Layouts: NeoX halves are dims ``[0, R/2)`` and ``[R/2, R)`` of a head; GPT-J pairs are
 the even and odd elements of ``[0, R)``, read through a ``[T, H, D/2, 2]`` view of the
@@ -47,8 +47,12 @@ from jaxrope.kernels.angle import angle_cos_sin, slot_rows
 
 _WARPS = 4          # warps of a warpgroup
 _LANES = 32         # threads of a warp
-# Bytes of q or k one thread holds per head group (both halves): 64 registers.
-_GROUP_BYTES = 256
+# Bytes of q or k one thread rotates at once (both halves of a head group, 2x that in
+# float32 registers), and how many such groups it has loaded at a time: the fastest of
+# 32-128 bytes x 2-8 groups on the H200, bf16 Hq 32 / Hk 8 / D 128, though all of them
+# were within 2% (bench/RESULTS.md).
+_GROUP_BYTES = 128
+_IN_FLIGHT = 3
 
 
 def unavailable() -> Optional[str]:
@@ -73,6 +77,7 @@ class Plan:
     tokens_per_block: int  # warps x token lanes
     q_group: int           # heads of q per load
     k_group: int
+    in_flight: int         # head groups loaded at a time, the one being rotated included
 
     @property
     def token_lanes(self) -> int:
@@ -94,7 +99,8 @@ def plan(q_heads: int, k_heads: int, half: int, head_dim: int, itemsize: int,
       GPT-J pairs take one element (even and odd elements are not contiguous).
     - Lanes along the pairs: as many as the half's vectors allow (at most a warp), the
       rest of the warp and the four warps along tokens.
-    - Head groups: the most heads that divide the head count within 64 registers.
+    - Head groups: the most heads that divide the head count within ``_GROUP_BYTES`` a
+      thread, ``_IN_FLIGHT`` of them loaded at a time.
     """
     candidates = (1,) if interleave else (8, 4, 2, 1)
     for vec in candidates:
@@ -106,15 +112,15 @@ def plan(q_heads: int, k_heads: int, half: int, head_dim: int, itemsize: int,
     per_thread = half // lanes_pairs
     return Plan(vec, lanes_pairs, _WARPS * (_LANES // lanes_pairs),
                 _head_group(q_heads, per_thread, itemsize),
-                _head_group(k_heads, per_thread, itemsize))
+                _head_group(k_heads, per_thread, itemsize), _IN_FLIGHT)
 
 
 def _tiled(tiles, warp_dims, lane_dims):
+    # Mosaic GPU accepts only canonical layouts (size-1 tiled dims dropped): build the
+    # readable form, then canonicalize it.
     from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    layout = fa.TiledLayout(fa.Tiling(tiles), warp_dims=warp_dims, lane_dims=lane_dims,
-                            vector_dim=-1, _check_canonical=False).canonicalize()
-    return layout
+    return fa.TiledLayout(fa.Tiling(tiles), warp_dims=warp_dims, lane_dims=lane_dims,
+                          vector_dim=-1, _check_canonical=False).canonicalize()
 
 
 def _as_pallas(layout):
@@ -125,7 +131,13 @@ def _as_pallas(layout):
 
 def _data_layout(p: Plan, tokens: int, group: int, half: int):
     """The layout of a ``[tokens, group, half]`` block: ``tokens`` is the plan's block,
-    or 1 for the tail (its token lanes and warps then hold copies)."""
+    or 1 for the tail (its token lanes and warps then hold copies).
+
+    Tiled by ``(tokens, group, P)``, ``(token_lanes, group, P)`` and ``(1, 1, vec)`` with
+    ``P = lanes_pairs * vec``, the tiled shape ends ``[4, 1, 1, token_lanes, group,
+    lanes_pairs, 1, 1, vec]``: dim -9 is the warp, -6 and -4 the lanes, -1 the vector;
+    ``group`` (-5) stays in each thread's registers.
+    """
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     pairs = p.lanes_pairs * p.vec
     if tokens == 1:
@@ -187,18 +199,29 @@ def rope_mosaic(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
 
     def rotate(pos_ref, tables_ref, rows_ref, q_ref, k_ref, t0, tokens):
         by_group = layouts[tokens]
+        spans = pl.ds(t0, tokens)
+        work = [(x_ref, group, g) for x_ref, heads, group in
+                ((q_ref, q_heads, p.q_group), (k_ref, k_heads, p.k_group))
+                for g in range(heads // group)]
+
+        def load(item):
+            x_ref, group, g = item
+            refs = halves(x_ref, spans, pl.ds(g * group, group))
+            return refs, [_load(r, by_group[group]) for r in refs]
+
+        # The first groups' loads go out before the positions': the angle's arithmetic
+        # then overlaps them instead of delaying them.
+        in_flight = [load(item) for item in work[:p.in_flight]]
         data = by_group[p.q_group]
         angle, slots, per_token = data.reduce((1,)), data.reduce((0, 1)), data.reduce((1, 2))
         shape = (tokens, half)
-        turns = [broadcast(_load(tables_ref.at[i], slots), shape, (1,),
-                           angle) for i in range(3)]
+        turns = [broadcast(_load(tables_ref.at[i], slots), shape, (1,), angle) for i in range(3)]
 
         def positions(row):
             if tokens == 1:
                 at = pos_ref.at[t0] if mrope_section is None else pos_ref.at[row, t0]
                 return broadcast(at[...], shape, (), angle)
-            at = pos_ref.at[pl.ds(t0, tokens)] if mrope_section is None else (
-                pos_ref.at[row, pl.ds(t0, tokens)])
+            at = pos_ref.at[spans] if mrope_section is None else pos_ref.at[row, spans]
             return broadcast(_load(at, per_token), shape, (0,), angle)
 
         if mrope_section is None:
@@ -208,10 +231,6 @@ def rope_mosaic(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
             p_t, p_h, p_w = (positions(r) for r in range(3))
             pos = jnp.where(row == 2, p_w, jnp.where(row == 1, p_h, p_t))
         cos, sin = angle_cos_sin(pos, *turns, attention_factor, floor=_floor)
-        spans = pl.ds(t0, tokens)
-        work = [(x_ref, group, g) for x_ref, heads, group in
-                ((q_ref, q_heads, p.q_group), (k_ref, k_heads, p.k_group))
-                for g in range(heads // group)]
         wide = {}
         for group in {p.q_group, p.k_group}:
             layout = by_group[group]
@@ -219,17 +238,10 @@ def rope_mosaic(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
             full = (tokens, group, half)
             wide[group] = (broadcast(cos, full, (0, 2), layout),
                            broadcast(sin, full, (0, 2), layout))
-
-        def load(item):
-            x_ref, group, g = item
-            refs = halves(x_ref, spans, pl.ds(g * group, group))
-            return refs, [_load(r, by_group[group]) for r in refs]
-
-        pending = load(work[0])
         for i, (x_ref, group, g) in enumerate(work):
-            (first, second), (a, b) = pending
-            if i + 1 < len(work):
-                pending = load(work[i + 1])
+            (first, second), (a, b) = in_flight.pop(0)
+            if i + p.in_flight < len(work):
+                in_flight.append(load(work[i + p.in_flight]))
             c, s = wide[group]
             a, b = a.astype(jnp.float32), b.astype(jnp.float32)
             first[...] = (a * c - b * s).astype(first.dtype)
