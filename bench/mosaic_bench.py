@@ -3,6 +3,7 @@ one run.
 
     python -m bench.mosaic_bench --out DIR [--tokens 16384 65536] [--rounds 2]
                                  [--liger .whl/liger_kernel-0.8.5-py3-none-any.whl]
+                                 [--sweep BYTES:IN_FLIGHT ... [--use-best]]
 
 bf16 q ``[T, 32, 128]``, k ``[T, 8, 128]`` (Llama-3-8B's heads), positions uniform in
 ``[0, 65536)``. Per token count, ``--rounds`` rounds (ABAB: the spread between rounds is
@@ -16,7 +17,10 @@ the noise) of:
   on one buffer of q's and k's bytes; each a CUDA graph of calls, replayed between events.
 
 ``%ceil`` = ceiling time / time (the bytes of the rotation are the ceiling's, plus
-positions). Writes ``mosaic_bench.json`` and prints a table.
+positions). ``--sweep`` first times the Mosaic kernel at other split knobs
+(``mosaic_gpu._GROUP_BYTES``, ``_IN_FLIGHT``); ``--use-best`` runs the table at the
+fastest. Writes ``mosaic_bench.json`` and prints a table. GPU only (FlashInfer and torch
+CUDA needed).
 """
 
 from __future__ import annotations
