@@ -30,11 +30,21 @@ def kernel_constants(cfg: RopeConfig) -> Tuple[np.ndarray, float]:
     return tables, attention
 
 
-def _platform(x) -> str:
+def _device(x) -> jax.Device:
+    # Under jit the arrays are tracers: the call runs on the default device.
     if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
-        return jax.default_backend()
-    devices = x.devices()
-    return next(iter(devices)).platform
+        return jax.devices()[0]
+    return next(iter(x.devices()))
+
+
+def _platform(x) -> str:
+    return _device(x).platform
+
+
+def resolve_for(backend: str, x, op: str = "rope"):
+    """:func:`jaxrope.backend.resolve` for the device ``x`` lives on."""
+    device = _device(x)
+    return _backend.resolve(backend, device.platform, op, _backend.device_capability(device))
 
 
 def _check_pos_shape(shape: Tuple[int, ...], tokens: int, cfg: RopeConfig) -> None:
@@ -99,10 +109,10 @@ def apply_rope(q, k, pos_ids, cfg: RopeConfig, backend: str = "auto"):
         the values are visible (not traced under ``jit``); traced positions are not
         checked, and values at or past ``2**24`` lose angle accuracy.
       cfg: the :class:`RopeConfig`; static under ``jit``.
-      backend: "auto" (Pallas on GPU, XLA elsewhere), "pallas", "xla", "interpret"
-        (the Pallas kernel body run by the Pallas interpreter, any platform) or
-        "mosaic" (the Mosaic GPU kernel; CUDA, NeoX layouts whose halves fill whole
-        warpgroups: see :mod:`jaxrope.kernels.mosaic_gpu`).
+      backend: "auto" (Mosaic GPU on Hopper or newer, the Triton-lowered Pallas kernel
+        on other GPUs, XLA elsewhere), "mosaic", "triton" (alias "pallas"), "xla" or
+        "interpret" (the Triton-lowered kernel body run by the Pallas interpreter, any
+        platform): see :mod:`jaxrope.backend`.
 
     Returns:
       ``(q, k)`` rotated, same shapes and dtypes. Dims ``[cfg.rotary_dim, D)`` are
@@ -119,8 +129,8 @@ def apply_rope(q, k, pos_ids, cfg: RopeConfig, backend: str = "auto"):
         for an M-RoPE config or ``[3, T]`` for a 1-D one, or a sharding that would need
         communication (head_dim split, q and k tokens split differently, an uneven split:
         :func:`jaxrope.sharding.local_specs`).
-      BackendUnavailable: ``backend="pallas"`` off GPU, ``backend="mosaic"`` off
-        CUDA, on a layout it does not cover or on Auto mesh axes.
+      BackendUnavailable: ``backend="triton"`` off GPU, ``backend="mosaic"`` off
+        CUDA, or a kernel on Auto mesh axes.
       NotImplementedError: q is on a mesh mixing Auto and Explicit axes.
 
     Example:
@@ -138,7 +148,7 @@ def apply_rope(q, k, pos_ids, cfg: RopeConfig, backend: str = "auto"):
     """
     validate(q, k, pos_ids, cfg)
     pos_ids = jnp.asarray(pos_ids, jnp.int32)
-    impl = _sharding.per_shard(_backend.resolve(backend, _platform(q)), q, k, pos_ids)
+    impl = _sharding.per_shard(resolve_for(backend, q), q, k, pos_ids)
     tables, attention = kernel_constants(cfg)
     return impl(q, k, pos_ids, jnp.asarray(tables),
                 rotary_dim=cfg.rotary_dim, interleave=cfg.interleave, attention_factor=attention,

@@ -489,7 +489,8 @@ class TestBadInputs:
         self._raises(TypeError, "v_quant_scale must be a float", kv_cache=fp8, v_quant_scale="1")
 
     def test_backends(self):
-        self._raises(ValueError, "backend='triton' must be one of", backend="triton")
+        self._raises(ValueError, "backend='cuda' must be one of", backend="cuda")
         if jax.default_backend() != "gpu":
-            self._raises(jr.BackendUnavailable, "backend='pallas' needs a GPU", backend="pallas")
+            self._raises(jr.BackendUnavailable, "backend='triton' (or 'pallas') needs a GPU",
+                         backend="pallas")
         self._raises(NotImplementedError, "mosaic", backend="mosaic")

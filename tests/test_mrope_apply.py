@@ -16,7 +16,7 @@ import pytest
 import jaxrope as jr
 from jaxrope.apply import kernel_constants
 from jaxrope.cases import BY_NAME, MROPE_CASES
-from jaxrope.kernels import mosaic_gpu, pallas_triton, triton_ir
+from jaxrope.kernels import pallas_triton, triton_ir
 from jaxrope.models import HF_VL_CONFIGS
 from jaxrope.mrope import hf_mrope_args
 from jaxrope.testing import oracle
@@ -236,14 +236,6 @@ class TestPosIdsContract:
             for x, y in zip(a, b):
                 np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
-    def test_mosaic_refuses_mrope(self):
-        q, k = self._qk()
-        tables, attention = kernel_constants(self.CFG)
-        with pytest.raises(jr.BackendUnavailable, match="M-RoPE .* is not implemented in the "
-                                                        "Mosaic GPU kernel"):
-            mosaic_gpu.rope_mosaic(q, k, jnp.zeros((3, 4), jnp.int32), jnp.asarray(tables),
-                                   rotary_dim=128, interleave=False, attention_factor=attention,
-                                   mrope_section=self.CFG.mrope_section)
 
 
 def _h200():

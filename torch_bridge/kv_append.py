@@ -32,9 +32,11 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from jaxrope import backend as _backend
 from jaxrope.config import RopeConfig
 from jaxrope.kv_cache import LAYOUTS, apply_rope_and_append_kv
 from torch_bridge.dlpack import InPlace, pad_tokens, read_only, token_bucket, write_back
+from torch_bridge.rotate import torch_capability
 
 __all__ = ["CacheGeometry", "JaxAppend", "call_signature", "check_call", "int32_slots",
            "share_memory"]
@@ -342,8 +344,10 @@ class JaxAppend:
 
     Args:
       device: the torch device of the tensors.
-      backend: the jaxrope backend; "auto" is the Pallas kernel on CUDA, XLA elsewhere
-        (decided here from ``device``: inside the jitted call the core sees tracers).
+      backend: the jaxrope backend; "auto" follows :func:`jaxrope.backend.backend_name`'s
+        rule for ``device`` (inside the jitted call the core sees tracers, so an "auto"
+        that means XLA is decided here; on a GPU "auto" goes through, keeping the core's
+        fallback for a cache its kernel declines).
 
     Example:
       >>> import jaxrope as jr
@@ -359,7 +363,9 @@ class JaxAppend:
     """
 
     def __init__(self, device: torch.device, backend: str = "auto"):
-        self.backend = "xla" if backend == "auto" and device.type != "cuda" else backend
+        chosen = _backend.backend_name(backend, device.type, "rope_append_kv",
+                                       torch_capability(device))
+        self.backend = "auto" if backend == "auto" and chosen != "xla" else chosen
         self._calls: Dict[int, InPlace] = {}
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

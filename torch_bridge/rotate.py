@@ -187,6 +187,13 @@ def _rotate(q, k, pos_ids, tables, *, impl, rotary_dim: int, interleave: bool,
                 mrope_interleaved=mrope_interleaved)
 
 
+def torch_capability(device: torch.device) -> Optional[str]:
+    """A CUDA torch device's compute capability ("9.0"), else None."""
+    if device.type != "cuda":
+        return None
+    return "{}.{}".format(*torch.cuda.get_device_capability(device))
+
+
 class JaxRotation:
     """The JAX path: the jaxrope kernel on DLPack imports of q and k, written in place.
 
@@ -199,7 +206,7 @@ class JaxRotation:
 
     Args:
       device: the JAX device the tensors live on.
-      backend: the jaxrope backend ("auto": Pallas on GPU, XLA elsewhere).
+      backend: the jaxrope backend ("auto": :func:`jaxrope.backend.backend_name`'s rule).
 
     Example:
       >>> rot = JaxRotation(jax.devices("cpu")[0])
@@ -209,7 +216,8 @@ class JaxRotation:
 
     def __init__(self, device: jax.Device, backend: str = "auto"):
         self.device = device
-        self.impl = _backend.resolve(backend, device.platform)
+        self.impl = _backend.resolve(backend, device.platform,
+                                     compute_capability=_backend.device_capability(device))
         self.call = InPlace(_rotate, 2, static_argnames=("impl", "rotary_dim", "interleave",
                                                          "attention_factor", "mrope_section",
                                                          "mrope_interleaved"))
@@ -219,7 +227,7 @@ class JaxRotation:
     def check_backend(backend: str, device: torch.device) -> None:
         """Raise as :func:`jaxrope.backend.resolve` would for ``backend`` on ``device``,
         without creating a JAX device (JAX's GPU client is costly to start)."""
-        _backend.resolve(backend, "cuda" if device.type == "cuda" else device.type)
+        _backend.backend_name(backend, device.type, compute_capability=torch_capability(device))
 
     def constants(self, cfg: RopeConfig) -> Tuple[jax.Array, float]:
         """Angle tables on the device and the attention factor, cached per config."""

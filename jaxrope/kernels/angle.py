@@ -12,7 +12,9 @@ M-RoPE (``mrope_section``) changes only which position each frequency slot sees:
 ``j`` takes row ``t``, ``h`` or ``w`` of the positions (:func:`slot_rows`), chosen per
 slot before the split, so every M-RoPE layout gets the same accurate angle. The rows
 are picked with masks built from an iota, which every kernel language lowers; a 1-D
-call runs exactly the operations it ran before M-RoPE existed.
+call traces no mask at all. A kernel that lays out positions and turns itself (Mosaic
+GPU, where an array's register layout must match its operands') calls
+:func:`angle_cos_sin` on element-wise operands.
 """
 
 from __future__ import annotations
@@ -76,6 +78,13 @@ def cos_sin(pos, turns_hi, turns_mid, turns_lo, attention_factor: float,
         pos = _slot_positions(pos, jnp.shape(turns_hi)[-1], mrope_section, mrope_interleaved)
     elif jnp.ndim(pos):
         pos = pos[..., None]
+    return angle_cos_sin(pos, turns_hi, turns_mid, turns_lo, attention_factor, sin_cos, floor)
+
+
+def angle_cos_sin(pos, turns_hi, turns_mid, turns_lo, attention_factor: float,
+                  sin_cos=_sin_cos_exact, floor=jnp.floor):
+    """:func:`cos_sin` on element-wise operands: int32 ``pos`` in ``[0, 2**24)`` of the
+    turn tables' shape (or broadcasting against them as is), one position per slot."""
     p_lo = pos & _LOW_MASK
     p_hi = (pos - p_lo).astype(jnp.float32)
     p_lo = p_lo.astype(jnp.float32)

@@ -297,15 +297,15 @@ def rope_append_kv_pallas(q, k, v, pos_ids, slots, tables, scales, caches, *, la
         return q, tuple(caches)
     lanes = pallas_triton.lanes_for(rotary_dim)
     tables = jnp.pad(tables, ((0, 0), (0, lanes - tables.shape[1])))
-    cfg = config or block_config(num_tokens, q_heads, k_heads, lanes)
-    q_programs, k_programs, _ = head_programs(q_heads, k_heads, cfg)
+    block = config or block_config(num_tokens, q_heads, k_heads, lanes)
+    q_programs, k_programs, _ = head_programs(q_heads, k_heads, block)
     kernel = functools.partial(
         _rope_append_kv_kernel, q_heads=q_heads, k_heads=k_heads, head_dim=head_dim,
         rotary_dim=rotary_dim, interleave=interleave, attention_factor=attention_factor,
         lanes=lanes, layout=layout, page_size=page_size, components=components,
         num_slots=caches[0].shape[0] // components * page_size,
-        heads_per_program=cfg.heads_per_program, groups_per_program=cfg.groups_per_program,
-        token_loop=cfg.token_loop, q_programs=q_programs, k_programs=k_programs,
+        heads_per_program=block.heads_per_program, groups_per_program=block.groups_per_program,
+        token_loop=block.token_loop, q_programs=q_programs, k_programs=k_programs,
         approx_trig=not interpret, mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved)
     if mrope_section is not None:
@@ -315,10 +315,11 @@ def rope_append_kv_pallas(q, k, v, pos_ids, slots, tables, scales, caches, *, la
     q_out, *caches = pl.pallas_call(
         kernel,
         out_shape=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, *caches)),
-        grid=grid(num_tokens, q_heads, k_heads, cfg),
+        grid=grid(num_tokens, q_heads, k_heads, block),
         input_output_aliases=aliases,
         interpret=interpret,
         name="jaxrope_rope_append_kv",
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=block.num_warps,
+                                             num_stages=block.num_stages),
     )(jnp.full((1,), num_tokens, jnp.int32), pos_ids, slots, tables, scales, q, k, v, *caches)
     return q_out, tuple(caches)

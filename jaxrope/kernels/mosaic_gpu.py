@@ -1,43 +1,39 @@
-"""The RoPE kernel in Pallas's Mosaic GPU dialect (Hopper+), for measuring against Triton's.
+"""The RoPE kernel in Pallas's Mosaic GPU dialect (``plgpu.kernel``, Hopper and newer).
 
-JAX 0.11 deprecates Pallas's Triton lowering; Mosaic GPU is its successor. It cannot
-reuse :mod:`jaxrope.kernels.pallas_triton`'s body: in JAX 0.11.2 ``pallas_call`` lowers
-only with Triton's compiler params, so this is a ``plgpu.kernel`` of its own:
+JAX 0.11 deprecates Pallas's Triton lowering; Mosaic GPU is its successor, and its
+``pallas_call`` is deprecated too, so this is a ``plgpu.kernel`` with a body of its own
+(:mod:`jaxrope.kernels.pallas_triton` is the Triton-lowered twin).
 
-- one block (one warpgroup, 128 threads) per token; it rotates the token's heads in
-  chunks of ``C`` heads, each half ``[C, R/2]`` loaded from GMEM straight into registers
-  in the ``WG_STRIDED`` layout (no SMEM: nothing is shared between threads);
-- one ``C`` serves q and k (it divides both head counts), so every chunk has the same
-  shape and layout and a thread holds the same frequencies in each: the angle, computed
-  once per block for one chunk, serves every chunk of q and of k. Computed per element,
-  it was evaluated ``Hq + Hk`` times per (token, frequency) instead of ``C`` times (at
-  32 + 8 heads that kernel reached 75% of an H200's bandwidth ceiling). ``C`` is the
-  fewest heads whose chunk fills whole vectors of the warpgroup (at the widest vector
-  that fits), so that one chunk's angles are as few as that layout allows;
-- every chunk is loaded before the angle is computed and before any chunk is stored, so
-  all of a token's loads are in flight together and the angle's arithmetic overlaps
-  them (a store waits for its chunk's loads, and loads issued after a store to the same
-  buffer may wait behind it);
-- in place: q and k enter as mutable refs (``jax.new_ref``), so with donated inputs XLA
-  aliases them to the outputs and dims past ``rotary_dim`` are never touched;
-- the angle is the accurate one of :mod:`jaxrope.kernels.angle`, from the turn tables
-  tiled to one chunk, ``[3, C, R/2]``: a ``WG_STRIDED`` array cannot be broadcast from a
-  row, and tiled to every head the tables were ~30 KB of reads per token against 20 KB
-  of q and k. ``floor`` has no Mosaic GPU lowering, so it is built from a truncating int
-  conversion (the values floored stay below ``2**31`` in magnitude).
+One block (one warpgroup, 128 threads) rotates ``tokens_per_block`` tokens: warps and
+lanes split the tokens and the rotary pairs, each thread holding one vector of ``vec``
+pairs per slot and every head of a head group in its registers. The layout is a Mosaic
+GPU ``TiledLayout`` whose head dimension is never split across threads, so removing it
+(``reduce``) gives the layout of a ``[tokens, R/2]`` array that every head group of q
+and of k broadcasts for free: the angle is computed once per (token, pair) and serves
+``Hq + Hk`` heads, for any head count. Head groups are loaded ahead of the group
+being rotated (``Plan.in_flight``), so a group's stores overlap later groups' loads.
 
-Covered: NeoX halves, any ``rotary_dim``, fp32/fp16/bf16, any T, head counts of q and k
-that are both multiples of ``128 / gcd(R/2, 128)``, the fewest heads whose half fills a
-warpgroup (so some ``C`` divides both). Interleaved pairs and other head counts raise
-``BackendUnavailable`` (:func:`unsupported`): the measurement this kernel exists for is
-the serving layout, and splitting pairs in the strided layout needs layouts Mosaic GPU
-does not infer.
+Layouts: NeoX halves are dims ``[0, R/2)`` and ``[R/2, R)`` of a head; GPT-J pairs are
+the even and odd elements of ``[0, R)``, read through a ``[T, H, D/2, 2]`` view of the
+same buffer (one element per vector: the two halves interleave in memory). Only rotated
+dims are read and written. M-RoPE (``mrope_section``, positions ``[3, T]``) loads the
+three rows of a block's tokens and picks one per slot with the rows
+:func:`jaxrope.kernels.angle.slot_rows` assigns (a ``[R/2]`` int table built outside
+the kernel); the angle is :func:`jaxrope.kernels.angle.angle_cos_sin`, the accurate
+one every backend shares.
+
+Tokens past the last whole block (and every token when ``T < tokens_per_block``) are
+rotated one at a time by the last block, in a layout where the lanes that split tokens
+hold copies: a store of a copy writes the same value, and no block touches another
+block's tokens. ``floor`` has no Mosaic GPU lowering, so it is built from a truncating
+int conversion (the values floored stay below ``2**31`` in magnitude).
 
 On CPU it runs in Mosaic GPU's interpreter (``interpret=True``), for tests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional, Tuple
 
@@ -47,9 +43,16 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxrope.errors import BackendUnavailable
-from jaxrope.kernels.angle import cos_sin
+from jaxrope.kernels.angle import angle_cos_sin, slot_rows
 
-_LANES = 128  # threads of a warpgroup
+_WARPS = 4          # warps of a warpgroup
+_LANES = 32         # threads of a warp
+# Bytes of q or k one thread rotates at once (both halves of a head group, 2x that in
+# float32 registers), and how many such groups it has loaded at a time: the fastest of
+# 32-128 bytes x 2-8 groups on the H200, bf16 Hq 32 / Hk 8 / D 128, though all of them
+# were within 2% (bench/RESULTS.md).
+_GROUP_BYTES = 128
+_IN_FLIGHT = 3
 
 
 def unavailable() -> Optional[str]:
@@ -65,102 +68,210 @@ def unavailable() -> Optional[str]:
     return None
 
 
-def _chunk_heads(half: int, vec: int) -> int:
-    # The fewest heads whose half fills whole vectors of the warpgroup.
-    lanes = _LANES * vec
-    return lanes // math.gcd(lanes, half)
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one call splits its work; a pure function of the layout (:func:`plan`)."""
+
+    vec: int               # pairs per thread vector
+    lanes_pairs: int       # lanes of a warp along the pairs; the rest split tokens
+    tokens_per_block: int  # warps x token lanes
+    q_group: int           # heads of q per load
+    k_group: int
+    in_flight: int         # head groups loaded at a time, the one being rotated included
+
+    @property
+    def token_lanes(self) -> int:
+        return _LANES // self.lanes_pairs
 
 
-def unsupported(q_heads: int, k_heads: int, rotary_dim: int, interleave: bool) -> Optional[str]:
-    """Why this kernel cannot run a layout, or None when it can."""
-    if interleave:
-        return "interleaved pairs are not implemented in the Mosaic GPU kernel"
-    half = rotary_dim // 2
-    fewest = _chunk_heads(half, 1)
-    for name, heads in (("q", q_heads), ("k", k_heads)):
-        if heads % fewest:
-            return (f"{name} has {heads} heads, not a multiple of {fewest}: the kernel rotates "
-                    f"chunks of heads that divide both q's and k's heads, and with {half} "
-                    f"rotary pairs per head a chunk fills whole warpgroups ({_LANES} elements) "
-                    f"only in multiples of {fewest} heads")
-    return None
+def _head_group(heads: int, pairs_per_thread: int, itemsize: int) -> int:
+    # The most heads, dividing the head count, whose two halves fit _GROUP_BYTES a thread.
+    fits = max(1, _GROUP_BYTES // (2 * pairs_per_thread * itemsize))
+    return max(g for g in range(1, min(heads, fits) + 1) if heads % g == 0)
 
 
-def _chunking(q_heads: int, k_heads: int, half: int, head_dim: int,
-              itemsize: int) -> tuple[int, int]:
-    """``(C, vec)``: heads per chunk and elements per thread vector, for a supported layout.
+def plan(q_heads: int, k_heads: int, half: int, head_dim: int, itemsize: int,
+         interleave: bool) -> Plan:
+    """The one heuristic for the kernel's split.
 
-    The widest vector first (up to 16 bytes per thread: fewer, wider memory accesses),
-    then the fewest heads per chunk (the fewest angles). Sharing ``C`` can narrow a
-    tensor's vector: 32 bf16 heads of 64 pairs alone fill 8-wide vectors, but a chunk
-    that also divides 8 k heads fills only 4-wide ones. A vector never straddles a head:
-    Mosaic GPU needs the contiguous dim and every stride (head_dim per head) divisible
-    by it. One-element vectors fit every layout :func:`unsupported` lets through.
+    - Vectors as wide as 16 bytes (fewer, wider accesses) that divide the half and the
+      head stride, narrower while a thread would hold more than 16 pairs of the angle;
+      GPT-J pairs take one element (even and odd elements are not contiguous).
+    - Lanes along the pairs: as many as the half's vectors allow (at most a warp), the
+      rest of the warp and the four warps along tokens.
+    - Head groups: the most heads that divide the head count within ``_GROUP_BYTES`` a
+      thread, ``_IN_FLIGHT`` of them loaded at a time.
     """
-    common = math.gcd(q_heads, k_heads)
-    for vec in (8, 4, 2):
-        heads = _chunk_heads(half, vec)
-        if (vec * itemsize <= 16 and common % heads == 0
-                and half % vec == 0 and head_dim % vec == 0):
-            return heads, vec
-    return _chunk_heads(half, 1), 1
+    candidates = (1,) if interleave else (8, 4, 2, 1)
+    for vec in candidates:
+        if vec * itemsize > 16 or half % vec or head_dim % vec:
+            continue
+        lanes_pairs = math.gcd(half // vec, _LANES)
+        if half // lanes_pairs <= 16 or vec == 1:
+            break
+    per_thread = half // lanes_pairs
+    return Plan(vec, lanes_pairs, _WARPS * (_LANES // lanes_pairs),
+                _head_group(q_heads, per_thread, itemsize),
+                _head_group(k_heads, per_thread, itemsize), _IN_FLIGHT)
+
+
+def _tiled(tiles, warp_dims, lane_dims):
+    # Mosaic GPU accepts only canonical layouts (size-1 tiled dims dropped): build the
+    # readable form, then canonicalize it.
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    return fa.TiledLayout(fa.Tiling(tiles), warp_dims=warp_dims, lane_dims=lane_dims,
+                          vector_dim=-1, _check_canonical=False).canonicalize()
+
+
+def _as_pallas(layout):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu.Layout.TILED(layout.tiling, warp_dims=layout.warp_dims,
+                              lane_dims=layout.lane_dims, vector_dim=layout.vector_dim)
+
+
+def _data_layout(p: Plan, tokens: int, group: int, half: int):
+    """The layout of a ``[tokens, group, half]`` block: ``tokens`` is the plan's block,
+    or 1 for the tail (its token lanes and warps then hold copies).
+
+    Tiled by ``(tokens, group, P)``, ``(token_lanes, group, P)`` and ``(1, 1, vec)`` with
+    ``P = lanes_pairs * vec``, the tiled shape ends ``[4, 1, 1, token_lanes, group,
+    lanes_pairs, 1, 1, vec]``: dim -9 is the warp, -6 and -4 the lanes, -1 the vector;
+    ``group`` (-5) stays in each thread's registers.
+    """
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    pairs = p.lanes_pairs * p.vec
+    if tokens == 1:
+        copies = (fa.Replicated(p.token_lanes),) if p.token_lanes > 1 else ()
+        return _tiled(((1, group, pairs), (1, 1, p.vec)), (fa.Replicated(_WARPS),),
+                      (*copies, -4))
+    return _tiled(((tokens, group, pairs), (p.token_lanes, group, pairs), (1, 1, p.vec)),
+                  (-9,), (-6, -4))
+
+
+def _load(ref, layout):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    # "optimized" transfers plan SMEM bank conflicts; these read GMEM.
+    return plgpu.load(ref, layout=_as_pallas(layout), optimized=False)
 
 
 def _floor(x):
     t = x.astype(jnp.int32).astype(jnp.float32)  # truncates toward zero
-    return t - (t > x).astype(jnp.float32)
+    return jnp.where(t > x, t - 1.0, t)
 
 
 def rope_mosaic(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
                 attention_factor: float, mrope_section: Optional[Tuple[int, int, int]] = None,
                 mrope_interleaved: bool = False, interpret: bool = False):
-    """Rotate ``q [T, Hq, D]``, ``k [T, Hk, D]`` at ``pos_ids`` int32 ``[T]``; same contract
-    as :func:`jaxrope.kernels.pallas_triton.rope_pallas` (in place when donated).
+    """Rotate ``q [T, Hq, D]``, ``k [T, Hk, D]`` at ``pos_ids`` int32 ``[T]`` (M-RoPE:
+    ``[3, T]``); same contract as :func:`jaxrope.kernels.pallas_triton.rope_pallas` (in
+    place when donated).
 
     Raises:
-      BackendUnavailable: M-RoPE (``mrope_section``, not implemented here: the Pallas
-        kernel covers it), a layout :func:`unsupported` names, or a JAX
-        :func:`unavailable` names.
+      BackendUnavailable: a JAX :func:`unavailable` names.
     """
-    num_tokens, q_heads, head_dim = q.shape
-    k_heads = k.shape[1]
-    reason = ((mrope_section is not None and f"M-RoPE ({mrope_section=}, {mrope_interleaved=}) "
-               "is not implemented in the Mosaic GPU kernel; backend='pallas' runs it")
-              or unsupported(q_heads, k_heads, rotary_dim, interleave) or unavailable())
+    reason = unavailable()
     if reason:
         raise BackendUnavailable(reason)
     from jax.experimental.pallas import mosaic_gpu as plgpu
+    num_tokens, q_heads, head_dim = q.shape
+    k_heads = k.shape[1]
     if num_tokens == 0:
         return q, k
     half = rotary_dim // 2
-    chunk, vec = _chunking(q_heads, k_heads, half, head_dim, np.dtype(q.dtype).itemsize)
-    # Tiled to one chunk: a constant under jit when the tables are (XLA folds the broadcast).
-    tiled = jnp.broadcast_to(tables[:, None, :half], (3, chunk, half))
-    layout = plgpu.Layout.WG_STRIDED((chunk, half), vec_size=vec)
+    p = plan(q_heads, k_heads, half, head_dim, np.dtype(q.dtype).itemsize, interleave)
+    full_blocks, tail = divmod(num_tokens, p.tokens_per_block)
+    if mrope_section is None:
+        rows = jnp.zeros((half,), jnp.int32)
+    else:
+        is_h, is_w = slot_rows(half, mrope_section, mrope_interleaved)
+        rows = jnp.where(is_w, 2, jnp.where(is_h, 1, 0)).astype(jnp.int32)
+    layouts = {tokens: {g: _data_layout(p, tokens, g, half) for g in {p.q_group, p.k_group}}
+               for tokens in (p.tokens_per_block, 1)}
 
-    def chunks(x_ref, t):
-        for c in range(x_ref.shape[1] // chunk):
-            heads = pl.ds(c * chunk, chunk)
-            yield x_ref.at[t, heads, pl.ds(0, half)], x_ref.at[t, heads, pl.ds(half, half)]
+    def halves(x_ref, tokens, heads):
+        if interleave:  # x_ref is the [T, H, D/2, 2] view
+            pairs = pl.ds(0, half)
+            return x_ref.at[tokens, heads, pairs, 0], x_ref.at[tokens, heads, pairs, 1]
+        return x_ref.at[tokens, heads, pl.ds(0, half)], x_ref.at[tokens, heads, pl.ds(half, half)]
 
-    def body(pos_ref, tables_ref, q_ref, k_ref):
-        t = jax.lax.axis_index("token")
-        halves = [*chunks(q_ref, t), *chunks(k_ref, t)]
-        loaded = [(plgpu.load(first, layout=layout), plgpu.load(second, layout=layout))
-                  for first, second in halves]
-        cos, sin = cos_sin(pos_ref[t], *(plgpu.load(tables_ref.at[i], layout=layout)
-                                         for i in range(3)), attention_factor, floor=_floor)
-        for (first, second), (a, b) in zip(halves, loaded):
+    def broadcast(x, shape, dims, layout):
+        return plgpu.layout_cast(jax.lax.broadcast_in_dim(x, shape, dims), _as_pallas(layout))
+
+    def rotate(pos_ref, tables_ref, rows_ref, q_ref, k_ref, t0, tokens):
+        by_group = layouts[tokens]
+        spans = pl.ds(t0, tokens)
+        work = [(x_ref, group, g) for x_ref, heads, group in
+                ((q_ref, q_heads, p.q_group), (k_ref, k_heads, p.k_group))
+                for g in range(heads // group)]
+
+        def load(item):
+            x_ref, group, g = item
+            refs = halves(x_ref, spans, pl.ds(g * group, group))
+            return refs, [_load(r, by_group[group]) for r in refs]
+
+        # The first groups' loads go out before the positions': the angle's arithmetic
+        # then overlaps them instead of delaying them.
+        in_flight = [load(item) for item in work[:p.in_flight]]
+        data = by_group[p.q_group]
+        angle, slots, per_token = data.reduce((1,)), data.reduce((0, 1)), data.reduce((1, 2))
+        shape = (tokens, half)
+        turns = [broadcast(_load(tables_ref.at[i], slots), shape, (1,), angle) for i in range(3)]
+
+        def positions(row):
+            if tokens == 1:
+                at = pos_ref.at[t0] if mrope_section is None else pos_ref.at[row, t0]
+                return broadcast(at[...], shape, (), angle)
+            at = pos_ref.at[spans] if mrope_section is None else pos_ref.at[row, spans]
+            return broadcast(_load(at, per_token), shape, (0,), angle)
+
+        if mrope_section is None:
+            pos = positions(0)
+        else:
+            row = broadcast(_load(rows_ref, slots), shape, (1,), angle)
+            p_t, p_h, p_w = (positions(r) for r in range(3))
+            pos = jnp.where(row == 2, p_w, jnp.where(row == 1, p_h, p_t))
+        cos, sin = angle_cos_sin(pos, *turns, attention_factor, floor=_floor)
+        wide = {}
+        for group in {p.q_group, p.k_group}:
+            layout = by_group[group]
+            assert layout.reduce((1,)) == angle, (layout, angle)
+            full = (tokens, group, half)
+            wide[group] = (broadcast(cos, full, (0, 2), layout),
+                           broadcast(sin, full, (0, 2), layout))
+        for i, (x_ref, group, g) in enumerate(work):
+            (first, second), (a, b) = in_flight.pop(0)
+            if i + p.in_flight < len(work):
+                in_flight.append(load(work[i + p.in_flight]))
+            c, s = wide[group]
             a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-            first[...] = (a * cos - b * sin).astype(first.dtype)
-            second[...] = (b * cos + a * sin).astype(second.dtype)
+            first[...] = (a * c - b * s).astype(first.dtype)
+            second[...] = (b * c + a * s).astype(second.dtype)
+
+    def body(pos_ref, tables_ref, rows_ref, q_ref, k_ref):
+        block = jax.lax.axis_index("block")
+        refs = (pos_ref, tables_ref, rows_ref, q_ref, k_ref)
+        if full_blocks:
+            @pl.when(block < full_blocks)
+            def _():
+                rotate(*refs, block * p.tokens_per_block, p.tokens_per_block)
+        if tail:
+            @pl.when(block == full_blocks)
+            def _():
+                def one(i, carry):
+                    rotate(*refs, full_blocks * p.tokens_per_block + i, 1)
+                    return carry
+                jax.lax.fori_loop(0, tail, one, 0)
 
     kernel = plgpu.kernel(
-        body, out_type=(), grid=(num_tokens,), grid_names=("token",),
+        body, out_type=(), grid=(full_blocks + (tail > 0),), grid_names=("block",),
         kernel_name="jaxrope_rope_mosaic",  # what profilers show
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane,
+            # No thread reads what another writes: a barrier after every store buys nothing.
+            unsafe_no_auto_barriers=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
-    q_ref, k_ref = jax.new_ref(q), jax.new_ref(k)
-    kernel(pos_ids, tiled, q_ref, k_ref)
-    return jax.freeze(q_ref), jax.freeze(k_ref)
-
+    views = [x.reshape(x.shape[0], x.shape[1], head_dim // 2, 2) if interleave else x
+             for x in (q, k)]
+    q_ref, k_ref = (jax.new_ref(x) for x in views)
+    kernel(pos_ids, tables, rows, q_ref, k_ref)
+    return tuple(jax.freeze(r).reshape(x.shape) for r, x in zip((q_ref, k_ref), (q, k)))

@@ -1,4 +1,6 @@
-"""The Pallas GPU kernel (Triton lowering): q and k rotated in one launch, in place.
+"""The Pallas GPU kernel lowered through Triton (``backend="triton"``): q and k rotated in
+one launch, in place. JAX 0.11 deprecates this lowering (``jax-pallas-triton``); on
+Hopper and newer ``backend="auto"`` runs :mod:`jaxrope.kernels.mosaic_gpu` instead.
 
 Grid: token blocks x head programs, flattened head-major by default (the programs of
 one token block are neighbours, so programs running together cover whole rows of q and
@@ -117,9 +119,9 @@ def block_config(num_tokens: int, q_heads: int, k_heads: int, lanes: int) -> Blo
     - Small T (decode): shorter token walks, then fewer groups, then fewer heads per
       program, until the grid has two programs per SM.
 
-    Measured at 16k tokens, bf16 (bench/shape_sweep.py, call 3 of 2026-11-30's third
-    session), this shape family was the best of ~20 tried on every layout within the
-    sweep's noise: Hq=32 Hk=8 D=128 84.9 us (98% of the ceiling), D=64 45.0 us;
+    Of ~20 shape families swept at 16k tokens, bf16, on the H200, this one was the best
+    on every layout within the sweep's noise: Hq=32 Hk=8 D=128 84.9 us (98% of the
+    ceiling), D=64 45.0 us;
     Hq=64 Hk=8 D=64 77.1 us; Hq=8 Hk=1 D=256 40.1 us, D=128 15.8 us, D=64 10.6 us.
     """
     heads_per_program = max(1, min(next_pow2(max(q_heads, k_heads)), _GROUP_ELEMENTS // lanes))
@@ -259,25 +261,26 @@ def rope_pallas(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
         return q, k
     lanes = lanes_for(rotary_dim)
     tables = jnp.pad(tables, ((0, 0), (0, lanes - tables.shape[1])))
-    cfg = config or block_config(num_tokens, q_heads, k_heads, lanes)
-    q_programs, k_programs = head_programs(q_heads, k_heads, cfg)
+    block = config or block_config(num_tokens, q_heads, k_heads, lanes)
+    q_programs, k_programs = head_programs(q_heads, k_heads, block)
     kernel = functools.partial(
         _rope_kernel, q_heads=q_heads, k_heads=k_heads,
         head_dim=head_dim, rotary_dim=rotary_dim, interleave=interleave,
-        attention_factor=attention_factor, lanes=lanes, block_tokens=cfg.block_tokens,
-        heads_per_program=cfg.heads_per_program, groups_per_program=cfg.groups_per_program,
-        q_programs=q_programs, k_programs=k_programs, token_loop=cfg.token_loop,
-        heads_major=cfg.heads_major, approx_trig=not interpret, mrope_section=mrope_section,
+        attention_factor=attention_factor, lanes=lanes, block_tokens=block.block_tokens,
+        heads_per_program=block.heads_per_program, groups_per_program=block.groups_per_program,
+        q_programs=q_programs, k_programs=k_programs, token_loop=block.token_loop,
+        heads_major=block.heads_major, approx_trig=not interpret, mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved)
     if mrope_section is not None:
         pos_ids = pos_ids.reshape(3 * num_tokens)
     q_out, k_out = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype)),
-        grid=grid(num_tokens, q_heads, k_heads, cfg),
+        grid=grid(num_tokens, q_heads, k_heads, block),
         input_output_aliases={3: 0, 4: 1},
         interpret=interpret,
         name="jaxrope_rope",
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=block.num_warps,
+                                             num_stages=block.num_stages),
     )(jnp.full((1,), num_tokens, jnp.int32), pos_ids, tables, q, k)
     return q_out, k_out

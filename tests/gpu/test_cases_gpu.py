@@ -30,11 +30,17 @@ def jax_gpu():
 
 
 
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
 @pytest.mark.parametrize("dtype", TOLERANCE)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_pallas_kernel_rotates_every_case_in_place_like_the_oracle(jax_gpu, rng, case, dtype):
+def test_gpu_kernels_rotate_every_case_in_place_like_the_oracle(jax_gpu, rng, case, dtype,
+                                                                backend):
+    capability = jr.backend.device_capability(jax_gpu)
+    if backend == "mosaic" and jr.backend.backend_name(
+            "auto", jax_gpu.platform, compute_capability=capability) != "mosaic":
+        pytest.skip(f"Mosaic GPU does not run on {jax_gpu.device_kind}")
     cfg = case.cfg
-    rope = jax.jit(lambda a, b, p: jr.apply_rope(a, b, p, cfg, backend="pallas"),
+    rope = jax.jit(lambda a, b, p: jr.apply_rope(a, b, p, cfg, backend=backend),
                    donate_argnums=(0, 1))
     for tokens in (1, case.tokens, 1000):
         q_host = np.asarray(jnp.asarray(rng.standard_normal((tokens, case.q_heads, cfg.head_dim)),

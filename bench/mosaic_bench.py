@@ -1,0 +1,179 @@
+"""Mosaic GPU RoPE against the Triton-lowered kernel, FlashInfer, liger and the ceiling, in
+one run.
+
+    python -m bench.mosaic_bench --out DIR [--tokens 16384 65536] [--rounds 2]
+                                 [--liger .whl/liger_kernel-0.8.5-py3-none-any.whl]
+                                 [--sweep BYTES:IN_FLIGHT ... [--use-best]]
+
+bf16 q ``[T, 32, 128]``, k ``[T, 8, 128]`` (Llama-3-8B's heads), positions uniform in
+``[0, 65536)``. Per token count, ``--rounds`` rounds (ABAB: the spread between rounds is
+the noise) of:
+
+- ``mosaic`` / ``triton``: ``apply_rope(backend=...)`` in a jitted loop, q and k donated
+  (:class:`bench.timing.JaxLoop`); ``*_mrope``: the same on Qwen2-VL's M-RoPE sections
+  (16, 24, 24), positions ``[3, T]``;
+- ``flashinfer``: ``apply_rope_pos_ids_inplace``; ``liger``: liger-kernel's
+  ``qwen2vl_mrope_forward`` (in place, HF's bf16 cos/sin); ``ceiling``: torch ``mul_(1.0)``
+  on one buffer of q's and k's bytes; each a CUDA graph of calls, replayed between events.
+
+``%ceil`` = ceiling time / time (the bytes of the rotation are the ceiling's, plus
+positions). ``--sweep`` first times the Mosaic kernel at other split knobs
+(``mosaic_gpu._GROUP_BYTES``, ``_IN_FLIGHT``); ``--use-best`` runs the table at the
+fastest. Writes ``mosaic_bench.json`` and prints a table. GPU only (FlashInfer and torch
+CUDA needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxrope as jr  # noqa: E402
+from bench import timing  # noqa: E402
+from bench.mrope_bench import hf_cos_sin, load_liger  # noqa: E402
+
+Q_HEADS, K_HEADS, HEAD_DIM = 32, 8, 128
+ONE_D = jr.RopeConfig(head_dim=HEAD_DIM)
+MROPE = jr.RopeConfig(head_dim=HEAD_DIM, mrope_section=(16, 24, 24))
+
+
+def _jax_time(backend: str, cfg, q, k, pos, iters: int, reps: int) -> timing.Timing:
+    step = lambda a, b, p: jr.apply_rope(a, b, p, cfg, backend=backend)  # noqa: E731
+    return timing.JaxLoop(step, (q, k), (pos,), iters=iters, unroll=8).time(reps)
+
+
+def sweep(args) -> List[Dict[str, Any]]:
+    """The Mosaic kernel's split knobs (bytes a thread rotates at once, groups in flight),
+    1-D; with ``--use-best`` the fastest (summed over token counts) times the table."""
+    from jaxrope.kernels import mosaic_gpu
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    saved = mosaic_gpu._GROUP_BYTES, mosaic_gpu._IN_FLIGHT
+    for tokens in args.tokens:
+        q = jnp.asarray(rng.standard_normal((tokens, Q_HEADS, HEAD_DIM)), jnp.bfloat16)
+        k = jnp.asarray(rng.standard_normal((tokens, K_HEADS, HEAD_DIM)), jnp.bfloat16)
+        pos = jnp.asarray(rng.integers(0, 65536, tokens).astype(np.int32))
+        iters = max(8, 8 * round(4e12 * 0.01 / (2 * (q.nbytes + k.nbytes)) / 8))
+        for group_bytes, in_flight in args.sweep:
+            mosaic_gpu._GROUP_BYTES, mosaic_gpu._IN_FLIGHT = group_bytes, in_flight
+            try:
+                t = _jax_time("mosaic", ONE_D, q, k, pos, iters, args.reps)
+            finally:
+                mosaic_gpu._GROUP_BYTES, mosaic_gpu._IN_FLIGHT = saved
+            rows.append(dict(tokens=tokens, group_bytes=group_bytes, in_flight=in_flight,
+                             us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us))
+            print(f"sweep tokens {tokens} group_bytes {group_bytes} in_flight {in_flight}: "
+                  f"{t.median_us:.1f} us", flush=True)
+    if args.use_best and rows:
+        total = {}
+        for r in rows:
+            key = (r["group_bytes"], r["in_flight"])
+            total[key] = total.get(key, 0.0) + r["us"] / r["tokens"]
+        best = min(total, key=total.get)
+        mosaic_gpu._GROUP_BYTES, mosaic_gpu._IN_FLIGHT = best
+        print(f"table with group_bytes {best[0]} in_flight {best[1]}", flush=True)
+    return rows
+
+
+def run(args) -> Dict[str, Any]:
+    import torch
+    import flashinfer.rope as fi
+    liger = load_liger(args.liger)
+    rng = np.random.default_rng(args.seed)
+    rows: List[Dict[str, Any]] = []
+    for tokens in args.tokens:
+        q = jnp.asarray(rng.standard_normal((tokens, Q_HEADS, HEAD_DIM)), jnp.bfloat16)
+        k = jnp.asarray(rng.standard_normal((tokens, K_HEADS, HEAD_DIM)), jnp.bfloat16)
+        pos3 = jnp.asarray(rng.integers(0, 65536, (3, tokens)).astype(np.int32))
+        pos = pos3[0]
+        qt, kt = (torch.from_dlpack(jnp.copy(x)).clone() for x in (q, k))
+        pt = torch.from_dlpack(jnp.copy(pos)).clone()
+        buf = torch.cat([qt.reshape(-1), kt.reshape(-1)])
+        # ~10 ms a sample at 4 TB/s.
+        iters = max(8, 8 * round(4e12 * 0.01 / (2 * buf.numel() * 2) / 8))
+        cos, sin = hf_cos_sin(torch, MROPE, np.asarray(pos3), "cuda", torch.bfloat16)
+        ql, kl = qt.clone()[None], kt.clone()[None]
+        section = list(MROPE.mrope_section)
+        torch_calls = {
+            "ceiling": lambda: buf.mul_(1.0),
+            "flashinfer": lambda: fi.apply_rope_pos_ids_inplace(qt, kt, pt),
+        }
+        if liger.forward is not None:
+            torch_calls["liger_mrope"] = lambda: liger.forward(
+                ql.transpose(1, 2), kl.transpose(1, 2), cos, sin, section)
+        for round_ in range(args.rounds):
+            measured = {}
+            for impl in ("mosaic", "triton"):
+                measured[impl] = _jax_time(impl, ONE_D, q, k, pos, iters, args.reps)
+                measured[f"{impl}_mrope"] = _jax_time(impl, MROPE, q, k, pos3, iters, args.reps)
+            for impl, fn in torch_calls.items():
+                measured[impl] = timing.time_cuda_graph(fn, iters=iters, reps=args.reps)
+            for impl, t in measured.items():
+                rows.append(dict(tokens=tokens, round=round_, impl=impl, us=t.median_us,
+                                 p10_us=t.p10_us, p90_us=t.p90_us, iters=t.iters,
+                                 method=t.method,
+                                 copies=t.detail.get("hlo_copies")))
+            print(f"tokens {tokens} round {round_}: " + ", ".join(
+                f"{i} {t.median_us:.1f}" for i, t in measured.items()), flush=True)
+    return dict(info=timing.run_info("bench.mosaic_bench", sys.argv[1:]),
+                device=torch.cuda.get_device_name(0), jax=jax.__version__,
+                torch=torch.__version__, liger=liger.version or liger.skipped,
+                rows=rows)
+
+
+def table(report: Dict[str, Any]) -> str:
+    lines = ["| tokens | impl | us (median of rounds) | % ceiling | x mosaic |",
+             "|---|---|---|---|---|"]
+    by = {}
+    for r in report["rows"]:
+        by.setdefault((r["tokens"], r["impl"]), []).append(r["us"])
+    for tokens in sorted({t for t, _ in by}):
+        ceiling = float(np.median(by[(tokens, "ceiling")]))
+        mosaic = float(np.median(by[(tokens, "mosaic")]))
+        for (t, impl), us in sorted(by.items()):
+            if t != tokens:
+                continue
+            us_m = float(np.median(us))
+            spread = f" ({min(us):.1f}-{max(us):.1f})" if len(us) > 1 else ""
+            lines.append(f"| {tokens} | {impl} | {us_m:.1f}{spread} | {100 * ceiling / us_m:.1f} "
+                         f"| {us_m / mosaic:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.mosaic_bench")
+    parser.add_argument("--out", default="bench/out")
+    parser.add_argument("--tokens", nargs="+", type=int, default=[16384, 65536])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--liger", default=None)
+    parser.add_argument("--sweep", nargs="*", default=[], metavar="BYTES:IN_FLIGHT",
+                        help="first time the Mosaic kernel at these split knobs")
+    parser.add_argument("--use-best", action="store_true",
+                        help="time the table at the sweep's fastest knobs")
+    args = parser.parse_args(argv)
+    args.sweep = [tuple(int(x) for x in item.split(":")) for item in args.sweep]
+    swept = sweep(args) if args.sweep else []
+    report = run(args)
+    from jaxrope.kernels import mosaic_gpu
+    report.update(sweep=swept, mosaic_knobs=dict(group_bytes=mosaic_gpu._GROUP_BYTES,
+                                                 in_flight=mosaic_gpu._IN_FLIGHT))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "mosaic_bench.json").write_text(json.dumps(report, indent=1))
+    print(table(report))
+
+
+if __name__ == "__main__":
+    main()

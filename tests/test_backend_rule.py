@@ -1,0 +1,35 @@
+"""The torch bridge's two JAX paths decide "auto" and check a backend by the core's one rule
+(:func:`jaxrope.backend.backend_name`), not by a copy of it."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import jaxrope as jr  # noqa: E402
+from jaxrope import backend as backend_module  # noqa: E402
+from torch_bridge.kv_append import JaxAppend  # noqa: E402
+from torch_bridge.rotate import JaxRotation, torch_capability  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def test_bridge_paths_refuse_what_the_core_refuses_on_cpu():
+    for backend in ("triton", "pallas", "mosaic"):
+        with pytest.raises(jr.BackendUnavailable) as rotation:
+            JaxRotation.check_backend(backend, CPU)
+        with pytest.raises(jr.BackendUnavailable) as append:
+            JaxAppend(CPU, backend)
+        with pytest.raises(jr.BackendUnavailable) as core:
+            backend_module.backend_name(backend, "cpu", "rope_append_kv")
+        assert str(rotation.value) == str(core.value) == str(append.value), backend
+    with pytest.raises(ValueError, match="backend='cuda' must be one of"):
+        JaxAppend(CPU, "cuda")
+
+
+def test_bridge_auto_is_the_cores_auto():
+    assert torch_capability(CPU) is None
+    JaxRotation.check_backend("auto", CPU)
+    assert JaxAppend(CPU, "auto").backend == backend_module.backend_name("auto", "cpu") == "xla"
+    assert JaxAppend(CPU, "interpret").backend == "interpret"

@@ -1,0 +1,176 @@
+"""The Mosaic GPU kernel's body in Mosaic GPU's interpreter (CPU) against the float64 oracle,
+and its CUDA lowering (which runs off a GPU): every named case, layout and token count.
+
+Skipped with the reason on JAX 0.10 (no mutable refs, no GPU interpreter). The compiled
+kernel runs in tests/gpu/test_mosaic_gpu.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxrope as jr
+from jaxrope import backend as backend_module
+from jaxrope.apply import kernel_constants
+from jaxrope.cases import BY_NAME, CASES, MROPE_CASES
+from jaxrope.kernels import mosaic_gpu
+from jaxrope.testing import oracle
+
+MISSING = mosaic_gpu.unavailable()
+needs_mosaic = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
+LARGE = 1 << 20
+BOUND = {jnp.bfloat16: 2.5e-3, jnp.float16: 2.5e-3, jnp.float32: 1e-5}
+
+
+def _mosaic(cfg, q, k, pos, interpret=True):
+    tables, attention = kernel_constants(cfg)
+    return mosaic_gpu.rope_mosaic(q, k, jnp.asarray(pos), jnp.asarray(tables),
+                                  rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
+                                  attention_factor=attention, mrope_section=cfg.mrope_section,
+                                  mrope_interleaved=cfg.mrope_interleaved, interpret=interpret)
+
+
+def _draw(rng, cfg, tokens, q_heads, k_heads, dtype):
+    q, k = (jnp.asarray(rng.standard_normal((tokens, h, cfg.head_dim)), dtype)
+            for h in (q_heads, k_heads))
+    shape = (tokens,) if cfg.mrope_section is None else (3, tokens)
+    return q, k, rng.integers(0, LARGE, shape).astype(np.int32)
+
+
+def _check(cfg, q, k, pos, out, dtype):
+    for x, y in zip((q, k), out):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        assert oracle.relative_error(y, oracle.rope_of(cfg, x, pos)) < BOUND[dtype]
+        np.testing.assert_array_equal(y[..., cfg.rotary_dim:], x[..., cfg.rotary_dim:])
+
+
+# Every case in bf16; fp32 and fp16 on a few (the interpreter is slow on CPU).
+DTYPE_CASES = [(c, jnp.bfloat16) for c in CASES + MROPE_CASES] + [
+    (BY_NAME[name], dtype) for name in ("linear_x4", "gptj_interleave", "qwen3_vl_interleaved")
+    for dtype in (jnp.float32, jnp.float16)]
+
+
+@needs_mosaic
+@pytest.mark.parametrize("case, dtype", DTYPE_CASES,
+                         ids=lambda x: getattr(x, "name", None) or jnp.dtype(x).name)
+def test_mosaic_body_matches_the_oracle_in_its_interpreter(case, dtype, rng):
+    # The case's own heads and odd token count (a tail of single tokens, often no whole
+    # block); positions near a million, where only the accurate angle stays at the floor.
+    cfg = dataclasses.replace(case.cfg, max_position=LARGE)
+    q, k, pos = _draw(rng, cfg, case.tokens, case.q_heads, case.k_heads, dtype)
+    _check(cfg, q, k, pos, jax.jit(lambda a, b: _mosaic(cfg, a, b, pos))(q, k), dtype)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("name, tokens", [("llama3_8b", 37), ("qwen2_vl_7b", 33),
+                                          ("gptj_interleave", 130), ("head_dim_512", 9)])
+def test_mosaic_body_rotates_whole_blocks_and_the_tail(name, tokens, rng):
+    # Token counts past one block of the plan: whole blocks, each head group of q and k
+    # by the one angle, then single tokens. A group skipped or rotated by another block's
+    # angle shows against the oracle.
+    case = BY_NAME[name]
+    cfg = dataclasses.replace(case.cfg, max_position=LARGE)
+    p = mosaic_gpu.plan(case.q_heads, case.k_heads, cfg.rotary_dim // 2, cfg.head_dim, 2,
+                        cfg.interleave)
+    assert tokens > p.tokens_per_block and tokens % p.tokens_per_block
+    q, k, pos = _draw(rng, cfg, tokens, case.q_heads, case.k_heads, jnp.bfloat16)
+    _check(cfg, q, k, pos, jax.jit(lambda a, b: _mosaic(cfg, a, b, pos))(q, k), jnp.bfloat16)
+
+
+@needs_mosaic
+def test_mosaic_body_takes_no_tokens():
+    cfg = BY_NAME["llama3_8b"].cfg
+    q, k = jnp.zeros((0, 32, 128), jnp.bfloat16), jnp.zeros((0, 8, 128), jnp.bfloat16)
+    out = _mosaic(cfg, q, k, np.zeros(0, np.int32))
+    assert out[0].shape == q.shape and out[1].shape == k.shape
+
+
+def _lowered(cfg, tokens, q_heads, k_heads, dtype=jnp.bfloat16, **jit_kwargs):
+    q, k = (jax.ShapeDtypeStruct((tokens, h, cfg.head_dim), dtype) for h in (q_heads, k_heads))
+    shape = (tokens,) if cfg.mrope_section is None else (3, tokens)
+    pos = np.zeros(shape, np.int32)
+    return jax.jit(lambda a, b: _mosaic(cfg, a, b, pos, interpret=False), **jit_kwargs).trace(
+        q, k)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("case, dtype", DTYPE_CASES,
+                         ids=lambda x: getattr(x, "name", None) or jnp.dtype(x).name)
+def test_mosaic_kernel_lowers_for_cuda_on_every_case(case, dtype):
+    # Off a GPU the Mosaic GPU lowering still runs: layouts it cannot transfer, vectors
+    # that straddle a head or a broadcast its layouts do not allow fail here.
+    _lowered(case.cfg, 257, case.q_heads, case.k_heads, dtype).lower(lowering_platforms=("cuda",))
+
+
+@needs_mosaic
+def test_mosaic_kernel_lowers_in_place():
+    # Donated q and k must alias the outputs: nothing copied, dims past rotary_dim untouched.
+    text = _lowered(BY_NAME["llama3_8b"].cfg, 16, 32, 8, donate_argnums=(0, 1)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    assert len(re.findall(r"tensor<16x(?:32|8)x128xbf16> \{tf\.aliasing_output = [01]", text)) == 2
+
+
+@needs_mosaic
+@pytest.mark.parametrize("name", ["llama3_8b", "qwen2_vl_7b", "linear_x4"])
+def test_mosaic_kernel_computes_the_angle_once_per_block(name):
+    # One sine and one cosine of [tokens, R/2] per block (and one of [1, R/2] per tail
+    # token), whatever the head count: every head group broadcasts them.
+    case = BY_NAME[name]
+    p = mosaic_gpu.plan(case.q_heads, case.k_heads, case.cfg.rotary_dim // 2,
+                        case.cfg.head_dim, 2, case.cfg.interleave)
+    text = str(_lowered(case.cfg, p.tokens_per_block + 1, case.q_heads, case.k_heads).jaxpr)
+    half = case.cfg.rotary_dim // 2
+    assert sorted(re.findall(r":f32\[([\d,]*)\] = (sin|cos) ", text)) == sorted(
+        [(f"{p.tokens_per_block},{half}", "sin"), (f"{p.tokens_per_block},{half}", "cos"),
+         (f"1,{half}", "sin"), (f"1,{half}", "cos")])
+
+
+def test_mosaic_plan_splits_every_layout_into_whole_warps():
+    # Brute force: lanes along the pairs divide a warp and the half's vectors, a vector
+    # fits 16 bytes and divides the half and the head stride (GPT-J: one element), head
+    # groups divide the head count.
+    for half, extra, itemsize, interleave, heads in [
+            (h, e, i, il, hs) for h in (4, 8, 16, 20, 24, 32, 40, 48, 64, 96, 128, 256)
+            for e in (0, 2, 36) for i in (2, 4) for il in (False, True)
+            for hs in ((32, 8), (28, 4), (5, 1), (3, 3), (64, 8))]:
+        head_dim = 2 * half + extra
+        p = mosaic_gpu.plan(*heads, half, head_dim, itemsize, interleave)
+        assert 32 % p.lanes_pairs == 0 and (half // p.vec) % p.lanes_pairs == 0
+        assert p.vec * itemsize <= 16 and half % p.vec == 0 and head_dim % p.vec == 0
+        assert not interleave or p.vec == 1
+        assert p.tokens_per_block == 4 * 32 // p.lanes_pairs
+        assert heads[0] % p.q_group == 0 and heads[1] % p.k_group == 0
+    assert mosaic_gpu.plan(32, 8, 64, 128, 2, False).vec == 8  # 16-byte bf16 vectors
+
+
+def test_mosaic_floor_is_a_floor_for_either_sign(rng):
+    # The turn tables' mid and lo parts are signed: the kernel floors negative values too.
+    x = rng.uniform(-3e6, 3e6, 4096).astype(np.float32)
+    x[:4] = [-2.5, -2.0, -0.25, 0.0]
+    np.testing.assert_array_equal(np.asarray(mosaic_gpu._floor(jnp.asarray(x))), np.floor(x))
+
+
+def test_auto_takes_mosaic_only_on_hopper_or_newer():
+    # One rule for every caller: compute capability 9.0+ CUDA runs Mosaic GPU, older GPUs
+    # the Triton-lowered kernel, CPU XLA; an op without a Mosaic kernel keeps Triton.
+    want = "mosaic" if MISSING is None else "triton"
+    assert backend_module.backend_name("auto", "cuda", compute_capability="9.0") == want
+    assert backend_module.backend_name("auto", "gpu", compute_capability="10.0") == want
+    assert backend_module.backend_name("auto", "cuda", compute_capability="8.9") == "triton"
+    assert backend_module.backend_name("auto", "rocm") == "triton"
+    assert backend_module.backend_name("auto", "cpu") == "xla"
+    assert backend_module.backend_name("auto", "cuda", "rope_append_kv", "9.0") == "triton"
+    assert backend_module.resolve("pallas", "cuda") is backend_module.resolve("triton", "cuda")
+    with pytest.raises(jr.BackendUnavailable, match="backend='mosaic' needs a CUDA GPU"):
+        backend_module.resolve("mosaic", "cpu")
+    with pytest.raises(jr.BackendUnavailable, match="backend='triton' \\(or 'pallas'\\) needs"):
+        backend_module.resolve("pallas", "cpu")
+    with pytest.raises(jr.BackendUnavailable, match="has no rope_append_kv kernel"):
+        backend_module.resolve("mosaic", "cuda", "rope_append_kv")
