@@ -19,7 +19,7 @@ from jaxrope.cases import BY_NAME, MROPE_CASES
 from jaxrope.kernels import pallas_triton, triton_ir
 from jaxrope.models import HF_VL_CONFIGS
 from jaxrope.mrope import hf_mrope_args
-from jaxrope.testing import oracle
+from jaxrope.testing import kv_oracle, oracle
 
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 TOLERANCE = oracle.RELATIVE_TOLERANCE
@@ -112,8 +112,8 @@ def test_every_launch_shape_reads_the_same_rows(name, block, rng):
             config=pallas_triton.BlockConfig(bt, hp, warps, 1, groups, loop, bool(major)))
 
     want, got = run(1, 1, 1, 1, 1, 0), run(*block)
-    for a, b in zip(want, got):
-        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    for a, b in zip(want, got):   # to a rounding of the products: kv_oracle.row_ulps
+        assert kv_oracle.row_ulps(np.asarray(b), np.asarray(a)).max() <= 2
     assert _error(cfg, q, k, pos, want) < TOLERANCE["float32"]
 
 
