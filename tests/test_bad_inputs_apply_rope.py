@@ -46,7 +46,7 @@ APPLY_ROPE_CASES = [
         ValueError, "backend='cuda'"),
     Bad("apply_rope pallas backend off GPU", lambda e: _rope(e, backend="pallas"),
         NotImplementedError,
-        "backend='pallas'"),
+        "backend='triton' (or 'pallas') needs a GPU"),
     Bad("positions.init zero capacity", lambda e: positions.init(0), ValueError, "capacity=0"),
     Bad("positions.grow to a smaller capacity", lambda e: positions.grow(e.table, 4), ValueError,
         "capacity=4"),

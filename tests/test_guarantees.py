@@ -65,7 +65,7 @@ CLAIMS = [
     ("Removing an unknown or removed request, publishing an unknown one and ingesting\n  again "
      "are no-ops", "test_remove_publish_and_ingest_again_are_no_ops"),
     ("it moves back only through `rollback`", "test_core_counters_move_back_only_through_the_listed_calls"),
-    ("back only through `rollback`, `admit_retrieve` of a record of a newer epoch",
+    ("back only through `rollback`, `admit_retrieve` of a record holding rewinds the manager\nlacks",
      "test_bridge_counters_move_back_only_through_the_listed_calls"),
     ("No bridge counter passes `max_seq_len`",
      "test_bridge_counters_move_back_only_through_the_listed_calls"),
@@ -524,7 +524,8 @@ def test_bridge_counters_move_back_only_through_the_listed_calls(rng):
                 lower, published.deltas, published.epochs, published.fingerprint)).ok
         elif op == "newer_admit":
             # r2 is rewound by the peer alone (one writer): the peer takes this node's
-            # record, rolls the stream back and publishes; a newer epoch wins here.
+            # record, rolls the stream back and publishes; its rewind, which this node
+            # lacks, wins here.
             rid = "r2"
             peer.admit_retrieve(rid, None, None, mgr.publish(rid))
             peer.rollback(rid, label, int(rng.integers(0, max(1, peer.position(rid, label)))))
