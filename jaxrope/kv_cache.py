@@ -65,7 +65,7 @@ def _caches(kv_cache, layout: str, k) -> Tuple[Tuple, bool, kv_layout.CacheRows]
             raise TypeError(f"kv_cache must be a (k_cache, v_cache) pair of arrays or one array, "
                             f"got a {type(kv_cache).__name__} of {len(kv_cache)}")
         if kv_layout.axes(layout, False) is None:
-            raise ValueError(f"{layout=} takes one {_layout_text(layout, True)} array, "
+            raise ValueError(f"{layout=} takes one {kv_layout.describe(layout, True)} array, "
                              "not a (k_cache, v_cache) pair")
         k_cache, v_cache = kv_cache
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -79,7 +79,8 @@ def _caches(kv_cache, layout: str, k) -> Tuple[Tuple, bool, kv_layout.CacheRows]
     elif _is_array(kv_cache):
         if kv_layout.axes(layout, True) is None:
             raise ValueError(f"kv_cache.shape={tuple(kv_cache.shape)}: {layout=} takes a "
-                             f"(k_cache, v_cache) pair of {_layout_text(layout, False)} arrays")
+                             f"(k_cache, v_cache) pair of {kv_layout.describe(layout, False)} "
+                             "arrays")
         if kv_cache.ndim != len(kv_layout.axes(layout, True)) + 1:
             raise ValueError(f"kv_cache.shape={tuple(kv_cache.shape)} must be "
                              f"{_layout_text(layout, True)} (or pass a (k_cache, v_cache) pair)")
