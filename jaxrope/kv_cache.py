@@ -11,11 +11,17 @@ Vocabulary and conventions:
   conventionally -1) writes nothing. FlashInfer's ``(kv_indices, kv_indptr,
   batch_indices, positions)`` describe the same thing: ``slot = kv_indices[kv_indptr[b]
   + p // page_size] * page_size + p % page_size`` for token ``(b, p)``.
-- **kv_cache**: FlashInfer's ``paged_kv_cache``: a tuple ``(k_cache, v_cache)`` of
-  ``[pages, page_size, Hk, D]`` arrays (``layout="NHD"``, FlashInfer's default) or
-  ``[pages, Hk, page_size, D]`` (``"HND"``), or one ``[pages, 2, page_size, Hk, D]``
-  (``[pages, 2, Hk, page_size, D]``) array holding keys at ``[:, 0]`` and values at
-  ``[:, 1]`` (vLLM's FlashInfer backend allocates this one).
+- **kv_cache** and **layout**: FlashInfer's ``paged_kv_cache``: a tuple ``(k_cache,
+  v_cache)`` of ``[pages, page_size, Hk, D]`` arrays (``layout="NHD"``, FlashInfer's
+  default) or ``[pages, Hk, page_size, D]`` (``"HND"``), or one ``[pages, 2, page_size,
+  Hk, D]`` (``[pages, 2, Hk, page_size, D]``) array holding keys at ``[:, 0]`` and values
+  at ``[:, 1]`` (vLLM's FlashInfer backend allocates this one). What JAX's own kernels
+  read (:data:`JAX_LAYOUTS`): ``"paged_attention"``, a ``(k_pages, v_pages)`` pair of
+  ``[Hk, pages, page_size, D]`` arrays (``jax.experimental.pallas.ops.gpu.
+  paged_attention``); ``"ragged_paged_attention"``, one ``[pages, page_size, 2 * Hk, D]``
+  array with keys at even heads ``[:, :, 0::2]`` and values at odd ones ``[:, :, 1::2]``
+  (``jax.experimental.pallas.ops.tpu.ragged_paged_attention``). Every layout is one
+  stride rule (:mod:`jaxrope.kernels.kv_layout`).
 - **M-RoPE** (``cfg.mrope_section``): ``pos_ids [3, T]``, each frequency slot rotated
   by its row's position exactly as :func:`jaxrope.apply_rope` does it.
 - **fp8**: a ``float8_e4m3fn`` cache stores ``e4m3(clip(x * k_quant_scale, -448, 448))``
@@ -163,16 +169,19 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
       pos_ids: int ``[T]``, the position of each token, in ``[0, cfg.max_position)``;
         for an M-RoPE config (``cfg.mrope_section``) int ``[3, T]``, the t, h and w rows
         (checked when visible, as in :func:`jaxrope.apply_rope`, by the same checks).
-      kv_cache: ``(k_cache, v_cache)``, each ``[pages, page_size, Hk, D]`` (NHD) or
-        ``[pages, Hk, page_size, D]`` (HND); or one array ``[pages, 2, page_size, Hk, D]``
-        (``[pages, 2, Hk, page_size, D]``) with keys at ``[:, 0]`` and values at ``[:, 1]``.
-        Dtype: k's, or ``float8_e4m3fn``.
+      kv_cache: ``(k_cache, v_cache)``, each ``[pages, page_size, Hk, D]`` (NHD),
+        ``[pages, Hk, page_size, D]`` (HND) or ``[Hk, pages, page_size, D]``
+        ("paged_attention"); or one array ``[pages, 2, page_size, Hk, D]`` (NHD),
+        ``[pages, 2, Hk, page_size, D]`` (HND) with keys at ``[:, 0]`` and values at
+        ``[:, 1]``, or ``[pages, page_size, 2 * Hk, D]`` ("ragged_paged_attention") with
+        keys at even heads and values at odd ones. Dtype: k's, or ``float8_e4m3fn``.
       slots: int ``[T]``: token ``t`` is written to page ``slots[t] // page_size``, entry
         ``slots[t] % page_size``; a negative slot writes nothing (padding). Visible slots
         must be below ``pages * page_size`` and not repeat; traced slots out of range are
         skipped like negative ones.
       cfg: the :class:`jaxrope.RopeConfig`; static under ``jit``.
-      layout: "NHD" (default, FlashInfer's) or "HND".
+      layout: "NHD" (default, FlashInfer's), "HND", "paged_attention" (a pair only) or
+        "ragged_paged_attention" (one array only).
       k_quant_scale, v_quant_scale: fp8 caches only (None otherwise): the cache stores
         ``e4m3(clip(x * scale, -448, 448))``, FlashInfer's ``quant_scale_kv``; a float or
         a scalar array (may be traced); default 1.
