@@ -3,7 +3,7 @@
 The public API is the list below; every other module is an implementation detail.
 """
 
-from jaxrope import cases, hf, models, mrope, positions, speculative, wire
+from jaxrope import cases, hf, models, mrope, paging, positions, speculative, wire
 from jaxrope.apply import apply_rope
 from jaxrope.backend import BACKENDS
 from jaxrope.config import RopeConfig
@@ -33,6 +33,7 @@ __all__ = [
     "hf",
     "models",
     "mrope",
+    "paging",
     "positions",
     "speculative",
     "wire",

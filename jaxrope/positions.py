@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrope import paging as _paging
 from jaxrope import sharding as _sharding
 
 # The padding slot: out of range for every table, however far it grows.
@@ -177,12 +178,8 @@ def plan(table: PositionTable, slots: jax.Array, counts: jax.Array, out: jax.Arr
     ends = jnp.cumsum(counts)
     starts = ends - counts
     token = jnp.arange(out.shape[-1], dtype=jnp.int32)
-    # Each view marks the token where it starts; a running max then gives every token
-    # its view (an empty view shares its start with the next one, and the max keeps the
-    # later, non-empty one). Linear, and about twice as fast as a binary search per token.
-    marks = jnp.zeros_like(token).at[starts].max(jnp.arange(counts.shape[0], dtype=jnp.int32),
-                                                 mode="drop")
-    view = jax.lax.cummax(marks, axis=0)
+    # Tokens past the views (view -1) read view 0 here; `live` masks them below.
+    view = jnp.maximum(_paging.token_views(counts, out.shape[-1]), 0)
     base = read(table, slots)
     if out.ndim == 2:
         base = base + read(table, slots, "deltas")
