@@ -37,14 +37,16 @@ def _k_index(layout: str, combined: bool, page: int, entry: int):
             # paged_attention: k_pages[kv_head, page, entry]
             ("paged_attention", False): (0, (slice(None), page, entry)),
             # ragged_paged_attention: kv_pages[page, entry, 0::2] are the keys
-            ("ragged_paged_attention", True): (0, (page, entry, slice(0, None, 2)))}[layout, combined]
+            ("ragged_paged_attention", True): (0, (page, entry, slice(0, None, 2))),
+            }[layout, combined]
 
 
 def _v_index(layout: str, combined: bool, page: int, entry: int):
     return {("NHD", False): (1, (page, entry)), ("HND", False): (1, (page, slice(None), entry)),
             ("NHD", True): (0, (page, 1, entry)), ("HND", True): (0, (page, 1, slice(None), entry)),
             ("paged_attention", False): (1, (slice(None), page, entry)),
-            ("ragged_paged_attention", True): (0, (page, entry, slice(1, None, 2)))}[layout, combined]
+            ("ragged_paged_attention", True): (0, (page, entry, slice(1, None, 2))),
+            }[layout, combined]
 
 
 def _shape(layout: str, combined: bool):

@@ -91,11 +91,11 @@ class Engine:
         self.cfg = model.config()
         rng = np.random.default_rng(seed + 1)
         self.weights = model.Weights.random(rng, self.cfg.head_dim)
-        self.device_weights = model.device_weights(self.weights)
         self.projected = model.projections(self.weights, self.cfg.head_dim)
         self.traces: Dict[int, int] = {}
         self.step_fn = model.make_step(self.cfg, interpret, self.traces)
         self.smap = jr.SlotMap(CAPACITY)
+        self.device_weights = model.device_weights(self.weights)
         self.table = positions.init(CAPACITY)
         self.cache = model.empty_cache()
         self.block_table = np.zeros((CAPACITY, model.PAGES_PER_SEQ), np.int32)
@@ -165,7 +165,8 @@ class Engine:
         return decodes + chunks
 
     def run_step(self, s: int, work: List[Tuple[Request, int]], rng) -> Tuple[dict, list]:
-        """Run the jitted step on ``work``; returns its outputs and each token's (request, index)."""
+        """Run the jitted step on ``work``; returns its outputs and each token's
+        ``(request, index)``."""
         n = sum(count for _, count in work)
         bucket = next(b for b in BUCKETS if b >= n)
         ids = np.zeros(bucket, np.int32)
@@ -219,7 +220,8 @@ class Engine:
                 self.owners[r.pages[p]] += 1
 
     # -- the float64 check -------------------------------------------------------------------
-    def check(self, s: int, outputs: dict, tokens: list, live: List[Request]) -> Tuple[Optional[str], float]:
+    def check(self, s: int, outputs: dict, tokens: list,
+              live: List[Request]) -> Tuple[Optional[str], float]:
         """The first mismatch of step ``s`` (or None) and the largest attention error."""
         recomputed = {r.rid: model.recompute(self.cfg, self.projected, r.ids,
                                              r.positions[:, :len(r.ids)]) for r in live}

@@ -19,6 +19,10 @@ from typing import Callable, Dict, List
 import jax
 import jax.numpy as jnp
 import numpy as np
+# Imported before the first trace: JAX 0.11 imports it inside the first trace of a
+# pallas_call, and the config option it registers then changes the tracing cache key, so
+# the first bucket would compile twice.
+from jax.experimental.pallas import fuser  # noqa: F401
 
 import jaxrope as jr
 from jaxrope import paging, positions
@@ -86,8 +90,8 @@ def make_step(cfg: jr.RopeConfig, interpret: bool, traces: Dict[int, int]) -> Ca
         stream = slots.at[views].get(mode="fill", fill_value=-1, wrap_negative_indices=False)
         kv_slots = paging.block_table_slots(block_table, stream, kv_pos, page_size=PAGE_SIZE)
         x = weights.embed[ids]
-        q, k, v = ((x @ w).reshape(num_tokens, h, head_dim)
-                   for w, h in ((weights.wq, Q_HEADS), (weights.wk, K_HEADS), (weights.wv, K_HEADS)))
+        heads = ((weights.wq, Q_HEADS), (weights.wk, K_HEADS), (weights.wv, K_HEADS))
+        q, k, v = ((x @ w).reshape(num_tokens, h, head_dim) for w, h in heads)
         q, cache = jr.apply_rope_and_append_kv(q, k, v, pos, cache, kv_slots, cfg,
                                                layout="paged_attention")
         # Every token is one query over its sequence's first kv_pos + 1 keys; padding

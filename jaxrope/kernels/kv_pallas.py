@@ -306,7 +306,8 @@ def rope_append_kv_pallas(q, k, v, pos_ids, slots, tables, scales, caches, *, ro
         _rope_append_kv_kernel, q_heads=q_heads, k_heads=k_heads, head_dim=head_dim,
         rotary_dim=rotary_dim, interleave=interleave, attention_factor=attention_factor,
         lanes=lanes, rows=rows, heads_per_program=cfg.heads_per_program,
-        groups_per_program=cfg.groups_per_program, token_loop=cfg.token_loop, q_programs=q_programs, k_programs=k_programs,
+        groups_per_program=cfg.groups_per_program, token_loop=cfg.token_loop,
+        q_programs=q_programs, k_programs=k_programs,
         approx_trig=not interpret, mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved)
     if mrope_section is not None:
