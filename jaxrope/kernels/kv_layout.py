@@ -6,16 +6,16 @@ A layout is the order of the array's axes (outermost first, ``D`` last and left 
 ``kv`` is the k/v axis of one array holding both (size 2, keys at 0), and a pair of
 axes in parentheses is one array axis of their product, the first one major:
 
-==========================  ========  ========================  =====================
-layout                      arrays    axes                      read by
-==========================  ========  ========================  =====================
-``"NHD"``                   (k, v)    page, entry, head         FlashInfer
-``"NHD"``                   one       page, kv, entry, head     FlashInfer, vLLM
-``"HND"``                   (k, v)    page, head, entry         FlashInfer
-``"HND"``                   one       page, kv, head, entry     FlashInfer
-``"paged_attention"``       (k, v)    head, page, entry         JAX's Pallas GPU op
-``"ragged_paged_attention"``  one     page, entry, (head, kv)   JAX's Pallas TPU op
-==========================  ========  ========================  =====================
+============================  ======  =======================  ===================
+layout                        arrays  axes                     read by
+============================  ======  =======================  ===================
+``"NHD"``                     (k, v)  page, entry, head        FlashInfer
+``"NHD"``                     one     page, kv, entry, head    FlashInfer, vLLM
+``"HND"``                     (k, v)  page, head, entry        FlashInfer
+``"HND"``                     one     page, kv, head, entry    FlashInfer
+``"paged_attention"``         (k, v)  head, page, entry        JAX's Pallas GPU op
+``"ragged_paged_attention"``  one     page, entry, (head, kv)  JAX's Pallas TPU op
+============================  ======  =======================  ===================
 
 The strides follow from the axes row-major (:func:`cache_rows`): the row of head ``h``
 of the token at entry ``e`` of page ``p`` is ``p * page_stride + e * entry_stride + h *
