@@ -167,3 +167,20 @@ def test_this_jax_has_the_ops_with_the_arguments_we_pass(name):
         pytest.skip(pa.available(name))
     op = pa.gpu_paged_attention() if name == "paged_attention" else pa.ragged_reference()
     assert set(CALLED[name]) <= set(inspect.signature(op).parameters), jax.__version__
+
+
+def test_a_cache_of_2_to_the_31_rows_is_refused_before_int32_row_numbers_wrap():
+    # Slots fit int32 (2**30 of them) but the rows of D values they reach do not.
+    sds = jax.ShapeDtypeStruct
+    pages = sds((K_HEADS, 2 ** 30, 1, CFG.head_dim), jnp.float32)
+    q = sds((2, Q_HEADS, CFG.head_dim), jnp.float32)
+    k = sds((2, K_HEADS, CFG.head_dim), jnp.float32)
+    with pytest.raises(ValueError, match=r"has 2147483648 rows of D values; the kernels address "
+                       r"at most 2\*\*31 - 1"):
+        jax.eval_shape(lambda q, k, cache, slots: jr.apply_rope_and_append_kv(
+            q, k, k, jnp.arange(2), cache, slots, CFG, layout="paged_attention"),
+            q, k, (pages, pages), sds((2,), jnp.int32))
+    smaller = sds((K_HEADS, 2 ** 30 - 1, 1, CFG.head_dim), jnp.float32)
+    jax.eval_shape(lambda q, k, cache, slots: jr.apply_rope_and_append_kv(
+        q, k, k, jnp.arange(2), cache, slots, CFG, layout="paged_attention", backend="xla"),
+        q, k, (smaller, smaller), sds((2,), jnp.int32))
