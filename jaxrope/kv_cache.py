@@ -10,7 +10,8 @@ Vocabulary and conventions:
   ``slots[t] // page_size``, entry ``slots[t] % page_size``; a negative slot (padding,
   conventionally -1) writes nothing. FlashInfer's ``(kv_indices, kv_indptr,
   batch_indices, positions)`` describe the same thing: ``slot = kv_indices[kv_indptr[b]
-  + p // page_size] * page_size + p % page_size`` for token ``(b, p)``.
+  + p // page_size] * page_size + p % page_size`` for token ``(b, p)``;
+  :mod:`jaxrope.paging` computes slots from either page table.
 - **kv_cache** and **layout**: FlashInfer's ``paged_kv_cache``: a tuple ``(k_cache,
   v_cache)`` of ``[pages, page_size, Hk, D]`` arrays (``layout="NHD"``, FlashInfer's
   default) or ``[pages, Hk, page_size, D]`` (``"HND"``), or one ``[pages, 2, page_size,
