@@ -31,8 +31,10 @@ BUCKETS = (16, 64)            # token buckets: one compile of the step each
 CHUNK = 24                    # the most prompt tokens one stream prefills in a step
 CAPACITY = 8                  # streams (views) a step holds: its view bucket
 LABEL = "text"                # one stream per request
-# float32 layer vs the float64 recompute (the fused op's rotation ~1e-6; attention sums).
-ATTENTION_TOLERANCE, CACHE_TOLERANCE = 1e-3, 1e-4
+# The float32 layer vs the float64 recompute: cache rows (the fused op's rotation) ~1e-6;
+# attention ~1e-6 on CPU, ~1e-3 where the GPU kernel's dots take TF32 inputs. A wrong
+# position or page is off by 1e-1 or more.
+ATTENTION_TOLERANCE, CACHE_TOLERANCE = 5e-3, 1e-4
 
 
 @dataclasses.dataclass

@@ -91,7 +91,9 @@ def make_step(cfg: jr.RopeConfig, interpret: bool, traces: Dict[int, int]) -> Ca
         kv_slots = paging.block_table_slots(block_table, stream, kv_pos, page_size=PAGE_SIZE)
         x = weights.embed[ids]
         heads = ((weights.wq, Q_HEADS), (weights.wk, K_HEADS), (weights.wv, K_HEADS))
-        q, k, v = ((x @ w).reshape(num_tokens, h, head_dim) for w, h in heads)
+        # Full float32 projections: a GPU's default TF32 would be ~1e-3 off the recompute.
+        q, k, v = (jnp.matmul(x, w, precision="highest").reshape(num_tokens, h, head_dim)
+                   for w, h in heads)
         q, cache = jr.apply_rope_and_append_kv(q, k, v, pos, cache, kv_slots, cfg,
                                                layout="paged_attention")
         # Every token is one query over its sequence's first kv_pos + 1 keys; padding

@@ -23,8 +23,9 @@ pytestmark = pytest.mark.gpu
 
 CFG = jr.RopeConfig(head_dim=128, max_position=1 << 16)
 GEOMETRY = pa.Geometry(CFG, q_heads=32, k_heads=8, page_size=16, pages=64)
-# TF32 is off for float32 dots in XLA by default, but Pallas' Triton dot may use it.
-TOLERANCE = 2e-3
+# The readers' float32 dots take TF32 inputs on the GPU by default (Pallas' Triton dot and
+# XLA's einsum), about 1e-3 off float64; a wrong page or head is off by 1e-1 or more.
+TOLERANCE = 1e-2
 
 
 @pytest.mark.parametrize("backend", ["pallas", "xla"])
