@@ -12,17 +12,18 @@ The public API is exactly what ``__all__`` lists, by one rule:
 - every other public name belongs to a subject and is reached through its module, each
   with its own ``__all__``: :mod:`jaxrope.hf` (``from_hf``, ``nope_layers``),
   :mod:`jaxrope.models` (the ``model_type`` table and the sample HF configs),
-  :mod:`jaxrope.mrope` (M-RoPE prompt positions and config fields),
+  :mod:`jaxrope.mrope` (M-RoPE prompt positions and config fields), :mod:`jaxrope.paging`
+  (KV slots from vLLM block tables and FlashInfer page tables, a step's token -> view map),
   :mod:`jaxrope.positions` (the position table's transitions), :mod:`jaxrope.speculative`
   (draft and verify positions) and :mod:`jaxrope.wire` (published records as bytes).
 
 Every other module is private: importable, but its names may change without notice.
 They are the implementation of the above (``apply``, ``backend``, ``config``,
 ``cos_sin_cache``, ``errors``, ``frequencies``, ``int_arrays``, ``kernels``, ``kv_cache``,
-``numbers``, ``scaling``, ``sharding``, ``slot_map``; ``hf_source``, ``hf_layers``, ``hf_fields`` and
-``hf_examples`` behind :mod:`jaxrope.hf` and :mod:`jaxrope.models`), the demo program
-(``demo``, run as ``python -m jaxrope.demo``), and support for the tests and
-benchmarks: ``cases`` (the table of named cases they share, imported as
+``numbers``, ``scaling``, ``sharding``, ``slot_map``; ``hf_source``, ``hf_layers``,
+``hf_fields`` and ``hf_examples`` behind :mod:`jaxrope.hf` and :mod:`jaxrope.models`),
+the demo programs (``demo``, run as ``python -m jaxrope.demo``, and ``engine_demo``, its
+``--jax`` trace), and support for the tests and benchmarks: ``cases`` (the table of named cases they share, imported as
 ``jaxrope.cases``) and ``testing`` (oracles and reference implementations). No module
 of jaxrope or torch_bridge outside these two imports them; tests/test_packaging.py
 checks that, and that every module is named here or in ``__all__``.
@@ -37,7 +38,7 @@ Example:
   True
 """
 
-from jaxrope import hf, models, mrope, positions, speculative, wire
+from jaxrope import hf, models, mrope, paging, positions, speculative, wire
 from jaxrope.apply import apply_rope
 from jaxrope.backend import BACKENDS
 from jaxrope.config import RopeConfig
@@ -66,6 +67,7 @@ __all__ = [
     "hf",
     "models",
     "mrope",
+    "paging",
     "positions",
     "speculative",
     "wire",

@@ -1,17 +1,20 @@
-"""``python -m jaxrope.demo``: the serving demo (needs torch; importing this module does not).
+"""``python -m jaxrope.demo``: the serving demos (importing this module imports neither).
 
 Usage::
 
+  python -m jaxrope.demo --jax [--steps N] [--seed S] [--inject-fault]
   python -m jaxrope.demo [--model {llama3.1,qwen2.5-yarn,phi3-longrope,deepseek-v2,
                                    qwen2-vl,qwen2.5-vl,qwen3-vl,glm-4.1v}]
                          [--steps N] [--device {auto,cpu,cuda}] [--seed S] [--speculative]
 
-The demo drives the PyTorch facade, so its implementation lives in
-:mod:`torch_bridge.demo` (see there for the trace and the checks); this module holds its
-command line (:func:`parser`, shared with ``python -m torch_bridge.demo``) and loads the
-implementation only after the arguments are parsed, which keeps ``import jaxrope`` free
-of torch and ``--help`` as fast as ``import jaxrope``. Without torch it prints the install
-command and exits with status 2.
+``--jax``: a continuous-batching engine loop entirely in JAX, no torch
+(:mod:`jaxrope.engine_demo`, which parses its own options). Otherwise the demo drives
+the PyTorch facade, so its implementation lives in :mod:`torch_bridge.demo` (see there
+for the trace and the checks); this module holds its command line (:func:`parser`,
+shared with ``python -m torch_bridge.demo``) and loads the implementation only after the
+arguments are parsed, which keeps ``import jaxrope`` free of torch and ``--help`` as fast
+as ``import jaxrope``. Without torch it prints the install command and exits with
+status 2.
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ def parser(prog: str = "python -m jaxrope.demo") -> argparse.ArgumentParser:
 INSTALL_HINT = ("jaxrope.demo drives the PyTorch facade (torch_bridge) and needs torch: "
                 "pip install -e '.[torch]' from a clone (CPU-only: pip install torch "
                 "--index-url https://download.pytorch.org/whl/cpu), or run `make demo`, "
-                "which installs it")
+                "which installs it; `python -m jaxrope.demo --jax` runs the JAX engine demo "
+                "without torch")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -82,6 +86,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     0: every check passed (or ``--help``); 1: a mismatch; 2: torch is missing, the
     arguments are invalid or the device asked for is not there (the reason goes to stderr).
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--jax" in argv:
+        argv.remove("--jax")
+        return importlib.import_module("jaxrope.engine_demo").main(argv)
     command_line = parser()
     try:
         args = command_line.parse_args(argv)

@@ -6,6 +6,7 @@ rotated k and the v into the cache at each token's slot in one launch on the GPU
 
 Vocabulary and conventions:
 
+<<<<<<< HEAD
 - **slots** (vLLM's ``slot_mapping``): int ``[T]`` of any width, token ``t`` goes to
   page ``slots[t] // page_size``, entry ``slots[t] % page_size``; a negative slot
   (padding, conventionally -1) writes nothing, and so does any traced slot outside
@@ -18,6 +19,25 @@ Vocabulary and conventions:
   ``[pages, Hk, page_size, D]`` (``"HND"``), or one ``[pages, 2, page_size, Hk, D]``
   (``[pages, 2, Hk, page_size, D]``) array holding keys at ``[:, 0]`` and values at
   ``[:, 1]`` (vLLM's FlashInfer backend allocates this one).
+=======
+- **slots** (vLLM's ``slot_mapping``): int ``[T]``, token ``t`` goes to page
+  ``slots[t] // page_size``, entry ``slots[t] % page_size``; a negative slot (padding,
+  conventionally -1) writes nothing. FlashInfer's ``(kv_indices, kv_indptr,
+  batch_indices, positions)`` describe the same thing: ``slot = kv_indices[kv_indptr[b]
+  + p // page_size] * page_size + p % page_size`` for token ``(b, p)``;
+  :mod:`jaxrope.paging` computes slots from either page table.
+- **kv_cache** and **layout**: FlashInfer's ``paged_kv_cache``: a tuple ``(k_cache,
+  v_cache)`` of ``[pages, page_size, Hk, D]`` arrays (``layout="NHD"``, FlashInfer's
+  default) or ``[pages, Hk, page_size, D]`` (``"HND"``), or one ``[pages, 2, page_size,
+  Hk, D]`` (``[pages, 2, Hk, page_size, D]``) array holding keys at ``[:, 0]`` and values
+  at ``[:, 1]`` (vLLM's FlashInfer backend allocates this one). What JAX's own kernels
+  read (:data:`JAX_LAYOUTS`): ``"paged_attention"``, a ``(k_pages, v_pages)`` pair of
+  ``[Hk, pages, page_size, D]`` arrays (``jax.experimental.pallas.ops.gpu.
+  paged_attention``); ``"ragged_paged_attention"``, one ``[pages, page_size, 2 * Hk, D]``
+  array with keys at even heads ``[:, :, 0::2]`` and values at odd ones ``[:, :, 1::2]``
+  (``jax.experimental.pallas.ops.tpu.ragged_paged_attention``). Every layout is one
+  stride rule (:mod:`jaxrope.kernels.kv_layout`).
+>>>>>>> h-engine
 - **M-RoPE** (``cfg.mrope_section``): ``pos_ids [3, T]``, each frequency slot rotated
   by its row's position exactly as :func:`jaxrope.apply_rope` does it.
 - **fp8**: a ``float8_e4m3fn`` cache stores ``e4m3(clip(x * k_quant_scale, -448, 448))``
@@ -41,9 +61,13 @@ from jaxrope import apply as _apply
 from jaxrope import backend as _backend
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
+from jaxrope.kernels import kv_layout
 from jaxrope.kernels.kv_reference import FP8
 
+# FlashInfer's layouts, which the torch bridge's append takes too.
 LAYOUTS = ("NHD", "HND")
+# The layouts JAX's own paged-attention kernels read (jax.experimental.pallas.ops).
+JAX_LAYOUTS = ("paged_attention", "ragged_paged_attention")
 
 Cache = Union[jax.Array, Tuple[jax.Array, jax.Array]]
 
@@ -56,12 +80,15 @@ def _visible(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def _caches(kv_cache, layout: str, k) -> Tuple[Tuple, bool]:
-    """The cache arrays and whether they are one combined ``[pages, 2, ...]`` array."""
+def _caches(kv_cache, layout: str, k) -> Tuple[Tuple, bool, kv_layout.CacheRows]:
+    """The cache arrays, whether they are one array holding k and v, and their addressing."""
     if isinstance(kv_cache, (tuple, list)):
         if len(kv_cache) != 2 or not all(_is_array(c) for c in kv_cache):
             raise TypeError(f"kv_cache must be a (k_cache, v_cache) pair of arrays or one array, "
                             f"got a {type(kv_cache).__name__} of {len(kv_cache)}")
+        if kv_layout.axes(layout, False) is None:
+            raise ValueError(f"{layout=} takes one {kv_layout.describe(layout, True)} array, "
+                             "not a (k_cache, v_cache) pair")
         k_cache, v_cache = kv_cache
         if k_cache is v_cache:
             # Visible outside jit and for one traced value inside it; two jit arguments
@@ -76,21 +103,28 @@ def _caches(kv_cache, layout: str, k) -> Tuple[Tuple, bool]:
         if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
             raise ValueError(f"v_cache ({tuple(v_cache.shape)}, {v_cache.dtype}) must match "
                              f"k_cache ({tuple(k_cache.shape)}, {k_cache.dtype})")
-        caches, combined, name, entry_shape = (k_cache, v_cache), False, "k_cache", k_cache.shape
+        caches, combined, name = (k_cache, v_cache), False, "k_cache"
     elif _is_array(kv_cache):
-        if kv_cache.ndim != 5 or kv_cache.shape[1] != 2:
+        if kv_layout.axes(layout, True) is None:
+            raise ValueError(f"kv_cache.shape={tuple(kv_cache.shape)}: {layout=} takes a "
+                             f"(k_cache, v_cache) pair of {kv_layout.describe(layout, False)} "
+                             "arrays")
+        if kv_cache.ndim != len(kv_layout.axes(layout, True)) + 1:
             raise ValueError(f"kv_cache.shape={tuple(kv_cache.shape)} must be "
                              f"{_layout_text(layout, True)} (or pass a (k_cache, v_cache) pair)")
         caches, combined, name = (kv_cache,), True, "kv_cache"
-        entry_shape = (kv_cache.shape[0], *kv_cache.shape[2:])
     else:
         raise TypeError(f"kv_cache must be a (k_cache, v_cache) pair of arrays or one array, "
                         f"got {type(kv_cache).__name__}")
-    heads = entry_shape[2] if layout == "NHD" else entry_shape[1]
     shape = tuple(caches[0].shape)
-    if heads != k.shape[1] or entry_shape[3] != k.shape[2]:
+    pages, page_size = kv_layout.geometry(layout, combined, shape)
+    if shape != kv_layout.shape(layout, combined, pages, page_size, *k.shape[1:]):
         raise ValueError(f"{name}.shape={shape} must be {_layout_text(layout, combined)} with "
                          f"Hk={k.shape[1]} and D={k.shape[2]} (k's heads and head_dim)")
+    # The kernels address a cache as [rows, D] with int32 row numbers.
+    if math.prod(shape[:-1]) >= 2 ** 31:
+        raise ValueError(f"{name}.shape={shape} has {math.prod(shape[:-1])} rows of D values; "
+                         "the kernels address at most 2**31 - 1")
     dtype = jnp.dtype(caches[0].dtype)
     if dtype not in (jnp.dtype(k.dtype), FP8):
         raise ValueError(f"{name}.dtype={dtype} must be k's dtype ({k.dtype}) or float8_e4m3fn")
@@ -99,16 +133,11 @@ def _caches(kv_cache, layout: str, k) -> Tuple[Tuple, bool]:
             if _visible(c) and isinstance(c, jax.Array) and c.devices() != k.devices():
                 raise ValueError(f"{name} is on {c.devices()} but k is on {k.devices()}; "
                                  "put them on one device")
-    return caches, combined
+    return caches, combined, kv_layout.cache_rows(layout, combined, pages, page_size, k.shape[1])
 
 
 def _layout_text(layout: str, combined: bool) -> str:
-    rows = "page_size, Hk, D" if layout == "NHD" else "Hk, page_size, D"
-    return f"[pages, {'2, ' if combined else ''}{rows}] ({layout=})"
-
-
-def _page_size(caches, layout: str, combined: bool) -> int:
-    return caches[0].shape[2 if combined else 1] if layout == "NHD" else caches[0].shape[-2]
+    return f"{kv_layout.describe(layout, combined)} ({layout=})"
 
 
 def _in_cache(slots, num_slots: int):
@@ -194,6 +223,7 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
       pos_ids: int ``[T]``, the position of each token, in ``[0, cfg.max_position)``;
         for an M-RoPE config (``cfg.mrope_section``) int ``[3, T]``, the t, h and w rows
         (checked when visible, as in :func:`jaxrope.apply_rope`, by the same checks).
+<<<<<<< HEAD
       kv_cache: ``(k_cache, v_cache)``, each ``[pages, page_size, Hk, D]`` (NHD) or
         ``[pages, Hk, page_size, D]`` (HND); or one array ``[pages, 2, page_size, Hk, D]``
         (``[pages, 2, Hk, page_size, D]``) with keys at ``[:, 0]`` and values at ``[:, 1]``.
@@ -205,8 +235,21 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
         * page_size)`` is skipped like a negative one, and of two tokens naming one slot
         either may win (element by element). The range is decided at the slots' own
         width, so no value wraps into the cache (int64 ``-2**32 + 5`` is skipped, not 5).
+=======
+      kv_cache: ``(k_cache, v_cache)``, each ``[pages, page_size, Hk, D]`` (NHD),
+        ``[pages, Hk, page_size, D]`` (HND) or ``[Hk, pages, page_size, D]``
+        ("paged_attention"); or one array ``[pages, 2, page_size, Hk, D]`` (NHD),
+        ``[pages, 2, Hk, page_size, D]`` (HND) with keys at ``[:, 0]`` and values at
+        ``[:, 1]``, or ``[pages, page_size, 2 * Hk, D]`` ("ragged_paged_attention") with
+        keys at even heads and values at odd ones. Dtype: k's, or ``float8_e4m3fn``.
+      slots: int ``[T]``: token ``t`` is written to page ``slots[t] // page_size``, entry
+        ``slots[t] % page_size``; a negative slot writes nothing (padding). Visible slots
+        must be below ``pages * page_size`` and not repeat; traced slots out of range are
+        skipped like negative ones.
+>>>>>>> h-engine
       cfg: the :class:`jaxrope.RopeConfig`; static under ``jit``.
-      layout: "NHD" (default, FlashInfer's) or "HND".
+      layout: "NHD" (default, FlashInfer's), "HND", "paged_attention" (a pair only) or
+        "ragged_paged_attention" (one array only).
       k_quant_scale, v_quant_scale: fp8 caches only (None otherwise): the cache stores
         ``e4m3(clip(x * scale, -448, 448))``, FlashInfer's ``quant_scale_kv``; a float or
         a scalar array (may be traced); default 1.
@@ -262,11 +305,10 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
                          f"{k.dtype})")
     if all(_visible(x) and isinstance(x, jax.Array) for x in (k, v)) and v.devices() != k.devices():
         raise ValueError(f"v is on {v.devices()} but k is on {k.devices()}; put them on one device")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
-    caches, combined = _caches(kv_cache, layout, k)
-    page_size = _page_size(caches, layout, combined)
-    num_slots = caches[0].shape[0] * page_size
+    if layout not in LAYOUTS + JAX_LAYOUTS:
+        raise ValueError(f"layout={layout!r} must be one of {LAYOUTS + JAX_LAYOUTS}")
+    caches, combined, rows = _caches(kv_cache, layout, k)
+    num_slots = rows.num_slots
     if num_slots >= 2 ** 31:
         raise ValueError(f"the cache has {num_slots} slots; slots are int32, at most 2**31 - 1")
     slots = _slots(slots, q.shape[0], num_slots)
@@ -276,6 +318,7 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
     platform = _apply._platform(q)
     impl = _backend.resolve(backend, platform, op="rope_append_kv")
     tables, attention = _apply.kernel_constants(cfg)
+<<<<<<< HEAD
     if combined:
         # [pages, 2, ...] -> [2 * pages, ...]: page p's keys are view page 2p, values 2p + 1.
         caches = (caches[0].reshape(-1, *caches[0].shape[2:]),)
@@ -283,15 +326,21 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
             jnp.asarray(tables), scales, caches)
     kwargs = dict(layout=layout, page_size=page_size, components=2 if combined else 1,
                   rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
+=======
+    # The kernels see every layout as [rows, D] matrices, addressed by `rows`.
+    views = tuple(c.reshape(-1, c.shape[-1]) for c in caches)
+    args = (q, k, v, jnp.asarray(pos_ids, jnp.int32), jnp.asarray(slots, jnp.int32),
+            jnp.asarray(tables), scales, views)
+    kwargs = dict(rows=rows, rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
+>>>>>>> h-engine
                   attention_factor=attention, mrope_section=cfg.mrope_section,
                   mrope_interleaved=cfg.mrope_interleaved)
     try:
-        q, caches = impl(*args, **kwargs)
+        q, views = impl(*args, **kwargs)
     except BackendUnavailable:
         # "auto" takes the next path when the kernel declines (an fp8 cache of 2-4 GiB).
         if backend != "auto":
             raise
-        q, caches = _backend.resolve("xla", platform, op="rope_append_kv")(*args, **kwargs)
-    if combined:
-        return q, caches[0].reshape(kv_cache.shape)
-    return q, tuple(caches)
+        q, views = _backend.resolve("xla", platform, op="rope_append_kv")(*args, **kwargs)
+    written = tuple(view.reshape(c.shape) for view, c in zip(views, caches))
+    return q, written[0] if combined else written

@@ -21,7 +21,7 @@ import pytest
 import jaxrope as jr
 from jaxrope import apply as apply_module
 from jaxrope.cases import APPEND_BY_NAME, APPEND_CASES, BY_NAME, AppendCase
-from jaxrope.kernels import kv_pallas, kv_reference
+from jaxrope.kernels import kv_layout, kv_pallas, kv_reference
 from jaxrope.testing import kv_oracle, oracle
 from jaxrope.testing.kv_inputs import FP8_SCALES, cache_shape, check_against_oracle, make_inputs, run
 from jaxrope.testing.kv_oracle import bits, split
@@ -201,17 +201,14 @@ def test_every_launch_shape_gives_the_same_result(name, config, rng):
     x = make_inputs(rng, case, jnp.float32)
     c = case.case
     tables, attention = apply_module.kernel_constants(c.cfg)
-    k_cache, v_cache = split(x.kv_cache)
-    if case.combined:
-        caches = (jnp.asarray(np.stack([k_cache, v_cache], 1).reshape(-1, *k_cache.shape[1:])),)
-    else:
-        caches = (jnp.asarray(k_cache), jnp.asarray(v_cache))
+    arrays = (x.kv_cache,) if case.combined else x.kv_cache
+    caches = tuple(a.reshape(-1, c.head_dim) for a in arrays)
+    rows = kv_layout.cache_rows(case.layout, case.combined, case.pages, case.page_size, c.k_heads)
 
     def launch(block):
         return kv_pallas.rope_append_kv_pallas(
             x.q, x.k, x.v, jnp.asarray(x.pos), jnp.asarray(x.slots), jnp.asarray(tables),
-            jnp.asarray([0.75, 150.0], jnp.float32), caches, layout=case.layout,
-            page_size=case.page_size, components=2 if case.combined else 1,
+            jnp.asarray([0.75, 150.0], jnp.float32), caches, rows=rows,
             rotary_dim=c.cfg.rotary_dim, interleave=c.cfg.interleave, attention_factor=attention,
             interpret=True, config=block)
 
@@ -296,11 +293,13 @@ def test_the_compiled_kernel_does_not_depend_on_the_token_count(monkeypatch, tmp
     block = kv_pallas.block_config(4096, 32, 8, 64)
     tables, attention = apply_module.kernel_constants(case.case.cfg)
 
+    rows = kv_layout.cache_rows("HND", False, case.pages, 16, case.case.k_heads)
+
     def kernel(q, k, v, pos, kv, slots):
+        views = tuple(c.reshape(-1, 128) for c in kv)
         return kv_pallas.rope_append_kv_pallas(
-            q, k, v, pos, slots, jnp.asarray(tables), jnp.ones(2, jnp.float32), kv,
-            layout="HND", page_size=16, components=1, rotary_dim=128, interleave=False,
-            attention_factor=attention, config=block)
+            q, k, v, pos, slots, jnp.asarray(tables), jnp.ones(2, jnp.float32), views, rows=rows,
+            rotary_dim=128, interleave=False, attention_factor=attention, config=block)
 
     ptx = []
     for tokens in (64, 4096):
@@ -439,8 +438,9 @@ class TestBadInputs:
                      v=jnp.zeros((3, 2, 64), jnp.float16))
         self._raises(TypeError, "v must be an array", v=[[0.0]])
 
-    def test_layout_must_be_nhd_or_hnd(self):
-        self._raises(ValueError, "layout='NDH' must be one of ('NHD', 'HND')", layout="NDH")
+    def test_layout_must_be_a_known_one(self):
+        self._raises(ValueError, "layout='NDH' must be one of ('NHD', 'HND', 'paged_attention', "
+                     "'ragged_paged_attention')", layout="NDH")
 
     def test_cache_must_be_a_pair_or_one_combined_array(self):
         cache = self._inputs()["kv_cache"]

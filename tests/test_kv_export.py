@@ -19,7 +19,7 @@ import pytest
 import jaxrope as jr
 from jaxrope import apply as apply_module
 from jaxrope.cases import APPEND_BY_NAME, MROPE_APPEND_CASES
-from jaxrope.kernels import kv_pallas, triton_ir
+from jaxrope.kernels import kv_layout, kv_pallas, triton_ir
 from jaxrope.testing.lowering import cuda_target, triton_modules
 
 
@@ -77,13 +77,16 @@ def test_the_exported_kernel_is_the_kernel_lowered_at_any_token_count(name, tmp_
 
     exported, args = _export(name)
     block = args["block"]
+    case = APPEND_BY_NAME[name]
+    address = kv_layout.cache_rows(case.layout, case.combined, case.pages, case.page_size,
+                                   args["k_heads"])
 
     def kernel(q, k, v, pos, slots, tables, scales, *caches):
+        views = tuple(c.reshape(-1, args["head_dim"]) for c in caches)
         return kv_pallas.rope_append_kv_pallas(
-            q, k, v, pos, slots, tables, scales, caches, layout=args["layout"],
-            page_size=args["cache_shape"][1 if args["layout"] == "NHD" else 2],
-            components=args["components"], rotary_dim=args["rotary_dim"],
-            interleave=args["interleave"], attention_factor=args["attention_factor"],
+            q, k, v, pos, slots, tables, scales, views, rows=address,
+            rotary_dim=args["rotary_dim"], interleave=args["interleave"],
+            attention_factor=args["attention_factor"],
             mrope_section=args["mrope_section"], mrope_interleaved=args["mrope_interleaved"],
             config=block)
 

@@ -19,12 +19,12 @@ cos/sin once (q and k programs, through the shared angle of
 - k programs: the rotary dims rotated, dims ``[R, D)`` copied, both to the cache.
 - v programs: dims ``[0, D)`` copied to the cache.
 
-Caches arrive as the canonical views of :mod:`jaxrope.kv_cache`: NHD ``[pages *
-components, page_size, Hk, D]`` or HND ``[pages * components, Hk, page_size, D]``; a
-token's keys go to view page ``(slot // page_size) * components``, entry ``slot %
-page_size`` (values one view page further for a combined cache), each head row a block
-``[heads_per_program, lanes]`` in either layout. Slots outside ``[0, pages * page_size)``
-(negative: padding) mask the token's cache stores off. An fp8 cache stores
+Caches arrive as ``[rows, D]`` views of the layout's arrays, addressed by one stride
+rule for every layout (:class:`jaxrope.kernels.kv_layout.CacheRows`): a token's heads go
+to rows ``rows.row(slot // page_size, slot % page_size, head)`` (values in
+``rows.value_array``, ``rows.value_offset`` rows further), a program's head group one
+block ``[heads_per_program, lanes]`` of those rows. Slots outside ``[0, pages *
+page_size)`` (negative: padding) mask the token's cache stores off. An fp8 cache stores
 ``e4m3(clip(x * scale, -448, 448))`` (:func:`jaxrope.kernels.kv_reference.to_cache_dtype`,
 the same function as the XLA backend), scales read from the ``scales`` operand.
 
@@ -39,7 +39,7 @@ the rope kernel) the operands are, in order, ``(count, pos_ids, slots, tables, s
 k, v, *caches)`` then the outputs ``(q, *caches)`` (an M-RoPE kernel's ``pos_ids`` a
 contiguous int32 ``[3, count]``); ``count`` is read at run time, so the
 Triton IR depends on T only through the grid (:func:`grid`). It depends on the cache
-geometry (pages, page size, layout) and dtype, which an engine fixes once.
+geometry (pages, page size, layout: ``rows``) and dtype, which an engine fixes once.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels import pallas_triton
 from jaxrope.kernels.angle import cos_sin
+from jaxrope.kernels.kv_layout import CacheRows
 from jaxrope.kernels.kv_reference import FP8, to_cache_dtype
 
 # The rope kernel's measured sizes (pallas_triton.block_config), kept separate: this
@@ -142,14 +143,14 @@ def unsupported(cache) -> str | None:
 def _rope_append_kv_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, q_ref, k_ref,
                            v_ref, *refs, q_heads: int, k_heads: int, head_dim: int,
                            rotary_dim: int, interleave: bool, attention_factor: float,
-                           lanes: int, layout: str, page_size: int, components: int,
-                           num_slots: int, heads_per_program: int, groups_per_program: int,
+                           lanes: int, rows: CacheRows, heads_per_program: int,
+                           groups_per_program: int,
                            token_loop: int, q_programs: int, k_programs: int,
                            approx_trig: bool, mrope_section: Optional[Tuple[int, int, int]],
                            mrope_interleaved: bool):
     # refs: the caches as inputs (aliased to the outputs, never read), then the outputs
-    # (q, *caches). The keys go to the first cache, the values to the last one, one view
-    # page further when both share it (components == 2).
+    # (q, *caches), each cache a [rows, D] view. The keys go to the first cache, the
+    # values to cache rows.value_array, rows.value_offset rows further.
     q_out_ref, *cache_refs = refs[len(refs) // 2:]
     pid = pl.program_id(0)
     per_token = q_programs + 2 * k_programs
@@ -176,8 +177,10 @@ def _rope_append_kv_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, 
     whole_row = (piece(0, pallas_triton.next_pow2(head_dim), head_dim),)
 
     def heads_of(program, g, num_heads):
+        # (the block's head slice, its head-in-range mask [hp, 1], its head ids [hp])
         first = (program * groups_per_program + g) * hp
-        return pl.ds(first, hp), (first + jnp.arange(hp) < num_heads)[:, None]
+        ids = first + jnp.arange(hp, dtype=jnp.int32)
+        return pl.ds(first, hp), (ids < num_heads)[:, None], ids
 
     def load(x_ref, t, heads, head_ok, pieces):
         return [plgpu.load(x_ref.at[t, heads, dims], mask=head_ok & lane_ok, other=0)
@@ -202,19 +205,13 @@ def _rope_append_kv_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, 
                            mrope_interleaved=mrope_interleaved, **trig)
         return cos[None, :], sin[None, :]
 
-    def cache_slot(t, token_ok, component):
+    def cache_slot(t, token_ok):
         slot = plgpu.load(slot_ref.at[t])
-        ok = token_ok & (slot >= 0) & (slot < num_slots)
+        ok = token_ok & (slot >= 0) & (slot < rows.num_slots)
         slot = jnp.where(ok, slot, 0)
         # lax.div/rem: the slot is non-negative here, and jnp's floor division needs a
         # sign op the Triton lowering lacks.
-        page = jax.lax.div(slot, page_size) * components + component
-        return ok, page, jax.lax.rem(slot, page_size)
-
-    def cache_at(cache_ref, page, entry, heads, dims):
-        if layout == "NHD":
-            return cache_ref.at[page, entry, heads, dims]
-        return cache_ref.at[page, heads, entry, dims]
+        return ok, jax.lax.div(slot, rows.page_size), jax.lax.rem(slot, rows.page_size)
 
     def walk(body):
         # body(t, token_ok) for each token of this program; t is clamped to a real token
@@ -238,30 +235,35 @@ def _rope_append_kv_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, 
         def body(t, token_ok):
             cos, sin = angle(t, turns)
             groups = [heads_of(group, g, q_heads) for g in range(groups_per_program)]
-            loaded = [load(q_ref, t, heads, ok, rotary) for heads, ok in groups]
-            for (heads, head_ok), values in zip(groups, loaded):
+            loaded = [load(q_ref, t, heads, ok, rotary) for heads, ok, _ in groups]
+            for (heads, head_ok, _), values in zip(groups, loaded):
                 for (dims, lane_ok), value in zip(rotary, rotate(values, cos, sin)):
                     plgpu.store(q_out_ref.at[t, heads, dims], value.astype(q_out_ref.dtype),
                                 mask=token_ok & head_ok & lane_ok)
 
         walk(body)
 
-    def append(program, rotated: bool, value_ref, cache_ref, component, scale_index):
+    def append(program, rotated: bool, value_ref, cache_ref, offset, scale_index):
         turns = load_turns() if rotated else None
         scale = plgpu.load(scale_ref.at[jnp.int32(scale_index)]) if quantize else None
         pieces = (rotary + passthrough) if rotated else whole_row
 
         def body(t, token_ok):
-            slot_ok, page, entry = cache_slot(t, token_ok, component)
+            slot_ok, page, entry = cache_slot(t, token_ok)
             groups = [heads_of(program, g, k_heads) for g in range(groups_per_program)]
-            loaded = [load(value_ref, t, heads, ok, pieces) for heads, ok in groups]
+            loaded = [load(value_ref, t, heads, ok, pieces) for heads, ok, _ in groups]
             if rotated:
                 cos, sin = angle(t, turns)
-            for (heads, head_ok), values in zip(groups, loaded):
+            for (_, head_ok, ids), values in zip(groups, loaded):
                 if rotated:
                     values = rotate(values[:len(rotary)], cos, sin) + values[len(rotary):]
+                # The group's cache rows (those of heads past the last are masked off),
+                # indexed by arrays on both axes: the interpreter's masked store takes
+                # either all slices or all index arrays.
+                cache_rows = (rows.row(page, entry, ids) + offset)[:, None]
                 for (dims, lane_ok), value in zip(pieces, values):
-                    plgpu.store(cache_at(cache_ref, page, entry, heads, dims),
+                    lane = dims.start + jnp.arange(dims.size, dtype=jnp.int32)[None, :]
+                    plgpu.store(cache_ref.at[cache_rows, lane],
                                 to_cache_dtype(value, scale, cache_ref.dtype),
                                 mask=slot_ok & head_ok & lane_ok)
 
@@ -273,18 +275,19 @@ def _rope_append_kv_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, 
 
     @pl.when(group >= q_programs + k_programs)
     def _():
-        append(group - q_programs - k_programs, False, v_ref, cache_refs[-1], components - 1, 1)
+        append(group - q_programs - k_programs, False, v_ref, cache_refs[rows.value_array],
+               rows.value_offset, 1)
 
 
-def rope_append_kv_pallas(q, k, v, pos_ids, slots, tables, scales, caches, *, layout: str,
-                          page_size: int, components: int, rotary_dim: int, interleave: bool,
-                          attention_factor: float,
+def rope_append_kv_pallas(q, k, v, pos_ids, slots, tables, scales, caches, *, rows: CacheRows,
+                          rotary_dim: int, interleave: bool, attention_factor: float,
                           mrope_section: Optional[Tuple[int, int, int]] = None,
                           mrope_interleaved: bool = False, interpret: bool = False,
                           config: AppendBlockConfig | None = None):
     """Rotate q in place and write rotated k and v into the paged ``caches``, in one launch.
 
-    Arguments as :func:`jaxrope.kernels.kv_reference.rope_append_kv_reference`. Outputs
+    Arguments as :func:`jaxrope.kernels.kv_reference.rope_append_kv_reference` (the
+    caches ``[rows, D]`` views addressed by ``rows``). Outputs
     alias q and the caches (``input_output_aliases``): in place when they are donated.
     ``config`` overrides :func:`block_config` (benchmarks sweep it).
     """
@@ -302,10 +305,9 @@ def rope_append_kv_pallas(q, k, v, pos_ids, slots, tables, scales, caches, *, la
     kernel = functools.partial(
         _rope_append_kv_kernel, q_heads=q_heads, k_heads=k_heads, head_dim=head_dim,
         rotary_dim=rotary_dim, interleave=interleave, attention_factor=attention_factor,
-        lanes=lanes, layout=layout, page_size=page_size, components=components,
-        num_slots=caches[0].shape[0] // components * page_size,
-        heads_per_program=block.heads_per_program, groups_per_program=block.groups_per_program,
-        token_loop=block.token_loop, q_programs=q_programs, k_programs=k_programs,
+        lanes=lanes, rows=rows, heads_per_program=block.heads_per_program,
+        groups_per_program=block.groups_per_program, token_loop=block.token_loop,
+        q_programs=q_programs, k_programs=k_programs,
         approx_trig=not interpret, mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved)
     if mrope_section is not None:

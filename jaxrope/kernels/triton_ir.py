@@ -17,6 +17,7 @@ failure raises :class:`jaxrope.BackendUnavailable` and callers fall back to the 
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from typing import List, Optional, Tuple
 
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrope.errors import BackendUnavailable
-from jaxrope.kernels import kv_pallas, pallas_triton
+from jaxrope.kernels import kv_layout, kv_pallas, pallas_triton
 
 _CAPTURE_LOCK = threading.Lock()
 
@@ -140,9 +141,9 @@ class AppendKernel(TritonKernel):
     M-RoPE kernel's ``pos_ids`` a contiguous int32 ``[3, count]``),
     ``tables`` float32 ``[3, lanes]`` (the angle tables zero-padded to
     :func:`jaxrope.kernels.pallas_triton.lanes_for` lanes), ``scales`` float32 ``[2]``
-    (read by fp8 caches only), ``caches`` the canonical views of :mod:`jaxrope.kv_cache`:
-    ``(k_cache, v_cache)`` (``num_caches == 2``) or one ``[2 * pages, ...]`` view of a
-    combined cache (``num_caches == 1``).
+    (read by fp8 caches only), ``caches`` FlashInfer's ``(k_cache, v_cache)``
+    (``num_caches == 2``) or one combined ``[pages, 2, ...]`` cache (``num_caches == 1``),
+    which the kernel addresses as ``[rows, D]`` (:mod:`jaxrope.kernels.kv_layout`).
     """
 
     block: kv_pallas.AppendBlockConfig
@@ -169,11 +170,14 @@ def export_append_kv(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: i
       BackendUnavailable: no GPU target, JAX's private lowering API changed, or a cache
         the Triton lowering cannot address (:func:`jaxrope.kernels.kv_pallas.unsupported`).
     """
-    cache = jax.ShapeDtypeStruct(tuple(cache_shape), cache_dtype)
+    pages = cache_shape[0] // components
+    page_size, heads = cache_shape[1:3] if layout == "NHD" else cache_shape[2:0:-1]
+    address = kv_layout.cache_rows(layout, components == 2, pages, page_size, heads)
+    # The kernel's [rows, D] view of the cache (the same memory as the canonical view).
+    cache = jax.ShapeDtypeStruct((math.prod(cache_shape[:-1]), head_dim), cache_dtype)
     declined = kv_pallas.unsupported(cache)
     if declined:
         raise BackendUnavailable(declined)
-    page_size = cache_shape[1] if layout == "NHD" else cache_shape[2]
     num_caches = 2 if components == 1 else 1
     # Any T works (the IR reads the count at run time) as long as the grid has two
     # token programs, as in export.
@@ -181,10 +185,9 @@ def export_append_kv(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: i
 
     def kernel_call(q, k, v, pos_ids, slots, tables, scales, *caches):
         return kv_pallas.rope_append_kv_pallas(
-            q, k, v, pos_ids, slots, tables, scales, caches, layout=layout, page_size=page_size,
-            components=components, rotary_dim=rotary_dim, interleave=interleave,
-            attention_factor=attention_factor, mrope_section=mrope_section,
-            mrope_interleaved=mrope_interleaved, config=block)
+            q, k, v, pos_ids, slots, tables, scales, caches, rows=address,
+            rotary_dim=rotary_dim, interleave=interleave, attention_factor=attention_factor,
+            mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, config=block)
 
     sds = jax.ShapeDtypeStruct
     rows = sds((tokens, k_heads, head_dim), dtype)

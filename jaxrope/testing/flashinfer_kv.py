@@ -50,10 +50,11 @@ class PagedBatch:
 
     @property
     def slots(self) -> np.ndarray:
-        """int32 ``[T]``: ``page * page_size + entry`` of each appended token."""
-        p = self.positions.astype(np.int64)
-        page = self.kv_indices[self.kv_indptr[self.batch_indices] + p // self.page_size]
-        return (page.astype(np.int64) * self.page_size + p % self.page_size).astype(np.int32)
+        """int32 ``[T]``: ``page * page_size + entry`` of each appended token
+        (:func:`jaxrope.paging.page_table_slots`)."""
+        return np.asarray(jr.paging.page_table_slots(self.kv_indptr, self.kv_indices,
+                                                     self.batch_indices, self.positions,
+                                                     page_size=self.page_size))
 
 
 def paged_batch(rng: np.random.Generator, append_lengths: Sequence[int],
