@@ -44,7 +44,9 @@ $(VENV012)/.installed: pyproject.toml
 	$(VENV012)/bin/pip install -q --no-compile "$(JAX012)" -e ".[test]"
 	touch $@
 
+# The JAX engine trace first (no torch), then the torch bridge's.
 demo: $(VENV)/.demo-installed
+	$(VENV)/bin/python -m jaxrope.demo --jax
 	$(VENV)/bin/python -m jaxrope.demo $(DEMO_ARGS)
 
 # The full CPU suite: core + torch bridge (its Triton kernel through Triton's interpreter)

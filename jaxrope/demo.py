@@ -33,7 +33,7 @@ MODELS = {
     "phi3-longrope": "microsoft/Phi-3-mini-128k-instruct",
     "deepseek-v2": "deepseek-ai/DeepSeek-V2-Lite",
 }
-# ... and the M-RoPE ones (jaxrope.mrope.HF_VL_CONFIGS) of the multimodal trace.
+# ... and the M-RoPE ones (jaxrope.models.HF_VL_CONFIGS) of the multimodal trace.
 VL_MODELS = {
     "qwen2-vl": "Qwen/Qwen2-VL-7B-Instruct",
     "qwen2.5-vl": "Qwen/Qwen2.5-VL-7B-Instruct",
@@ -87,11 +87,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     arguments are invalid or the device asked for is not there (the reason goes to stderr).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--jax" in argv:
-        argv.remove("--jax")
-        return importlib.import_module("jaxrope.engine_demo").main(argv)
-    command_line = parser()
     try:
+        if "--jax" in argv:
+            argv.remove("--jax")
+            return importlib.import_module("jaxrope.engine_demo").main(argv)
+        command_line = parser()
         args = command_line.parse_args(argv)
         try:
             cli = importlib.import_module("torch_bridge.demo.cli")

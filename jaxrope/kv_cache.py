@@ -6,20 +6,6 @@ rotated k and the v into the cache at each token's slot in one launch on the GPU
 
 Vocabulary and conventions:
 
-<<<<<<< HEAD
-- **slots** (vLLM's ``slot_mapping``): int ``[T]`` of any width, token ``t`` goes to
-  page ``slots[t] // page_size``, entry ``slots[t] % page_size``; a negative slot
-  (padding, conventionally -1) writes nothing, and so does any traced slot outside
-  ``[0, pages * page_size)``, decided at the slots' own width (nothing wraps).
-  FlashInfer's ``(kv_indices, kv_indptr, batch_indices, positions)`` describe the same
-  thing: ``slot = kv_indices[kv_indptr[b] + p // page_size] * page_size + p %
-  page_size`` for token ``(b, p)``.
-- **kv_cache**: FlashInfer's ``paged_kv_cache``: a tuple ``(k_cache, v_cache)`` of
-  ``[pages, page_size, Hk, D]`` arrays (``layout="NHD"``, FlashInfer's default) or
-  ``[pages, Hk, page_size, D]`` (``"HND"``), or one ``[pages, 2, page_size, Hk, D]``
-  (``[pages, 2, Hk, page_size, D]``) array holding keys at ``[:, 0]`` and values at
-  ``[:, 1]`` (vLLM's FlashInfer backend allocates this one).
-=======
 - **slots** (vLLM's ``slot_mapping``): int ``[T]``, token ``t`` goes to page
   ``slots[t] // page_size``, entry ``slots[t] % page_size``; a negative slot (padding,
   conventionally -1) writes nothing. FlashInfer's ``(kv_indices, kv_indptr,
@@ -37,7 +23,6 @@ Vocabulary and conventions:
   array with keys at even heads ``[:, :, 0::2]`` and values at odd ones ``[:, :, 1::2]``
   (``jax.experimental.pallas.ops.tpu.ragged_paged_attention``). Every layout is one
   stride rule (:mod:`jaxrope.kernels.kv_layout`).
->>>>>>> h-engine
 - **M-RoPE** (``cfg.mrope_section``): ``pos_ids [3, T]``, each frequency slot rotated
   by its row's position exactly as :func:`jaxrope.apply_rope` does it.
 - **fp8**: a ``float8_e4m3fn`` cache stores ``e4m3(clip(x * k_quant_scale, -448, 448))``
@@ -223,19 +208,6 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
       pos_ids: int ``[T]``, the position of each token, in ``[0, cfg.max_position)``;
         for an M-RoPE config (``cfg.mrope_section``) int ``[3, T]``, the t, h and w rows
         (checked when visible, as in :func:`jaxrope.apply_rope`, by the same checks).
-<<<<<<< HEAD
-      kv_cache: ``(k_cache, v_cache)``, each ``[pages, page_size, Hk, D]`` (NHD) or
-        ``[pages, Hk, page_size, D]`` (HND); or one array ``[pages, 2, page_size, Hk, D]``
-        (``[pages, 2, Hk, page_size, D]``) with keys at ``[:, 0]`` and values at ``[:, 1]``.
-        Dtype: k's, or ``float8_e4m3fn``.
-      slots: ``[T]`` of any integer dtype (numpy or jax): token ``t`` is written to page
-        ``slots[t] // page_size``, entry ``slots[t] % page_size``; a negative slot writes
-        nothing (padding, conventionally -1). Visible slots must be below ``pages *
-        page_size`` and not repeat. Traced slots are not checked: one outside ``[0, pages
-        * page_size)`` is skipped like a negative one, and of two tokens naming one slot
-        either may win (element by element). The range is decided at the slots' own
-        width, so no value wraps into the cache (int64 ``-2**32 + 5`` is skipped, not 5).
-=======
       kv_cache: ``(k_cache, v_cache)``, each ``[pages, page_size, Hk, D]`` (NHD),
         ``[pages, Hk, page_size, D]`` (HND) or ``[Hk, pages, page_size, D]``
         ("paged_attention"); or one array ``[pages, 2, page_size, Hk, D]`` (NHD),
@@ -246,7 +218,6 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
         ``slots[t] % page_size``; a negative slot writes nothing (padding). Visible slots
         must be below ``pages * page_size`` and not repeat; traced slots out of range are
         skipped like negative ones.
->>>>>>> h-engine
       cfg: the :class:`jaxrope.RopeConfig`; static under ``jit``.
       layout: "NHD" (default, FlashInfer's), "HND", "paged_attention" (a pair only) or
         "ragged_paged_attention" (one array only).
@@ -318,21 +289,11 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
     platform = _apply._platform(q)
     impl = _backend.resolve(backend, platform, op="rope_append_kv")
     tables, attention = _apply.kernel_constants(cfg)
-<<<<<<< HEAD
-    if combined:
-        # [pages, 2, ...] -> [2 * pages, ...]: page p's keys are view page 2p, values 2p + 1.
-        caches = (caches[0].reshape(-1, *caches[0].shape[2:]),)
-    args = (q, k, v, jnp.asarray(pos_ids, jnp.int32), slots,
-            jnp.asarray(tables), scales, caches)
-    kwargs = dict(layout=layout, page_size=page_size, components=2 if combined else 1,
-                  rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
-=======
     # The kernels see every layout as [rows, D] matrices, addressed by `rows`.
     views = tuple(c.reshape(-1, c.shape[-1]) for c in caches)
     args = (q, k, v, jnp.asarray(pos_ids, jnp.int32), jnp.asarray(slots, jnp.int32),
             jnp.asarray(tables), scales, views)
     kwargs = dict(rows=rows, rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
->>>>>>> h-engine
                   attention_factor=attention, mrope_section=cfg.mrope_section,
                   mrope_interleaved=cfg.mrope_interleaved)
     try:

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxrope as jr
-from jaxrope import mrope, positions
+from jaxrope import models, mrope, positions
+from jaxrope.demo_reference import relative_error
 from jaxrope.engine_demo import model
-from jaxrope.testing import oracle
 
 BUCKETS = (16, 64)            # token buckets: one compile of the step each
 CHUNK = 24                    # the most prompt tokens one stream prefills in a step
@@ -70,7 +70,7 @@ def trace(steps: int, seed: int) -> List[Request]:
             pos = np.broadcast_to(np.arange(len(prompt) + new), (3, len(prompt) + new))
         else:
             prompt_pos, delta = mrope.rope_index(vl_parts, **mrope.hf_index_args(
-                mrope.HF_VL_CONFIGS[model.MODEL]))
+                models.HF_VL_CONFIGS[model.MODEL]))
             pos = np.concatenate([prompt_pos, np.broadcast_to(
                 np.arange(len(prompt), len(prompt) + new) + delta, (3, new))], axis=1)
         return Request(rid, int(arrive * scale), prompt, new, np.asarray(pos, np.int64),
@@ -187,16 +187,16 @@ class Engine:
                 prompt_pos[:, t0:t0 + count] = r.positions[:, r.done:r.done + count]
                 use_prompt_pos[t0:t0 + count] = True
             tokens.extend((r, r.done + i) for i in range(count))
-        slots = positions.pad_slots([self.smap.find(r.rid, LABEL) for r, _ in work], CAPACITY)
+        rows = positions.pad_rows([self.smap.find(r.rid, LABEL) for r, _ in work], CAPACITY)
         counts = np.zeros(CAPACITY, np.int32)
         counts[:len(work)] = [count for _, count in work]
         if s == self.fault_step:
             # A double commit: one stream's counter one past its tokens.
-            self.table = positions.advance(self.table, jnp.asarray(slots[:1]),
+            self.table = positions.advance(self.table, jnp.asarray(rows[:1]),
                                            jnp.ones(1, jnp.int32))
             self.events.append(f"fault: {work[0][0].rid}'s counter advanced by one")
         self.table, self.cache, out, pos, kv_slots = self.step_fn(
-            self.table, self.cache, self.device_weights, jnp.asarray(slots), jnp.asarray(counts),
+            self.table, self.cache, self.device_weights, jnp.asarray(rows), jnp.asarray(counts),
             jnp.asarray(ids), jnp.asarray(prompt_pos), jnp.asarray(use_prompt_pos),
             jnp.asarray(self.block_table))
         for r, count in work:
@@ -241,7 +241,7 @@ class Engine:
                 continue
             rows, index = map(np.array, zip(*by_request[r.rid]))
             want = model.attention_of(recomputed[r.rid], index, self.cfg.head_dim)
-            error = oracle.relative_error(outputs["out"][rows], want)
+            error = relative_error(outputs["out"][rows], want)
             worst = max(worst, error)
             if not error < ATTENTION_TOLERANCE:
                 return (f"step {s}: request {r.rid!r} tokens {index[0]}-{index[-1]}: attention "
@@ -253,7 +253,7 @@ class Engine:
             entry = index % model.PAGE_SIZE
             for name, pages in (("k", k_pages), ("v", v_pages)):
                 got = pages[:, page, entry].transpose(1, 0, 2)
-                error = oracle.relative_error(got, recomputed[r.rid][name][:r.done])
+                error = relative_error(got, recomputed[r.rid][name][:r.done])
                 if not error < CACHE_TOLERANCE:
                     return (f"step {s}: request {r.rid!r}: cached {name} rows off by "
                             f"{error:.2e} (> {CACHE_TOLERANCE:.0e})"), worst

@@ -25,10 +25,9 @@ import numpy as np
 from jax.experimental.pallas import fuser  # noqa: F401
 
 import jaxrope as jr
+from jaxrope import demo_reference as reference
 from jaxrope import paging, positions
-from jaxrope.mrope import HF_VL_CONFIGS
-from jaxrope.testing import oracle
-from jaxrope.testing import paged_attention as pa
+from jaxrope.models import HF_VL_CONFIGS
 
 # Qwen2-VL-7B's rotation (M-RoPE sections 16/24/24, head_dim 128, theta 1e6), with fewer
 # heads and a small hidden size so that CPU steps take milliseconds.
@@ -69,25 +68,25 @@ def make_step(cfg: jr.RopeConfig, interpret: bool, traces: Dict[int, int]) -> Ca
     """The jitted engine step (donating the cache); ``traces[T]`` counts its traces per
     token bucket ``T`` (a trace is a compile: nothing else varies between calls).
 
-    ``step(table, cache, weights, slots [V], counts [V], ids [T], prompt_pos [3, T],
+    ``step(table, cache, weights, rows [V], counts [V], ids [T], prompt_pos [3, T],
     use_prompt_pos [T], block_table [capacity, PAGES_PER_SEQ]) -> (table, cache, out
-    [T, Hq, D], pos [3, T], kv_slots [T])``: views ``v`` are streams ``slots[v]`` with
+    [T, Hq, D], pos [3, T], kv_slots [T])``: views ``v`` are the table's rows ``rows[v]`` with
     ``counts[v]`` tokens (padding views at :data:`jaxrope.positions.PAD`, count 0);
     ``prompt_pos`` are an M-RoPE prompt's host-computed positions where
     ``use_prompt_pos``, every other token's positions come from the counters.
     """
     head_dim = cfg.head_dim
-    attention = pa.gpu_paged_attention()
+    attention = reference.gpu_paged_attention()
 
-    def step(table, cache, weights, slots, counts, ids, prompt_pos, use_prompt_pos, block_table):
+    def step(table, cache, weights, rows, counts, ids, prompt_pos, use_prompt_pos, block_table):
         num_tokens = ids.shape[0]
         traces[num_tokens] = traces.get(num_tokens, 0) + 1
         # The KV index of each token: its stream's counter numbering (no M-RoPE delta).
-        kv_pos = positions.plan(table, slots, counts, jnp.full((num_tokens,), -1, jnp.int32))
-        planned = positions.plan(table, slots, counts, jnp.zeros((3, num_tokens), jnp.int32))
+        kv_pos = positions.plan(table, rows, counts, jnp.full((num_tokens,), -1, jnp.int32))
+        planned = positions.plan(table, rows, counts, jnp.zeros((3, num_tokens), jnp.int32))
         pos = jnp.where(use_prompt_pos[None, :], prompt_pos, planned)
         views = paging.token_views(counts, num_tokens)
-        stream = slots.at[views].get(mode="fill", fill_value=-1, wrap_negative_indices=False)
+        stream = rows.at[views].get(mode="fill", fill_value=-1, wrap_negative_indices=False)
         kv_slots = paging.block_table_slots(block_table, stream, kv_pos, page_size=PAGE_SIZE)
         x = weights.embed[ids]
         heads = ((weights.wq, Q_HEADS), (weights.wk, K_HEADS), (weights.wv, K_HEADS))
@@ -98,11 +97,11 @@ def make_step(cfg: jr.RopeConfig, interpret: bool, traces: Dict[int, int]) -> Ca
                                                layout="paged_attention")
         # Every token is one query over its sequence's first kv_pos + 1 keys; padding
         # tokens read one key of page 0 and are ignored.
-        rows = block_table.at[stream].get(mode="fill", fill_value=0, wrap_negative_indices=False)
+        pages = block_table.at[stream].get(mode="fill", fill_value=0, wrap_negative_indices=False)
         lengths = jnp.where(kv_slots >= 0, kv_pos + 1, 1)
-        out = attention(q * head_dim ** -0.5, *cache, rows, lengths, k_splits=K_SPLITS,
+        out = attention(q * head_dim ** -0.5, *cache, pages, lengths, k_splits=K_SPLITS,
                         pages_per_compute_block=PAGES_PER_BLOCK, interpret=interpret)
-        return positions.commit(table, slots, counts), cache, out, pos, kv_slots
+        return positions.commit(table, rows, counts), cache, out, pos, kv_slots
 
     return jax.jit(step, donate_argnums=(1,))
 
@@ -128,14 +127,14 @@ def projections(weights: Weights, head_dim: int) -> Dict[str, np.ndarray]:
 def recompute(cfg: jr.RopeConfig, projected: Dict[str, np.ndarray], ids: List[int],
               pos: np.ndarray) -> Dict[str, np.ndarray]:
     """float64 ``q, k, v [L, H, D]`` of a whole sequence from its token ids and the
-    positions ``pos [3, L]`` its model gives (rotated by :mod:`jaxrope.testing.oracle`);
+    positions ``pos [3, L]`` its model gives (rotated by :func:`jaxrope.demo_reference.rotate`);
     ``projected`` from :func:`projections`."""
     ids = np.asarray(ids)
-    return dict(q=oracle.rope_of(cfg, projected["q"][ids], pos),
-                k=oracle.rope_of(cfg, projected["k"][ids], pos), v=projected["v"][ids])
+    return dict(q=reference.rotate(cfg, projected["q"][ids], pos),
+                k=reference.rotate(cfg, projected["k"][ids], pos), v=projected["v"][ids])
 
 
 def attention_of(seq: Dict[str, np.ndarray], index: np.ndarray, head_dim: int) -> np.ndarray:
     """float64 ``[n, Hq, D]``: the sequence's tokens at ``index`` attending causally."""
-    return np.stack([pa.causal_attention(seq["q"][i:i + 1], seq["k"][:i + 1], seq["v"][:i + 1],
+    return np.stack([reference.causal_attention(seq["q"][i:i + 1], seq["k"][:i + 1], seq["v"][:i + 1],
                                          head_dim ** -0.5)[0] for i in index])

@@ -4,7 +4,7 @@ The layouts ``"paged_attention"`` and ``"ragged_paged_attention"`` of
 :func:`jaxrope.apply_rope_and_append_kv` are checked by running the op that reads them
 (tests and the JAX engine demo):
 
-- :func:`gpu_paged_attention`: ``jax.experimental.pallas.ops.gpu.paged_attention.
+- :func:`gpu_paged_attention` (from :mod:`jaxrope.demo_reference`): ``jax.experimental.pallas.ops.gpu.paged_attention.
   paged_attention(q [B, Hq, D], k_pages, v_pages [Hk, pages, page_size, D], block_tables
   [B, pages_per_sequence], lengths [B])``, one query per sequence over its first
   ``lengths[b]`` keys; a Pallas kernel (Triton lowering) that runs on CPU in the Pallas
@@ -16,7 +16,8 @@ The layouts ``"paged_attention"`` and ``"ragged_paged_attention"`` of
   its last ``cu_q_lens[i + 1] - cu_q_lens[i]`` tokens, causal over its ``kv_lens[i]`` keys.
   It loops over sequences in Python and slices by their lengths, so it traces only with
   those as host values (:func:`ragged_attention` closes over them);
-- :func:`causal_attention`: the float64 attention both must match, and
+- :func:`causal_attention` (from :mod:`jaxrope.demo_reference`): the float64 attention
+  both must match, and
   :func:`append_sequences` / :func:`expected_attention`: sequences written into a cache
   of either layout by the fused op (the CPU and GPU tests' inputs).
 """
@@ -33,19 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxrope as jr
+from jaxrope.demo_reference import causal_attention, gpu_paged_attention
 from jaxrope.testing import oracle
-
-
-def gpu_paged_attention():
-    """JAX's ``paged_attention`` op (the Pallas GPU kernel).
-
-    Raises:
-      ImportError: this JAX has no ``jax.experimental.pallas.ops.gpu.paged_attention``.
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from jax.experimental.pallas.ops.gpu import paged_attention as module
-    return module.paged_attention
 
 
 def ragged_reference():
@@ -68,23 +58,6 @@ def ragged_attention(q_lens: Sequence[int], kv_lens: Sequence[int], sm_scale: fl
     num_seqs = np.array([len(lens)], np.int32)
     return jax.jit(lambda queries, kv_pages, page_indices: reference(
         queries, kv_pages, lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale))
-
-
-def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float) -> np.ndarray:
-    """float64 ``[n, Hq, D]``: queries ``q [n, Hq, D]``, the last ``n`` of the ``L``
-    tokens of ``k, v [L, Hk, D]``, each over the keys up to its own; query head ``h``
-    reads key head ``h // (Hq // Hk)`` (grouped-query attention)."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    n, q_heads, _ = q.shape
-    length, k_heads, _ = k.shape
-    group = q_heads // k_heads
-    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    logits = np.einsum("qhd,khd->hqk", q, k) * sm_scale
-    visible = np.arange(length)[None, :] <= (length - n + np.arange(n))[:, None]
-    logits = np.where(visible[None], logits, -np.inf)
-    weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    weights /= weights.sum(axis=-1, keepdims=True)
-    return np.einsum("hqk,khd->qhd", weights, v)
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from jaxrope.config import RopeConfig
-from jaxrope.mrope.sections import mrope_rows
+from jaxrope import demo_reference
 
 __all__ = ["HIDDEN", "KV_HEADS", "Layer", "Q_HEADS", "Stream", "TOLERANCE", "VOCAB"]
 
@@ -52,7 +52,7 @@ class Layer:
             for name, heads in (("q", Q_HEADS), ("k", KV_HEADS), ("v", KV_HEADS))}
         self.emb = torch.from_numpy(self.emb32).to(device)
         self.w = {name: torch.from_numpy(w).to(device) for name, w in self.w32.items()}
-        self.inv_freq, self.attention = rope.serving_frequencies()
+        self.attention = rope.serving_frequencies()[1]
         self._static: Dict[Hashable, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     def static_qk(self, key: Hashable, tokens: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -110,18 +110,4 @@ class Layer:
         return (weights @ v.transpose(1, 0, 2)).transpose(1, 0, 2)
 
     def _rotate(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        r = self.rope.rotary_dim
-        if pos.ndim == 2:  # M-RoPE: frequency slot j at row mrope_rows[j]'s position
-            rows = mrope_rows(self.rope.mrope_section, self.rope.mrope_interleaved)
-            pos = pos[rows].T  # [L, R/2]
-        else:
-            pos = pos[:, None]
-        angle = (pos * self.inv_freq[None, :])[:, None, :]
-        cos, sin = np.cos(angle) * self.attention, np.sin(angle) * self.attention
-        out = x.copy()
-        first, second = ((slice(0, r, 2), slice(1, r, 2)) if self.rope.interleave
-                         else (slice(0, r // 2), slice(r // 2, r)))
-        a, b = x[..., first], x[..., second]
-        out[..., first] = a * cos - b * sin
-        out[..., second] = b * cos + a * sin
-        return out
+        return demo_reference.rotate(self.rope, x, pos)
