@@ -187,7 +187,7 @@ class RopeManager(PositionManager):
             if bound is not None:
                 pos = plan.tensors.get(label)
                 if pos is not None and q.shape[0] <= plan.limits[label]:
-                    self._plans.active()
+                    self._plans.promote()
                     if bound(q, k, pos):
                         return q, k
         q3, k3 = self._checked_qk(q, k, label, plan)
@@ -195,7 +195,7 @@ class RopeManager(PositionManager):
         if rope_dtype is not None and not isinstance(rope_dtype, torch.dtype):
             raise ValueError(f"{rope_dtype=} must be a torch.dtype or None")
         cfg = self._configs.get(rotary_dim, interleave, rope_scale, rope_theta, **llama31)
-        self._plans.active()
+        self._plans.promote()
         if tokens == 0:
             return q, k
         if self.launcher is not None:
@@ -300,14 +300,14 @@ class RopeManager(PositionManager):
             if bound is not None:
                 pos = plan.tensors.get(label)
                 if pos is not None and q.shape[0] <= plan.limits[label]:
-                    self._plans.active()
+                    self._plans.promote()
                     if bound(q, k, v, pos, kv_cache, slots):
                         return q, kv_cache
         q3, k3 = self._checked_qk(q, k, label, plan)
         v3 = self._heads(v, "v")
         caches, geometry, scales = kv_append.check_call(k3, v3, kv_cache, slots, layout,
                                                         k_quant_scale, v_quant_scale, self.device)
-        self._plans.active()
+        self._plans.promote()
         if q3.shape[0] == 0:
             return q, kv_cache
         if self.kv_launcher is not None:
