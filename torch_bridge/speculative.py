@@ -60,8 +60,9 @@ Example (a tree at 7, one draft accepted, then a draft step):
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -103,13 +104,14 @@ class Speculation(NamedTuple):
 # ---------------------------------------------------------------------------- the tree rule
 
 
-def check_trees(depths: np.ndarray, lengths: np.ndarray,
-                where: Callable[[int], str]) -> np.ndarray:
-    """int64 ``depths`` once they form one draft tree per row, else ValueError.
+def check_trees(rows: np.ndarray, lengths: Optional[np.ndarray],
+                where: Callable[[int], str]) -> Tuple[np.ndarray, np.ndarray]:
+    """``(int64 rows, int64 deepest [S])`` once each row forms one draft tree, else ValueError.
 
     Args:
-      depths: ``[sum(lengths)]`` of any integer dtype, the rows one after another.
-      lengths: int64 ``[S]``, each row's token count (>= 1).
+      rows: ``[S, W]`` of any integer dtype: row ``s`` the depths of one stream's tree.
+      lengths: int64 ``[S]``, each row's token count (>= 1; entries past it are padding
+        and ignored), or None when every row has ``W``.
       where: names row ``s`` in a message (``"step.tree[('r0', 'text')]"``).
 
     The rule (the twin of :func:`jaxrope.speculative.valid_trees`): a row's token 0 is
@@ -130,39 +132,41 @@ def check_trees(depths: np.ndarray, lengths: np.ndarray,
     never wraps to a small one): a valid depth is at most its token's index in the row.
 
     Example:
-      >>> check_trees(np.array([0, 1, 1, 2, 0, 1]), np.array([4, 2]), str).tolist()
-      [0, 1, 1, 2, 0, 1]
-      >>> check_trees(np.array([0, 5]), np.array([2]), lambda s: "tree").tolist()
+      >>> rows, deepest = check_trees(np.array([[0, 1, 1, 2], [0, 1, 0, 0]]), np.array([4, 2]), str)
+      >>> deepest.tolist()
+      [2, 1]
+      >>> check_trees(np.array([[0, 5]]), None, lambda s: "tree")
       Traceback (most recent call last):
       ...
       ValueError: tree=[0, 5] is not a draft tree: token 1 has depth 5; no token before it has depth 4 (its parent)
     """
-    _check_integer(depths.dtype, lambda: where(0))
-    starts = np.cumsum(lengths) - lengths
-    row = np.repeat(np.arange(len(lengths)), lengths)
-    index = np.arange(len(depths)) - starts[row]
+    _check_integer(rows.dtype, lambda: where(0))
+    index = np.arange(rows.shape[1])
+    real = None if lengths is None else index < lengths[:, None]
     # At the depths' own width, nothing cast yet: a valid depth is at most its token's index.
-    bad = (depths < 0) | (depths > index)
+    bad = (rows < 0) | (rows > index)
+    if real is not None:
+        bad &= real
     if not bad.any():
-        depths = depths.astype(np.int64, copy=False)
-        # A running max per row: rows keyed apart so that none sees the one before it.
-        keyed = depths + row * (int(lengths.max()) + 1)
-        earlier = np.empty_like(keyed)
-        earlier[:1] = 0
-        np.maximum.accumulate(keyed[:-1], out=earlier[1:])
-        bad = np.where(index == 0, depths != 0, (depths == 0) | (keyed > earlier + 1))
+        rows = rows.astype(np.int64, copy=False)
+        if real is not None:
+            rows = np.where(real, rows, 0)    # padding: depth 0 moves no running max
+        running = np.maximum.accumulate(rows, axis=1)
+        rest = rows[:, 1:]
+        bad = np.concatenate([rows[:, :1] != 0, (rest == 0) | (rest > running[:, :-1] + 1)], axis=1)
+        if real is not None:
+            bad &= real
         if not bad.any():
-            return depths
-    at = int(np.argmax(bad))
-    token, value = int(index[at]), int(depths[at])
+            return rows, running[:, -1]
+    s, token = (int(i) for i in np.unravel_index(int(np.argmax(bad)), bad.shape))
+    value = int(rows[s, token])
     why = ("depths are >= 0" if value < 0 else
            "the root (token 0) has depth 0" if token == 0 else
            "a tree has one root, token 0" if value == 0 else
            f"no token before it has depth {value - 1} (its parent)")
-    values = depths[starts[row[at]]:starts[row[at]] + lengths[row[at]]].tolist()
+    values = rows[s, :rows.shape[1] if lengths is None else int(lengths[s])].tolist()
     shown = values if len(values) <= 16 else values[:16] + ["..."]
-    raise ValueError(f"{where(int(row[at]))}={shown} is not a draft tree: token {token} has depth "
-                     f"{value}; {why}")
+    raise ValueError(f"{where(s)}={shown} is not a draft tree: token {token} has depth {value}; {why}")
 
 
 def _check_integer(dtype: np.dtype, where: Callable[[], str]) -> None:
@@ -194,17 +198,17 @@ def attach(reader: "StepReader", step: PositionStep, arrays: "StepArrays", schem
         commit = CommitArrays(fork_src=arrays.commit.fork_src, fork_dst=arrays.commit.fork_dst)
         return arrays._replace(speculation=Speculation(depth, {}, _EMPTY, _EMPTY, {}), commit=commit)
     if isinstance(step.tree, np.ndarray):
-        slots, lengths, flat, where = _array_rows(reader, step, arrays)
+        slots, lengths, rows, where = _array_rows(reader, step, arrays)
     elif isinstance(step.tree, Mapping):
-        slots, lengths, flat, where = _mapping_rows(reader, step.tree)
+        slots, lengths, rows, where = _mapping_rows(reader, step.tree)
     else:
         raise TypeError(f"step.tree must be an int array [len(step.segments), k] or "
                         f"{{(request_id, label): depths}}, got {type(step.tree).__name__}")
-    flat = check_trees(flat, lengths, where)
-    starts = np.cumsum(lengths) - lengths
-    per_label = _per_label(arrays, slots, lengths, starts, flat, where)
-    return arrays._replace(speculation=Speculation(
-        None, per_label, slots, np.maximum.reduceat(flat, starts), {}))
+    rows, deepest = check_trees(rows, lengths, where)
+    width = np.full(len(slots), rows.shape[1], np.int64) if lengths is None else lengths
+    flat = rows.reshape(-1) if lengths is None else rows[np.arange(rows.shape[1]) < lengths[:, None]]
+    per_label = _per_label(arrays, slots, width, flat, where)
+    return arrays._replace(speculation=Speculation(None, per_label, slots, deepest, {}))
 
 
 def _draft_depth(step: PositionStep, max_seq_len: int) -> int:
@@ -213,7 +217,7 @@ def _draft_depth(step: PositionStep, max_seq_len: int) -> int:
         raise TypeError(f"step.draft_depth={depth!r} must be an int (a draft step at counter + "
                         "draft_depth)")
     if not 0 <= int(depth) < max_seq_len:
-        raise ValueError(f"step.draft_depth={depth!r} must be in [0, {max_seq_len}) (max_seq_len)")
+        raise ValueError(f"step.draft_depth={int(depth)} must be in [0, {max_seq_len}) (max_seq_len)")
     if step.advance is not None:
         raise ValueError(f"step.advance={step.advance!r}: a draft step (step.draft_depth) commits "
                          "nothing; leave advance None")
@@ -221,7 +225,7 @@ def _draft_depth(step: PositionStep, max_seq_len: int) -> int:
 
 
 def _array_rows(reader: "StepReader", step: PositionStep, arrays: "StepArrays"):
-    """``(slots, lengths, flat depths, where)`` of the ``[len(segments), k]`` form."""
+    """``(slots, None, rows, where)`` of the ``[len(segments), k]`` form (every row full)."""
     tree = step.tree
     segments = step.segments
     if tree.ndim != 2 or tree.shape[0] != len(segments) or not tree.size:
@@ -236,40 +240,69 @@ def _array_rows(reader: "StepReader", step: PositionStep, arrays: "StepArrays"):
         raise ValueError(f"step.tree is [{len(segments)}, {width}] but step.segments[{s}]="
                          f"{tuple(segments[s])!r} spans {int(spans[s])} tokens")
     _check_distinct(slots, segments, "step.tree")
-    return slots, np.full(len(segments), width, np.int64), tree.reshape(-1), where
+    return slots, None, tree, where
 
 
 def _mapping_rows(reader: "StepReader", tree: Mapping):
-    """``(slots, lengths, flat depths, where)`` of the ``{(rid, label): depths}`` form."""
-    keys = list(tree)
-    rows = []
-    for key, values in tree.items():
-        if not isinstance(key, tuple) or len(key) != 2:
-            raise ValueError(f"step.tree key {key!r} must be (request_id, label)")
-        # A Python bool in a list would become 1 in the array: refuse it here.
-        if isinstance(values, (list, tuple)) and any(isinstance(v, (bool, np.bool_)) for v in values):
-            raise TypeError(f"step.tree[{key!r}]={values!r} must hold integer depths, not bools")
-        try:
-            row = None if isinstance(values, (set, frozenset, Mapping, str)) else np.asarray(values)
-        except (TypeError, ValueError, OverflowError):   # ragged, or not numbers
-            row = None
-        if row is None or row.ndim != 1 or not len(row):
-            raise ValueError(f"step.tree[{key!r}]={values!r} must be a non-empty sequence of ints")
-        _check_integer(row.dtype, lambda: f"step.tree[{key!r}]={values!r}")
-        rows.append(row)
-    if not rows:
+    """``(slots, lengths, rows [S, max length], where)`` of the ``{(rid, label): depths}``
+    form (a row padded past its length)."""
+    keys, values = list(tree), list(tree.values())
+    if not keys:
         raise ValueError("step.tree={} names no stream; leave tree None for a step without one")
-    joint = np.result_type(*{row.dtype for row in rows})
-    if joint.kind not in "iu":   # uint64 beside a signed dtype: numpy has no common int
-        raise TypeError(f"step.tree's rows hold dtypes {sorted({str(r.dtype) for r in rows})}, "
-                        "which share no integer dtype: pass one")
-    slots = reader.slots([key[0] for key in keys], [key[1] for key in keys])
-    lengths = np.fromiter(map(len, rows), np.int64, len(rows))
-    return slots, lengths, np.concatenate(rows), lambda s: f"step.tree[{keys[s]!r}]"
+    _check_keys(keys, "step.tree")
+    count = len(values)
+    flat, shared = None, False
+    if set(map(type, values)) <= {tuple, list}:
+        # Python ints (the usual record): read in one pass, without an array per row.
+        shared = values.count(values[0]) == count   # one tree shape for every stream
+        items = values[0] if shared else list(itertools.chain.from_iterable(values))
+        if items and set(map(type, items)) == {int}:
+            flat = np.asarray(items)     # int64, or uint64 / object past int64: checked later
+            lengths = np.fromiter(map(len, values), np.int64, count)
+            if shared:
+                rows = np.broadcast_to(flat, (count, len(flat)))
+    if flat is None:
+        shared = False
+        rows = [_row(key, value) for key, value in zip(keys, values)]
+        joint = np.result_type(*{row.dtype for row in rows})
+        if joint.kind not in "iu":   # uint64 beside a signed dtype: numpy has no common int
+            raise TypeError(f"step.tree's rows hold dtypes {sorted({str(r.dtype) for r in rows})}, "
+                            "which share no integer dtype: pass one")
+        lengths = np.fromiter(map(len, rows), np.int64, count)
+        flat = np.concatenate(rows)
+    if not lengths.all():
+        s = int(np.argmin(lengths))
+        raise ValueError(f"step.tree[{keys[s]!r}]={values[s]!r} must be a non-empty sequence of ints")
+    if not shared:
+        rows = np.zeros((count, int(lengths.max())), flat.dtype)
+        rows[np.arange(rows.shape[1]) < lengths[:, None]] = flat
+    rids, labels = zip(*keys)
+    return reader.slots(rids, labels), lengths, rows, lambda s: f"step.tree[{keys[s]!r}]"
 
 
-def _per_label(arrays: "StepArrays", slots: np.ndarray, lengths: np.ndarray, starts: np.ndarray,
-               flat: np.ndarray, where: Callable[[int], str]) -> Dict[str, np.ndarray]:
+def _row(key: Any, values: Any) -> np.ndarray:
+    """One row of the mapping form as an integer array, or the error naming it."""
+    # A Python bool in a list would become 1 in the array: refuse it here.
+    if isinstance(values, (list, tuple)) and any(isinstance(v, (bool, np.bool_)) for v in values):
+        raise TypeError(f"step.tree[{key!r}]={values!r} must hold integer depths, not bools")
+    try:
+        row = None if isinstance(values, (set, frozenset, Mapping, str)) else np.asarray(values)
+    except (TypeError, ValueError, OverflowError):   # ragged, or not numbers
+        row = None
+    if row is None or row.ndim != 1 or not len(row):
+        raise ValueError(f"step.tree[{key!r}]={values!r} must be a non-empty sequence of ints")
+    _check_integer(row.dtype, lambda: f"step.tree[{key!r}]={values!r}")
+    return row
+
+
+def _check_keys(keys: List[Any], name: str) -> None:
+    if set(map(type, keys)) != {tuple} or set(map(len, keys)) != {2}:
+        key = next(k for k in keys if not isinstance(k, tuple) or len(k) != 2)
+        raise ValueError(f"{name} key {key!r} must be (request_id, label)")
+
+
+def _per_label(arrays: "StepArrays", slots: np.ndarray, lengths: np.ndarray, flat: np.ndarray,
+               where: Callable[[int], str]) -> Dict[str, np.ndarray]:
     """``{plan_label: int64 depths of its tokens}``: a tree stream's view takes its row, any
     other view its own ``arange``; every row must have a view, each of its length."""
     order = np.argsort(slots, kind="stable")
@@ -277,6 +310,10 @@ def _per_label(arrays: "StepArrays", slots: np.ndarray, lengths: np.ndarray, sta
     seen = np.zeros(len(slots), bool)
     per_label = {}
     for plan_label, label in arrays.labels.items():
+        if np.array_equal(label.slots, slots) and np.array_equal(label.counts, lengths):
+            per_label[plan_label] = flat     # the views are the tree's rows, in order
+            seen[:] = True
+            continue
         at = np.minimum(np.searchsorted(ordered, label.slots), len(ordered) - 1)
         hit = ordered[at] == label.slots
         if not hit.any():
@@ -289,9 +326,7 @@ def _per_label(arrays: "StepArrays", slots: np.ndarray, lengths: np.ndarray, sta
                              f"plan label {plan_label!r} has {int(label.counts[hit][np.argmax(wrong)])} "
                              "tokens")
         seen[rows] = True
-        if hit.all() and len(rows) == len(slots) and (rows == np.arange(len(rows))).all():
-            per_label[plan_label] = flat     # the views are the tree's rows, in order
-            continue
+        starts = np.cumsum(lengths) - lengths
         view_row = np.full(len(label.slots), -1, np.int64)
         view_row[hit] = rows
         view_start = np.cumsum(label.counts) - label.counts
@@ -314,7 +349,8 @@ def _segment_arrays(reader: "StepReader", step: PositionStep,
 
 
 def _check_distinct(slots: np.ndarray, segments: Sequence[Any], name: str) -> None:
-    if len(np.unique(slots)) != len(slots):
+    ordered = np.sort(slots)
+    if (ordered[1:] == ordered[:-1]).any():
         _, first = np.unique(slots, return_index=True)
         s = min(set(range(len(slots))) - set(first.tolist()))
         raise ValueError(f"{name} is one row per segment, but stream {tuple(segments[s][:2])!r} "
@@ -392,7 +428,9 @@ def accepted_commit(reader: "StepReader", plan: "Plan", accepted: Any,
     """
     spec = plan.arrays.speculation
     commit = plan.commit
-    trees = _EMPTY if spec is None else spec.tree_slots[np.isin(spec.tree_slots, commit.slots)]
+    trees = _EMPTY if spec is None else spec.tree_slots
+    if len(trees) and (plan.dropped or len(commit.adv_slots)):   # the trees still committed
+        trees = trees[np.isin(trees, commit.slots)]
     if accepted is None:
         if len(trees):
             raise ValueError(f"stream {_stream_of(plan, int(trees[0]))!r} was planned with step.tree "
@@ -415,11 +453,14 @@ def accepted_commit(reader: "StepReader", plan: "Plan", accepted: Any,
     spans = commit.spans if every else _spans(plan, stream, slots)
     deepest = spans - 1
     if len(trees):
-        _tree_depths_into(deepest, slots, spec)
-        left_out = ~np.isin(trees, slots)
-        if left_out.any():
-            raise ValueError(f"stream {_stream_of(plan, int(trees[left_out][0]))!r} was planned with "
-                             "step.tree (a draft tree): name it in accepted")
+        if np.array_equal(trees, slots):   # the tree's streams, in its order
+            deepest = spec.tree_depths
+        else:
+            _tree_depths_into(deepest, slots, spec)
+            left_out = ~np.isin(trees, slots)
+            if left_out.any():
+                raise ValueError(f"stream {_stream_of(plan, int(trees[left_out][0]))!r} was planned "
+                                 "with step.tree (a draft tree): name it in accepted")
     bad = (values < 0) | (values > deepest)
     if bad.any():
         i = int(np.argmax(bad))
@@ -479,19 +520,30 @@ def _accepted_mapping(reader: "StepReader", plan: "Plan", accepted: Mapping):
     """``(entry, stream, slots, int64 counts)`` of the mapping form, checked, without the
     entries of requests removed since the plan."""
     named, counts = list(accepted), list(accepted.values())
-    for stream, value in zip(named, counts):
-        if not isinstance(stream, tuple) or len(stream) != 2:
-            raise ValueError(f"accepted key {stream!r} must be (request_id, label)")
-        if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
-            raise ValueError(f"accepted[{stream!r}]={value!r} must be an int")
-        if not -_COUNT_BOUND <= int(value) <= _COUNT_BOUND:
-            raise ValueError(f"accepted[{stream!r}]={value!r} must be in [0, the drafts of its view]")
+    if named:
+        _check_keys(named, "accepted")
+    values = None
+    if set(map(type, counts)) <= {int}:
+        try:   # Python ints convert exactly or raise: none wraps
+            values = np.fromiter(counts, np.int64, len(counts))
+        except OverflowError:
+            pass
+    if values is None:
+        for stream, value in zip(named, counts):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"accepted[{stream!r}]={value!r} must be an int")
+            if not -_COUNT_BOUND <= int(value) <= _COUNT_BOUND:
+                raise ValueError(f"accepted[{stream!r}]={int(value)} must be in [0, the drafts of "
+                                 "its view]")
+        values = np.fromiter(map(int, counts), np.int64, len(counts))
     if plan.dropped:
         kept = [i for i, stream in enumerate(named) if not _dropped(plan, stream[0])]
-        named, counts = [named[i] for i in kept], [counts[i] for i in kept]
-    slots = reader.slots([s[0] for s in named], [s[1] for s in named]) if named else _EMPTY
-    return (lambda i: f"accepted[{named[i]!r}]", named.__getitem__, slots,
-            np.fromiter(map(int, counts), np.int64, len(counts)))
+        named, values = [named[i] for i in kept], values[kept]
+    if not named:
+        return (lambda i: f"accepted[{named[i]!r}]", named.__getitem__, _EMPTY, values)
+    rids, labels = zip(*named)
+    return (lambda i: f"accepted[{named[i]!r}]", named.__getitem__, reader.slots(rids, labels),
+            values)
 
 
 def _tree_depths_into(deepest: np.ndarray, slots: np.ndarray, spec: Speculation) -> None:
