@@ -26,7 +26,8 @@ alternating with a plain decode step of the same token count (issue 16's target:
 median ratio of the blocks run back to back:
 
 - ``draft[256x4]/chain``: a verify step of 3 chain drafts per request, committed with
-  per-request accepted counts (random, drawn before timing) vs ``decode[1024x1]``;
+  an array of per-request accepted counts (random, drawn before timing) vs
+  ``decode[1024x1]``;
 - ``draft[256x8]/tree``: a draft tree of 8 tokens per request (``PositionStep.tree``, one
   ``[256, 8]`` depth array), committed with an array of accepted counts, vs
   ``decode[2048x1]``;
@@ -232,7 +233,7 @@ def bench_speculative(device: torch.device, requests: int, iters: int,
                       warmup: int) -> Dict[str, dict]:
     """Each speculative case beside a plain decode step of its token count (module doc),
     the two in alternating blocks."""
-    cases = {f"draft[{requests}x4]/chain": (dict(span=4, accept=3, mapping=True), 4),
+    cases = {f"draft[{requests}x4]/chain": (dict(span=4, accept=3), 4),
              f"draft[{requests}x8]/tree": (dict(span=8, tree=TREE, accept=max(TREE)), 8),
              f"draft[{requests}x8]/tree-shared": (dict(span=8, tree=TREE, accept=max(TREE),
                                                         mapping=True), 8),

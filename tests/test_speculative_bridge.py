@@ -348,8 +348,8 @@ def test_an_array_tree_names_each_stream_once():
 
 
 @pytest.mark.parametrize("depth,error,fragment", [
-    (np.uint64(2 ** 64 - 1), ValueError, "step.draft_depth=18446744073709551615 must be in [0, 256)"),
-    (-1, ValueError, "step.draft_depth=-1 must be in [0, 256)"),
+    (np.uint64(2 ** 64 - 1), ValueError, "step.draft_depth=18446744073709551615 must be in [0, max_seq_len=256]"),
+    (-1, ValueError, "step.draft_depth=-1 must be in [0, max_seq_len=256]"),
     (True, TypeError, "step.draft_depth=True must be an int"),
     (1.0, TypeError, "step.draft_depth=1.0 must be an int"),
 ])

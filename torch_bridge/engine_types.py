@@ -197,7 +197,7 @@ class PositionStep:
         scheme): every token of the step at ``counter + draft_depth`` (draft step ``j``
         is ``draft_depth=j - 1`` in vLLM's numbering, ``j`` in SGLang's), a token past
         ``max_seq_len`` planned at 0 and reported by ``live``; its commit moves no
-        counter. An int in ``[0, max_seq_len)``, default None.
+        counter. An int in ``[0, max_seq_len]``, default None.
       tree: a *tree verify* (SEQUENTIAL scheme): token ``i`` of a named stream's view
         at ``counter + depths[i]`` instead of ``counter + i`` (SGLang's ``seq_len +
         depth``); ``commit`` then needs each one's ``accepted`` count. An integer

@@ -112,7 +112,7 @@ def attach(reader: "StepReader", step: PositionStep, arrays: "StepArrays", schem
     Raises:
       TypeError: a field of the wrong type (bools and non-integer depths included).
       ValueError: a scheme other than SEQUENTIAL, a draft depth outside ``[0,
-        max_seq_len)`` or with an explicit advance, a tree naming a stream without a
+        max_seq_len]`` or with an explicit advance, a tree naming a stream without a
         view or of another length than its view, or depths that are not a tree
         (:func:`torch_bridge.draft_trees.check_trees`).
     """
@@ -133,8 +133,8 @@ def _draft_depth(step: PositionStep, max_seq_len: int) -> int:
     if not isinstance(depth, (int, np.integer)) or isinstance(depth, (bool, np.bool_)):
         raise TypeError(f"step.draft_depth={depth!r} must be an int (a draft step at counter + "
                         "draft_depth)")
-    if not 0 <= int(depth) < max_seq_len:
-        raise ValueError(f"step.draft_depth={int(depth)} must be in [0, {max_seq_len}) (max_seq_len)")
+    if not 0 <= int(depth) <= max_seq_len:   # at max_seq_len every token is past the end
+        raise ValueError(f"step.draft_depth={int(depth)} must be in [0, max_seq_len={max_seq_len}]")
     if step.advance is not None:
         raise ValueError(f"step.advance={step.advance!r}: a draft step (step.draft_depth) commits "
                          "nothing; leave advance None")
@@ -204,10 +204,12 @@ def accepted_commit(reader: "StepReader", plan: "Plan", accepted: Any,
     are ignored, as the plan ignores them.
 
     Raises:
-      TypeError: ``accepted`` of another type, a count that is not an int.
+      TypeError: ``accepted`` of another type, or an array of non-integer counts.
       ValueError: a draft step; an unknown stream, one without a segment in the plan or
-        with an explicit advance; a count outside ``[0, deepest draft]``; a tree stream
-        left out; rejected drafts of a stream that the staged plan numbers.
+        with an explicit advance; a mapped count that is not an int; a count outside
+        ``[0, deepest draft]`` (compared before any cast); an array of another length
+        than the segments or beside an advance; a tree stream left out; rejected drafts
+        of a stream that the staged plan numbers.
     """
     spec = plan.arrays.speculation
     commit = plan.commit
