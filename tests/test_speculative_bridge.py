@@ -443,3 +443,12 @@ def test_an_ordinary_step_never_calls_into_the_speculative_module(monkeypatch):
     assert (mgr.position("a", "text"), mgr.position("b", "text")) == (13, 15)
     with pytest.raises(AssertionError, match="ordinary step called"):   # the patch bites
         mgr.plan(_tree_step((0, 1)), ctx("a"))
+
+
+def test_a_tree_past_max_seq_len_is_refused_naming_the_stream_and_its_depth():
+    mgr = make(max_seq_len=64)
+    ingest(mgr, a=61)
+    _refused(mgr, lambda: mgr.plan(_tree_step((0, 1, 1, 2, 3)), ctx("a")), ValueError,
+             "stream ('a', 'text') of plan label 'text' at position 61 with depth 3 passes "
+             "max_seq_len=64")
+    assert mgr.plan(_tree_step((0, 1, 1, 2)), ctx("a"))["text"].tolist() == [61, 62, 62, 63]
