@@ -151,7 +151,7 @@ def _array_rows(reader: "StepReader", step: PositionStep, arrays: "StepArrays"):
 
 def _mapping_rows(reader: "StepReader", tree: Mapping):
     """``(slots, lengths, rows [S, max length], where)`` of the ``{(rid, label): depths}``
-    form (a row padded past its length)."""
+    form (a row padded past its length; ``lengths`` None when every row is full)."""
     keys, values = list(tree), list(tree.values())
     if not keys:
         raise ValueError("step.tree={} names no stream; leave tree None for a step without one")
@@ -179,11 +179,16 @@ def _mapping_rows(reader: "StepReader", tree: Mapping):
     if not lengths.all():
         s = int(np.argmin(lengths))
         raise ValueError(f"step.tree[{keys[s]!r}]={values[s]!r} must be a non-empty sequence of ints")
-    if not shared:
-        rows = np.zeros((count, int(lengths.max())), flat.dtype)
-        rows[np.arange(rows.shape[1]) < lengths[:, None]] = flat
+    width = int(lengths.max())
+    uniform = int(lengths.min()) == width     # a fixed tree size: no padding
+    if uniform and not shared:
+        rows = flat.reshape(count, width)
+    elif not uniform:
+        rows = np.zeros((count, width), flat.dtype)
+        rows[np.arange(width) < lengths[:, None]] = flat
     rids, labels = zip(*keys)
-    return reader.slots(rids, labels), lengths, rows, lambda s: f"step.tree[{keys[s]!r}]"
+    return (reader.slots(rids, labels), None if uniform else lengths, rows,
+            lambda s: f"step.tree[{keys[s]!r}]")
 
 
 def _row(key: Any, values: Any) -> np.ndarray:

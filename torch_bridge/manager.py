@@ -356,7 +356,7 @@ class PositionManager(PublishAdmit, Resource):
             raise TypeError(f"step must be a PositionStep, got {type(step).__name__}")
         if not isinstance(ctx, StepContext):
             raise TypeError(f"ctx must be a StepContext, got {type(ctx).__name__}")
-        if accepted is None and not self._plans.speculative():
+        if accepted is None and not self._plans.next_commit_is_speculative():
             self._plans.commit(step)
             return
         self._plans.commit(step, lambda plan, staged: speculative.accepted_commit(

@@ -287,7 +287,7 @@ class StepPlans:
         """The plan that is current after :meth:`promote`, without promoting."""
         return self.current if self.current is not None else self.staged
 
-    def speculative(self) -> bool:
+    def next_commit_is_speculative(self) -> bool:
         """Whether the plan a commit commits (:meth:`peek`) is a draft step or tree verify."""
         plan = self.peek()
         return plan is not None and plan.arrays.speculation is not None
@@ -320,6 +320,7 @@ def _check_same_step(step: PositionStep, planned: PositionStep) -> None:
     if step.draft_depth != planned.draft_depth:
         raise ValueError(f"commit's step.draft_depth={step.draft_depth!r} differs from the planned "
                          f"{planned.draft_depth!r}; commit the step that was planned")
+    # Both None on an ordinary step: the speculative module is not called.
     if step.tree is not planned.tree and not speculative.same_tree(step.tree, planned.tree):
         raise ValueError(f"commit's step.tree={step.tree!r} differs from the planned "
                          f"{planned.tree!r}; commit the step that was planned")
