@@ -50,7 +50,7 @@ def read(reader: "StepReader", step: PositionStep,
     if isinstance(step.tree, np.ndarray):
         slots, lengths, rows, where = _array_rows(reader, step, arrays)
     elif isinstance(step.tree, Mapping):
-        slots, lengths, rows, where = _mapping_rows(reader, step.tree)
+        slots, lengths, rows, where = _mapping_rows(reader, step.tree, arrays)
     else:
         raise TypeError(f"step.tree must be an int array [len(step.segments), k] or "
                         f"{{(request_id, label): depths}}, got {type(step.tree).__name__}")
@@ -149,13 +149,20 @@ def _array_rows(reader: "StepReader", step: PositionStep, arrays: "StepArrays"):
     return slots, None, tree, where
 
 
-def _mapping_rows(reader: "StepReader", tree: Mapping):
+def _mapping_rows(reader: "StepReader", tree: Mapping, arrays: "StepArrays"):
     """``(slots, lengths, rows [S, max length], where)`` of the ``{(rid, label): depths}``
     form (a row padded past its length; ``lengths`` None when every row is full)."""
     keys, values = list(tree), list(tree.values())
     if not keys:
         raise ValueError("step.tree={} names no stream; leave tree None for a step without one")
-    check_keys(keys, "step.tree")
+    # The usual batch names a plan label's views, in order: their slots, already looked up.
+    slots = next((label.slots for plan_label, label in arrays.labels.items()
+                  if len(label.slots) == len(keys)
+                  and keys == [tuple(view[:2]) for view in arrays.groups[plan_label]]), None)
+    if slots is None:
+        check_keys(keys, "step.tree")
+        rids, labels = zip(*keys)
+        slots = reader.slots(rids, labels)
     count = len(values)
     flat, shared = None, False
     if set(map(type, values)) <= {tuple, list}:
@@ -166,7 +173,7 @@ def _mapping_rows(reader: "StepReader", tree: Mapping):
             flat = np.asarray(items)     # int64, or uint64 / object past int64: checked later
             lengths = np.fromiter(map(len, values), np.int64, count)
             if shared:
-                rows = np.broadcast_to(flat, (count, len(flat)))
+                rows = np.tile(flat, (count, 1))
     if flat is None:
         shared = False
         rows = [_row(key, value) for key, value in zip(keys, values)]
@@ -186,9 +193,7 @@ def _mapping_rows(reader: "StepReader", tree: Mapping):
     elif not uniform:
         rows = np.zeros((count, width), flat.dtype)
         rows[np.arange(width) < lengths[:, None]] = flat
-    rids, labels = zip(*keys)
-    return (reader.slots(rids, labels), None if uniform else lengths, rows,
-            lambda s: f"step.tree[{keys[s]!r}]")
+    return slots, None if uniform else lengths, rows, lambda s: f"step.tree[{keys[s]!r}]"
 
 
 def _row(key: Any, values: Any) -> np.ndarray:

@@ -305,7 +305,11 @@ def _accepted_mapping(reader: "StepReader", plan: "Plan", accepted: Mapping):
     """``(entry, stream, slots, int64 counts)`` of the mapping form, checked, without the
     entries of requests removed since the plan."""
     named, counts = list(accepted), list(accepted.values())
-    if named:
+    spec = plan.arrays.speculation
+    # The streams of the plan's tree mapping, in its order: checked and looked up at plan.
+    tree_keys = (not plan.dropped and spec is not None and isinstance(plan.step.tree, Mapping)
+                 and named == list(plan.step.tree))
+    if named and not tree_keys:
         draft_trees.check_keys(named, "accepted")
     values = None
     if set(map(type, counts)) <= {int}:
@@ -324,11 +328,14 @@ def _accepted_mapping(reader: "StepReader", plan: "Plan", accepted: Mapping):
     if plan.dropped:
         kept = [i for i, stream in enumerate(named) if not _dropped(plan, stream[0])]
         named, values = [named[i] for i in kept], values[kept]
-    if not named:
-        return (lambda i: f"accepted[{named[i]!r}]", named.__getitem__, _EMPTY, values)
-    rids, labels = zip(*named)
-    return (lambda i: f"accepted[{named[i]!r}]", named.__getitem__, reader.slots(rids, labels),
-            values)
+    if tree_keys:
+        slots = spec.tree_slots
+    elif named:
+        rids, labels = zip(*named)
+        slots = reader.slots(rids, labels)
+    else:
+        slots = _EMPTY
+    return lambda i: f"accepted[{named[i]!r}]", named.__getitem__, slots, values
 
 
 def _tree_depths_into(deepest: np.ndarray, slots: np.ndarray, spec: Speculation) -> None:
