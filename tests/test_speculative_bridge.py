@@ -452,3 +452,20 @@ def test_a_tree_past_max_seq_len_is_refused_naming_the_stream_and_its_depth():
              "stream ('a', 'text') of plan label 'text' at position 61 with depth 3 passes "
              "max_seq_len=64")
     assert mgr.plan(_tree_step((0, 1, 1, 2)), ctx("a"))["text"].tolist() == [61, 62, 62, 63]
+
+
+def test_accepted_counts_name_the_tree_streams_in_any_order_or_after_a_remove():
+    mgr = make()
+    ingest(mgr, a=10, b=20, c=30)
+    tree = {("b", "text"): (0, 1, 2), ("a", "text"): (0, 1, 1)}     # not the views' order
+    step = PositionStep((Segment("a", "text", 3), Segment("b", "text", 3)), tree=tree)
+    assert mgr.plan(step, ctx("a", "b"))["text"].tolist() == [10, 11, 11, 20, 21, 22]
+    mgr.commit(step, ctx("a", "b"), accepted={("a", "text"): 1, ("b", "text"): 2})
+    assert (mgr.position("a", "text"), mgr.position("b", "text")) == (12, 23)
+    in_order = {("a", "text"): (0, 1, 1), ("b", "text"): (0, 1, 2)}
+    step = PositionStep((Segment("a", "text", 3), Segment("b", "text", 3)), tree=in_order)
+    mgr.plan(step, ctx("a", "b"))
+    mgr.remove_request("a")
+    ingest(mgr, a=40)                 # a new request under the old id: outside this plan
+    mgr.commit(step, ctx("a", "b"), accepted={("a", "text"): 0, ("b", "text"): 1})
+    assert (mgr.position("a", "text"), mgr.position("b", "text"), mgr.position("c", "text")) == (40, 25, 30)
