@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
     from torch_bridge.step_arrays import StepArrays, StepReader
 
 __all__ = ["check_distinct", "check_keys", "check_trees", "read"]
+
+_STREAM = operator.itemgetter(0, 1)   # (request_id, label) of a view record
 
 
 def read(reader: "StepReader", step: PositionStep,
@@ -158,7 +161,7 @@ def _mapping_rows(reader: "StepReader", tree: Mapping, arrays: "StepArrays"):
     # The usual batch names a plan label's views, in order: their slots, already looked up.
     slots = next((label.slots for plan_label, label in arrays.labels.items()
                   if len(label.slots) == len(keys)
-                  and keys == [tuple(view[:2]) for view in arrays.groups[plan_label]]), None)
+                  and keys == list(map(_STREAM, arrays.groups[plan_label]))), None)
     if slots is None:
         check_keys(keys, "step.tree")
         rids, labels = zip(*keys)
