@@ -26,13 +26,15 @@ alternating with a plain decode step of the same token count (issue 16's target:
 median ratio of the blocks run back to back:
 
 - ``draft[256x4]/chain``: a verify step of 3 chain drafts per request, committed with
-  per-request accepted counts (random, drawn before timing) vs ``decode[1024x1]``;
-- ``draft[256x8]/tree``: a draft tree of 8 tokens per request (``PositionStep.depths``),
-  committed with accepted counts, vs ``decode[2048x1]``; the rows of one depth array;
-- ``draft[256x8]/tree-shared``: the same with one tuple for every request (a fixed tree
-  shape), which the bridge reads once;
-- ``drafter[256x1]/step``: an EAGLE draft step (``depths=2``: one token per request at
-  ``counter + 2``, nothing committed) vs ``decode[256x1]``.
+  an array of per-request accepted counts (random, drawn before timing) vs
+  ``decode[1024x1]``;
+- ``draft[256x8]/tree``: a draft tree of 8 tokens per request (``PositionStep.tree``, one
+  ``[256, 8]`` depth array), committed with an array of accepted counts, vs
+  ``decode[2048x1]``;
+- ``draft[256x8]/tree-shared``: the same as ``{(rid, label): depths}`` with one tuple
+  for every request (a fixed tree shape) and accepted counts as a mapping;
+- ``drafter[256x1]/step``: an EAGLE draft step (``draft_depth=2``: one token per request
+  at ``counter + 2``, nothing committed) vs ``decode[256x1]``.
 
 ``apply_qk``: q ``[T, 32, 128]``, k ``[T, 8, 128]`` bf16 on CUDA (CPU or ``--quick``:
 ``[T, 8, 128]``, ``[T, 2, 128]`` float32), T in (64, 16384) (CPU: 64, 1024), wall time
@@ -70,16 +72,16 @@ def _manager(device: torch.device, launcher: str = "jax") -> RopeManager:
     return RopeManager(PositionConfig(rope=rope), device, max_seq_len=1 << 20, launcher=launcher)
 
 
-def _steps(rids: List[str], span: int, count: int, depths=None,
-           shared: bool = False) -> List[Tuple[PositionStep, StepContext]]:
-    if isinstance(depths, tuple):
-        keys = [(rid, "text") for rid in rids]
-        # One tree shape for all (the tuple itself), or a tree per request: rows of one array.
-        depths = (dict.fromkeys(keys, depths) if shared
-                  else dict(zip(keys, np.tile(np.asarray(depths, np.int64), (len(rids), 1)))))
+def _steps(rids: List[str], span: int, count: int, tree=None, mapping: bool = False,
+           draft_depth: Optional[int] = None) -> List[Tuple[PositionStep, StepContext]]:
+    if tree is not None:
+        # One tuple for every stream, or the engine's [streams, k] array (a row a segment).
+        tree = (dict.fromkeys([(rid, "text") for rid in rids], tree) if mapping
+                else np.tile(np.asarray(tree, np.int64), (len(rids), 1)))
     out = []
     for _ in range(count):
-        step = PositionStep(tuple(Segment(rid, "text", span) for rid in rids), depths=depths)
+        step = PositionStep(tuple(Segment(rid, "text", span) for rid in rids), tree=tree,
+                            draft_depth=draft_depth)
         views = tuple(KVView(rid, "text", span) for rid in rids)
         kv = {"kv": {"attn": KVPlanOutput(views)}}
         out.append((step, StepContext(tuple(rids), plan_results=kv)))
@@ -137,11 +139,12 @@ def timed_blocks(mgr: RopeManager, steps, preplan: bool, device: torch.device,
         yield plan_s, commit_s
 
 
-def _case(device: torch.device, requests: int, span: int, count: int, depths=None,
-          accept: int = -1, shared: bool = False):
-    """``(manager, steps, accepted)`` of ``count`` steps; ``depths``: ``PositionStep.depths`` (a
-    tuple: every request's tree, ``shared``: the one object); ``accept >= 0``: accepted
-    counts drawn in ``[0, accept]``."""
+def _case(device: torch.device, requests: int, span: int, count: int, tree=None,
+          draft_depth: Optional[int] = None, accept: int = -1, mapping: bool = False):
+    """``(manager, steps, accepted)`` of ``count`` steps; ``tree``: every request's depths
+    (a tuple), as one array or (``mapping``) a mapping; ``draft_depth``: a draft step;
+    ``accept >= 0``: accepted counts drawn in ``[0, accept]``, an array per step or
+    (``mapping``) a mapping."""
     mgr = _manager(device)
     rids = [f"r{i}" for i in range(requests)]
     for rid in rids:
@@ -149,8 +152,9 @@ def _case(device: torch.device, requests: int, span: int, count: int, depths=Non
     accepted = None
     if accept >= 0:
         draws = np.random.default_rng(0).integers(0, accept + 1, (count, requests))
-        accepted = [{(rid, "text"): int(a) for rid, a in zip(rids, row)} for row in draws]
-    return mgr, _steps(rids, span, count, depths, shared), accepted
+        accepted = ([{(rid, "text"): int(a) for rid, a in zip(rids, row)} for row in draws]
+                    if mapping else list(draws))
+    return mgr, _steps(rids, span, count, tree, mapping, draft_depth), accepted
 
 
 def _timings(plan_s: List[float], commit_s: List[float]) -> Dict[str, dict]:
@@ -230,10 +234,10 @@ def bench_speculative(device: torch.device, requests: int, iters: int,
     """Each speculative case beside a plain decode step of its token count (module doc),
     the two in alternating blocks."""
     cases = {f"draft[{requests}x4]/chain": (dict(span=4, accept=3), 4),
-             f"draft[{requests}x8]/tree": (dict(span=8, depths=TREE, accept=max(TREE)), 8),
-             f"draft[{requests}x8]/tree-shared": (dict(span=8, depths=TREE, accept=max(TREE),
-                                                       shared=True), 8),
-             f"drafter[{requests}x1]/step": (dict(span=1, depths=2), 1)}
+             f"draft[{requests}x8]/tree": (dict(span=8, tree=TREE, accept=max(TREE)), 8),
+             f"draft[{requests}x8]/tree-shared": (dict(span=8, tree=TREE, accept=max(TREE),
+                                                        mapping=True), 8),
+             f"drafter[{requests}x1]/step": (dict(span=1, draft_depth=2), 1)}
     out: Dict[str, dict] = {}
     print(f"speculative plan + commit host time on {device} (target: <= {SPECULATIVE_RATIO}x a "
           "decode step of the same token count)")

@@ -10,7 +10,9 @@ sampled last (the *root*, at position ``n``, not yet in the KV cache):
 - **tree** (SGLang's EAGLE with ``topk > 1``): token ``t`` of the verify step sits at
   ``n + depth[t]``, the root at depth 0 (SGLang's ``build_tree_kernel_efficient``:
   depths ``[0, 1, 1, 2]`` at length 7 give ``[7, 8, 8, 9]``); :func:`plan_tree`, and
-  :func:`tree_depths` for a tree given by its parents.
+  :func:`tree_depths` for a tree given by its parents. A view's depths must form a
+  tree laid out parents first (:func:`valid_trees`: token 0 the only root, every other
+  depth at most one more than an earlier one), so a path ``0 .. deepest`` exists.
 - **accept**: with ``a`` drafts accepted the stream keeps the root and those ``a``
   (positions ``n .. n + a``: a tree's accepted path is one token per depth), so its
   counter becomes ``n + a + 1`` (vLLM: ``num_computed_tokens -= num_rejected`` after
@@ -39,7 +41,10 @@ prompt has images) and #54519 took them from ``seq_lens - 1``.
 
 Everything here is pure, static-shape and runs under ``jax.jit``; views follow
 :func:`jaxrope.positions.plan` (its table rows, padded with ``positions.PAD``; tokens
-past the live ones keep ``out``'s values).
+past the live ones keep ``out``'s values). Called with concrete arrays (outside jit),
+:func:`plan_tree`, :func:`tree_depths` and :func:`accept` check their depth, parent and
+count arguments and raise ``ValueError`` / ``TypeError``; under jit they are unchecked
+(:func:`valid_trees` gives a traced engine the tree check as a mask).
 
 Example (one stream at 7, a tree of depths ``[0, 1, 1, 2]``; one draft accepted):
   >>> import jax.numpy as jnp
@@ -62,12 +67,14 @@ from typing import Tuple, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrope import positions
 from jaxrope import sharding as _sharding
 from jaxrope.positions import PositionTable
 
-__all__ = ["accept", "eagle_input_ids", "plan_chain", "plan_draft", "plan_tree", "tree_depths"]
+__all__ = ["accept", "eagle_input_ids", "plan_chain", "plan_draft", "plan_tree", "tree_depths",
+           "valid_trees"]
 
 _NO_WRAP = {"wrap_negative_indices": False}
 
@@ -115,12 +122,25 @@ def tree_depths(parents: jax.Array) -> jax.Array:
     Pointer doubling: ``ceil(log2 N)`` rounds of ``depth += depth[ancestor]``,
     ``ancestor = ancestor[ancestor]``, static in ``N``.
 
+    Raises:
+      ValueError: (concrete ``parents`` only) a parent that is not an earlier token
+        (``-1 <= parents[t] < t``): both engines lay a tree out parents first
+        (:func:`valid_trees`).
+
     Example (SGLang's tree of topk 2: the root, two children, a grandchild of the first):
       >>> import jax.numpy as jnp
       >>> tree_depths(jnp.array([-1, 0, 0, 1, -1, 4], jnp.int32)).tolist()
       [0, 1, 1, 2, 0, 1]
     """
-    parents = parents.astype(jnp.int32)
+    if not isinstance(parents, jax.core.Tracer):
+        given = np.asarray(parents)
+        _check_integer(given, "parents")
+        late = (given < -1) | (given >= np.arange(len(given)))
+        if late.any():
+            t = int(np.argmax(late))
+            raise ValueError(f"parents[{t}]={int(given[t])} must be -1 (a root) or an earlier token "
+                             f"in [0, {t}): a tree is laid out parents first")
+    parents = jnp.asarray(parents).astype(jnp.int32)
     token = jnp.arange(parents.shape[0], dtype=jnp.int32)
     root = parents < 0
     ancestor = jnp.where(root, token, parents)
@@ -129,6 +149,50 @@ def tree_depths(parents: jax.Array) -> jax.Array:
         depth = depth + depth[ancestor]
         ancestor = ancestor[ancestor]
     return depth
+
+
+def valid_trees(counts: jax.Array, depths: jax.Array) -> jax.Array:
+    """bool ``[V]``: whether each view's depths form a draft tree laid out parents first.
+
+    Args:
+      counts: int32 ``[V]``, each view's tokens (0: a padding view, valid).
+      depths: int32 ``[N]``, the views' depths one after another; entries past
+        ``sum(counts)`` are ignored.
+
+    The rule (the twin of :func:`torch_bridge.speculative.check_trees`, whose docstring
+    cites vLLM's tree attention and SGLang's ``build_tree_efficient``): a view's token 0
+    is its root at depth 0 and no other token is; every other depth is at most one more
+    than a depth earlier in the view (a token at ``d > 0`` has a possible parent at
+    ``d - 1`` before it). Pure and static-shape: an engine under jit masks with it.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> valid_trees(jnp.array([4, 2, 2], jnp.int32), jnp.array([0, 1, 1, 2, 1, 2, 0, 2])).tolist()
+      [True, False, False]
+    """
+    counts = counts.astype(jnp.int32)
+    depth = depths.astype(jnp.int32)
+    n = depth.shape[0]
+    ends = jnp.cumsum(counts)
+    starts = ends - counts
+    token = jnp.arange(n, dtype=jnp.int32)
+    marks = jnp.zeros_like(token).at[starts].max(jnp.arange(counts.shape[0], dtype=jnp.int32),
+                                                 mode="drop")
+    view = jax.lax.cummax(marks, axis=0)       # each token's view, as positions.plan finds it
+    index = token - starts[view]
+    first = index == 0
+    # The deepest depth before each token in its view: a max scan that restarts at a root.
+    restart = lambda a, b: (a[0] | b[0], jnp.where(b[0], b[1], jnp.maximum(a[1], b[1])))  # noqa: E731
+    _, running = jax.lax.associative_scan(restart, (first, depth))
+    earlier = jnp.concatenate([jnp.zeros((1,), jnp.int32), running[:-1]])
+    ok = jnp.where(first, depth == 0, (depth > 0) & (depth <= earlier + 1))
+    bad = ~ok & (token < (ends[-1] if counts.shape[0] else 0))
+    return ~jnp.zeros(counts.shape, bool).at[view].max(bad, mode="drop")
+
+
+def _check_integer(given: np.ndarray, name: str) -> None:
+    if given.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array, got dtype {given.dtype}")
 
 
 def plan_tree(table: PositionTable, slots: jax.Array, counts: jax.Array, depths: jax.Array,
@@ -146,6 +210,11 @@ def plan_tree(table: PositionTable, slots: jax.Array, counts: jax.Array, depths:
     Returns:
       int32, ``out``'s shape.
 
+    Raises:
+      TypeError, ValueError: (concrete ``counts`` and ``depths`` only) depths that are not
+        integers, or a view's that are not a tree (:func:`valid_trees`); compared at
+        their own width before any cast.
+
     Example (M-RoPE: a stream at 7 with delta -3):
       >>> import jax.numpy as jnp
       >>> table = PositionTable(jnp.array([7], jnp.int32), jnp.array([-3], jnp.int32))
@@ -154,6 +223,24 @@ def plan_tree(table: PositionTable, slots: jax.Array, counts: jax.Array, depths:
       ...           jnp.zeros((3, 4), jnp.int32)).tolist()
       [[4, 5, 5, 6], [4, 5, 5, 6], [4, 5, 5, 6]]
     """
+    if not isinstance(counts, jax.core.Tracer) and not isinstance(depths, jax.core.Tracer):
+        given, n = np.asarray(depths), int(np.sum(counts))
+        _check_integer(given, "depths")
+        used = given[:n]
+        # A valid depth is below its view's length, so below N: checked before the cast.
+        if len(used) and (int(used.min()) < 0 or int(used.max()) >= len(used)):
+            raise ValueError(f"depths has values in [{int(used.min())}, {int(used.max())}]; a tree "
+                             f"of {n} tokens has depths in [0, {n})")
+        valid = np.asarray(valid_trees(jnp.asarray(counts), jnp.asarray(used.astype(np.int32))))
+        if not valid.all():
+            v = int(np.argmin(valid))
+            start = int(np.sum(np.asarray(counts)[:v]))
+            raise ValueError(f"the depths of view {v}, {used[start:start + int(counts[v])].tolist()}, "
+                             "are not a draft tree: token 0 at depth 0 is its only root, every other "
+                             "depth at most one more than an earlier one")
+        checked = np.zeros(given.shape, np.int32)   # the ignored tail as zeros
+        checked[:n] = used
+        depths = jnp.asarray(checked)
     return positions.plan(table, slots, counts, out, depths=depths)
 
 
@@ -161,8 +248,13 @@ def accept(table: PositionTable, slots: jax.Array, accepted: jax.Array) -> Posit
     """After verifying: ``counter += accepted + 1`` (the root and the accepted drafts).
 
     ``slots`` are the verified views' streams (padding dropped), ``accepted`` int32
-    ``[V]``, each ``0 <= accepted <= drafts`` (a tree: at most its depth). The counter
-    only moves forward: epochs stay.
+    ``[V]``, each ``0 <= accepted <= drafts`` (a tree: at most its deepest depth, so the
+    counter moves by the accepted path's length). The counter only moves forward:
+    epochs stay.
+
+    Raises:
+      TypeError, ValueError: (concrete ``accepted`` only) counts that are not integers
+        or are negative (compared at their own width).
 
     Example:
       >>> import jax.numpy as jnp
@@ -170,6 +262,13 @@ def accept(table: PositionTable, slots: jax.Array, accepted: jax.Array) -> Posit
       >>> accept(table, jnp.array([1, 0], jnp.int32), jnp.array([0, 3], jnp.int32)).counters.tolist()
       [9, 10]
     """
+    if not isinstance(accepted, jax.core.Tracer):
+        given = np.asarray(accepted)
+        _check_integer(given, "accepted")
+        if given.size and not 0 <= int(given.min()) <= int(given.max()) < 2 ** 31 - 1:
+            raise ValueError(f"accepted has values in [{int(given.min())}, {int(given.max())}]; "
+                             "counts are in [0, the drafts of each view]")
+        accepted = jnp.asarray(given.astype(np.int32))
     return positions.advance(table, slots, accepted.astype(jnp.int32) + 1)
 
 

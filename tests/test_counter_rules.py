@@ -92,7 +92,7 @@ def test_numpy_rules_match_the_core_transitions(start, ops, block_step):
                 got = rules.plan(columns, slots, counts + 1, Scheme.SEQUENTIAL, mrope=mrope)
             elif op == "plan_tree":
                 depths = np.concatenate([np.zeros(0, np.int64)] + [
-                    np.minimum(np.arange(c), e) for c, e in zip(counts, epochs)])
+                    np.minimum(np.arange(c), e + 1) for c, e in zip(counts, epochs)])
                 want = speculative.plan_tree(table, _j(slots), _j(counts), _j(depths), out)
                 got = rules.plan(columns, slots, counts, scheme, mrope=mrope, depths=depths)
             else:  # the EAGLE drafter's step 1..4, vLLM's or SGLang's numbering

@@ -66,3 +66,11 @@ def test_spec_and_info_carry_options_and_defaults():
     info = EngineInfo("cpu")
     assert spec.options["max_seq_len"] == 99
     assert info.dtype == torch.bfloat16 and info.head_dim is None and info.max_seq_len is None
+
+
+def test_a_step_is_a_draft_step_or_a_tree_verify_not_both():
+    segments = [Segment("r0", "text", 2)]
+    assert PositionStep(segments, draft_depth=1).tree is None
+    assert PositionStep(segments, tree={("r0", "text"): (0, 1)}).draft_depth is None
+    with pytest.raises(ValueError, match=r"draft_depth=1 and tree= are both set"):
+        PositionStep(segments, draft_depth=1, tree={("r0", "text"): (0, 1)})

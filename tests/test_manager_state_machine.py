@@ -88,7 +88,7 @@ class ModelPlan:
     step: PositionStep
     ctx: StepContext
     dropped: set = dataclasses.field(default_factory=set)
-    depths: Any = None    # PositionStep.depths: a draft tree per stream, or a draft step's int
+    depths: Any = None    # a draft tree per stream (PositionStep.tree), or a draft step's int (draft_depth)
     live: Dict[str, List[bool]] = dataclasses.field(default_factory=dict)
 
     @property
@@ -318,12 +318,14 @@ class ManagerMachine(RuleBasedStateMachine):
     def _plan(self, spec, preplan: bool, explicit: Optional[List[List[int]]] = None,
               depths=None) -> None:
         """Plan ``spec``; ``explicit``: the M-RoPE rows of a one-label step's prompt chunk;
-        ``depths``: ``PositionStep.depths`` (speculative steps)."""
+        ``depths``: a draft step's int (``PositionStep.draft_depth``) or ``{stream: tree}``
+        (``PositionStep.tree``)."""
         segments, views, pre_forks, post_forks, advance = spec
         model = self.model
         pos_ids = None if explicit is None else torch.tensor(explicit, device=self.device)
+        draft = isinstance(depths, int)
         step = PositionStep([Segment(*s) for s in segments], advance=advance, pos_ids=pos_ids,
-                            depths=depths)
+                            draft_depth=depths if draft else None, tree=None if draft else depths)
         kv = None if views is None else {
             label: KVPlanOutput([KVView(*v) for v in records],
                                 pre_forks=[Fork(*f) for f in pre_forks] if i == 0 else (),
@@ -540,7 +542,7 @@ class ManagerMachine(RuleBasedStateMachine):
         depth = data.draw(st.one_of(st.integers(0, 4), st.integers(MAX_SEQ_LEN - 4, MAX_SEQ_LEN)))
         self._plan((segments, None, [], [], None), preplan, depths=depth)
         plan = self.model.current
-        if not preplan and plan is not None and plan.step.depths == depth:
+        if not preplan and plan is not None and plan.step.draft_depth == depth:
             for label, mask in plan.live.items():
                 assert self.mgr.live(label).tolist() == mask
             event("draft_step: planned" + ("" if all(all(m) for m in plan.live.values())

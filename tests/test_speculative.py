@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxrope import positions, speculative
 from jaxrope.positions import PAD, PositionTable
@@ -78,6 +79,40 @@ def test_tree_depths_from_sglang_parents_and_the_documented_positions():
     got = speculative.plan_tree(_table([7]), jnp.array([0], jnp.int32), jnp.array([4], jnp.int32),
                                 depths, jnp.zeros(4, jnp.int32))
     assert got.tolist() == [7, 8, 8, 9]     # SGLang build_eagle_tree.py's comment
+
+
+@pytest.mark.parametrize("depths,fragment", [
+    (np.array([0, 5]), "depths has values in [0, 5]; a tree of 2 tokens has depths in [0, 2)"),
+    (np.array([1, 2]), "depths has values in [1, 2]"),          # no root: 10 was never computed
+    (np.array([0, 2 ** 64 - 1], np.uint64), "depths has values in [0, 18446744073709551615]"),
+    (np.array([0, 0]), "the depths of view 0, [0, 0], are not a draft tree"),
+])
+def test_plan_tree_refuses_depths_that_are_not_a_tree_at_their_own_width(depths, fragment):
+    # Depths (0, 5) were planned at [10, 15], (1, 2) at [11, 12] with position 10 never
+    # computed, and uint64 2**64 - 1 wrapped to -1: [10, 9].
+    one = jnp.array([0], jnp.int32)
+    with pytest.raises(ValueError) as raised:
+        speculative.plan_tree(_table([10]), one, jnp.array([2], jnp.int32), depths,
+                              jnp.zeros(2, jnp.int32))
+    assert fragment in str(raised.value), str(raised.value)
+    with pytest.raises(TypeError, match="depths must be an integer array, got dtype bool"):
+        speculative.plan_tree(_table([10]), one, jnp.array([2], jnp.int32), np.array([True, False]),
+                              jnp.zeros(2, jnp.int32))
+
+
+def test_valid_trees_masks_views_under_jit_where_plan_tree_cannot_raise():
+    counts = jnp.array([4, 2, 2, 0, 1], jnp.int32)
+    depths = jnp.array([0, 1, 1, 2, 1, 2, 0, 0, 0, 9], jnp.int32)   # the tail is ignored
+    assert jax.jit(speculative.valid_trees)(counts, depths).tolist() == [True, False, False, True, True]
+
+
+def test_tree_depths_and_accept_refuse_what_would_wrap_or_loop():
+    with pytest.raises(ValueError, match=r"parents\[1\]=1 must be -1 \(a root\) or an earlier token"):
+        speculative.tree_depths(jnp.array([-1, 1], jnp.int32))
+    with pytest.raises(ValueError, match=r"accepted has values in \[-1, 0\]"):
+        speculative.accept(_table([5, 9]), jnp.array([0, 1], jnp.int32), np.array([-1, 0]))
+    with pytest.raises(ValueError, match="18446744073709551615"):
+        speculative.accept(_table([5]), jnp.array([0], jnp.int32), np.array([2 ** 64 - 1], np.uint64))
 
 
 def test_tree_depths_of_a_deep_chain_need_only_log_rounds():

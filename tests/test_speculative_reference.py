@@ -11,7 +11,7 @@ counter must agree, with zero mismatches:
   ``commit(accepted=...)`` (or, for one stream in ten, committing every token and then
   ``rollback``, vLLM's own order); the EAGLE drafter's step-0 ids vs ``eagle_input_ids``
   and its later steps (clamped to 0 with a padding slot past the end) vs the manager's
-  draft steps (``depths=j - 1``, ``live``) and ``plan_draft`` on all three rows.
+  draft steps (``draft_depth=j - 1``, ``live``) and ``plan_draft`` on all three rows.
 - **SGLang** (``topk`` 1 and 4, ``spec_steps`` 1..8): random draft trees built as its
   drafter builds them; ``build_tree_efficient``'s ``seq_len + depth`` vs the manager's
   depth-numbered verify step (depths from the tree's parents by our ``tree_depths``)
@@ -246,7 +246,7 @@ def _check_vllm_drafts(cluster, node, streams, target_positions, last, k, deltas
     rows, live = np.asarray(rows), np.asarray(live)
     segments = tuple(Segment(s.rid, LABEL, 1) for s in here)
     for j, (want_rows, valid) in enumerate(want, start=1):
-        step = PositionStep(segments, depths=j - 1)
+        step = PositionStep(segments, draft_depth=j - 1)
         assert mgr.plan(step, _ctx(here))[LABEL].tolist() == want_rows[:, stayed].tolist()
         assert mgr.live(LABEL).tolist() == valid[stayed].tolist()
         assert np.array_equal(rows[j - 1][:, :len(here)], want_rows[:, stayed])
@@ -304,9 +304,10 @@ def run_sglang(cluster: Cluster, steps: int, batch: int, topk: int) -> None:
             flat = (parents + np.where(parents >= 0, np.arange(len(streams))[:, None] * num_draft, 0))
             depths = rules.tree_depths(flat.reshape(-1)).reshape(len(streams), num_draft)
             segments = tuple(Segment(s.rid, LABEL, num_draft) for s in streams)
-            numbered = None if topk == 1 else {(s.rid, LABEL): tuple(d) for s, d in
-                                                zip(streams, depths.tolist())}
-            plan = PositionStep(segments, depths=numbered)
+            # A tree as the engine's [streams, draft] array, or every other step a mapping.
+            numbered = (None if topk == 1 else depths if step % 2 else
+                        {(s.rid, LABEL): tuple(d) for s, d in zip(streams, depths.tolist())})
+            plan = PositionStep(segments, tree=numbered)
             deltas = np.array([s.delta for s in streams])
             assert (mgr.plan(plan, _ctx(streams))[LABEL].tolist()
                     == ref.sglang_mrope(want, deltas).tolist())
@@ -323,6 +324,8 @@ def run_sglang(cluster: Cluster, steps: int, batch: int, topk: int) -> None:
             deepest = depths.max(axis=1)
             committed = {(s.rid, LABEL): int(d if f else a)
                          for s, a, f, d in zip(streams, accept, full, deepest) if topk > 1 or not f}
+            if len(committed) == len(streams) and step % 2:    # every stream: one count a segment
+                committed = np.array(list(committed.values()))
             mgr.commit(plan, _ctx(streams), accepted=committed)
             for s, t, f, n, d in zip(streams, truth, full, seq_lens, deepest):
                 s.counter = int(t)
@@ -352,7 +355,7 @@ def _check_sglang_drafts(cluster, node, streams, topk, spec_steps, batch):
     rows = np.asarray(rows)
     segments = tuple(Segment(s.rid, LABEL, topk) for s in streams)
     for i, want in enumerate(ref.sglang_draft_positions(seq_lens, topk, spec_steps)):
-        step = PositionStep(segments, depths=i + 1)
+        step = PositionStep(segments, draft_depth=i + 1)
         want_rows = ref.sglang_mrope(want.reshape(len(streams), topk), deltas)
         assert mgr.plan(step, _ctx(streams))[LABEL].tolist() == want_rows.tolist()
         assert np.array_equal(rows[i][:, :want.size], want_rows)
@@ -386,3 +389,57 @@ def test_the_runs_cover_over_a_hundred_thousand_stream_steps():
     if len(totals) < 3:
         pytest.skip("runs with the three engine runs (select the whole module)")
     assert sum(t["stream_steps"] for t in totals.values()) >= 100_000, totals
+
+
+# ------------------------------------------------------------------------------ the tree rule
+
+
+def _depth_lists(rng, count):
+    """Random depth lists: trees built from random earlier parents, half of them then
+    changed in one entry (a skipped level, a second root, a negative or huge depth)."""
+    lists = []
+    for _ in range(count):
+        n = int(rng.integers(1, 9))
+        depths = [0]
+        for t in range(1, n):
+            depths.append(depths[int(rng.integers(0, t))] + 1)
+        if rng.random() < 0.5:
+            depths[int(rng.integers(0, n))] = int(rng.choice([-1, 0, 1, 2, 5, 2 ** 31 - 1]))
+        lists.append(depths)
+    return lists
+
+
+def test_both_executors_accept_exactly_the_depth_lists_that_have_parents_before_them(rng):
+    from torch_bridge.draft_trees import check_trees
+
+    lists = _depth_lists(rng, 600)
+    counts = np.array([len(d) for d in lists], np.int32)
+    core = np.asarray(speculative.valid_trees(jnp.asarray(counts),
+                                              jnp.asarray(np.concatenate(lists), jnp.int32)))
+    width = int(counts.max())
+    rows = np.zeros((len(lists), width), np.int64)
+    for i, depths in enumerate(lists):
+        rows[i, :len(depths)] = depths
+    kinds = {True: 0, False: 0}
+    for i, depths in enumerate(lists):
+        parents = ref.parents_first(depths)
+        kinds[parents is not None] += 1
+        try:
+            check_trees(rows[i:i + 1, :len(depths)], None, str)
+            bridge = True
+        except ValueError:
+            bridge = False
+        assert bridge == core[i] == (parents is not None), depths
+    # The valid lists' parents give back their depths in both executors (one flat layout).
+    valid_rows = [i for i, d in enumerate(lists) if ref.parents_first(d) is not None]
+    flat, start = [], 0
+    for i in valid_rows:
+        flat += [p if p < 0 else p + start for p in ref.parents_first(lists[i])]
+        start += len(lists[i])
+    want = [d for i in valid_rows for d in lists[i]]
+    assert rules.tree_depths(np.asarray(flat)).tolist() == want
+    assert speculative.tree_depths(jnp.asarray(flat, jnp.int32)).tolist() == want
+    # The valid lists at once, padded rows, and their deepest depths.
+    checked, deepest = check_trees(rows[valid_rows], counts[valid_rows].astype(np.int64), str)
+    assert deepest.tolist() == [max(lists[i]) for i in valid_rows]
+    assert min(kinds.values()) > 100, kinds

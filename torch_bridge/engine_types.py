@@ -27,6 +27,7 @@ import dataclasses
 import operator
 from typing import Any, Hashable, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -179,7 +180,7 @@ class GraphSlot(NamedTuple):
 
 PosIds = Union[None, torch.Tensor, Mapping[str, torch.Tensor]]
 Advance = Union[None, int, Mapping[Tuple[Hashable, str], int]]
-Depths = Union[None, int, Mapping[Tuple[Hashable, str], Sequence[int]]]
+Tree = Union[None, np.ndarray, Mapping[Tuple[Hashable, str], Sequence[int]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,33 +196,45 @@ class PositionStep:
         int for every stream of the step, or ``{(request_id, label): amount}`` for the
         named streams (each must have a segment in the step; the others advance by
         the scheme). Amounts are ``>= 0`` and apply once per stream.
-      depths: speculative decoding (:mod:`torch_bridge.speculative`; SEQUENTIAL scheme).
-        ``{(request_id, label): depths}`` numbers the named streams' tokens
-        ``counter + depths[i]`` in each of their views instead of ``counter + i`` (a
-        draft tree verified in one step: SGLang's ``seq_len + depth``); commit then
-        takes each one's accepted count. An int ``d`` is a *draft step*: every token
-        of the step at ``counter + d`` (EAGLE draft step ``j`` is ``d = j - 1`` in
-        vLLM's numbering, ``d = j`` in SGLang's), a token past ``max_seq_len`` planned
-        at 0 and reported by ``live``, and nothing committed. Default None. A chain
-        of ``k`` drafts needs none of this: its view of ``k + 1`` tokens is numbered
-        as any other.
+      draft_depth: an EAGLE *draft step* (:mod:`torch_bridge.speculative`; SEQUENTIAL
+        scheme): every token of the step at ``counter + draft_depth`` (draft step ``j``
+        is ``draft_depth=j - 1`` in vLLM's numbering, ``j`` in SGLang's), a token past
+        ``max_seq_len`` planned at 0 and reported by ``live``; its commit moves no
+        counter. An int in ``[0, max_seq_len]``, default None.
+      tree: a *tree verify* (SEQUENTIAL scheme): token ``i`` of a named stream's view
+        at ``counter + depths[i]`` instead of ``counter + i`` (SGLang's ``seq_len +
+        depth``); ``commit`` then needs each one's ``accepted`` count. An integer
+        array ``[len(segments), k]`` (row ``s``: the depths of segment ``s``'s stream,
+        every segment a tree of ``k`` tokens), or ``{(request_id, label): depths}``
+        for some of the streams. Each row must be a tree, root first
+        (:func:`torch_bridge.speculative.check_trees`). Default None.
+
+    A chain of ``k`` drafts needs neither field: its view of ``k + 1`` tokens is
+    numbered as any other.
+
+    Raises:
+      ValueError: both ``draft_depth`` and ``tree`` set (a step is one or the other).
 
     Example:
       >>> step = PositionStep([Segment("r0", "text", 4)], advance={("r0", "text"): 1})
       >>> step.segments
       (Segment(request_id='r0', label='text', span=4),)
-      >>> PositionStep([Segment("r0", "text", 4)], depths={("r0", "text"): (0, 1, 1, 2)}).depths
+      >>> PositionStep([Segment("r0", "text", 4)], tree={("r0", "text"): (0, 1, 1, 2)}).tree
       {('r0', 'text'): (0, 1, 1, 2)}
     """
 
     segments: Tuple[Segment, ...]
     pos_ids: PosIds = None
     advance: Advance = None
-    depths: Depths = None
+    draft_depth: Optional[int] = None
+    tree: Tree = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.segments, tuple):
             object.__setattr__(self, "segments", tuple(self.segments))
+        if self.draft_depth is not None and self.tree is not None:
+            raise ValueError(f"draft_depth={self.draft_depth!r} and tree= are both set: a step "
+                             "is a draft step or a tree verify, not both")
 
     @property
     def num_tokens(self) -> int:

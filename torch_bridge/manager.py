@@ -327,9 +327,9 @@ class PositionManager(Resource):
         """
         arrays = self._reader.read(step, ctx, device=self.device, max_seq_len=self.max_seq_len)
         self._batch.check(ctx, step.segments)
-        if step.depths is not None:
-            arrays = speculative.attach(self._reader, self._streams, step, arrays,
-                                        self.config.scheme)
+        if step.draft_depth is not None or step.tree is not None:
+            arrays = speculative.attach(self._reader, step, arrays, self.config.scheme,
+                                        self.max_seq_len)
         graph = ctx.graph_slot
         if graph is not None and not isinstance(graph, GraphSlot):
             raise TypeError(f"ctx.graph_slot must be a GraphSlot or None, got {type(graph).__name__}")
@@ -338,20 +338,21 @@ class PositionManager(Resource):
         computed = self._plans.positions(base, arrays, self._upload.stage)
         # Nothing below raises on valid input (the bucket check changes nothing first).
         tensors, limits = self._upload.step(computed, arrays.explicit, tuple(arrays.labels), graph)
-        self._plans.install(Plan(step, arrays, tensors, limits, live=speculative.live(arrays)),
-                            ctx.is_preplan, base)
+        self._plans.install(Plan(step, arrays, tensors, limits), ctx.is_preplan, base)
         self._plan_labels_seen.update(arrays.labels)
         return dict(tensors)
 
     def commit(self, step: PositionStep, ctx: StepContext, *,
-               accepted: Optional[Mapping[Tuple[Hashable, str], int]] = None) -> None:
+               accepted: Union[None, Mapping[Tuple[Hashable, str], int], np.ndarray] = None
+               ) -> None:
         """Advance the counters by what the planned step consumed, then apply its post-forks.
 
         SEQUENTIAL adds each segment's span, BLOCK adds ``block_step`` per non-empty
         segment, and ``step.advance`` replaces either for the streams it covers.
-        ``accepted={(rid, label): a}`` (speculative decoding, after a verify step)
-        advances each named stream by ``a + 1`` instead: its root and ``a`` accepted
-        drafts (:mod:`torch_bridge.speculative`).
+        ``accepted={(rid, label): a}`` (speculative decoding, after a verify step), or an
+        int array ``[len(step.segments)]`` of one count per segment, advances each named
+        stream by ``a + 1`` instead: its root and ``a`` accepted drafts
+        (:mod:`torch_bridge.speculative`).
         ``step`` must carry the segments (and advance) of the current plan (a staged
         plan becomes current when there is none). A staged plan becomes current
         after the commit.
@@ -367,8 +368,11 @@ class PositionManager(Resource):
             raise TypeError(f"step must be a PositionStep, got {type(step).__name__}")
         if not isinstance(ctx, StepContext):
             raise TypeError(f"ctx must be a StepContext, got {type(ctx).__name__}")
+        if accepted is None and not self._plans.next_commit_is_speculative():
+            self._plans.commit(step)
+            return
         self._plans.commit(step, lambda plan, staged: speculative.accepted_commit(
-            self._reader, self._streams, plan, accepted, staged))
+            self._reader, plan, accepted, staged))
 
     def clear_preplan(self) -> None:
         """Drop the staged plan. Its forks never reached the counters, so nothing else changes."""
@@ -385,13 +389,14 @@ class PositionManager(Resource):
             in any plan.
         """
         self._check_plan_label(label)
-        plan = self._plans.active()
+        self._plans.promote()
+        plan = self._plans.current
         return None if plan is None else plan.tensors.get(label)
 
     def live(self, label: str) -> Optional[np.ndarray]:
         """bool host ``[n]`` over the current plan's ``n`` tokens of plan label ``label``: True
-        for a token inside ``max_seq_len``, everywhere but in a draft step (int
-        ``step.depths``), whose tokens past it are planned at 0 and need a padding KV
+        for a token inside ``max_seq_len``, everywhere but in a draft step
+        (``step.draft_depth``), whose tokens past it are planned at 0 and need a padding KV
         slot. None without positions for ``label``.
 
         Raises:
@@ -399,7 +404,7 @@ class PositionManager(Resource):
         """
         if self.pos_ids(label) is None:
             return None
-        plan = self._plans.active()
+        plan = self._plans.current
         mask = plan.live.get(label)
         return np.ones(plan.arrays.labels[label].num_tokens, bool) if mask is None else mask
 

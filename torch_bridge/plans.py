@@ -6,8 +6,8 @@ A step is *planned* (its positions computed from the counters), run, then *commi
 - the *current* plan: the step being run; ``commit`` commits it;
 - a *staged* plan (a preplan: step N+1 planned while step N runs). Its positions are
   numbered from the counters as they will be once the current plan commits; its
-  pre-forks reach the counters only when it becomes current (*promotion*: at the
-  current plan's commit, or at first use when there is no current plan).
+  pre-forks reach the counters only when it becomes current (:meth:`StepPlans.promote`:
+  at the current plan's commit, or at first use when there is no current plan).
   ``clear_preplan`` drops it, and since its forks never reached the counters nothing
   else changes.
 
@@ -67,8 +67,6 @@ class Plan:
       limits: ``{plan_label: int}``, the most q tokens ``apply_qk`` accepts.
       commit: the commit still to apply (without removed requests' streams).
       pre_src, pre_dst: pre-forks still to apply at promotion (a staged plan's).
-      live: ``{plan_label: bool host array}`` of a draft step's labels holding a token past
-        ``max_seq_len`` (False, planned at 0); a label without one is live everywhere.
       dropped: the requests removed since the plan (a later ingest of the same id is a
         new request, outside this plan).
     """
@@ -80,7 +78,6 @@ class Plan:
     commit: CommitArrays = None  # type: ignore[assignment]
     pre_src: np.ndarray = None  # type: ignore[assignment]
     pre_dst: np.ndarray = None  # type: ignore[assignment]
-    live: Dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     dropped: Set[Hashable] = dataclasses.field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -88,6 +85,13 @@ class Plan:
             self.commit = self.arrays.commit
         if self.pre_src is None:
             self.pre_src, self.pre_dst = self.arrays.pre_src, self.arrays.pre_dst
+
+    @property
+    def live(self) -> Dict[str, np.ndarray]:
+        """``{plan_label: bool host array}`` of a draft step's labels holding a token past
+        ``max_seq_len`` (False, planned at 0); a label without one is live everywhere."""
+        spec = self.arrays.speculation
+        return {} if spec is None else spec.live
 
     def drop(self, rid: Hashable, slots: Sequence[int]) -> None:
         """Forget removed request ``rid``'s streams (``slots``) in the commit and pending forks."""
@@ -135,11 +139,11 @@ class StepPlans:
         A preplan is numbered as if the current plan had committed (post-forks too).
         """
         base = self._streams.columns
-        speculative = preplan and self.current is not None
-        if not (speculative or len(arrays.pre_src)):
+        after_current = preplan and self.current is not None  # numbered ahead of the current plan
+        if not (after_current or len(arrays.pre_src)):
             return base  # read only until install() keeps it
         base = base.copy()
-        if speculative:
+        if after_current:
             rules.apply_commit(base, self.current.commit, self._scheme, self._block_step)
         if len(arrays.pre_src):
             rules.fork(base, arrays.pre_src, arrays.pre_dst)
@@ -227,7 +231,8 @@ class StepPlans:
         """Commit the current plan (a staged plan first becomes current when there is none).
 
         ``resolve(plan, staged)``, when given, returns the commit to apply instead of the
-        plan's own (accepted drafts: :func:`torch_bridge.speculative.accepted_commit`).
+        plan's own (accepted drafts: :func:`torch_bridge.speculative.accepted_commit`);
+        the caller passes one only for a speculative step.
 
         Raises:
           ValueError: no plan, ``step`` differs from the plan's, ``resolve`` refuses, or
@@ -265,21 +270,25 @@ class StepPlans:
         if staged_first:
             self.staged = None
         else:
-            self.active()
+            self.promote()
 
-    def active(self) -> Optional[Plan]:
-        """The current plan, promoting a staged one when there is none."""
+    def promote(self) -> None:
+        """Make a staged plan current when there is none: its pre-forks reach the counters."""
         if self.current is None and self.staged is not None:
             plan, self.staged = self.staged, None
             if len(plan.pre_src):
                 rules.fork(self._streams.columns, plan.pre_src, plan.pre_dst)
                 plan.pre_src = plan.pre_dst = plan.pre_src[:0]
             self.current = plan
-        return self.current
 
     def peek(self) -> Optional[Plan]:
-        """The plan ``active`` would return, without promoting."""
+        """The plan that is current after :meth:`promote`, without promoting."""
         return self.current if self.current is not None else self.staged
+
+    def next_commit_is_speculative(self) -> bool:
+        """Whether the plan a commit commits (:meth:`peek`) is a draft step or tree verify."""
+        plan = self.peek()
+        return plan is not None and plan.arrays.speculation is not None
 
     def clear_preplan(self) -> None:
         """Drop the staged plan; its forks never reached the counters."""
@@ -306,6 +315,10 @@ def _check_same_step(step: PositionStep, planned: PositionStep) -> None:
     if step.advance != planned.advance:
         raise ValueError(f"commit's step.advance={step.advance!r} differs from the planned "
                          f"{planned.advance!r}; commit the step that was planned")
-    if not speculative.same_depths(step.depths, planned.depths):
-        raise ValueError(f"commit's step.depths={step.depths!r} differs from the planned "
-                         f"{planned.depths!r}; commit the step that was planned")
+    if step.draft_depth != planned.draft_depth:
+        raise ValueError(f"commit's step.draft_depth={step.draft_depth!r} differs from the planned "
+                         f"{planned.draft_depth!r}; commit the step that was planned")
+    # Both None on an ordinary step: the speculative module is not called.
+    if step.tree is not planned.tree and not speculative.same_tree(step.tree, planned.tree):
+        raise ValueError(f"commit's step.tree={step.tree!r} differs from the planned "
+                         f"{planned.tree!r}; commit the step that was planned")

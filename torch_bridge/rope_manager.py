@@ -194,7 +194,7 @@ class RopeManager(PositionManager):
             if bound is not None:
                 pos = plan.tensors.get(label)
                 if pos is not None and q.shape[0] <= plan.limits[label]:
-                    self._plans.active()
+                    self._plans.promote()
                     if bound(q, k, pos):
                         return q, k
         q3, k3 = self._checked_qk(q, k, label, plan)
@@ -205,7 +205,7 @@ class RopeManager(PositionManager):
         if rope_dtype is not None and not isinstance(rope_dtype, torch.dtype):
             raise ValueError(f"{rope_dtype=} must be a torch.dtype or None")
         cfg = self._configs.get(rotary_dim, interleave, rope_scale, rope_theta, **llama31)
-        self._plans.active()
+        self._plans.promote()
         if tokens == 0:
             return q, k
         if self.launcher is not None:
@@ -312,7 +312,7 @@ class RopeManager(PositionManager):
             if bound is not None:
                 pos = plan.tensors.get(label)
                 if pos is not None and q.shape[0] <= plan.limits[label]:
-                    self._plans.active()
+                    self._plans.promote()
                     if bound(q, k, v, pos, kv_cache, slots):
                         return q, kv_cache
         q3, k3 = self._checked_qk(q, k, label, plan)
@@ -323,7 +323,7 @@ class RopeManager(PositionManager):
         if padded:
             n = plan.limits[label]
             q3, k3, v3, slots = q3[:n], k3[:n], v3[:n], slots[:n]
-        self._plans.active()
+        self._plans.promote()
         if q3.shape[0] == 0:
             return q, kv_cache
         if self.kv_launcher is not None:

@@ -1,35 +1,41 @@
 """Speculative decoding through the engine records: draft trees, draft steps, accepted counts.
 
 The rules are the core's (:mod:`jaxrope.speculative`), executed by their numpy twins in
-:mod:`torch_bridge.streams`; this module reads and checks what an engine says about a
-speculative step and turns it into slot arrays. An engine's loop:
+:mod:`torch_bridge.streams` and here; this module reads and checks what an engine says
+about a speculative step and turns it into slot arrays. An ordinary step (neither field
+set, no ``accepted``) never reaches it. An engine's loop:
 
 1. **verify**: ``plan`` a step whose view of each speculating stream holds its root
    (the token sampled last, not yet in the KV cache) and its drafts. A chain of ``k``
    drafts is a view of ``k + 1`` tokens, numbered ``counter + arange(k + 1)`` like any
-   view; a tree is numbered by ``PositionStep(depths={(rid, label): depths})``, token
-   ``i`` at ``counter + depths[i]``.
-2. **accept**: ``commit(step, ctx, accepted={(rid, label): a})`` advances each named
-   stream by ``a + 1`` (the root and ``a`` drafts; ``0 <= a <=`` its deepest draft) and
-   the step's other streams by their spans. A tree's streams must be named.
+   view; a tree is numbered by ``PositionStep(tree=...)``, token ``i`` at
+   ``counter + depths[i]``: an int array ``[len(segments), k]`` (row ``s``: segment
+   ``s``'s stream; an engine's batch, read without a Python object per row) or
+   ``{(rid, label): depths}``. Both forms are converted to one flat array and checked
+   by one validator, :func:`torch_bridge.draft_trees.check_trees`.
+2. **accept**: ``commit(step, ctx, accepted=...)`` advances each named stream by
+   ``a + 1`` (the root and ``a`` drafts; ``0 <= a <=`` its deepest draft: the accepted
+   path's length) and the step's other streams by their spans. ``accepted`` is an int
+   array ``[len(segments)]`` (one count per segment) or ``{(rid, label): a}``. A
+   tree's streams must be named.
 3. **draft**: the EAGLE drafter's step 0 reuses the verify step's positions (its
    ``pos_ids``, before the commit); each later step ``j`` is ``plan(PositionStep(
-   segments, depths=j - 1), ctx)``: one token per stream (or its ``topk`` branches) at
-   ``counter + j - 1``, committing nothing. A token whose position would reach
-   ``max_seq_len`` is planned at 0 and ``live(plan_label)`` marks it False: give it a
-   padding KV slot (vLLM's clamp, with the bound taken from the stream's index, not
-   from an M-RoPE row: vLLM #54498). Under ``ctx.graph_slot`` a draft step writes its
-   bucket's static buffer like any step, the tail kept.
+   segments, draft_depth=j - 1), ctx)``: one token per stream (or its ``topk``
+   branches) at ``counter + j - 1``, committing nothing. A token whose position would
+   reach ``max_seq_len`` is planned at 0 and ``live(plan_label)`` marks it False: give
+   it a padding KV slot (vLLM's clamp, with the bound taken from the stream's index,
+   not from an M-RoPE row: vLLM #54498). Under ``ctx.graph_slot`` a draft step writes
+   its bucket's static buffer like any step, the tail kept.
 4. **rewind outside a step** (an engine that committed its drafts, vLLM's
    ``num_computed_tokens -= num_rejected``): ``rollback(rid, label, to_position)``,
    which starts a new publish epoch so that a node that admitted the drafts takes it.
 
 Why the records look like this: a chain needs nothing new (the drafts are tokens of
 the view), and the accepted count is known only after the verify step ran, so it goes
-to ``commit``, like the sampled tokens in vLLM's ``update_from_output``. Depths sit on
-:class:`~torch_bridge.engine_types.PositionStep` beside ``advance``, per stream, so
+to ``commit``, like the sampled tokens in vLLM's ``update_from_output``. The tree sits
+on :class:`~torch_bridge.engine_types.PositionStep` beside ``advance``, per stream, so
 :class:`~torch_bridge.engine_types.KVView` stays the 3-tuple an engine builds hundreds
-of per step; its int form is the draft step, whose tokens share one offset.
+of per step.
 
 A preplan (step N+1 staged while N runs) is numbered as if N committed every span;
 a commit whose ``accepted`` rejects drafts of a stream the staged plan numbers is
@@ -40,13 +46,13 @@ Example (a tree at 7, one draft accepted, then a draft step):
   >>> mgr = PositionManager(PositionConfig(), "cpu", max_seq_len=64)
   >>> mgr.ingest_request("r0", overrides={"text": 7})
   >>> ctx = StepContext(("r0",))
-  >>> verify = PositionStep([Segment("r0", "text", 4)], depths={("r0", "text"): (0, 1, 1, 2)})
+  >>> verify = PositionStep([Segment("r0", "text", 4)], tree={("r0", "text"): (0, 1, 1, 2)})
   >>> mgr.plan(verify, ctx)["text"].tolist()
   [7, 8, 8, 9]
   >>> mgr.commit(verify, ctx, accepted={("r0", "text"): 1})
   >>> mgr.position("r0", "text")
   9
-  >>> mgr.plan(PositionStep([Segment("r0", "text", 1)], depths=1), ctx)["text"].tolist()
+  >>> mgr.plan(PositionStep([Segment("r0", "text", 1)], draft_depth=1), ctx)["text"].tolist()
   [10]
   >>> mgr.live("text").tolist(), mgr.position("r0", "text")
   ([True], 9)
@@ -54,41 +60,37 @@ Example (a tree at 7, one draft accepted, then a draft step):
 
 from __future__ import annotations
 
-import itertools
-import operator
-import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, NamedTuple, Optional
 
 import numpy as np
 
 from jaxrope.positions import Scheme
+from torch_bridge import draft_trees
 from torch_bridge import streams as rules
 from torch_bridge.engine_types import PositionStep
-from torch_bridge.streams import Columns, CommitArrays, StreamTable
+from torch_bridge.streams import Columns, CommitArrays
 
 if TYPE_CHECKING:
     from torch_bridge.plans import Plan
-    from torch_bridge.step_arrays import LabelArrays, StepArrays, StepReader
+    from torch_bridge.step_arrays import StepArrays, StepReader
 
-__all__ = ["Speculation", "accepted_commit", "attach", "live", "positions", "read", "same_depths"]
+__all__ = ["Speculation", "accepted_commit", "attach", "positions", "same_tree"]
 
 _EMPTY = np.zeros((0,), np.int64)
 _EMPTY.flags.writeable = False
-_DTYPE = operator.attrgetter("dtype")
-_SHAPE = operator.attrgetter("shape")
 
 
 class Speculation(NamedTuple):
     """A step's depth numbering, checked (``StepArrays.speculation``).
 
     Attributes:
-      draft: the int depth of a draft step, else None.
+      draft: ``step.draft_depth`` of a draft step, else None.
       depths: ``{plan_label: int64 [tokens]}``: every token's depth, for the plan labels
-        holding a stream numbered by a depths mapping (tree verify).
-      tree_slots: int64: the slots of the streams the mapping names.
-      tree_depths: their deepest depth (the most drafts a commit may accept), aligned with
-        ``tree_slots``.
+        holding a stream of ``step.tree``.
+      tree_slots: int64 ``[S]``: the slots of the tree's streams, in its row order.
+      tree_depths: int64 ``[S]``: each one's deepest depth (the most drafts a commit may
+        accept).
       live: ``{plan_label: bool [tokens]}`` of a draft step, filled by :func:`positions`.
     """
 
@@ -99,179 +101,44 @@ class Speculation(NamedTuple):
     live: Dict[str, np.ndarray]
 
 
-def read(reader: "StepReader", streams: StreamTable, step: PositionStep,
-         groups: Mapping[str, Sequence[Any]], labels: Mapping[str, "LabelArrays"],
-         scheme: Scheme) -> Optional[Speculation]:
-    """``step.depths`` against the step's views, or None when it has none.
+# ---------------------------------------------------------------------------- plan
+
+
+def attach(reader: "StepReader", step: PositionStep, arrays: "StepArrays", scheme: Scheme,
+           max_seq_len: int) -> "StepArrays":
+    """``arrays`` with the step's :class:`Speculation`, for a step with ``draft_depth`` or
+    ``tree`` (a draft step also commits nothing but its post-forks).
 
     Raises:
-      TypeError: depths of the wrong type.
-      ValueError: a scheme other than SEQUENTIAL, a negative depth, depths naming a
-        stream without a view or of another length than its view, a draft step with
-        an explicit advance.
+      TypeError: a field of the wrong type (bools and non-integer depths included).
+      ValueError: a scheme other than SEQUENTIAL, a draft depth outside ``[0,
+        max_seq_len]`` or with an explicit advance, a tree naming a stream without a
+        view or of another length than its view, or depths that are not a tree
+        (:func:`torch_bridge.draft_trees.check_trees`).
     """
-    depths = step.depths
-    if depths is None:
-        return None
     if scheme is not Scheme.SEQUENTIAL:
-        raise ValueError(f"step.depths={depths!r}: speculative steps need the SEQUENTIAL scheme, "
+        field = "draft_depth" if step.draft_depth is not None else "tree"
+        raise ValueError(f"step.{field} is set: speculative steps need the SEQUENTIAL scheme, "
                          f"this manager numbers {scheme.value}")
-    if isinstance(depths, (int, np.integer)) and not isinstance(depths, bool):
-        if depths < 0:
-            raise ValueError(f"step.depths={depths!r} must be >= 0 (a draft step at counter + depths)")
-        if step.advance is not None:
-            raise ValueError(f"step.advance={step.advance!r}: a draft step (int step.depths) commits "
-                             "nothing; leave advance None")
-        return Speculation(int(depths), {}, _EMPTY, _EMPTY, {})
-    if not isinstance(depths, Mapping):
-        raise TypeError(f"step.depths must be None, an int or {{(request_id, label): depths}}, got "
-                        f"{type(depths).__name__}")
-    return (_trees_at_once(reader, streams, depths, labels)
-            or _trees(reader, depths, groups, labels))
+    if step.draft_depth is not None:
+        depth = _draft_depth(step, max_seq_len)
+        commit = CommitArrays(fork_src=arrays.commit.fork_src, fork_dst=arrays.commit.fork_dst)
+        return arrays._replace(speculation=Speculation(depth, {}, _EMPTY, _EMPTY, {}), commit=commit)
+    slots, per_label, deepest = draft_trees.read(reader, step, arrays)
+    return arrays._replace(speculation=Speculation(None, per_label, slots, deepest, {}))
 
 
-def _trees_at_once(reader: "StepReader", streams: StreamTable, depths: Mapping,
-                   labels: Mapping[str, "LabelArrays"]) -> Optional[Speculation]:
-    """The common layout, vectorised: each plan label's views are the named streams in the
-    mapping's order, or none of them, and every depth list holds Python ints (or every one is
-    a 1-D int array). None otherwise: :func:`_trees` reads it, and names what is wrong, so
-    this accepts only what ``_trees`` accepts, with the same result (its tree slots in the
-    mapping's order, not sorted)."""
-    keys = tuple(depths)
-    if not keys:
-        return None
-    read = _flat(list(depths.values()))
-    if read is None:
-        return None
-    lengths, flat = read
-    slots = _cached_slots(streams, keys)
-    if slots is None:
-        if not all(isinstance(key, tuple) and len(key) == 2 for key in keys):
-            return None
-        found = reader.slots([key[0] for key in keys], [key[1] for key in keys])
-        # A plan label's own slot array when it lists these streams: the next step's
-        # match is then an identity test, and accepted counts find the same array.
-        slots = next((arrays.slots for arrays in labels.values()
-                      if np.array_equal(arrays.slots, found)), found)
-        _remember_slots(streams, keys, slots)
-    per_label = {}
-    for plan_label, arrays in labels.items():
-        if arrays.slots is slots or np.array_equal(arrays.slots, slots):
-            if not np.array_equal(arrays.counts, lengths):
-                return None
-            per_label[plan_label] = flat
-        elif np.isin(arrays.slots, slots).any():
-            return None
-    if not per_label:
-        return None
-    if lengths.min() == lengths.max():   # one width (a fixed tree size): a row per stream
-        deepest = flat.reshape(len(keys), -1).max(axis=1)
-    else:
-        deepest = np.maximum.reduceat(flat, np.cumsum(lengths) - lengths)
-    return Speculation(None, per_label, slots, deepest, {})
-
-
-def _flat(values: List[Any]) -> Optional[Tuple[np.ndarray, np.ndarray]]:
-    """``(int64 lengths, int64 concatenated depths)`` of depth lists that ``_trees`` would
-    accept, for the forms read without a Python int each; None for any other (``_trees``
-    decides)."""
-    first, count = values[0], len(values)
-    try:
-        if type(first) in (tuple, list):
-            if values.count(first) == count:
-                # One tree for every stream (a fixed shape; equal lists count as one).
-                if not first or not set(map(type, first)) <= {int}:
-                    return None   # bools, floats, numpy scalars: _trees
-                flat = np.tile(np.asarray(first, np.int64), count)
-                lengths = np.full(count, len(first), np.int64)
-            elif set(map(type, values)) <= {tuple, list}:
-                items = list(itertools.chain.from_iterable(values))
-                if not set(map(type, items)) <= {int}:
-                    return None
-                flat = np.asarray(items, np.int64)
-                lengths = np.fromiter(map(len, values), np.int64, count)
-            else:
-                return None
-        elif type(first) is np.ndarray:
-            # An engine's rows of its depth array. Each row's dtype is checked (a
-            # concatenation would turn a bool row into ints); a value without one is not
-            # an array, and arrays of other ndims do not concatenate with 1-D ones.
-            dtypes = list(map(_DTYPE, values))
-            one_dtype = dtypes.count(dtypes[0]) == count
-            if any(d.kind not in "iu" for d in ({dtypes[0]} if one_dtype else set(dtypes))):
-                return None
-            shapes = list(map(_SHAPE, values))
-            if one_dtype and shapes.count(shapes[0]) == count and len(shapes[0]) == 1:
-                # The rows of one [streams, k] array: joining their buffers takes a third of
-                # the time of a 256-row concatenate. A strided row has no such buffer.
-                try:
-                    flat = np.frombuffer(b"".join(values), dtypes[0])
-                except TypeError:
-                    flat = np.concatenate(values)
-                lengths = np.full(count, shapes[0][0], np.int64)
-            else:
-                flat = np.concatenate(values)
-                lengths = np.fromiter(map(len, values), np.int64, count)
-            flat = flat.astype(np.int64, copy=False)
-        else:
-            return None
-    except (TypeError, ValueError, OverflowError, AttributeError):
-        return None
-    if flat.ndim != 1 or not lengths.all() or flat.min() < 0:
-        return None
-    return lengths, flat
-
-
-def _trees(reader: "StepReader", depths: Mapping, groups: Mapping[str, Sequence[Any]],
-           labels: Mapping[str, "LabelArrays"]) -> Speculation:
-    """Any layout, one stream at a time; names what is wrong."""
-    named: Dict[int, np.ndarray] = {}
-    for stream, values in depths.items():
-        if not isinstance(stream, tuple) or len(stream) != 2:
-            raise ValueError(f"step.depths key {stream!r} must be (request_id, label)")
-        array = np.asarray(values)
-        if array.ndim != 1 or not len(array) or array.dtype.kind not in "iu":
-            raise ValueError(f"step.depths[{stream!r}]={values!r} must be a non-empty sequence of ints")
-        if array.min() < 0:
-            raise ValueError(f"step.depths[{stream!r}] has depth {int(array.min())}; depths are >= 0")
-        named[reader.slot(*stream)] = array.astype(np.int64)
-    per_label, seen = {}, set()
-    for plan_label, arrays in labels.items():
-        slots = arrays.slots.tolist()
-        if named.keys().isdisjoint(slots):
-            continue
-        parts = []
-        for i, (slot, count) in enumerate(zip(slots, arrays.counts.tolist())):
-            given = named.get(slot)
-            if given is None:
-                parts.append(np.arange(count))
-                continue
-            if len(given) != count:
-                rid, label = groups[plan_label][i][:2]
-                raise ValueError(f"step.depths[{(rid, label)!r}] has {len(given)} entries but the "
-                                 f"stream's view in plan label {plan_label!r} has {count} tokens")
-            parts.append(given)
-            seen.add(slot)
-        per_label[plan_label] = np.concatenate(parts)
-    missing = [stream for stream in depths if reader.slot(*stream) not in seen]
-    if missing:
-        raise ValueError(f"step.depths names stream {missing[0]!r}, which has no view in the step")
-    order = sorted(named)
-    return Speculation(None, per_label, np.asarray(order, np.int64),
-                       np.asarray([named[s].max() for s in order], np.int64), {})
-
-
-def attach(reader: "StepReader", streams: StreamTable, step: PositionStep, arrays: "StepArrays",
-           scheme: Scheme) -> "StepArrays":
-    """``arrays`` with the step's :class:`Speculation` (a draft step also commits nothing but
-    its post-forks); ``arrays`` itself for a step without depths."""
-    spec = read(reader, streams, step, arrays.groups, arrays.labels, scheme)
-    if spec is None:
-        return arrays
-    commit = arrays.commit
-    if spec.draft is not None:
-        commit = CommitArrays(fork_src=commit.fork_src, fork_dst=commit.fork_dst)
-    return arrays._replace(speculation=spec, commit=commit)
+def _draft_depth(step: PositionStep, max_seq_len: int) -> int:
+    depth = step.draft_depth
+    if not isinstance(depth, (int, np.integer)) or isinstance(depth, (bool, np.bool_)):
+        raise TypeError(f"step.draft_depth={depth!r} must be an int (a draft step at counter + "
+                        "draft_depth)")
+    if not 0 <= int(depth) <= max_seq_len:   # at max_seq_len every token is past the end
+        raise ValueError(f"step.draft_depth={int(depth)} must be in [0, max_seq_len={max_seq_len}]")
+    if step.advance is not None:
+        raise ValueError(f"step.advance={step.advance!r}: a draft step (step.draft_depth) commits "
+                         "nothing; leave advance None")
+    return int(depth)
 
 
 def positions(base: Columns, arrays: "StepArrays", plan_label: str, max_seq_len: int,
@@ -311,73 +178,78 @@ def positions(base: Columns, arrays: "StepArrays", plan_label: str, max_seq_len:
     return out
 
 
-def live(arrays: "StepArrays") -> Dict[str, np.ndarray]:
-    """``{plan_label: bool [tokens]}`` of a planned draft step (False: past ``max_seq_len``,
-    planned at 0), for the labels with a token not live; empty for any other step."""
-    spec = arrays.speculation
-    return {} if spec is None else spec.live
-
-
-def same_depths(a: Any, b: Any) -> bool:
-    """Whether two ``PositionStep.depths`` say the same (sequence values compared as tuples)."""
+def same_tree(a: Any, b: Any) -> bool:
+    """Whether two ``PositionStep.tree`` say the same (arrays and sequences by value)."""
     if a is b:
         return True
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return a.shape == b.shape and np.array_equal(a, b)
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(
             np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
-    return not isinstance(a, Mapping) and not isinstance(b, Mapping) and a == b
+    return False
 
 
-def accepted_commit(reader: "StepReader", streams: StreamTable, plan: "Plan",
-                    accepted: Optional[Mapping], staged: Optional["Plan"]) -> CommitArrays:
-    """The commit of ``plan`` with ``accepted`` counts: named streams advance by ``a + 1``.
+# ---------------------------------------------------------------------------- commit
 
-    ``staged``: the plan staged behind it (numbered from the full spans), or None.
-    Names of requests removed since the plan are ignored, as the plan ignores them.
+
+def accepted_commit(reader: "StepReader", plan: "Plan", accepted: Any,
+                    staged: Optional["Plan"]) -> CommitArrays:
+    """The commit of a speculative ``plan``, or of one given ``accepted`` counts: each
+    named stream advances by ``a + 1`` (its accepted path: the root and ``a`` drafts).
+
+    ``accepted``: None, ``{(rid, label): a}``, or an int array ``[len(step.segments)]``
+    (one count per segment, in their order). ``staged``: the plan staged behind it
+    (numbered from the full spans), or None. Streams of requests removed since the plan
+    are ignored, as the plan ignores them.
 
     Raises:
-      TypeError: ``accepted`` is not a mapping.
+      TypeError: ``accepted`` of another type, or an array of non-integer counts.
       ValueError: a draft step; an unknown stream, one without a segment in the plan or
-        with an explicit advance; a count outside ``[0, deepest draft]``; a tree stream
-        left out; rejected drafts of a stream that the staged plan numbers.
+        with an explicit advance; a mapped count that is not an int; a count outside
+        ``[0, deepest draft]`` (compared before any cast); an array of another length
+        than the segments or beside an advance; a tree stream left out; rejected drafts
+        of a stream that the staged plan numbers.
     """
     spec = plan.arrays.speculation
     commit = plan.commit
+    trees = _EMPTY if spec is None else spec.tree_slots
+    if len(trees) and (plan.dropped or len(commit.adv_slots)):   # the trees still committed
+        trees = trees[np.isin(trees, commit.slots)]
     if accepted is None:
-        if spec is not None and len(spec.tree_slots) and np.isin(spec.tree_slots, commit.slots).any():
-            slot = int(spec.tree_slots[np.isin(spec.tree_slots, commit.slots)][0])
-            raise ValueError(f"stream {_stream_of(plan, slot)!r} was planned with step.depths (a "
-                             "draft tree): commit needs accepted={(request_id, label): count}")
+        if len(trees):
+            raise ValueError(f"stream {_stream_of(plan, int(trees[0]))!r} was planned with step.tree "
+                             "(a draft tree): commit needs accepted={(request_id, label): count}")
         return commit
-    if not isinstance(accepted, Mapping):
-        raise TypeError(f"accepted must be a mapping {{(request_id, label): count}}, got "
-                        f"{type(accepted).__name__}")
     if spec is not None and spec.draft is not None:
-        raise ValueError("accepted: the plan is a draft step (int step.depths), which commits nothing")
+        raise ValueError("accepted: the plan is a draft step (step.draft_depth), which commits nothing")
     if plan.step.advance is not None and not isinstance(plan.step.advance, Mapping):
         raise ValueError(f"accepted: the step's advance={plan.step.advance!r} already sets every "
                          "stream's advance")
-    named, slots, values = _named(reader, streams, plan, accepted)
-    # Every segment named, in order (a decode batch): its spans without lookups. The
-    # slot arrays of streams named as the step's views are the views' own (one object).
-    every = not len(commit.adv_slots) and (slots is commit.slots
-                                           or np.array_equal(slots, commit.slots))
-    spans = commit.spans if every else _spans(reader, plan, named, slots)
-    if spec is not None and spec.tree_slots is slots:
-        deepest = spec.tree_depths  # the trees named in the same order: aligned
+    if isinstance(accepted, np.ndarray):
+        entry, stream, slots, values = _accepted_array(plan, accepted)
+    elif isinstance(accepted, Mapping):
+        entry, stream, slots, values = _accepted_mapping(reader, plan, accepted)
     else:
-        deepest = spans - 1
-        if spec is not None and len(spec.tree_slots):
+        raise TypeError(f"accepted must be a mapping {{(request_id, label): count}} or an int "
+                        f"array [len(step.segments)], got {type(accepted).__name__}")
+    # Every segment named, in order (a decode batch): its spans without lookups.
+    every = not len(commit.adv_slots) and np.array_equal(slots, commit.slots)
+    spans = commit.spans if every else _spans(plan, stream, slots)
+    deepest = spans - 1
+    if len(trees):
+        if np.array_equal(trees, slots):   # the tree's streams, in its order
+            deepest = spec.tree_depths
+        else:
             _tree_depths_into(deepest, slots, spec)
-            left_out = _EMPTY if every else np.isin(spec.tree_slots, commit.slots) & ~np.isin(
-                spec.tree_slots, slots)
+            left_out = ~np.isin(trees, slots)
             if left_out.any():
-                raise ValueError(f"stream {_stream_of(plan, int(spec.tree_slots[left_out][0]))!r} "
-                                 "was planned with step.depths (a draft tree): name it in accepted")
+                raise ValueError(f"stream {_stream_of(plan, int(trees[left_out][0]))!r} was planned "
+                                 "with step.tree (a draft tree): name it in accepted")
     bad = (values < 0) | (values > deepest)
     if bad.any():
         i = int(np.argmax(bad))
-        raise ValueError(f"accepted[{named[i]!r}]={int(values[i])} must be in [0, {int(deepest[i])}] "
+        raise ValueError(f"{entry(i)}={int(values[i])} must be in [0, {int(deepest[i])}] "
                          "(the drafts of its view)")
     rejected = _EMPTY if staged is None else slots[values + 1 != spans]
     if len(rejected):
@@ -398,6 +270,74 @@ def accepted_commit(reader: "StepReader", streams: StreamTable, plan: "Plan",
                         commit.fork_src, commit.fork_dst)
 
 
+# Accepted counts are compared as Python ints before the int64 cast: nothing wraps into range.
+_COUNT_BOUND = int(np.iinfo(np.int64).max)
+
+
+def _accepted_array(plan: "Plan", accepted: np.ndarray):
+    """``(entry, stream, slots, int64 counts)`` of the ``[len(segments)]`` form (``entry(i)``
+    and ``stream(i)`` name count ``i``), without the segments of requests removed since
+    the plan."""
+    segments = plan.step.segments
+    if accepted.shape != (len(segments),):
+        raise ValueError(f"accepted.shape={accepted.shape} must be [len(step.segments)] = "
+                         f"[{len(segments)}]")
+    if accepted.dtype.kind not in "iu":
+        raise TypeError(f"accepted must hold integer counts, got dtype {accepted.dtype}")
+    if plan.step.advance is not None:
+        raise ValueError(f"accepted as an array counts every segment, but step.advance="
+                         f"{plan.step.advance!r} sets some: pass {{(request_id, label): count}}")
+    slots = plan.arrays.commit.slots   # the segments' own, in order (no advance)
+    draft_trees.check_distinct(slots, segments, "accepted")
+    index = np.arange(len(segments))
+    if plan.dropped:
+        kept = np.isin(slots, plan.commit.slots)
+        slots, accepted, index = slots[kept], accepted[kept], index[kept]
+    stream = lambda i: tuple(segments[index[i]][:2])  # noqa: E731
+    entry = lambda i: f"accepted[{int(index[i])}] (stream {stream(i)!r})"  # noqa: E731
+    if len(accepted) and int(accepted.max()) > _COUNT_BOUND:
+        i = int(np.argmax(accepted > _COUNT_BOUND))
+        raise ValueError(f"{entry(i)}={int(accepted[i])} must be in [0, the drafts of its view]")
+    return entry, stream, slots, accepted.astype(np.int64)
+
+
+def _accepted_mapping(reader: "StepReader", plan: "Plan", accepted: Mapping):
+    """``(entry, stream, slots, int64 counts)`` of the mapping form, checked, without the
+    entries of requests removed since the plan."""
+    named, counts = list(accepted), list(accepted.values())
+    spec = plan.arrays.speculation
+    # The streams of the plan's tree mapping, in its order: checked and looked up at plan.
+    tree_keys = (not plan.dropped and spec is not None and isinstance(plan.step.tree, Mapping)
+                 and named == list(plan.step.tree))
+    if named and not tree_keys:
+        draft_trees.check_keys(named, "accepted")
+    values = None
+    if set(map(type, counts)) <= {int}:
+        try:   # Python ints convert exactly or raise: none wraps
+            values = np.fromiter(counts, np.int64, len(counts))
+        except OverflowError:
+            pass
+    if values is None:
+        for stream, value in zip(named, counts):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"accepted[{stream!r}]={value!r} must be an int")
+            if not -_COUNT_BOUND <= int(value) <= _COUNT_BOUND:
+                raise ValueError(f"accepted[{stream!r}]={int(value)} must be in [0, the drafts of "
+                                 "its view]")
+        values = np.fromiter(map(int, counts), np.int64, len(counts))
+    if plan.dropped:
+        kept = [i for i, stream in enumerate(named) if not _dropped(plan, stream[0])]
+        named, values = [named[i] for i in kept], values[kept]
+    if tree_keys:
+        slots = spec.tree_slots
+    elif named:
+        rids, labels = zip(*named)
+        slots = reader.slots(rids, labels)
+    else:
+        slots = _EMPTY
+    return lambda i: f"accepted[{named[i]!r}]", named.__getitem__, slots, values
+
+
 def _tree_depths_into(deepest: np.ndarray, slots: np.ndarray, spec: Speculation) -> None:
     """Set ``deepest`` at each of ``slots`` that has a tree to that tree's deepest depth."""
     order = np.argsort(spec.tree_slots)
@@ -407,71 +347,18 @@ def _tree_depths_into(deepest: np.ndarray, slots: np.ndarray, spec: Speculation)
     deepest[tree] = spec.tree_depths[order][at[tree]]
 
 
-# (slot version, keys, their slots) of the last streams named, per stream table: a decode
-# batch names the same streams step after step (in its depths and in accepted). The version
-# changes on every ingest and remove, the only changes of a stream's slot.
-_NAMED: "weakref.WeakKeyDictionary[StreamTable, tuple]" = weakref.WeakKeyDictionary()
-
-
-def _cached_slots(streams: StreamTable, keys: tuple) -> Optional[np.ndarray]:
-    """The slots of ``keys`` when they were the last named and no slot changed since."""
-    cached = _NAMED.get(streams)
-    if cached is not None and cached[0] == streams.slot_version and cached[1] == keys:
-        return cached[2]
-    return None
-
-
-def _remember_slots(streams: StreamTable, keys: tuple, slots: np.ndarray) -> np.ndarray:
-    slots.flags.writeable = False  # shared by later steps
-    _NAMED[streams] = (streams.slot_version, keys, slots)
-    return slots
-
-
-def _named(reader: "StepReader", streams: StreamTable, plan: "Plan", accepted: Mapping):
-    """``(streams, int64 slots, int64 counts)`` of ``accepted``, checked, without the entries
-    of requests removed since the plan."""
-    keys = tuple(accepted)
-    slots = _cached_slots(streams, keys)
-    if slots is not None:  # the same keys, all known and checked, no slot changed
-        named, counts = keys, list(accepted.values())
-    else:
-        named, counts = _live_entries(plan, accepted)
-        slots = reader.slots([s[0] for s in named], [s[1] for s in named]) if named else _EMPTY
-        if np.array_equal(slots, plan.commit.slots):
-            slots = plan.commit.slots  # see accepted_commit: found by identity next time
-        if len(named) == len(keys):
-            _remember_slots(streams, keys, slots)
-    # Python and signed numpy ints convert exactly; bools and the rest: _counts checks them.
-    if all(kind is int or issubclass(kind, np.signedinteger) for kind in set(map(type, counts))):
-        return named, slots, np.fromiter(counts, np.int64, len(counts))
-    return named, slots, _counts(counts, named)
-
-
-def _spans(reader: "StepReader", plan: "Plan", named: Sequence[Any], slots: np.ndarray) -> np.ndarray:
+def _spans(plan: "Plan", stream: Callable[[int], Any], slots: np.ndarray) -> np.ndarray:
     """Each named stream's span in the plan's commit (its segments added up)."""
     commit = plan.commit
     present = np.isin(slots, commit.slots)
     if not present.all():
-        stream = named[int(np.argmin(present))]
-        why = ("has an explicit step.advance" if np.isin(reader.slot(*stream), commit.adv_slots)
+        i = int(np.argmin(present))
+        why = ("has an explicit step.advance" if np.isin(slots[i], commit.adv_slots)
                else "has no segment in the planned step")
-        raise ValueError(f"accepted names stream {stream!r}, which {why}")
+        raise ValueError(f"accepted names stream {stream(i)!r}, which {why}")
     unique, inverse = np.unique(commit.slots, return_inverse=True)
     totals = np.bincount(inverse, weights=commit.spans, minlength=len(unique)).astype(np.int64)
     return totals[np.searchsorted(unique, slots)]
-
-
-def _live_entries(plan: "Plan", accepted: Mapping):
-    """``accepted``'s streams and counts, without those of requests removed since the plan
-    (ingested again or not: a new request under the same id is not in this plan)."""
-    named, counts = list(accepted), list(accepted.values())
-    for stream in named:
-        if not isinstance(stream, tuple) or len(stream) != 2:
-            raise ValueError(f"accepted key {stream!r} must be (request_id, label)")
-    if not plan.dropped:
-        return named, counts
-    kept = [i for i, stream in enumerate(named) if not _dropped(plan, stream[0])]
-    return [named[i] for i in kept], [counts[i] for i in kept]
 
 
 def _dropped(plan: "Plan", rid: Any) -> bool:
@@ -479,13 +366,6 @@ def _dropped(plan: "Plan", rid: Any) -> bool:
         return rid in plan.dropped
     except TypeError:  # unhashable: the lookup names it
         return False
-
-
-def _counts(counts: Sequence[Any], streams: Sequence[Any]) -> np.ndarray:
-    for stream, value in zip(streams, counts):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-            raise ValueError(f"accepted[{stream!r}]={value!r} must be an int")
-    return np.asarray(counts, np.int64).reshape(-1)
 
 
 def _stream_of(plan: "Plan", slot: int) -> Any:

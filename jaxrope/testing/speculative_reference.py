@@ -42,6 +42,13 @@ SGLang (``python/sglang/srt/speculative``, ``sgl-kernel/csrc/speculative/eagle_u
   (``selected_index // topk`` indexes ``parent_list``; 0 is the root), its position
   ``seq_len + depth``; the children and siblings lists ``retrive_next_token`` /
   ``retrive_next_sibling``.
+- ``eagle_utils.cu`` ``build_tree_efficient`` again: token 0 is the verified root; a
+  draft's parent is the root or a draft selected before it (the selection is sorted by
+  index, a parent from an earlier step), and a draft without one is "an invalid eagle
+  tree". vLLM's tree attention (``v1/attention/backends/tree_attn.py``
+  ``_prepare_tree_attn_bias``) lays its ``speculative_token_tree`` out the same way: the
+  root at index 0, the paths sorted by depth, each ancestor ``path[:c + 1]`` an earlier
+  node. Given only depths, such a tree exists iff :func:`parents_first` finds parents.
 - ``eagle_utils.cu`` ``VerifyTreeGreedy``: from the root, accept the child whose draft
   equals the target's prediction at the last accepted token, for at most
   ``spec_steps`` levels; ``accept_length`` counts them.
@@ -69,7 +76,7 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["PADDING_SLOT_ID", "SglangTree", "sglang_accept", "sglang_build_tree",
+__all__ = ["PADDING_SLOT_ID", "SglangTree", "parents_first", "sglang_accept", "sglang_build_tree",
            "sglang_draft_positions", "sglang_draft_tree", "sglang_mrope", "sglang_positions",
            "sglang_verify_greedy", "vllm_draft_positions", "vllm_eagle_input_ids",
            "vllm_mrope_positions", "vllm_positions", "vllm_schedule", "vllm_update_from_output"]
@@ -235,6 +242,22 @@ def sglang_build_tree(tree: SglangTree, seq_lens: np.ndarray):
             depth[bid, tid] = level
             positions[bid, tid] = level + seq_lens[bid]
     return positions, next_token, next_sibling, depth
+
+
+def parents_first(depths: List[int]) -> Optional[List[int]]:
+    """Each token's parent (-1 for the root) in a tree laid out parents first with these
+    depths, or None when there is no such tree: token 0 must be the root at depth 0, and
+    each later token needs a token one level up before it (here the latest such one).
+    A per-token walk, for the differential test of the vectorised checks."""
+    if not depths or depths[0] != 0:
+        return None
+    parents, latest = [-1], {0: 0}
+    for t, depth in enumerate(depths[1:], start=1):
+        if depth <= 0 or depth - 1 not in latest:
+            return None
+        parents.append(latest[depth - 1])
+        latest[depth] = t
+    return parents
 
 
 def sglang_positions(seq_lens: np.ndarray, depth: np.ndarray) -> np.ndarray:

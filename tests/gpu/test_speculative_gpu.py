@@ -37,9 +37,8 @@ def make(device, launcher, counters):
 
 
 def tree_step(rids):
-    rows = np.tile(np.asarray(TREE, np.int64), (len(rids), 1))
-    return PositionStep(tuple(Segment(rid, "text", len(TREE)) for rid in rids),
-                        depths=dict(zip(((rid, "text") for rid in rids), rows)))
+    rows = np.tile(np.asarray(TREE, np.int64), (len(rids), 1))   # [streams, k]: one row a segment
+    return PositionStep(tuple(Segment(rid, "text", len(TREE)) for rid in rids), tree=rows)
 
 
 def rand_qk(device, tokens, seed):
@@ -67,7 +66,8 @@ def test_a_tree_verify_in_a_graph_bucket_rotates_every_token_at_counter_plus_dep
 def test_a_verify_accept_draft_loop_does_not_wait_for_the_device(device, launcher):
     mgr, rids = make(device, launcher, np.arange(64) * 100)
     verify, ctx = tree_step(rids), StepContext(rids)
-    drafts = [PositionStep(tuple(Segment(rid, "text", 1) for rid in rids), depths=j) for j in (0, 1, 2)]
+    drafts = [PositionStep(tuple(Segment(rid, "text", 1) for rid in rids), draft_depth=j)
+              for j in (0, 1, 2)]
     accepted = {(rid, "text"): i % 4 for i, rid in enumerate(rids)}
     q, k = rand_qk(device, len(rids) * len(TREE), seed=20261202)
     small_q, small_k = q[:len(rids)].clone(), k[:len(rids)].clone()

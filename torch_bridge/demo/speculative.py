@@ -7,7 +7,7 @@ attention output checked against a float64 recompute of the stream from scratch:
 1. **prefill** on node ``A``: each prompt in one step through the target and the draft
    layer (one plan, two plan labels).
 2. each **round** drafts ``k`` tokens per request (``k`` random in 1..4): ``k + 1`` draft
-   steps (``PositionStep(depths=j - 1)``, committing nothing), planned into the static
+   steps (``PositionStep(draft_depth=j - 1)``, committing nothing), planned into the static
    buffer of a CUDA-graph bucket, whose padding rows must keep their values; the draft
    layer reads the root and each draft it proposed (the last one too, so that its KV
    cache covers whatever is accepted).
@@ -183,7 +183,7 @@ class SpeculativeTrace:
                     tokens: Sequence[Tuple[str, List[int]]], j: int) -> None:
         """Draft step ``j``: each request's token at ``counter + j - 1``, in the graph bucket."""
         mgr = self.mgrs[node]
-        step = PositionStep(tuple(Segment(q.rid, LABEL, 1) for q in batch), depths=j - 1)
+        step = PositionStep(tuple(Segment(q.rid, LABEL, 1) for q in batch), draft_depth=j - 1)
         lease = GraphSlot(DRAFT_BUCKET, slot=0)
         ctx = StepContext(tuple(q.rid for q in batch), graph_slot=lease)
         before = {q.rid: mgr.position(q.rid, LABEL) for q in batch}
