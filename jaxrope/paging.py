@@ -70,9 +70,9 @@ def _int32(name: str, x) -> jax.Array:
     return x.astype(jnp.int32)
 
 
-def _static_size(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive int (static)")
+def _static_size(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an int >= {minimum} (static)")
     return int(value)
 
 
@@ -97,7 +97,7 @@ def token_views(counts, num_tokens: int) -> jax.Array:
       >>> paging.token_views(jnp.array([2, 0, 3]), 6).tolist()
       [0, 0, 2, 2, 2, -1]
     """
-    num_tokens = _static_size("num_tokens", num_tokens)
+    num_tokens = _static_size("num_tokens", num_tokens, minimum=0)   # an empty step
     counts = jnp.clip(_int32("counts", counts), 0, num_tokens)
     ends = jnp.cumsum(counts)
     token = jnp.arange(num_tokens, dtype=jnp.int32)

@@ -70,8 +70,10 @@ CLAIMS = [
     ("No bridge counter passes `max_seq_len`",
      "test_bridge_counters_move_back_only_through_the_listed_calls"),
     ("a draft tree whose depths are no tree", "test_a_bad_bridge_call_raises_naming_its_argument_and_changes_nothing"),
-    ("a KV slot\n  mapping of any integer width out of range",
+    ("KV\n  slots that are no integer tensor",
      "test_a_bad_bridge_call_raises_naming_its_argument_and_changes_nothing"),
+    ("KV slots of\n  any integer width outside the cache are skipped on the device",
+     "test_a_bridge_kv_slot_of_any_width_outside_the_cache_is_skipped"),
 ]
 
 
@@ -156,7 +158,7 @@ CORE_CALLS = [
      ValueError, "rows[0]=4 is no row"),
     ("speculative.plan_tree", lambda: speculative.plan_tree(
         TABLE, ROWS, TWO, np.array([0, 2**32, 0, 0], np.int64), OUT), ValueError,
-     "depths[1]=4294967296"),
+     "depths has values in [0, 4294967296]"),
     ("speculative.plan_draft", lambda: speculative.plan_draft(
         TABLE, ROWS, jnp.array([3, 3], jnp.int32), OUT, step=1, max_seq_len=64), ValueError,
      "plan 6 tokens, more than out's 4"),
@@ -216,8 +218,8 @@ def test_the_fused_append_refuses_one_array_as_both_caches():
 
 @pytest.mark.parametrize("dtype", [np.int64, np.uint64, np.uint32])
 def test_a_kv_slot_of_any_width_never_wraps_onto_another(dtype):
-    # Checked after merge (issue 26, K1): a slot that int32 would wrap onto slot 5 either
-    # raises naming `slots` or writes nothing; it never writes slot 5.
+    # A slot that int32 would wrap onto slot 5 either raises naming `slots` or writes
+    # nothing; it never writes slot 5.
     wraps = {np.int64: -2**32 + 5, np.uint64: 2**32 + 5, np.uint32: 2**31 + 5}[dtype]
     slots = np.array([wraps, 7, -1 if dtype == np.int64 else 8], dtype)
     try:
@@ -367,15 +369,15 @@ def _bridge_calls():
         ("ingest_request", lambda m: m.ingest_request(["c"]), TypeError, "rid=['c']"),
         ("plan", lambda m: m.plan(PositionStep([Segment("a", "cond", -1)]), StepContext(("a",))),
          ValueError, "must be >= 0"),
-        ("plan", lambda m: m.plan(PositionStep([Segment("a", "uncond", 3)], depths={
-            ("a", "uncond"): (1, 2, 2)}), StepContext(("a",))), ValueError, "depths"),
+        ("plan", lambda m: m.plan(PositionStep([Segment("a", "uncond", 3)], tree={
+            ("a", "uncond"): (1, 2, 2)}), StepContext(("a",))), ValueError, "is not a draft tree"),
         ("commit", lambda m: m.commit(PositionStep([Segment("a", "cond", 4)]), ctx), ValueError,
          "commit's step has 1 segments but the plan has 2"),
-        ("apply_qk", lambda m: m.apply_qk(*qk(4), "cond"), ValueError,
-         "q has 4 tokens but plan label 'cond' has 3 planned positions"),
+        ("apply_qk", lambda m: m.apply_qk(*(x.double() for x in qk()), "cond"), ValueError,
+         "q.dtype=torch.float64 must be one of"),
         ("apply_qk_and_append_kv", lambda m: m.apply_qk_and_append_kv(
-            *qk(), torch.randn(3, 1, HEAD_DIM), "cond", cache(),
-            torch.tensor([2**32 + 5, 3, -1], dtype=torch.int64)), ValueError, "slot"),
+            *qk(), torch.randn(3, 1, HEAD_DIM), "cond", cache(), torch.zeros(3)), ValueError,
+         "slots.dtype=torch.float32 must be an integer dtype"),
         ("position", lambda m: m.position("a", "image"), ValueError, "label='image'"),
         ("delta", lambda m: m.delta("ghost", "cond"), ValueError, "'ghost'"),
         ("pos_ids", lambda m: m.pos_ids("nope"), ValueError, "label='nope'"),
@@ -400,7 +402,6 @@ def _bridge_calls():
 
 @needs_torch
 def test_a_bad_bridge_call_raises_naming_its_argument_and_changes_nothing():
-    # The depths and the int64 KV slot rows are checked after merge (issue 26, S1 and K2).
     failures = []
     for method, call, error, fragment in _bridge_calls():
         mgr = _busy()
@@ -417,6 +418,23 @@ def test_a_bad_bridge_call_raises_naming_its_argument_and_changes_nothing():
         if mgr.state_snapshot() != before:
             failures.append(f"{method}: the state changed")
     assert not failures, "\n".join(failures)
+
+
+@needs_torch
+@pytest.mark.parametrize("dtype", ["int64", "uint32", "int16"])
+def test_a_bridge_kv_slot_of_any_width_outside_the_cache_is_skipped(dtype):
+    # 2**32 + 5 cut to its low 32 bits would be slot 5; past the cache at any width.
+    mgr = _busy()
+    beyond = {"int64": 2**32 + 5, "uint32": 2**31 + 5, "int16": 2**14 + 5}[dtype]
+    cache = torch.zeros(4, 2, 4, 1, HEAD_DIM)
+    v = torch.randn(3, 1, HEAD_DIM)
+    slots = torch.tensor([beyond, 3, 9], dtype=getattr(torch, dtype))
+    mgr.apply_qk_and_append_kv(torch.randn(3, 2, HEAD_DIM), torch.randn(3, 1, HEAD_DIM), v,
+                               "cond", cache, slots)
+    values = cache[:, 1].reshape(16, HEAD_DIM)
+    written = [3, 9]
+    torch.testing.assert_close(values[written], v[1:, 0], rtol=0, atol=0)
+    assert not values[[i for i in range(16) if i not in written]].any()
 
 
 @needs_torch
@@ -521,7 +539,8 @@ def test_bridge_counters_move_back_only_through_the_listed_calls(rng):
             published = mgr.publish(rid)
             lower = {k: max(0, v - 3) for k, v in published.counters.items()}
             assert mgr.admit_retrieve(rid, None, None, PublishedPositionInfo(
-                lower, published.deltas, published.epochs, published.fingerprint)).ok
+                lower, published.deltas, published.epochs, published.fingerprint,
+                rewinds=published.rewinds)).ok
         elif op == "newer_admit":
             # r2 is rewound by the peer alone (one writer): the peer takes this node's
             # record, rolls the stream back and publishes; its rewind, which this node

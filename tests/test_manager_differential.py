@@ -114,7 +114,9 @@ class Run:
                     views[(rid, "text")] = ("span", n)
                     segments.append(Segment(rid, "text", n))
             depths = trees or None
-        step = PositionStep(segments, depths=depths)
+        draft = isinstance(depths, (int, np.integer))
+        step = PositionStep(segments, draft_depth=depths if draft else None,
+                            tree=None if draft else depths)
         ctx = StepContext(tuple(chosen), is_preplan=preplan)
         plan, tensors = self.call(node, lambda: node.model.plan(views, preplan, tag=step),
                                   lambda: node.mgr.plan(step, ctx), f"plan {kind}")

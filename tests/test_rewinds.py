@@ -55,9 +55,9 @@ def test_a_rollback_is_refused_while_a_staged_draft_step_numbers_the_stream():
     # the current plan and still holds 23, so a rollback to 21 would leave it numbered
     # past the counter.
     mgr = at(make(1), 20)
-    verify = step(3, depths={("r0", "text"): (0, 1, 2)})
+    verify = step(3, tree={("r0", "text"): (0, 1, 2)})
     assert mgr.plan(verify, CTX)["text"].tolist() == [20, 21, 22]
-    draft = step(1, depths=0)
+    draft = step(1, draft_depth=0)
     assert mgr.plan(draft, StepContext(("r0",), is_preplan=True))["text"].tolist() == [23]
     mgr.commit(verify, CTX, accepted={("r0", "text"): 2})
     assert mgr.position("r0", "text") == 23 and mgr.pos_ids("text").tolist() == [23]
@@ -73,7 +73,7 @@ def test_a_rollback_is_refused_while_a_staged_draft_step_numbers_the_stream():
 
 def test_a_rollback_is_refused_while_a_staged_plan_numbers_the_stream():
     mgr = at(make(1), 5)
-    mgr.plan(step(1, depths=0), StepContext(("r0",), is_preplan=True))
+    mgr.plan(step(1, draft_depth=0), StepContext(("r0",), is_preplan=True))
     with pytest.raises(ValueError, match=r"\(the staged plan numbers it"):
         mgr.rollback("r0", "text", 2)
     mgr.clear_preplan()
@@ -87,7 +87,7 @@ def test_an_admit_of_a_newer_epoch_is_refused_while_a_plan_numbers_the_stream():
     a, b = at(make(1), 12), at(make(2), 10)
     a.rollback("r0", "text", 5)
     record = a.publish("r0")
-    verify = step(3, depths={("r0", "text"): (0, 1, 2)})
+    verify = step(3, tree={("r0", "text"): (0, 1, 2)})
     assert b.plan(verify, CTX)["text"].tolist() == [10, 11, 12]
     before = b.state_snapshot()
     for form in (record, record.to_bytes()):
@@ -162,13 +162,13 @@ def test_the_core_refuses_what_would_wrap_outside_jit():
     table = core.PositionTable(jnp.array([9, 9], jnp.int32), None,
                                jnp.array([MAX_EPOCH, 5], jnp.int32))
     slots = jnp.array([0], jnp.int32)
-    with pytest.raises(ValueError, match=r"rollback of slots\[0\] at publish epoch 2147483647, "
+    with pytest.raises(ValueError, match=r"rollback of rows\[0\] at publish epoch 2147483647, "
                                          r"the last: epochs are int32, in \[0, 2147483647\]"):
         core.rollback(table, slots, jnp.array([3], jnp.int32))
     assert core.rollback(table, slots, jnp.array([9], jnp.int32)).epochs.tolist() == [MAX_EPOCH, 5]
     assert core.rollback(table, jnp.array([1], jnp.int32),
                          jnp.array([3], jnp.int32)).epochs.tolist() == [MAX_EPOCH, 6]
-    with pytest.raises(ValueError, match=r"epochs\[0\]=2147483648 outside \[0, 2147483647\]"):
+    with pytest.raises(ValueError, match=r"epochs\[0\]=2147483648 must lie in \[0, 2147483647\]"):
         core.admit(table, slots, jnp.array([1]), jnp.array([0]), np.array([2**31], np.int64))
     out = jax.jit(core.admit)(table, slots, jnp.array([1], jnp.int32), jnp.array([0], jnp.int32),
                               jnp.array([3], jnp.int32))

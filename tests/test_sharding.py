@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -92,11 +93,14 @@ def test_off_a_mesh_the_kernel_is_called_as_before():
 
 
 def _lowered_for_cuda(monkeypatch, devices: int, spec):
-    """``apply_rope`` (backend "auto": Pallas on CUDA) on bf16 [16, 32, 128] / [16, 8, 128],
-    donated, lowered for CUDA; q and k sharded ``spec`` on an Explicit mesh of
-    ``devices`` abstract H200s, or unsharded when ``spec`` is None."""
-    # The arrays are abstract, so apply_rope would take the default backend's platform.
-    monkeypatch.setattr(jaxrope.apply, "_platform", lambda x: "cuda")
+    """``apply_rope`` (backend "auto": the Triton-lowered kernel on a CUDA device of unknown
+    capability) on bf16 [16, 32, 128] / [16, 8, 128], donated, lowered for CUDA; q and k
+    sharded ``spec`` on an Explicit mesh of ``devices`` abstract H200s, or unsharded when
+    ``spec`` is None."""
+    # The arrays are abstract, so apply_rope would take the default backend's device: a
+    # CUDA device of unknown compute capability instead, whose "auto" is the Triton-lowered
+    # kernel (tests/gpu/test_sharding_gpu.py runs the real device's choice).
+    monkeypatch.setattr(jaxrope.apply, "_device", lambda x: types.SimpleNamespace(platform="cuda"))
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
                                          platform="cuda")
     grid = jax.sharding.AbstractMesh((devices,), ("model",), axis_types=(AxisType.Explicit,),
