@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Tuple
+from typing import Any, Dict, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,16 @@ def kernel_constants(cfg: RopeConfig) -> Tuple[np.ndarray, float]:
     tables = angle_tables(inv_freq)
     tables.setflags(write=False)
     return tables, attention
+
+
+def kernel_options(cfg: RopeConfig) -> Dict[str, Any]:
+    """The static keywords every kernel body and Triton IR export takes from ``cfg``:
+    ``rotary_dim``, ``interleave``, ``attention_factor`` (of :func:`kernel_constants`),
+    ``mrope_section`` and ``mrope_interleaved``."""
+    _, attention = kernel_constants(cfg)
+    return dict(rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
+                attention_factor=attention, mrope_section=cfg.mrope_section,
+                mrope_interleaved=cfg.mrope_interleaved)
 
 
 def _device(x) -> jax.Device:
@@ -149,7 +159,5 @@ def apply_rope(q, k, pos_ids, cfg: RopeConfig, backend: str = "auto"):
     validate(q, k, pos_ids, cfg)
     pos_ids = jnp.asarray(pos_ids, jnp.int32)
     impl = _sharding.per_shard(resolve_for(backend, q), q, k, pos_ids)
-    tables, attention = kernel_constants(cfg)
-    return impl(q, k, pos_ids, jnp.asarray(tables),
-                rotary_dim=cfg.rotary_dim, interleave=cfg.interleave, attention_factor=attention,
-                mrope_section=cfg.mrope_section, mrope_interleaved=cfg.mrope_interleaved)
+    tables, _ = kernel_constants(cfg)
+    return impl(q, k, pos_ids, jnp.asarray(tables), **kernel_options(cfg))

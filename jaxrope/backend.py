@@ -71,7 +71,7 @@ def _mosaic_runs(platform: str, compute_capability: Optional[str]) -> bool:
     if platform not in ("gpu", "cuda") or compute_capability is None:
         return False
     return (int(str(compute_capability).split(".")[0]) >= MOSAIC_MIN_CAPABILITY
-            and mosaic_gpu.unavailable() is None)
+            and mosaic_gpu.lowering_unavailable() is None)
 
 
 def backend_name(backend: str, platform: str, op: str = "rope",

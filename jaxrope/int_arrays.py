@@ -26,9 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["INT32", "IntArray", "as_int32", "host", "in_range", "ints", "values"]
+__all__ = ["INT32", "IntArray", "NO_WRAP", "as_int32", "host", "in_range", "ints", "values"]
 
 INT32 = np.iinfo(np.int32)
+# Index keywords for `.at[...]`: a negative index is out of range (padding), not counted
+# from the end as numpy-style wrapping would (-1 would be the last row).
+NO_WRAP = {"wrap_negative_indices": False}
 # What a caller may pass as an integer array: a JAX or numpy array, or a list / tuple of ints.
 IntArray = Union[jax.Array, np.ndarray, Sequence[int]]
 

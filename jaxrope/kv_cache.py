@@ -288,14 +288,12 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
                         _scale("v_quant_scale", v_quant_scale, quantized)])
     platform = _apply._platform(q)
     impl = _backend.resolve(backend, platform, op="rope_append_kv")
-    tables, attention = _apply.kernel_constants(cfg)
+    tables, _ = _apply.kernel_constants(cfg)
     # The kernels see every layout as [rows, D] matrices, addressed by `rows`.
     views = tuple(c.reshape(-1, c.shape[-1]) for c in caches)
     args = (q, k, v, jnp.asarray(pos_ids, jnp.int32), jnp.asarray(slots, jnp.int32),
             jnp.asarray(tables), scales, views)
-    kwargs = dict(rows=rows, rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
-                  attention_factor=attention, mrope_section=cfg.mrope_section,
-                  mrope_interleaved=cfg.mrope_interleaved)
+    kwargs = dict(rows=rows, **_apply.kernel_options(cfg))
     try:
         q, views = impl(*args, **kwargs)
     except BackendUnavailable:

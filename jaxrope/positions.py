@@ -81,6 +81,7 @@ import numpy as np
 from jaxrope import paging as _paging
 from jaxrope import sharding as _sharding
 from jaxrope.int_arrays import INT32 as _INT32
+from jaxrope.int_arrays import NO_WRAP as _NO_WRAP
 from jaxrope.int_arrays import IntArray
 from jaxrope.int_arrays import as_int32 as _int32
 from jaxrope.int_arrays import host as _host
@@ -94,9 +95,6 @@ from jaxrope.slot_map import SlotMap
 PAD = int(_INT32.max)
 # Publish epochs are int32 columns, as counters.
 MAX_EPOCH = int(_INT32.max)
-# Negative rows act as padding under jit too (numpy-style wrapping would make -1 the
-# last row).
-_NO_WRAP = {"wrap_negative_indices": False}
 _COLUMNS = ("counters", "deltas", "epochs")
 
 
@@ -408,6 +406,14 @@ def admit(table: PositionTable, rows: IntArray, positions: IntArray, deltas: Int
     echo of this node's own publication never rewinds (the seed's monotonic admit); an
     older epoch changes nothing. The delta comes with the position that wins. ``rows``
     must be distinct.
+
+    The table keeps one epoch per stream, not who rolled it back: two writers that each
+    rewound a stream once both publish epoch 1, and this transition would take the
+    larger position. A JAX stack admitting records of several writers orders each
+    decoded :class:`jaxrope.wire.StreamRecord` against the stream's own rewinds with
+    :func:`jaxrope.wire.rewind_order` on the host first and admits none that answers
+    ``"conflict"`` (the torch bridge does exactly that); only one writer per stream (its
+    owner, README "Who may roll a stream back") keeps this max safe without it.
 
     Raises:
       ValueError: outside ``jit``, an epoch outside ``[0, 2**31 - 1]`` (int32, as the

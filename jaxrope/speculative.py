@@ -71,12 +71,12 @@ import numpy as np
 
 from jaxrope import positions
 from jaxrope import sharding as _sharding
+from jaxrope.int_arrays import NO_WRAP as _NO_WRAP
 from jaxrope.positions import PositionTable
 
 __all__ = ["accept", "eagle_input_ids", "plan_chain", "plan_draft", "plan_tree", "tree_depths",
            "valid_trees"]
 
-_NO_WRAP = {"wrap_negative_indices": False}
 
 
 def _live_slots(table: PositionTable, slots: jax.Array) -> jax.Array:

@@ -100,6 +100,8 @@ def _lowered(cfg, tokens, q_heads, k_heads, dtype=jnp.bfloat16, **jit_kwargs):
 
 
 @needs_mosaic
+@pytest.mark.skipif(mosaic_gpu.lowering_unavailable() is not None,
+                    reason=str(mosaic_gpu.lowering_unavailable()))
 @pytest.mark.parametrize("case, dtype", DTYPE_CASES,
                          ids=lambda x: getattr(x, "name", None) or jnp.dtype(x).name)
 def test_mosaic_kernel_lowers_for_cuda_on_every_case(case, dtype):
@@ -160,7 +162,7 @@ def test_mosaic_floor_is_a_floor_for_either_sign(rng):
 def test_auto_takes_mosaic_only_on_hopper_or_newer():
     # One rule for every caller: compute capability 9.0+ CUDA runs Mosaic GPU, older GPUs
     # the Triton-lowered kernel, CPU XLA; an op without a Mosaic kernel keeps Triton.
-    want = "mosaic" if MISSING is None else "triton"
+    want = "mosaic" if mosaic_gpu.lowering_unavailable() is None else "triton"
     assert backend_module.backend_name("auto", "cuda", compute_capability="9.0") == want
     assert backend_module.backend_name("auto", "gpu", compute_capability="10.0") == want
     assert backend_module.backend_name("auto", "cuda", compute_capability="8.9") == "triton"
@@ -174,3 +176,15 @@ def test_auto_takes_mosaic_only_on_hopper_or_newer():
         backend_module.resolve("pallas", "cpu")
     with pytest.raises(jr.BackendUnavailable, match="has no rope_append_kv kernel"):
         backend_module.resolve("mosaic", "cuda", "rope_append_kv")
+
+
+@needs_mosaic
+def test_auto_leaves_mosaic_to_the_jax_versions_known_to_lower_it(monkeypatch):
+    # JAX 0.12's Mosaic GPU refuses transfers many layouts of the kernel make: on a JAX
+    # past mosaic_gpu.LOWERS_UP_TO "auto" runs the Triton-lowered kernel, on 0.11 Mosaic.
+    monkeypatch.setattr(jax, "__version__", "0.12.0.1")
+    assert "jax 0.12.0.1's Mosaic GPU lowering refuses" in mosaic_gpu.lowering_unavailable()
+    assert backend_module.backend_name("auto", "cuda", compute_capability="9.0") == "triton"
+    monkeypatch.setattr(jax, "__version__", "0.11.2")
+    assert mosaic_gpu.lowering_unavailable() is None
+    assert backend_module.backend_name("auto", "cuda", compute_capability="9.0") == "mosaic"

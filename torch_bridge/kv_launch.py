@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from jaxrope.apply import kernel_constants
+from jaxrope.apply import kernel_options
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels import kv_pallas, pallas_triton, triton_ir
@@ -149,15 +149,12 @@ class KVAppendLauncher:
         Raises:
           BackendUnavailable: the export failed (for this key it is not tried again).
         """
-        _, attention = kernel_constants(cfg)
         return self._kernels.get((q_heads, dtype, cfg, geometry, block), lambda: (
             triton_ir.export_append_kv(
                 q_heads=q_heads, k_heads=geometry.k_heads, head_dim=cfg.head_dim,
-                rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
-                attention_factor=attention, dtype=_jax_dtype(dtype),
-                cache_shape=geometry.view_shape, cache_dtype=_jax_dtype(geometry.dtype),
-                layout=geometry.layout, components=geometry.components, block=block,
-                mrope_section=cfg.mrope_section, mrope_interleaved=cfg.mrope_interleaved)))
+                dtype=_jax_dtype(dtype), cache_shape=geometry.view_shape,
+                cache_dtype=_jax_dtype(geometry.dtype), layout=geometry.layout,
+                components=geometry.components, block=block, **kernel_options(cfg))))
 
     def rotate_and_append_kv_(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               pos_ids: torch.Tensor, caches: Sequence[torch.Tensor],

@@ -17,7 +17,7 @@ import jax
 import torch
 
 from jaxrope import backend as _backend
-from jaxrope.apply import SUPPORTED_DTYPES, kernel_constants
+from jaxrope.apply import SUPPORTED_DTYPES, kernel_constants, kernel_options
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 from jaxrope.scaling import Linear, Llama3
@@ -244,10 +244,8 @@ class JaxRotation:
         tokens = q.shape[0]
         size = token_bucket(tokens) if allow_copy else tokens
         staged = [pad_tokens(x, size) for x in (q, k)]
-        tables, attention = self.constants(cfg)
+        tables, _ = self.constants(cfg)
         self.call(staged, read_only(pad_tokens(pos_ids, size, dim=-1), True), tables,
-                  allow_copy=allow_copy, impl=self.impl, rotary_dim=cfg.rotary_dim,
-                  interleave=cfg.interleave, attention_factor=attention,
-                  mrope_section=cfg.mrope_section, mrope_interleaved=cfg.mrope_interleaved)
+                  allow_copy=allow_copy, impl=self.impl, **kernel_options(cfg))
         for x, padded in zip((q, k), staged):
             write_back(x, padded)

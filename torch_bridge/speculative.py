@@ -69,16 +69,13 @@ from jaxrope.positions import Scheme
 from torch_bridge import draft_trees
 from torch_bridge import streams as rules
 from torch_bridge.engine_types import PositionStep
-from torch_bridge.streams import Columns, CommitArrays
+from torch_bridge.streams import EMPTY, Columns, CommitArrays
 
 if TYPE_CHECKING:
     from torch_bridge.plans import Plan
     from torch_bridge.step_arrays import StepArrays, StepReader
 
 __all__ = ["Speculation", "accepted_commit", "attach", "positions", "same_tree"]
-
-_EMPTY = np.zeros((0,), np.int64)
-_EMPTY.flags.writeable = False
 
 
 class Speculation(NamedTuple):
@@ -123,7 +120,7 @@ def attach(reader: "StepReader", step: PositionStep, arrays: "StepArrays", schem
     if step.draft_depth is not None:
         depth = _draft_depth(step, max_seq_len)
         commit = CommitArrays(fork_src=arrays.commit.fork_src, fork_dst=arrays.commit.fork_dst)
-        return arrays._replace(speculation=Speculation(depth, {}, _EMPTY, _EMPTY, {}), commit=commit)
+        return arrays._replace(speculation=Speculation(depth, {}, EMPTY, EMPTY, {}), commit=commit)
     slots, per_label, deepest = draft_trees.read(reader, step, arrays)
     return arrays._replace(speculation=Speculation(None, per_label, slots, deepest, {}))
 
@@ -213,7 +210,7 @@ def accepted_commit(reader: "StepReader", plan: "Plan", accepted: Any,
     """
     spec = plan.arrays.speculation
     commit = plan.commit
-    trees = _EMPTY if spec is None else spec.tree_slots
+    trees = EMPTY if spec is None else spec.tree_slots
     if len(trees) and (plan.dropped or len(commit.adv_slots)):   # the trees still committed
         trees = trees[np.isin(trees, commit.slots)]
     if accepted is None:
@@ -251,7 +248,7 @@ def accepted_commit(reader: "StepReader", plan: "Plan", accepted: Any,
         i = int(np.argmax(bad))
         raise ValueError(f"{entry(i)}={int(values[i])} must be in [0, {int(deepest[i])}] "
                          "(the drafts of its view)")
-    rejected = _EMPTY if staged is None else slots[values + 1 != spans]
+    rejected = EMPTY if staged is None else slots[values + 1 != spans]
     if len(rejected):
         numbered = np.concatenate([label.slots for label in staged.arrays.labels.values()]
                                   + [staged.commit.touched])
@@ -334,7 +331,7 @@ def _accepted_mapping(reader: "StepReader", plan: "Plan", accepted: Mapping):
         rids, labels = zip(*named)
         slots = reader.slots(rids, labels)
     else:
-        slots = _EMPTY
+        slots = EMPTY
     return lambda i: f"accepted[{named[i]!r}]", named.__getitem__, slots, values
 
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from torch_bridge.engine_types import Fork, KVPlanOutput, PositionStep, StepContext
-from torch_bridge.streams import _EMPTY, CommitArrays, StreamTable
+from torch_bridge.streams import EMPTY, CommitArrays, StreamTable
 
 __all__ = ["LabelArrays", "StepArrays", "StepReader", "check_hashable"]
 
@@ -141,7 +141,7 @@ class StepReader:
     def records(self, records: Sequence[Any], what: str) -> Tuple[np.ndarray, np.ndarray]:
         """Slots and counts of ``(request_id, label, count)`` records (segments, views)."""
         if not records:
-            return _EMPTY, _EMPTY
+            return EMPTY, EMPTY
         try:
             rids, labels, counts = zip(*records)
         except (TypeError, ValueError) as e:
@@ -151,7 +151,7 @@ class StepReader:
     def forks(self, forks: Sequence[Any], name: str) -> Tuple[np.ndarray, np.ndarray]:
         """``(src, dst)`` slots of fork records; one source per target."""
         if not forks:
-            return _EMPTY, _EMPTY
+            return EMPTY, EMPTY
         try:
             rids, sources, targets = zip(*forks)
         except (TypeError, ValueError) as e:
@@ -201,7 +201,7 @@ class StepReader:
             slots, spans = reuse.slots, reuse.counts
         else:
             slots, spans = self.records(segments, "step.segments")
-        adv_slots, adv_amounts = _EMPTY, _EMPTY
+        adv_slots, adv_amounts = EMPTY, EMPTY
         if isinstance(advance, Mapping):
             present = set(slots.tolist())
             named, amounts = [], []
@@ -221,7 +221,7 @@ class StepReader:
             amount = _amount(advance, "step.advance")
             adv_slots = np.asarray(list(dict.fromkeys(slots.tolist())), np.int64)
             adv_amounts = np.full(len(adv_slots), amount, np.int64)
-            slots, spans = _EMPTY, _EMPTY
+            slots, spans = EMPTY, EMPTY
         fork_src, fork_dst = self.forks(post_forks, "post_forks")
         return CommitArrays(slots, spans, adv_slots, adv_amounts, fork_src, fork_dst)
 

@@ -39,8 +39,9 @@ __all__ = ["Columns", "CommitArrays", "StreamTable", "accept", "admit", "advance
            "commit", "fork", "plan", "plan_draft", "raise_to", "reset", "rollback", "set_deltas",
            "tree_depths"]
 
-_EMPTY = np.zeros((0,), np.int64)
-_EMPTY.flags.writeable = False
+# The empty slot array, shared (read-only) by the bridge's modules.
+EMPTY = np.zeros((0,), np.int64)
+EMPTY.flags.writeable = False
 # 0, 1, 2, ...: each SEQUENTIAL view is a slice of it plus the view's start.
 _RAMP = np.arange(1 << 17, dtype=np.int32)
 _RAMP.flags.writeable = False
@@ -231,12 +232,12 @@ class CommitArrays(NamedTuple):
     writes (the ones whose bound is checked).
     """
 
-    slots: np.ndarray = _EMPTY
-    spans: np.ndarray = _EMPTY
-    adv_slots: np.ndarray = _EMPTY
-    adv_amounts: np.ndarray = _EMPTY
-    fork_src: np.ndarray = _EMPTY
-    fork_dst: np.ndarray = _EMPTY
+    slots: np.ndarray = EMPTY
+    spans: np.ndarray = EMPTY
+    adv_slots: np.ndarray = EMPTY
+    adv_amounts: np.ndarray = EMPTY
+    fork_src: np.ndarray = EMPTY
+    fork_dst: np.ndarray = EMPTY
 
     @property
     def touched(self) -> np.ndarray:

@@ -30,7 +30,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from jaxrope.apply import kernel_constants
+from jaxrope.apply import kernel_options
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels import pallas_triton, triton_ir
@@ -74,12 +74,9 @@ class TritonLauncher:
         num_tokens, q_heads, head_dim = q_shape
         lanes = pallas_triton.lanes_for(cfg.rotary_dim)
         block = block or pallas_triton.block_config(num_tokens, q_heads, k_heads, lanes)
-        _, attention = kernel_constants(cfg)
         export_kwargs = dict(
-            q_heads=q_heads, k_heads=k_heads, head_dim=head_dim, rotary_dim=cfg.rotary_dim,
-            interleave=cfg.interleave, attention_factor=attention,
-            dtype=str(dtype).removeprefix("torch."), block=block,
-            mrope_section=cfg.mrope_section, mrope_interleaved=cfg.mrope_interleaved)
+            q_heads=q_heads, k_heads=k_heads, head_dim=head_dim,
+            dtype=str(dtype).removeprefix("torch."), block=block, **kernel_options(cfg))
         # Keyed by everything the IR is exported from (the M-RoPE sections and their
         # interleaving included); the frequencies are a run-time table, keyed by cfg.
         compiled, exported = self._compiled(tuple(export_kwargs.items()), export_kwargs)

@@ -200,7 +200,7 @@ def _rope_append_kv_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, 
             pos = plgpu.load(pos_ref.at[t])
         else:
             pos = tuple(plgpu.load(pos_ref.at[row * count + t]) for row in range(3))
-        trig = {"sin_cos": pallas_triton._sin_cos_approx} if approx_trig else {}
+        trig = {"sin_cos": pallas_triton.sin_cos_approx} if approx_trig else {}
         cos, sin = cos_sin(pos, *turns, attention_factor, mrope_section=mrope_section,
                            mrope_interleaved=mrope_interleaved, **trig)
         return cos[None, :], sin[None, :]

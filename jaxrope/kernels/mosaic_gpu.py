@@ -68,6 +68,25 @@ def unavailable() -> Optional[str]:
     return None
 
 
+# The newest JAX minor version whose Mosaic GPU lowers every layout of this kernel
+# (tests/test_mosaic_interpret.py lowers every case; the H200 runs 0.11.2). JAX 0.12's
+# lowering refuses GMEM transfers narrower than 4 bytes a thread or not covering whole
+# 32-byte sectors / 128-byte lines, which the head groups of many layouts here make.
+LOWERS_UP_TO = (0, 11)
+
+
+def lowering_unavailable() -> Optional[str]:
+    """Why "auto" must not pick this kernel with this JAX (:func:`unavailable`, or a JAX
+    newer than :data:`LOWERS_UP_TO`), or None."""
+    reason = unavailable()
+    if reason is None and tuple(int(p) for p in jax.__version__.split(".")[:2]) > LOWERS_UP_TO:
+        reason = (f"jax {jax.__version__}'s Mosaic GPU lowering refuses some of this kernel's "
+                  "GMEM transfers (under 4 bytes a thread, or not whole 32-byte sectors); it "
+                  f"is known to lower every layout up to JAX {'.'.join(map(str, LOWERS_UP_TO))}, "
+                  "so 'auto' runs the Triton-lowered kernel here")
+    return reason
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """How one call splits its work; a pure function of the layout (:func:`plan`)."""

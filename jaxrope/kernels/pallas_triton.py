@@ -143,7 +143,11 @@ def shrink_to_fill(block: _Block, programs: Callable[[_Block], int], min_program
     return block
 
 
-def _sin_cos_approx(angle):
+def sin_cos_approx(angle):
+    """``(sin, cos)`` of float32 ``angle`` by the GPU's approximate instructions
+    (``sin.approx.f32``): the angle is already reduced to ``[-pi, pi]``, where their
+    absolute error (~1e-6) is below what a bf16 or fp16 output shows. Both Triton-lowered
+    kernels (this one and :mod:`jaxrope.kernels.kv_pallas`) pass it to the angle."""
     return tuple(plgpu.elementwise_inline_asm(
         f"{op}.approx.f32 $0, $1;", args=[angle], constraints="=r,r", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(angle.shape, jnp.float32)])[0]
@@ -170,7 +174,7 @@ def _rope_kernel(count_ref, pos_ref, tables_ref, q_ref, k_ref, q_out_ref, k_out_
     traced_zero = 0 * group
     count = count_ref[0]
     tables = [plgpu.load(tables_ref.at[_index(i)]) for i in range(3)]
-    trig = {"sin_cos": _sin_cos_approx} if approx_trig else {}
+    trig = {"sin_cos": sin_cos_approx} if approx_trig else {}
     half = rotary_dim // 2
     if interleave:
         # Pairs are adjacent: load the rotary span contiguously (16-byte accesses) and
