@@ -240,13 +240,19 @@ class Run:
             getattr(self, op)(node)
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_three_managers_agree_with_the_plain_model(seed):
+def _ingested(seed: int) -> "Run":
+    """A run whose three nodes (managers and models) have ingested every request."""
     run = Run(seed)
     for node in run.nodes:
         for rid in RIDS:
             node.model.ingest(rid)
             node.mgr.ingest_request(rid)
+    return run
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_three_managers_agree_with_the_plain_model(seed):
+    run = _ingested(seed)
     for i in range(STEPS):
         try:
             run.step()
@@ -262,11 +268,7 @@ def test_the_random_runs_reach_every_rule():
     every refusal the issue names happens."""
     seen: Dict[str, int] = {}
     for seed in SEEDS[:2] if len(SEEDS) > 1 else SEEDS:
-        run = Run(seed)
-        for node in run.nodes:
-            for rid in RIDS:
-                node.model.ingest(rid)
-                node.mgr.ingest_request(rid)
+        run = _ingested(seed)
         for _ in range(STEPS):
             run.step()
         for key, count in run.seen.items():
