@@ -188,3 +188,65 @@ def test_auto_leaves_mosaic_to_the_jax_versions_known_to_lower_it(monkeypatch):
     monkeypatch.setattr(jax, "__version__", "0.11.2")
     assert mosaic_gpu.lowering_unavailable() is None
     assert backend_module.backend_name("auto", "cuda", compute_capability="9.0") == "mosaic"
+
+
+def _run_time_count(cfg, q, k, pos, count, grid):
+    # The kernel a launch outside JAX compiles: T read from an operand, `grid` blocks
+    # taking the count's blocks in turn, refs holding more tokens than are rotated.
+    tables, attention = kernel_constants(cfg)
+    kernel = mosaic_gpu.build(
+        q_heads=q.shape[1], k_heads=k.shape[1], head_dim=cfg.head_dim,
+        itemsize=q.dtype.itemsize, rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
+        attention_factor=attention, mrope_section=cfg.mrope_section,
+        mrope_interleaved=cfg.mrope_interleaved, count=None, grid=grid, interpret=True)
+    rows = mosaic_gpu.slot_row_table(cfg.rotary_dim // 2, cfg.mrope_section,
+                                     cfg.mrope_interleaved)
+    view = lambda x: x.reshape(*x.shape[:2], cfg.head_dim // 2, 2) if cfg.interleave else x
+    # M-RoPE rows sit `count` apart: the [3, count] block first, in one flat buffer.
+    flat = np.zeros(np.size(pos) if cfg.mrope_section is None else 3 * q.shape[0], np.int32)
+    flat[:np.size(pos[..., :count])] = np.asarray(pos)[..., :count].reshape(-1)
+
+    def call(a, b):
+        q_ref, k_ref = jax.new_ref(view(a)), jax.new_ref(view(b))
+        kernel(jnp.asarray([count], jnp.int32), jnp.asarray(flat), jnp.asarray(tables),
+               rows, q_ref, k_ref)
+        return jax.freeze(q_ref).reshape(a.shape), jax.freeze(k_ref).reshape(b.shape)
+    return jax.jit(call)(q, k)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("name, count, grid", [
+    ("llama3_8b", 37, 2), ("llama3_8b", 0, 3), ("llama3_8b", 1, 1), ("qwen2_vl_7b", 21, 1),
+    ("gptj_interleave", 9, 4), ("neox_partial_quarter", 40, 3), ("qwen3_vl_interleaved", 30, 2)])
+def test_mosaic_kernel_reads_the_token_count_at_run_time(name, count, grid, rng):
+    # One compiled kernel for every T: tokens [0, count) rotated as by the oracle at
+    # their positions, whatever the grid (fewer blocks than the count has walk several),
+    # and every token past the count left as it was.
+    case = BY_NAME[name]
+    cfg = dataclasses.replace(case.cfg, max_position=LARGE)
+    capacity = 48
+    q, k, pos = _draw(rng, cfg, capacity, case.q_heads, case.k_heads, jnp.bfloat16)
+    out = _run_time_count(cfg, q, k, pos, count, grid)
+    for x, y in zip((q, k), out):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        np.testing.assert_array_equal(y[count:], x[count:])
+        if count:
+            want = oracle.rope_of(cfg, x[:count], pos[..., :count])
+            assert oracle.relative_error(y[:count], want) < BOUND[jnp.bfloat16]
+
+
+@needs_mosaic
+@pytest.mark.skipif(mosaic_gpu.lowering_unavailable() is not None,
+                    reason=str(mosaic_gpu.lowering_unavailable()))
+@pytest.mark.parametrize("name", ["llama3_8b", "gptj_interleave", "qwen2_vl_7b"])
+def test_mosaic_export_is_one_module_over_the_launch_operands(name):
+    # What torch_bridge.mosaic_launch compiles: MLIR bytecode of one kernel whose operands
+    # are the launch's pointers in order, q and k aliased to the two results.
+    from jaxrope.kernels import mosaic_export
+    case = BY_NAME[name]
+    tables, attention = kernel_constants(case.cfg)
+    exported = mosaic_export.export(
+        q_heads=case.q_heads, k_heads=case.k_heads, head_dim=case.cfg.head_dim,
+        dtype=jnp.bfloat16, capacity=1 << 16, grid=8, **jr.apply.kernel_options(case.cfg))
+    assert exported.module.startswith(b"ML\xefR") and exported.results == 2
+    assert exported.grid == 8 and exported.capacity == 1 << 16

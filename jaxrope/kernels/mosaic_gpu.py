@@ -178,32 +178,37 @@ def _floor(x):
     return jnp.where(t > x, t - 1.0, t)
 
 
-def rope_mosaic(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
-                attention_factor: float, mrope_section: Optional[Tuple[int, int, int]] = None,
-                mrope_interleaved: bool = False, interpret: bool = False):
-    """Rotate ``q [T, Hq, D]``, ``k [T, Hk, D]`` at ``pos_ids`` int32 ``[T]`` (M-RoPE:
-    ``[3, T]``); same contract as :func:`jaxrope.kernels.pallas_triton.rope_pallas` (in
-    place when donated).
-
-    Raises:
-      BackendUnavailable: a JAX :func:`unavailable` names.
-    """
-    reason = unavailable()
-    if reason:
-        raise BackendUnavailable(reason)
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    num_tokens, q_heads, head_dim = q.shape
-    k_heads = k.shape[1]
-    if num_tokens == 0:
-        return q, k
-    half = rotary_dim // 2
-    p = plan(q_heads, k_heads, half, head_dim, np.dtype(q.dtype).itemsize, interleave)
-    full_blocks, tail = divmod(num_tokens, p.tokens_per_block)
+def slot_row_table(half: int, mrope_section: Optional[Tuple[int, int, int]],
+                   mrope_interleaved: bool) -> np.ndarray:
+    """int32 ``[half]``: the positions row (0 t, 1 h, 2 w) each frequency slot reads; all
+    zeros for 1-D RoPE (:func:`jaxrope.kernels.angle.slot_rows`)."""
     if mrope_section is None:
-        rows = jnp.zeros((half,), jnp.int32)
-    else:
+        return np.zeros((half,), np.int32)
+    with jax.ensure_compile_time_eval():
         is_h, is_w = slot_rows(half, mrope_section, mrope_interleaved)
-        rows = jnp.where(is_w, 2, jnp.where(is_h, 1, 0)).astype(jnp.int32)
+        return np.asarray(jnp.where(is_w, 2, jnp.where(is_h, 1, 0)), np.int32)
+
+
+def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_dim: int,
+          interleave: bool, attention_factor: float,
+          mrope_section: Optional[Tuple[int, int, int]] = None,
+          mrope_interleaved: bool = False, count: Optional[int] = None,
+          grid: Optional[int] = None, interpret: bool = False):
+    """The ``plgpu.kernel`` for one head layout: ``kernel(*operands)`` over GMEM refs.
+
+    Operands: ``(pos_ids, tables, rows, q, k)`` with ``pos_ids`` flat int32 (M-RoPE: row
+    ``r`` of token ``t`` at ``r * count + t``), ``tables`` the ``[3, R/2]`` angle tables,
+    ``rows`` :func:`slot_row_table`, ``q``/``k`` mutable ``[T, H, D]`` refs (GPT-J:
+    ``[T, H, D/2, 2]`` views). ``count`` is the static T, one block per
+    ``tokens_per_block`` tokens (JAX calls). ``count=None`` builds the kernel a launch
+    outside JAX uses: an int32 ``count`` operand comes first and is read at run time,
+    and ``grid`` blocks walk the blocks of ``count`` tokens in turn, so one compiled
+    kernel serves every T its refs hold (the torch bridge).
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    half = rotary_dim // 2
+    p = plan(q_heads, k_heads, half, head_dim, itemsize, interleave)
+    mrope = mrope_section is not None
     layouts = {tokens: {g: _data_layout(p, tokens, g, half) for g in {p.q_group, p.k_group}}
                for tokens in (p.tokens_per_block, 1)}
 
@@ -216,7 +221,7 @@ def rope_mosaic(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
     def broadcast(x, shape, dims, layout):
         return plgpu.layout_cast(jax.lax.broadcast_in_dim(x, shape, dims), _as_pallas(layout))
 
-    def rotate(pos_ref, tables_ref, rows_ref, q_ref, k_ref, t0, tokens):
+    def rotate(n, pos_ref, tables_ref, rows_ref, q_ref, k_ref, t0, tokens):
         by_group = layouts[tokens]
         spans = pl.ds(t0, tokens)
         work = [(x_ref, group, g) for x_ref, heads, group in
@@ -237,13 +242,13 @@ def rope_mosaic(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
         turns = [broadcast(_load(tables_ref.at[i], slots), shape, (1,), angle) for i in range(3)]
 
         def positions(row):
+            start = t0 if row == 0 else row * n + t0
             if tokens == 1:
-                at = pos_ref.at[t0] if mrope_section is None else pos_ref.at[row, t0]
-                return broadcast(at[...], shape, (), angle)
-            at = pos_ref.at[spans] if mrope_section is None else pos_ref.at[row, spans]
-            return broadcast(_load(at, per_token), shape, (0,), angle)
+                return broadcast(pos_ref.at[start][...], shape, (), angle)
+            return broadcast(_load(pos_ref.at[pl.ds(start, tokens)], per_token), shape, (0,),
+                             angle)
 
-        if mrope_section is None:
+        if not mrope:
             pos = positions(0)
         else:
             row = broadcast(_load(rows_ref, slots), shape, (1,), angle)
@@ -266,31 +271,81 @@ def rope_mosaic(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
             first[...] = (a * c - b * s).astype(first.dtype)
             second[...] = (b * c + a * s).astype(second.dtype)
 
-    def body(pos_ref, tables_ref, rows_ref, q_ref, k_ref):
-        block = jax.lax.axis_index("block")
-        refs = (pos_ref, tables_ref, rows_ref, q_ref, k_ref)
-        if full_blocks:
-            @pl.when(block < full_blocks)
-            def _():
-                rotate(*refs, block * p.tokens_per_block, p.tokens_per_block)
-        if tail:
-            @pl.when(block == full_blocks)
-            def _():
-                def one(i, carry):
-                    rotate(*refs, full_blocks * p.tokens_per_block + i, 1)
-                    return carry
-                jax.lax.fori_loop(0, tail, one, 0)
+    tpb = p.tokens_per_block
 
-    kernel = plgpu.kernel(
-        body, out_type=(), grid=(full_blocks + (tail > 0),), grid_names=("block",),
+    def body(*operands):
+        if count is None:
+            count_ref, *refs = operands
+            n = count_ref[0]
+            full_blocks, tail = jax.lax.div(n, tpb), jax.lax.rem(n, tpb)
+        else:
+            refs, n = operands, count
+            full_blocks, tail = divmod(count, tpb)
+
+        def one_block(b):
+            # Python ints (a JAX call's static T) leave out what no block runs.
+            if not isinstance(full_blocks, int) or full_blocks:
+                @pl.when(b < full_blocks)
+                def _():
+                    rotate(n, *refs, b * tpb, tpb)
+            if not isinstance(tail, int) or tail:
+                @pl.when(b == full_blocks if isinstance(tail, int)
+                         else jnp.logical_and(b == full_blocks, tail > 0))
+                def _():
+                    def one(i, carry):
+                        rotate(n, *refs, full_blocks * tpb + i, 1)
+                        return carry
+                    jax.lax.fori_loop(0, tail, one, 0)
+
+        block = jax.lax.axis_index("block")
+        if count is not None:
+            one_block(block)
+            return
+        # Block b of the launch takes the count's blocks b, b + grid, ...
+        blocks = jax.lax.div(n + (tpb - 1), tpb)
+        turns = jax.lax.div(blocks - block + (grid - 1), grid)
+
+        def walk(i, carry):
+            one_block(block + i * grid)
+            return carry
+        jax.lax.fori_loop(0, turns, walk, 0)
+
+    if count is not None:
+        grid = -(-count // tpb)
+    return plgpu.kernel(
+        body, out_type=(), grid=(grid,), grid_names=("block",),
         kernel_name="jaxrope_rope_mosaic",  # what profilers show
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane,
             # No thread reads what another writes: a barrier after every store buys nothing.
             unsafe_no_auto_barriers=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
+
+
+def rope_mosaic(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
+                attention_factor: float, mrope_section: Optional[Tuple[int, int, int]] = None,
+                mrope_interleaved: bool = False, interpret: bool = False):
+    """Rotate ``q [T, Hq, D]``, ``k [T, Hk, D]`` at ``pos_ids`` int32 ``[T]`` (M-RoPE:
+    ``[3, T]``); same contract as :func:`jaxrope.kernels.pallas_triton.rope_pallas` (in
+    place when donated).
+
+    Raises:
+      BackendUnavailable: a JAX :func:`unavailable` names.
+    """
+    reason = unavailable()
+    if reason:
+        raise BackendUnavailable(reason)
+    num_tokens, q_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return q, k
+    kernel = build(q_heads=q_heads, k_heads=k.shape[1], head_dim=head_dim,
+                   itemsize=np.dtype(q.dtype).itemsize, rotary_dim=rotary_dim,
+                   interleave=interleave, attention_factor=attention_factor,
+                   mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
+                   count=num_tokens, interpret=interpret)
+    rows = slot_row_table(rotary_dim // 2, mrope_section, mrope_interleaved)
     views = [x.reshape(x.shape[0], x.shape[1], head_dim // 2, 2) if interleave else x
              for x in (q, k)]
     q_ref, k_ref = (jax.new_ref(x) for x in views)
-    kernel(pos_ids, tables, rows, q_ref, k_ref)
+    kernel(pos_ids.reshape(-1), tables, rows, q_ref, k_ref)
     return tuple(jax.freeze(r).reshape(x.shape) for r, x in zip((q_ref, k_ref), (q, k)))

@@ -1,0 +1,126 @@
+"""Export the Mosaic GPU RoPE kernel as a Mosaic module, for launching outside JAX dispatch.
+
+A PyTorch engine calling RoPE through JAX pays for a DLPack import and a jitted call per
+layer (~130 us on the H200 against a ~10 us kernel). JAX lowers a ``plgpu.kernel`` to
+one ``mosaic_gpu_v2`` custom call whose backend config carries the kernel's Mosaic
+module as MLIR bytecode; the CUDA plugin's ``MosaicGpuCompile`` turns that into a host
+launch function (what ``jax.experimental.pallas.mosaic_gpu.as_torch_kernel`` does once
+per call, on torch's default stream). :func:`export` lowers the kernel built with a
+run-time token count (:func:`jaxrope.kernels.mosaic_gpu.build` with ``count=None``) for
+CUDA, which needs no GPU, and returns that module; ``torch_bridge.mosaic_launch``
+compiles it once and launches it on torch's current stream.
+
+This reads JAX's lowered StableHLO (the custom call's name and its ``mhlo.backend_config``
+``module`` entry), checked against JAX 0.11.2. Everything of that is touched here; any
+failure raises :class:`jaxrope.BackendUnavailable` and callers fall back to the JAX path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrope.errors import BackendUnavailable
+from jaxrope.kernels import mosaic_gpu
+
+# Operand order of the exported kernel; the launch passes one pointer per operand, then
+# one per result (the in-place q and k again).
+OPERANDS = ("count", "pos_ids", "tables", "rows", "q", "k")
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicModule:
+    """One exported kernel: ``module`` (MLIR bytecode for ``MosaicGpuCompile``) and what a
+    launch needs to know. The kernel reads ``count`` (int32) at run time and rotates
+    tokens ``[0, count)`` of refs that hold ``capacity`` tokens, with ``grid`` blocks."""
+
+    module: bytes
+    capacity: int
+    grid: int
+    tokens_per_block: int
+    results: int  # result pointers after the operands' (q and k, aliased)
+
+
+def _module_bytes(lowered) -> Tuple[bytes, int]:
+    # The one mosaic_gpu_v2 call of @main, whose operands are @main's arguments in order.
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import func, hlo
+    module = lowered.compiler_ir("stablehlo")
+    calls = []
+    with module.context:
+        mains = [op for op in module.body.operations
+                 if isinstance(op, func.FuncOp) and op.name.value == "main"]
+        if len(mains) != 1:
+            raise BackendUnavailable(f"expected one @main in the lowered kernel, found {len(mains)}")
+        [block] = mains[0].body.blocks
+        for op in block.operations:
+            if isinstance(op, hlo.CustomCallOp) and op.call_target_name.value == "mosaic_gpu_v2":
+                calls.append(op)
+        if len(calls) != 1:
+            raise BackendUnavailable(f"expected one Mosaic GPU call, found {len(calls)}")
+        [call] = calls
+        if list(call.operands) != list(block.arguments):
+            raise BackendUnavailable("the Mosaic GPU call's operands are not the kernel's "
+                                     "arguments in order")
+        config = ir.DictAttr(call.attributes["mhlo.backend_config"])
+        return bytes(config["module"].value_bytes), len(call.results)
+
+
+def export(*, q_heads: int, k_heads: int, head_dim: int, dtype, rotary_dim: int,
+           interleave: bool, attention_factor: float, capacity: int, grid: int,
+           mrope_section: Optional[Tuple[int, int, int]] = None,
+           mrope_interleaved: bool = False) -> MosaicModule:
+    """The kernel for one head layout, dtype and launch shape (``capacity`` tokens, ``grid``
+    blocks) as a Mosaic module; the token count is read at run time, so one export serves
+    every T up to ``capacity``.
+
+    Operands (:data:`OPERANDS`): ``count`` int32 ``[1]``, ``pos_ids`` int32 ``[capacity]``
+    (M-RoPE: ``[3 * capacity]``, row ``r`` of token ``t`` at ``r * count + t``),
+    ``tables`` float32 ``[3, R/2]``, ``rows`` int32 ``[R/2]``
+    (:func:`jaxrope.kernels.mosaic_gpu.slot_row_table`), then q and k, contiguous
+    ``[capacity, H, D]``.
+
+    Raises:
+      BackendUnavailable: a JAX without the Mosaic GPU API, or whose lowered form this
+        does not recognise.
+    """
+    reason = mosaic_gpu.unavailable()
+    if reason:
+        raise BackendUnavailable(reason)
+    itemsize = np.dtype(dtype).itemsize
+    kernel = mosaic_gpu.build(
+        q_heads=q_heads, k_heads=k_heads, head_dim=head_dim, itemsize=itemsize,
+        rotary_dim=rotary_dim, interleave=interleave, attention_factor=attention_factor,
+        mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, count=None,
+        grid=grid)
+    view = (head_dim // 2, 2) if interleave else (head_dim,)
+
+    def call(count, pos_ids, tables, rows, q, k):
+        q_ref, k_ref = jax.new_ref(q), jax.new_ref(k)
+        kernel(count, pos_ids, tables, rows, q_ref, k_ref)
+        return jax.freeze(q_ref), jax.freeze(k_ref)
+
+    half = rotary_dim // 2
+    rows_of_pos = 1 if mrope_section is None else 3
+    specs = (jax.ShapeDtypeStruct((1,), jnp.int32),
+             jax.ShapeDtypeStruct((rows_of_pos * capacity,), jnp.int32),
+             jax.ShapeDtypeStruct((3, half), jnp.float32),
+             jax.ShapeDtypeStruct((half,), jnp.int32),
+             jax.ShapeDtypeStruct((capacity, q_heads, *view), dtype),
+             jax.ShapeDtypeStruct((capacity, k_heads, *view), dtype))
+    try:
+        lowered = jax.jit(call, donate_argnums=(4, 5)).trace(*specs).lower(
+            lowering_platforms=("cuda",))
+        module, results = _module_bytes(lowered)
+    except BackendUnavailable:
+        raise
+    except Exception as e:  # JAX's lowering or its IR API changed
+        raise BackendUnavailable(f"exporting the Mosaic GPU kernel failed: "
+                                 f"{type(e).__name__}: {e}") from e
+    tokens_per_block = mosaic_gpu.plan(q_heads, k_heads, half, head_dim, itemsize,
+                                       interleave).tokens_per_block
+    return MosaicModule(module, capacity, grid, tokens_per_block, results)
