@@ -39,7 +39,8 @@ median ratio of the blocks run back to back:
 ``apply_qk``: q ``[T, 32, 128]``, k ``[T, 8, 128]`` bf16 on CUDA (CPU or ``--quick``:
 ``[T, 8, 128]``, ``[T, 2, 128]`` float32), T in (64, 16384) (CPU: 64, 1024), wall time
 per call with one sync per batch (dispatch included), for each launcher ("auto": the
-Triton launch on CUDA; "jax": the DLPack path), beside FlashInfer's
+Mosaic GPU launch on Hopper, else the Triton one; "triton": the Triton launch; "jax": the
+DLPack path), beside FlashInfer's
 ``apply_rope_pos_ids_inplace`` and ``apply_llama31_rope_pos_ids_inplace`` on the same
 tensors when FlashInfer imports.
 
@@ -51,7 +52,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -67,7 +68,7 @@ SPECULATIVE_RATIO = 1.2
 TREE = (0, 1, 1, 1, 1, 2, 2, 3)   # 8 tokens: the root, 4 children, 2 grandchildren, 1 below
 
 
-def _manager(device: torch.device, launcher: str = "jax") -> RopeManager:
+def _manager(device: torch.device, launcher: Any = "jax") -> RopeManager:
     rope = jr.RopeConfig(head_dim=128, theta=5e5, max_position=1 << 20)
     return RopeManager(PositionConfig(rope=rope), device, max_seq_len=1 << 20, launcher=launcher)
 
@@ -272,7 +273,11 @@ def _qk(device: torch.device, tokens: int, q_heads: int, k_heads: int, dtype: to
 
 def bench_apply(device: torch.device, tokens: int, q_heads: int, k_heads: int,
                 dtype: torch.dtype, launcher: str) -> Dict[str, object]:
-    mgr = _manager(device, launcher)
+    if launcher == "triton":  # the Triton-lowered kernel's launcher, beside auto's choice
+        from torch_bridge.triton_launch import TritonLauncher
+        mgr = _manager(device, TritonLauncher())
+    else:
+        mgr = _manager(device, launcher)
     mgr.ingest_request("r")
     mgr.apply_cached_prefix("r", None, None, None, {"text": 4096})
     mgr.plan(PositionStep((Segment("r", "text", tokens),)), StepContext(("r",)))
@@ -335,7 +340,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:
     dtype = torch.float32 if small else torch.bfloat16
     print(f"apply_qk wall time per call on {device}")
     for tokens in ((64, 1024) if small else (64, 16384)):
-        for launcher in (("auto", "jax") if on_gpu else ("jax",)):
+        for launcher in (("auto", "triton", "jax") if on_gpu else ("jax",)):
             r = bench_apply(device, tokens, q_heads, k_heads, dtype, launcher)
             report["apply_qk"][f"T={tokens}/{launcher}"] = r
             print(f"  T={tokens:<6d} {launcher:5s} ({r['path']}) {r['median_us']:8.1f} us")

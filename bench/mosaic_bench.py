@@ -12,6 +12,9 @@ the noise) of:
 - ``mosaic`` / ``triton``: ``apply_rope(backend=...)`` in a jitted loop, q and k donated
   (:class:`bench.timing.JaxLoop`); ``*_mrope``: the same on Qwen2-VL's M-RoPE sections
   (16, 24, 24), positions ``[3, T]``;
+- ``mosaic_launch`` / ``triton_launch`` (``*_mrope``): the same kernels launched from
+  torch by the bridge's launchers (``torch_bridge.mosaic_launch``,
+  ``torch_bridge.triton_launch``); ``mosaic_launch_gridN``: at ``--launch-grids`` N;
 - ``flashinfer``: ``apply_rope_pos_ids_inplace``; ``liger``: liger-kernel's
   ``qwen2vl_mrope_forward`` (in place, HF's bf16 cos/sin); ``ceiling``: torch ``mul_(1.0)``
   on one buffer of q's and k's bytes; each a CUDA graph of calls, replayed between events.
@@ -88,7 +91,10 @@ def sweep(args) -> List[Dict[str, Any]]:
 def run(args) -> Dict[str, Any]:
     import torch
     import flashinfer.rope as fi
+    from torch_bridge.mosaic_launch import MosaicLauncher
+    from torch_bridge.triton_launch import TritonLauncher
     liger = load_liger(args.liger)
+    launchers = {"mosaic": MosaicLauncher(), "triton": TritonLauncher()}
     rng = np.random.default_rng(args.seed)
     rows: List[Dict[str, Any]] = []
     for tokens in args.tokens:
@@ -108,6 +114,16 @@ def run(args) -> Dict[str, Any]:
             "ceiling": lambda: buf.mul_(1.0),
             "flashinfer": lambda: fi.apply_rope_pos_ids_inplace(qt, kt, pt),
         }
+        # The kernels through the torch bridge's launchers (rotate_ on torch's stream).
+        pt3 = torch.from_dlpack(jnp.copy(pos3)).clone()
+        for name, launcher in launchers.items():
+            torch_calls[f"{name}_launch"] = (
+                lambda launcher=launcher: launcher.rotate_(qt, kt, pt, ONE_D))
+            torch_calls[f"{name}_launch_mrope"] = (
+                lambda launcher=launcher: launcher.rotate_(qt, kt, pt3, MROPE))
+        for grid in args.launch_grids:
+            torch_calls[f"mosaic_launch_grid{grid}"] = (
+                lambda grid=grid: launchers["mosaic"].rotate_(qt, kt, pt, ONE_D, grid=grid))
         if liger.forward is not None:
             torch_calls["liger_mrope"] = lambda: liger.forward(
                 ql.transpose(1, 2), kl.transpose(1, 2), cos, sin, section)
@@ -160,6 +176,8 @@ def main(argv=None) -> None:
     parser.add_argument("--liger", default=None)
     parser.add_argument("--sweep", nargs="*", default=[], metavar="BYTES:IN_FLIGHT",
                         help="first time the Mosaic kernel at these split knobs")
+    parser.add_argument("--launch-grids", nargs="*", type=int, default=[],
+                        help="also time the Mosaic torch launch at these grid sizes")
     parser.add_argument("--use-best", action="store_true",
                         help="time the table at the sweep's fastest knobs")
     args = parser.parse_args(argv)

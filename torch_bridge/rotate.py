@@ -23,7 +23,8 @@ from jaxrope.errors import BackendUnavailable
 from jaxrope.scaling import Linear, Llama3
 from torch_bridge.dlpack import InPlace, pad_tokens, read_only, token_bucket, write_back
 
-__all__ = ["ConfigCache", "JaxRotation", "Launcher", "TORCH_DTYPES", "resolve_launcher"]
+__all__ = ["ConfigCache", "JaxRotation", "Launcher", "TORCH_DTYPES", "auto_launcher_class",
+           "resolve_launcher"]
 
 # The torch dtypes of jaxrope's SUPPORTED_DTYPES (defined there once).
 TORCH_DTYPES = tuple(getattr(torch, dtype.name) for dtype in SUPPORTED_DTYPES)
@@ -85,9 +86,9 @@ class Launcher(Protocol):
 def resolve_launcher(launcher: Any, device: torch.device) -> Optional[Launcher]:
     """The launcher for ``RopeManager(launcher=...)``.
 
-    ``"jax"`` -> None (always the JAX path). ``"auto"`` -> a
-    :class:`~torch_bridge.triton_launch.TritonLauncher` on a CUDA device when Triton
-    is usable, else None. An object with a ``rotate_`` method is used as given.
+    ``"jax"`` -> None (always the JAX path). ``"auto"`` on a CUDA device -> the launcher
+    of the kernel ``backend="auto"`` runs there (:func:`auto_launcher_class`), or None
+    where it cannot be built. An object with a ``rotate_`` method is used as given.
 
     Raises:
       ValueError: any other value.
@@ -98,15 +99,28 @@ def resolve_launcher(launcher: Any, device: torch.device) -> Optional[Launcher]:
         if launcher == "auto":
             if device.type != "cuda":
                 return None
-            from torch_bridge.triton_launch import TritonLauncher
             try:
-                return TritonLauncher()
+                return auto_launcher_class(device)()
             except BackendUnavailable:
                 return None
     elif callable(getattr(launcher, "rotate_", None)):
         return launcher
     raise ValueError(f"launcher={launcher!r} must be 'auto', 'jax' or an object with "
                      "rotate_(q, k, pos_ids, cfg)")
+
+
+def auto_launcher_class(device: torch.device) -> type:
+    """The launcher of the kernel ``backend="auto"`` runs on CUDA ``device``
+    (:func:`jaxrope.backend.backend_name`, the one rule): the Mosaic GPU kernel's
+    (:class:`~torch_bridge.mosaic_launch.MosaicLauncher`) on Hopper or newer with a JAX
+    that lowers it, else the Triton-lowered kernel's
+    (:class:`~torch_bridge.triton_launch.TritonLauncher`)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if _backend.backend_name("auto", "cuda", "rope", f"{major}.{minor}") == "mosaic":
+        from torch_bridge.mosaic_launch import MosaicLauncher
+        return MosaicLauncher
+    from torch_bridge.triton_launch import TritonLauncher
+    return TritonLauncher
 
 
 class ConfigCache:

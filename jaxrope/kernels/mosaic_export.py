@@ -91,7 +91,7 @@ def export(*, q_heads: int, k_heads: int, head_dim: int, dtype, rotary_dim: int,
     reason = mosaic_gpu.unavailable()
     if reason:
         raise BackendUnavailable(reason)
-    itemsize = np.dtype(dtype).itemsize
+    itemsize = jnp.dtype(dtype).itemsize
     kernel = mosaic_gpu.build(
         q_heads=q_heads, k_heads=k_heads, head_dim=head_dim, itemsize=itemsize,
         rotary_dim=rotary_dim, interleave=interleave, attention_factor=attention_factor,

@@ -23,8 +23,9 @@ the kernel); the angle is :func:`jaxrope.kernels.angle.angle_cos_sin`, the accur
 one every backend shares.
 
 Tokens past the last whole block (and every token when ``T < tokens_per_block``) are
-rotated one at a time by the last block, in a layout where the lanes that split tokens
-hold copies: a store of a copy writes the same value, and no block touches another
+rotated one at a time by the last block, in a layout where the warps and the lanes that
+split tokens hold copies: a store of a copy writes the same value, a barrier before each
+head group's stores keeps every copy's load ahead of them, and no block touches another
 block's tokens. ``floor`` has no Mosaic GPU lowering, so it is built from a truncating
 int conversion (the values floored stay below ``2**31`` in magnitude).
 
@@ -266,6 +267,11 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
             (first, second), (a, b) = in_flight.pop(0)
             if i + p.in_flight < len(work):
                 in_flight.append(load(work[i + p.in_flight]))
+            if tokens == 1:
+                # Every warp (and token lane) holds a copy of the one token: without a
+                # barrier a warp ahead of the others could store the group rotated before
+                # another loads it, which would then rotate it twice.
+                plgpu.commit_smem()
             c, s = wide[group]
             a, b = a.astype(jnp.float32), b.astype(jnp.float32)
             first[...] = (a * c - b * s).astype(first.dtype)

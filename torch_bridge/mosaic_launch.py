@@ -1,0 +1,231 @@
+"""Fast path on Hopper: launch the Mosaic GPU RoPE kernel directly on torch's current stream.
+
+The Mosaic GPU kernel (:mod:`jaxrope.kernels.mosaic_gpu`) is exported as a Mosaic module
+(:mod:`jaxrope.kernels.mosaic_export`: lowered for CUDA, no JAX dispatch), compiled
+once per (head layout, config, dtype, launch shape) by the CUDA plugin's
+``MosaicGpuCompile`` (what ``plgpu.as_torch_kernel`` uses), and launched through the host
+function that returns, with torch's current raw stream and raw pointers: stream-ordered
+with the surrounding torch work, no host sync, capturable in a ``torch.cuda.CUDAGraph``.
+
+The kernel reads the token count from device memory (a
+:class:`~torch_bridge.triton_runtime.CountTable` pointer) and its fixed grid walks the
+count's blocks, so one compiled kernel serves every T of its launch shape: ``grid`` a
+power of two of blocks up to :data:`MAX_BLOCKS_PER_SM` per SM, ``capacity`` the tokens its
+refs are declared with (:func:`launch_shape`).
+
+Launch before capturing a CUDA graph at least once per shape: compiling inside a
+capture is not supported. M-RoPE positions are one contiguous ``[3, T]`` block, as for
+the Triton launcher (:func:`torch_bridge.triton_launch.mrope_block`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+from jaxrope.apply import kernel_options
+from jaxrope.config import RopeConfig
+from jaxrope.errors import BackendUnavailable
+from jaxrope.kernels import mosaic_export, mosaic_gpu
+from torch_bridge.triton_launch import mrope_block
+from torch_bridge.triton_runtime import ALIGN as _ALIGN
+from torch_bridge.triton_runtime import AngleTables, CountTable, LaunchRecords
+
+__all__ = ["MAX_BLOCKS_PER_SM", "MosaicLauncher", "launch_shape"]
+
+# Blocks of a launch at most, per SM: past this the blocks walk the count's blocks in
+# turn (two fit on an SM at once at the kernel's register use).
+MAX_BLOCKS_PER_SM = 8
+# Tokens the refs are declared with at least (the kernel never reads past the count).
+_MIN_CAPACITY = 1 << 16
+_MAX_LAUNCHES = 4096
+_LAUNCH = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
+
+
+def launch_shape(tokens: int, tokens_per_block: int, sms: int) -> Tuple[int, int]:
+    """``(grid, capacity)`` of the launch serving ``tokens``: the blocks' next power of two,
+    at most ``MAX_BLOCKS_PER_SM * sms``; the tokens' next power of two, at least 2**16.
+
+    Example:
+      >>> launch_shape(64, 16, 132), launch_shape(16384, 16, 132)
+      ((4, 65536), (1024, 65536))
+    """
+    blocks = max(1, -(-tokens // tokens_per_block))
+    grid = min(1 << (blocks - 1).bit_length(), MAX_BLOCKS_PER_SM * sms)
+    return grid, max(_MIN_CAPACITY, 1 << max(0, tokens - 1).bit_length())
+
+
+def _mosaic_compiler():
+    # MosaicGpuCompile / MosaicGpuUnload live in the JAX CUDA plugin's library.
+    try:
+        try:
+            import jax_plugins.xla_cuda13 as plugin
+        except ImportError:
+            import jax_plugins.xla_cuda12 as plugin
+        dll = ctypes.CDLL(plugin._get_library_path())
+        compile_fn = dll.MosaicGpuCompile
+    except (ImportError, OSError, AttributeError) as e:
+        raise BackendUnavailable(f"the JAX CUDA plugin with MosaicGpuCompile is not "
+                                 f"importable: {e}") from e
+    compile_fn.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    compile_fn.restype = ctypes.POINTER(ctypes.c_void_p)
+    return compile_fn
+
+
+class CompiledModule:
+    """One Mosaic module compiled for the current device: ``launch(stream, pointers)``.
+
+    Never unloaded: a captured CUDA graph may still launch it.
+    """
+
+    def __init__(self, exported: mosaic_export.MosaicModule, compile_fn):
+        compiled = compile_fn(exported.module, len(exported.module))
+        if not compiled:
+            raise BackendUnavailable("MosaicGpuCompile failed on the exported kernel")
+        self._compiled = compiled  # the pair below lives as long as this pointer
+        self._function = compiled[0]
+        self._launch = _LAUNCH(compiled[1])
+        self.exported = exported
+
+    def __call__(self, stream: int, *pointers: int) -> None:
+        self._launch(self._function, stream, (ctypes.c_void_p * len(pointers))(*pointers))
+
+
+class MosaicLauncher:
+    """Compiles and launches the Mosaic GPU RoPE kernel on torch's current CUDA stream.
+
+    Same protocol as :class:`torch_bridge.triton_launch.TritonLauncher` (``rotate_`` and
+    ``bind``). Declines (raises :class:`jaxrope.BackendUnavailable`, so the manager runs
+    the JAX path) off CUDA, before Hopper, with a JAX whose Mosaic GPU cannot build or
+    lower the kernel, and for tensors that are not contiguous and 32-byte aligned.
+
+    Example:
+      >>> launcher = MosaicLauncher()               # doctest: +SKIP
+      >>> launcher.rotate_(q, k, pos_ids, cfg)      # q, k rotated in place  # doctest: +SKIP
+    """
+
+    def __init__(self):
+        reason = mosaic_gpu.lowering_unavailable()
+        if reason:
+            raise BackendUnavailable(reason)
+        self._compile_fn = _mosaic_compiler()
+        self._modules: Dict[Tuple, Any] = {}
+        self._lock = threading.Lock()
+        self._tables = AngleTables()
+        self._rows: Dict[Tuple[RopeConfig, torch.device], torch.Tensor] = {}
+        self._counts: Dict[torch.device, CountTable] = {}
+        # signature -> (compiled module, count table, tables pointer, rows pointer)
+        self._launches = LaunchRecords(_MAX_LAUNCHES)
+        self._raw_stream = torch._C._cuda_getCurrentRawStream
+
+    def _module(self, key: Tuple, export: Callable[[], mosaic_export.MosaicModule]):
+        with self._lock:
+            module = self._modules.get(key)
+            if isinstance(module, BackendUnavailable):
+                raise module  # declined before: do not export again on every call
+            if module is None:
+                try:
+                    module = CompiledModule(export(), self._compile_fn)
+                except BackendUnavailable as e:
+                    self._modules[key] = e
+                    raise
+                self._modules[key] = module
+            return module
+
+    def _prepare(self, tokens: int, q_heads: int, k_heads: int, dtype: torch.dtype,
+                 device: torch.device, cfg: RopeConfig, grid: Optional[int]):
+        capability = torch.cuda.get_device_capability(device)
+        if capability[0] < 9:
+            raise BackendUnavailable(f"Mosaic GPU needs compute capability 9.0 (Hopper) or "
+                                     f"newer, {device} has {capability[0]}.{capability[1]}")
+        half = cfg.rotary_dim // 2
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        tpb = mosaic_gpu.plan(q_heads, k_heads, half, cfg.head_dim, itemsize,
+                              cfg.interleave).tokens_per_block
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        shape_grid, capacity = launch_shape(tokens, tpb, sms)
+        export_kwargs = dict(q_heads=q_heads, k_heads=k_heads, head_dim=cfg.head_dim,
+                             dtype=str(dtype).removeprefix("torch."), capacity=capacity,
+                             grid=grid or shape_grid, **kernel_options(cfg))
+        # Keyed by everything the module is exported from and the device's architecture
+        # (the module targets it); the frequencies are run-time tables, keyed by cfg.
+        module = self._module((capability, *export_kwargs.items()),
+                              lambda: mosaic_export.export(**export_kwargs))
+        tables = self._tables.get(cfg, device, half)
+        rows = self._rows.get((cfg, device))
+        if rows is None:
+            host = mosaic_gpu.slot_row_table(half, cfg.mrope_section, cfg.mrope_interleaved)
+            rows = self._rows[(cfg, device)] = torch.from_numpy(host).to(device)
+        counts = self._counts.get(device)
+        if counts is None:
+            counts = self._counts[device] = CountTable(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return module, counts.pointer(tokens), tables.data_ptr(), rows.data_ptr(), index
+
+    def _launch_for(self, q: torch.Tensor, k: torch.Tensor, cfg: RopeConfig,
+                    grid: Optional[int]):
+        head_dim = cfg.head_dim
+        tokens = q.shape[0]
+        q_heads = q.numel() // max(1, tokens * head_dim)
+        k_heads = k.numel() // max(1, k.shape[0] * head_dim)
+        # Everything but the pointers of q, k and the positions is fixed by this key, so a
+        # repeated shape costs one dict lookup before the launch.
+        key = (tokens, q_heads, k_heads, q.dtype, q.device, cfg, grid)
+        record = self._launches.get(key)
+        if record is None:
+            record = self._launches.make(key, q.device, lambda: self._prepare(
+                tokens, q_heads, k_heads, q.dtype, q.device, cfg, grid))
+        return record
+
+    def _run(self, record, q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor) -> None:
+        module, count_ptr, tables_ptr, rows_ptr, index = record
+        q_ptr, k_ptr = q.data_ptr(), k.data_ptr()
+        module(self._raw_stream(index), count_ptr, pos_ids.data_ptr(), tables_ptr, rows_ptr,
+               q_ptr, k_ptr, q_ptr, k_ptr)
+
+    def bind(self, q: torch.Tensor, k: torch.Tensor, cfg: RopeConfig) -> Callable[..., bool]:
+        """A launch for every later call with q and k shaped as these: ``run(q, k, pos_ids) -> bool``.
+
+        As :meth:`torch_bridge.triton_launch.TritonLauncher.bind`: per call ``run``
+        checks only contiguity and 32-byte alignment and returns False (launching
+        nothing) when they fail.
+        """
+        record = self._launch_for(q, k, cfg, None)
+        mrope = cfg.mrope_section is not None
+
+        def run(q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor) -> bool:
+            if mrope:
+                pos_ids = mrope_block(pos_ids, q.shape[0])
+            if ((q.data_ptr() | k.data_ptr() | pos_ids.data_ptr()) % _ALIGN
+                    or not (q.is_contiguous() and k.is_contiguous())):
+                return False
+            self._run(record, q, k, pos_ids)
+            return True
+
+        return run
+
+    def rotate_(self, q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor,
+                cfg: RopeConfig, grid: Optional[int] = None) -> None:
+        """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place at ``pos_ids[:T]``.
+
+        The caller has validated shapes, dtypes and devices; this checks only what the
+        compiled kernel assumes (contiguity and 32-byte alignment). ``grid`` overrides
+        :func:`launch_shape`'s block count (benchmarks sweep it).
+
+        Raises:
+          BackendUnavailable: a tensor off CUDA or breaking the kernel's layout
+            assumptions, a GPU before Hopper, or a kernel this JAX cannot export.
+        """
+        if q.shape[0] == 0:
+            return
+        if cfg.mrope_section is not None:
+            pos_ids = mrope_block(pos_ids, q.shape[0])
+        for name, t in (("q", q), ("k", k), ("pos_ids", pos_ids)):
+            if not t.is_cuda:
+                raise BackendUnavailable(f"{name} is on {t.device}: the launcher needs CUDA")
+            if not t.is_contiguous() or t.data_ptr() % _ALIGN:
+                raise BackendUnavailable(f"{name} must be contiguous and {_ALIGN}-byte aligned")
+        self._run(self._launch_for(q, k, cfg, grid), q, k, pos_ids)
