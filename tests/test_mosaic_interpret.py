@@ -123,15 +123,20 @@ def test_mosaic_kernel_lowers_in_place():
 @pytest.mark.parametrize("name", ["llama3_8b", "qwen2_vl_7b", "linear_x4"])
 def test_mosaic_kernel_computes_the_angle_once_per_block(name):
     # One sine and one cosine of [tokens, R/2] per block (and one of [1, R/2] per tail
-    # token), whatever the head count: every head group broadcasts them.
+    # token), whatever the head count: every head group of the block broadcasts them.
+    # Two token blocks are too few for the GPU: the head groups split among blocks, each
+    # split's blocks with their own angle.
     case = BY_NAME[name]
     p = mosaic_gpu.plan(case.q_heads, case.k_heads, case.cfg.rotary_dim // 2,
                         case.cfg.head_dim, 2, case.cfg.interleave)
+    groups = case.q_heads // p.q_group + case.k_heads // p.k_group
+    splits = mosaic_gpu.head_splits(2, groups)
+    assert splits > 1
     text = str(_lowered(case.cfg, p.tokens_per_block + 1, case.q_heads, case.k_heads).jaxpr)
     half = case.cfg.rotary_dim // 2
     assert sorted(re.findall(r":f32\[([\d,]*)\] = (sin|cos) ", text)) == sorted(
         [(f"{p.tokens_per_block},{half}", "sin"), (f"{p.tokens_per_block},{half}", "cos"),
-         (f"1,{half}", "sin"), (f"1,{half}", "cos")])
+         (f"1,{half}", "sin"), (f"1,{half}", "cos")] * splits)
 
 
 def test_mosaic_plan_splits_every_layout_into_whole_warps():
@@ -190,7 +195,7 @@ def test_auto_leaves_mosaic_to_the_jax_versions_known_to_lower_it(monkeypatch):
     assert backend_module.backend_name("auto", "cuda", compute_capability="9.0") == "mosaic"
 
 
-def _run_time_count(cfg, q, k, pos, count, grid):
+def _run_time_count(cfg, q, k, pos, count, grid, splits):
     # The kernel a launch outside JAX compiles: T read from an operand, `grid` blocks
     # taking the count's blocks in turn, refs holding more tokens than are rotated.
     tables, attention = kernel_constants(cfg)
@@ -198,7 +203,8 @@ def _run_time_count(cfg, q, k, pos, count, grid):
         q_heads=q.shape[1], k_heads=k.shape[1], head_dim=cfg.head_dim,
         itemsize=q.dtype.itemsize, rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
         attention_factor=attention, mrope_section=cfg.mrope_section,
-        mrope_interleaved=cfg.mrope_interleaved, count=None, grid=grid, interpret=True)
+        mrope_interleaved=cfg.mrope_interleaved, count=None, grid=grid, splits=splits,
+        interpret=True)
     rows = mosaic_gpu.slot_row_table(cfg.rotary_dim // 2, cfg.mrope_section,
                                      cfg.mrope_interleaved)
     view = lambda x: x.reshape(*x.shape[:2], cfg.head_dim // 2, 2) if cfg.interleave else x
@@ -215,18 +221,20 @@ def _run_time_count(cfg, q, k, pos, count, grid):
 
 
 @needs_mosaic
-@pytest.mark.parametrize("name, count, grid", [
-    ("llama3_8b", 37, 2), ("llama3_8b", 0, 3), ("llama3_8b", 1, 1), ("qwen2_vl_7b", 21, 1),
-    ("gptj_interleave", 9, 4), ("neox_partial_quarter", 40, 3), ("qwen3_vl_interleaved", 30, 2)])
-def test_mosaic_kernel_reads_the_token_count_at_run_time(name, count, grid, rng):
+@pytest.mark.parametrize("name, count, grid, splits", [
+    ("llama3_8b", 37, 2, 1), ("llama3_8b", 0, 3, 1), ("llama3_8b", 1, 1, 1),
+    ("qwen2_vl_7b", 21, 1, 1), ("gptj_interleave", 9, 4, 1), ("neox_partial_quarter", 40, 3, 1),
+    ("qwen3_vl_interleaved", 30, 2, 1), ("llama3_8b", 37, 5, 3), ("qwen2_vl_7b", 21, 16, 8)])
+def test_mosaic_kernel_reads_the_token_count_at_run_time(name, count, grid, splits, rng):
     # One compiled kernel for every T: tokens [0, count) rotated as by the oracle at
-    # their positions, whatever the grid (fewer blocks than the count has walk several),
-    # and every token past the count left as it was.
+    # their positions, whatever the grid (fewer blocks than the count has walk several)
+    # and however the heads split among blocks, and every token past the count left as
+    # it was.
     case = BY_NAME[name]
     cfg = dataclasses.replace(case.cfg, max_position=LARGE)
     capacity = 48
     q, k, pos = _draw(rng, cfg, capacity, case.q_heads, case.k_heads, jnp.bfloat16)
-    out = _run_time_count(cfg, q, k, pos, count, grid)
+    out = _run_time_count(cfg, q, k, pos, count, grid, splits)
     for x, y in zip((q, k), out):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         np.testing.assert_array_equal(y[count:], x[count:])

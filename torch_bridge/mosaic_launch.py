@@ -11,7 +11,8 @@ The kernel reads the token count from device memory (a
 :class:`~torch_bridge.triton_runtime.CountTable` pointer) and its fixed grid walks the
 count's blocks, so one compiled kernel serves every T of its launch shape: ``grid`` a
 power of two of blocks up to :data:`MAX_BLOCKS_PER_SM` per SM, ``capacity`` the tokens its
-refs are declared with (:func:`launch_shape`).
+refs are declared with, and the blocks sharing one token block's heads when the tokens
+are few (:func:`launch_shape`).
 
 Launch before capturing a CUDA graph at least once per shape: compiling inside a
 capture is not supported. M-RoPE positions are one contiguous ``[3, T]`` block, as for
@@ -45,17 +46,21 @@ _MAX_LAUNCHES = 4096
 _LAUNCH = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
 
 
-def launch_shape(tokens: int, tokens_per_block: int, sms: int) -> Tuple[int, int]:
-    """``(grid, capacity)`` of the launch serving ``tokens``: the blocks' next power of two,
-    at most ``MAX_BLOCKS_PER_SM * sms``; the tokens' next power of two, at least 2**16.
+def launch_shape(tokens: int, tokens_per_block: int, groups: int, sms: int) -> Tuple[int, int, int]:
+    """``(grid, splits, capacity)`` of the launch serving ``tokens``: the token blocks' next
+    power of two, each split among ``splits`` blocks by head group
+    (:func:`jaxrope.kernels.mosaic_gpu.head_splits`, so few tokens still fill the GPU),
+    at most ``MAX_BLOCKS_PER_SM * sms`` blocks; the tokens' next power of two, at least
+    2**16. Every T of one launch shape runs the same compiled kernel.
 
     Example:
-      >>> launch_shape(64, 16, 132), launch_shape(16384, 16, 132)
-      ((4, 65536), (1024, 65536))
+      >>> launch_shape(64, 16, 10, 132), launch_shape(16384, 16, 10, 132)
+      ((40, 10, 65536), (1024, 1, 65536))
     """
-    blocks = max(1, -(-tokens // tokens_per_block))
-    grid = min(1 << (blocks - 1).bit_length(), MAX_BLOCKS_PER_SM * sms)
-    return grid, max(_MIN_CAPACITY, 1 << max(0, tokens - 1).bit_length())
+    blocks = 1 << (max(1, -(-tokens // tokens_per_block)) - 1).bit_length()
+    splits = mosaic_gpu.head_splits(blocks, groups)
+    grid = min(blocks * splits, MAX_BLOCKS_PER_SM * sms)
+    return grid, splits, max(_MIN_CAPACITY, 1 << max(0, tokens - 1).bit_length())
 
 
 def _mosaic_compiler():
@@ -143,13 +148,13 @@ class MosaicLauncher:
                                      f"newer, {device} has {capability[0]}.{capability[1]}")
         half = cfg.rotary_dim // 2
         itemsize = torch.empty((), dtype=dtype).element_size()
-        tpb = mosaic_gpu.plan(q_heads, k_heads, half, cfg.head_dim, itemsize,
-                              cfg.interleave).tokens_per_block
+        p = mosaic_gpu.plan(q_heads, k_heads, half, cfg.head_dim, itemsize, cfg.interleave)
+        groups = q_heads // p.q_group + k_heads // p.k_group
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        shape_grid, capacity = launch_shape(tokens, tpb, sms)
+        shape_grid, splits, capacity = launch_shape(tokens, p.tokens_per_block, groups, sms)
         export_kwargs = dict(q_heads=q_heads, k_heads=k_heads, head_dim=cfg.head_dim,
                              dtype=str(dtype).removeprefix("torch."), capacity=capacity,
-                             grid=grid or shape_grid, **kernel_options(cfg))
+                             grid=grid or shape_grid, splits=splits, **kernel_options(cfg))
         # Keyed by everything the module is exported from and the device's architecture
         # (the module targets it); the frequencies are run-time tables, keyed by cfg.
         module = self._module((capability, *export_kwargs.items()),

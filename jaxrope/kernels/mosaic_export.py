@@ -72,11 +72,12 @@ def _module_bytes(lowered) -> Tuple[bytes, int]:
 
 def export(*, q_heads: int, k_heads: int, head_dim: int, dtype, rotary_dim: int,
            interleave: bool, attention_factor: float, capacity: int, grid: int,
-           mrope_section: Optional[Tuple[int, int, int]] = None,
+           splits: int = 1, mrope_section: Optional[Tuple[int, int, int]] = None,
            mrope_interleaved: bool = False) -> MosaicModule:
     """The kernel for one head layout, dtype and launch shape (``capacity`` tokens, ``grid``
     blocks) as a Mosaic module; the token count is read at run time, so one export serves
-    every T up to ``capacity``.
+    every T up to ``capacity``. ``splits``: blocks sharing a token block's heads
+    (:func:`jaxrope.kernels.mosaic_gpu.head_splits`).
 
     Operands (:data:`OPERANDS`): ``count`` int32 ``[1]``, ``pos_ids`` int32 ``[capacity]``
     (M-RoPE: ``[3 * capacity]``, row ``r`` of token ``t`` at ``r * count + t``),
@@ -96,7 +97,7 @@ def export(*, q_heads: int, k_heads: int, head_dim: int, dtype, rotary_dim: int,
         q_heads=q_heads, k_heads=k_heads, head_dim=head_dim, itemsize=itemsize,
         rotary_dim=rotary_dim, interleave=interleave, attention_factor=attention_factor,
         mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, count=None,
-        grid=grid)
+        grid=grid, splits=splits)
     view = (head_dim // 2, 2) if interleave else (head_dim,)
 
     def call(count, pos_ids, tables, rows, q, k):

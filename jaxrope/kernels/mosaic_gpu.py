@@ -35,6 +35,7 @@ On CPU it runs in Mosaic GPU's interpreter (``interpret=True``), for tests.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -54,6 +55,9 @@ _LANES = 32         # threads of a warp
 # were within 2% (bench/RESULTS.md).
 _GROUP_BYTES = 128
 _IN_FLIGHT = 3
+# Blocks a launch should have before it splits heads among blocks: two per SM of an
+# H100/H200.
+_MIN_BLOCKS = 264
 
 
 def unavailable() -> Optional[str]:
@@ -135,6 +139,18 @@ def plan(q_heads: int, k_heads: int, half: int, head_dim: int, itemsize: int,
                 _head_group(k_heads, per_thread, itemsize), _IN_FLIGHT)
 
 
+def head_splits(token_blocks: int, groups: int) -> int:
+    """Blocks sharing one token block's head groups: enough for :data:`_MIN_BLOCKS` blocks
+    in all when the tokens alone make fewer (few tokens would otherwise leave most SMs
+    idle while each block walks every head), at most one group each.
+
+    Example:
+      >>> head_splits(4, 10), head_splits(1024, 10), head_splits(1, 3)
+      (10, 1, 3)
+    """
+    return max(1, min(groups, -(-_MIN_BLOCKS // token_blocks)))
+
+
 def _tiled(tiles, warp_dims, lane_dims):
     # Mosaic GPU accepts only canonical layouts (size-1 tiled dims dropped): build the
     # readable form, then canonicalize it.
@@ -194,7 +210,7 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
           interleave: bool, attention_factor: float,
           mrope_section: Optional[Tuple[int, int, int]] = None,
           mrope_interleaved: bool = False, count: Optional[int] = None,
-          grid: Optional[int] = None, interpret: bool = False):
+          grid: Optional[int] = None, splits: Optional[int] = None, interpret: bool = False):
     """The ``plgpu.kernel`` for one head layout: ``kernel(*operands)`` over GMEM refs.
 
     Operands: ``(pos_ids, tables, rows, q, k)`` with ``pos_ids`` flat int32 (M-RoPE: row
@@ -204,7 +220,9 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
     ``tokens_per_block`` tokens (JAX calls). ``count=None`` builds the kernel a launch
     outside JAX uses: an int32 ``count`` operand comes first and is read at run time,
     and ``grid`` blocks walk the blocks of ``count`` tokens in turn, so one compiled
-    kernel serves every T its refs hold (the torch bridge).
+    kernel serves every T its refs hold (the torch bridge). ``splits`` divides the head
+    groups among that many blocks per token block (default :func:`head_splits` of the
+    static count's blocks; 1 with a run-time count).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
     half = rotary_dim // 2
@@ -222,12 +240,10 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
     def broadcast(x, shape, dims, layout):
         return plgpu.layout_cast(jax.lax.broadcast_in_dim(x, shape, dims), _as_pallas(layout))
 
-    def rotate(n, pos_ref, tables_ref, rows_ref, q_ref, k_ref, t0, tokens):
+    def rotate(n, pos_ref, tables_ref, rows_ref, q_ref, k_ref, t0, tokens, chunk):
         by_group = layouts[tokens]
         spans = pl.ds(t0, tokens)
-        work = [(x_ref, group, g) for x_ref, heads, group in
-                ((q_ref, q_heads, p.q_group), (k_ref, k_heads, p.k_group))
-                for g in range(heads // group)]
+        work = [((q_ref, k_ref)[x], group, g) for x, group, g in chunk]
 
         def load(item):
             x_ref, group, g = item
@@ -237,7 +253,7 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
         # The first groups' loads go out before the positions': the angle's arithmetic
         # then overlaps them instead of delaying them.
         in_flight = [load(item) for item in work[:p.in_flight]]
-        data = by_group[p.q_group]
+        data = by_group[work[0][1]]
         angle, slots, per_token = data.reduce((1,)), data.reduce((0, 1)), data.reduce((1, 2))
         shape = (tokens, half)
         turns = [broadcast(_load(tables_ref.at[i], slots), shape, (1,), angle) for i in range(3)]
@@ -257,7 +273,7 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
             pos = jnp.where(row == 2, p_w, jnp.where(row == 1, p_h, p_t))
         cos, sin = angle_cos_sin(pos, *turns, attention_factor, floor=_floor)
         wide = {}
-        for group in {p.q_group, p.k_group}:
+        for group in {group for _, group, _ in work}:
             layout = by_group[group]
             assert layout.reduce((1,)) == angle, (layout, angle)
             full = (tokens, group, half)
@@ -278,6 +294,13 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
             second[...] = (b * c + a * s).astype(second.dtype)
 
     tpb = p.tokens_per_block
+    # Head groups as (0 for q / 1 for k, heads per group, group index), split into
+    # `splits` contiguous chunks: a block rotates one chunk of one token block.
+    work = [(x, group, g) for x, heads, group in ((0, q_heads, p.q_group), (1, k_heads, p.k_group))
+            for g in range(heads // group)]
+    if splits is None:
+        splits = head_splits(-(-count // tpb) if count is not None else 1, len(work))
+    chunks = [work[len(work) * s // splits:len(work) * (s + 1) // splits] for s in range(splits)]
 
     def body(*operands):
         if count is None:
@@ -288,36 +311,45 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
             refs, n = operands, count
             full_blocks, tail = divmod(count, tpb)
 
-        def one_block(b):
+        def one_block(b, chunk):
             # Python ints (a JAX call's static T) leave out what no block runs.
             if not isinstance(full_blocks, int) or full_blocks:
                 @pl.when(b < full_blocks)
                 def _():
-                    rotate(n, *refs, b * tpb, tpb)
+                    rotate(n, *refs, b * tpb, tpb, chunk)
             if not isinstance(tail, int) or tail:
                 @pl.when(b == full_blocks if isinstance(tail, int)
                          else jnp.logical_and(b == full_blocks, tail > 0))
                 def _():
                     def one(i, carry):
-                        rotate(n, *refs, full_blocks * tpb + i, 1)
+                        rotate(n, *refs, full_blocks * tpb + i, 1, chunk)
                         return carry
                     jax.lax.fori_loop(0, tail, one, 0)
 
+        def one_item(item):
+            # Item = token block * splits + chunk: a token block's chunks are neighbours.
+            if splits == 1:
+                one_block(item, chunks[0])
+                return
+            b, split = jax.lax.div(item, splits), jax.lax.rem(item, splits)
+            for s, chunk in enumerate(chunks):
+                pl.when(split == s)(functools.partial(one_block, b, chunk))
+
         block = jax.lax.axis_index("block")
         if count is not None:
-            one_block(block)
+            one_item(block)
             return
-        # Block b of the launch takes the count's blocks b, b + grid, ...
-        blocks = jax.lax.div(n + (tpb - 1), tpb)
-        turns = jax.lax.div(blocks - block + (grid - 1), grid)
+        # Block b of the launch takes the count's items b, b + grid, ...
+        items = jax.lax.div(n + (tpb - 1), tpb) * splits
+        turns = jax.lax.div(items - block + (grid - 1), grid)
 
         def walk(i, carry):
-            one_block(block + i * grid)
+            one_item(block + i * grid)
             return carry
         jax.lax.fori_loop(0, turns, walk, 0)
 
     if count is not None:
-        grid = -(-count // tpb)
+        grid = -(-count // tpb) * splits
     return plgpu.kernel(
         body, out_type=(), grid=(grid,), grid_names=("block",),
         kernel_name="jaxrope_rope_mosaic",  # what profilers show
