@@ -26,14 +26,13 @@ scales) a graph will hold. That first call exports, compiles and allocates the c
 angle and scale tables; capturing it is not supported. Later calls, captured or not,
 only launch.
 
-A launcher for the manager is any object with ``rotate_and_append_kv_`` raising
-:class:`jaxrope.BackendUnavailable` to decline, and optionally ``bind``
-(:class:`KVLauncher`).
+The protocol a launcher of the manager follows is
+:class:`torch_bridge.launchers.KVLauncher`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -46,67 +45,10 @@ from torch_bridge.triton_launch import mrope_block
 from torch_bridge.triton_runtime import (ALIGN, AngleTables, CountTable, KernelCache,
                                          KernelLaunch, LaunchRecords)
 
-__all__ = ["KVAppendLauncher", "KVLauncher", "resolve_kv_launcher"]
+__all__ = ["KVAppendLauncher"]
 
 # Launch records kept (one per distinct shape, cache, config, scales and device).
 _MAX_LAUNCHES = 4096
-
-
-class KVLauncher(Protocol):
-    """A fast path for ``RopeManager.apply_qk_and_append_kv`` that works on torch tensors itself.
-
-    ``rotate_and_append_kv_(q, k, v, pos_ids, caches, slots, cfg, geometry, scales)``:
-    ``q [T, Hq, D]``, ``k, v [T, Hk, D]`` (validated by the manager: one dtype and
-    device, ``D == cfg.head_dim``), ``pos_ids`` int32 ``[N >= T]`` (the first ``T`` are
-    used; an M-RoPE config's ``[3, N]``, its first ``T`` columns), ``caches`` the engine's
-    cache tensors (the ``(k_cache, v_cache)`` pair, or the combined tensor alone),
-    ``slots`` ``[T]`` of any integer dtype, ``geometry`` a
-    :class:`torch_bridge.kv_append.CacheGeometry`, ``scales`` ``(k_scale, v_scale)``
-    floats (1.0 for a cache in k's dtype). Rotates q in place and writes the rotated k
-    and the v into the cache with :func:`jaxrope.apply_rope_and_append_kv`'s semantics.
-    Raises :class:`jaxrope.BackendUnavailable` to decline (the manager then runs the JAX
-    path); any other exception propagates.
-
-    Optionally ``bind(q, k, v, caches, slots, cfg, geometry, scales) -> run``: after a
-    successful call the manager binds its signature and later calls ``run(q, k, v,
-    pos_ids, kv_cache, slots) -> bool`` with the caller's arguments as given; False
-    sends the call down the full path.
-
-    An object given as ``RopeManager(launcher=...)`` serves ``apply_qk`` through
-    ``rotate_`` (:class:`torch_bridge.Launcher`) and this method through
-    ``rotate_and_append_kv_`` when it has one.
-
-    Example (a launcher that always declines, so the JAX path writes the cache):
-      >>> import jaxrope as jr
-      >>> from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext
-      >>> class Declining:
-      ...     calls = 0
-      ...     def rotate_(self, q, k, pos_ids, cfg):
-      ...         raise jr.BackendUnavailable("rope alone: not used here")
-      ...     def rotate_and_append_kv_(self, q, k, v, pos_ids, caches, slots, cfg, geometry,
-      ...                               scales):
-      ...         Declining.calls += 1
-      ...         raise jr.BackendUnavailable("no compiled kernel for this cache")
-      >>> mgr = RopeManager(PositionConfig(rope=jr.RopeConfig(head_dim=8)), "cpu",
-      ...                   launcher=Declining())
-      >>> mgr.ingest_request("r0")
-      >>> _ = mgr.plan(PositionStep([Segment("r0", "text", 1)]), StepContext(("r0",)))
-      >>> cache = torch.zeros(2, 2, 4, 1, 8)                  # combined: 2 pages of 4
-      >>> q, kv = torch.ones(1, 2, 8), torch.ones(1, 1, 8)
-      >>> _ = mgr.apply_qk_and_append_kv(q, kv, kv, "text", cache, torch.tensor([5]))
-      >>> Declining.calls, cache[1, 0, 1, 0].tolist()        # keys of page 1, entry 1
-      (1, [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
-    """
-
-    def rotate_and_append_kv_(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              pos_ids: torch.Tensor, caches: Sequence[torch.Tensor],
-                              slots: torch.Tensor, cfg: RopeConfig, geometry: CacheGeometry,
-                              scales: Tuple[float, float]) -> None:
-        """Rotate q in place at ``pos_ids[:T]``; write the rotated k and the v at ``slots``.
-
-        Raises:
-          BackendUnavailable: to decline this call; the manager then runs the JAX path.
-        """
 
 
 def _jax_dtype(dtype: torch.dtype) -> str:
@@ -270,25 +212,3 @@ class KVAppendLauncher:
                                                                   device=device)
         return (KernelLaunch(compiled, exported.grid(tokens), device), counts.pointer(tokens),
                 self._tables.get(cfg, device, lanes).data_ptr(), scale_values.data_ptr())
-
-
-def resolve_kv_launcher(launcher: Any, device: torch.device) -> Optional[Any]:
-    """The fused-append launcher for ``RopeManager(launcher=...)`` (already validated there).
-
-    ``"jax"`` -> None (always the JAX path). ``"auto"`` -> a :class:`KVAppendLauncher`
-    on a CUDA device when Triton is usable, else None. An object -> itself when it has
-    a ``rotate_and_append_kv_`` method, else None (it only rotates: the fused call runs
-    the JAX path).
-
-    Example:
-      >>> resolve_kv_launcher("auto", torch.device("cpu")) is None
-      True
-    """
-    if isinstance(launcher, str):
-        if launcher != "auto" or device.type != "cuda":
-            return None
-        try:
-            return KVAppendLauncher()
-        except BackendUnavailable:
-            return None
-    return launcher if callable(getattr(launcher, "rotate_and_append_kv_", None)) else None

@@ -1,12 +1,12 @@
 """``RopeManager``: :class:`PositionManager` plus ``apply_qk``, rotating torch tensors in place.
 
-``apply_qk`` first offers the call to a *launcher* (on CUDA the compiled Pallas kernel
-launched on torch's stream, :mod:`torch_bridge.triton_launch`); a launcher that raises
-:class:`jaxrope.BackendUnavailable` declines and the JAX path runs (DLPack import and a
-donated jitted call, :class:`torch_bridge.rotate.JaxRotation`). After a launch succeeded,
-the call's signature (label, shapes, dtypes, devices, overrides) is bound to it, so a
-repeated call skips the Python-level checks: on the H200's host each costs about a
-microsecond against a few-microsecond launch.
+``apply_qk`` and ``apply_qk_and_append_kv`` first offer the call to a *launcher* (on
+CUDA the compiled kernel launched on torch's stream: :mod:`torch_bridge.launchers` says
+which); a launcher that raises :class:`jaxrope.BackendUnavailable` declines and the JAX
+path runs (DLPack import and a donated jitted call, :class:`torch_bridge.rotate.JaxRotation`,
+:class:`torch_bridge.kv_append.JaxAppend`). Both methods dispatch through one
+:class:`torch_bridge.launchers.FastPath` each: a repeated call signature runs its bound
+launch without the Python-level checks.
 """
 
 from __future__ import annotations
@@ -16,22 +16,17 @@ from typing import Any, Dict, Hashable, Optional, Tuple
 import torch
 
 from jaxrope.config import RopeConfig
-from jaxrope.errors import BackendUnavailable
 from torch_bridge import kv_append
 from torch_bridge.config import PositionConfig
 from torch_bridge.dlpack import jax_device
 from torch_bridge.engine_types import EngineInfo
-from torch_bridge.kv_launch import resolve_kv_launcher
+from torch_bridge.launchers import FastPath, resolve_launchers
 from torch_bridge.manager import PositionManager
 from torch_bridge.plans import Plan
-from torch_bridge.rotate import TORCH_DTYPES, ConfigCache, JaxRotation, resolve_launcher
+from torch_bridge.rotate import TORCH_DTYPES, ConfigCache, JaxRotation
 from torch_bridge.step_arrays import check_hashable
 
 __all__ = ["RopeManager"]
-
-# Bound launches kept (one per call signature) before the cache starts over.
-_MAX_BOUND = 1024
-
 
 class RopeManager(PositionManager):
     """Rotary position embedding on top of :class:`PositionManager`: ``apply_qk`` in place.
@@ -45,12 +40,12 @@ class RopeManager(PositionManager):
       dtype: the engine's activation dtype (float32, float16 or bfloat16), kept for
         the seed's signature. q and k are rotated in their own dtype (the seed cast
         to this dtype; float32 inputs here stay float32).
-      launcher: the fast path ``apply_qk`` tries first: "auto" (the Triton launcher
-        on CUDA when available), "jax" (always the JAX path), or an object with
-        ``rotate_(q, k, pos_ids, cfg)`` (see :class:`torch_bridge.rotate.Launcher`).
-        It also picks ``apply_qk_and_append_kv``'s (``kv_launcher``): "auto" the fused
-        kernel's Triton launcher on CUDA, "jax" none, an object itself if it has
-        ``rotate_and_append_kv_`` (see :class:`torch_bridge.KVLauncher`), else none.
+      launcher: the fast paths ``apply_qk`` and ``apply_qk_and_append_kv`` try first:
+        "auto" (on CUDA the launchers of the kernels ``backend="auto"`` runs: Mosaic
+        GPU on Hopper), "jax" (always the JAX path), or an object with ``rotate_(q, k,
+        pos_ids, cfg)`` (:class:`torch_bridge.Launcher`), which serves the fused call
+        too if it has ``rotate_and_append_kv_`` (:class:`torch_bridge.KVLauncher`);
+        see :func:`torch_bridge.launchers.resolve_launchers`.
       backend: the jaxrope backend of the JAX path ("auto", "pallas", "xla", "interpret").
       allow_copy: let the JAX path stage q/k through copies (written back in place):
         padded to a token bucket, so it compiles once per bucket, and contiguous where
@@ -104,10 +99,9 @@ class RopeManager(PositionManager):
         self.head_dim = rope.head_dim
         self.dtype = dtype
         self.allow_copy = allow_copy
-        self._bound: Dict[Tuple, Any] = {}  # call signature -> bound launch (see apply_qk)
-        self.launcher = resolve_launcher(launcher, self.device)
-        self._kv_bound: Dict[Tuple, Any] = {}  # likewise for apply_qk_and_append_kv
-        self.kv_launcher = resolve_kv_launcher(launcher, self.device)
+        rope_launcher, kv_launcher = resolve_launchers(launcher, self.device)
+        self._rope_path = FastPath("apply_qk", rope_launcher)
+        self._kv_path = FastPath("apply_qk_and_append_kv", kv_launcher)
         self._kv_jax: Optional[kv_append.JaxAppend] = None
         self._configs = ConfigCache(rope)
         self._backend = backend
@@ -117,23 +111,20 @@ class RopeManager(PositionManager):
     @property
     def launcher(self) -> Any:
         """The fast path ``apply_qk`` tries first (None: always JAX); assignable."""
-        return self._launcher
+        return self._rope_path.launcher
 
     @launcher.setter
     def launcher(self, value: Any) -> None:
-        # Launches bound by the previous launcher must not outlive it.
-        self._launcher = value
-        self._bound = {}
+        self._rope_path.launcher = value
 
     @property
     def kv_launcher(self) -> Any:
         """The fast path ``apply_qk_and_append_kv`` tries first (None: always JAX); assignable."""
-        return self._kv_launcher
+        return self._kv_path.launcher
 
     @kv_launcher.setter
     def kv_launcher(self, value: Any) -> None:
-        self._kv_launcher = value
-        self._kv_bound = {}
+        self._kv_path.launcher = value
 
     @classmethod
     def _build_kwargs(cls, info: EngineInfo) -> Dict[str, Any]:
@@ -186,17 +177,10 @@ class RopeManager(PositionManager):
         # Peek: a staged plan becomes current (its pre-forks apply) only once the call is valid.
         plan = self._plans.peek()
         overrides = (rotary_dim, interleave, rope_scale, rope_theta, rope_dtype)
-        if self._bound and not llama31 and plan is not None:
-            try:
-                bound = self._bound.get(_call_signature(label, q, k, overrides))
-            except (AttributeError, TypeError):  # not tensors, or unhashable: checked below
-                bound = None
-            if bound is not None:
-                pos = plan.tensors.get(label)
-                if pos is not None and q.shape[0] <= plan.limits[label]:
-                    self._plans.promote()
-                    if bound(q, k, pos):
-                        return q, k
+        signature = lambda: _call_signature(label, q, k, overrides)  # noqa: E731
+        if not llama31 and self._run_bound(self._rope_path, plan, label, q, signature,
+                                           lambda run, pos: run(q, k, pos)):
+            return q, k
         q3, k3 = self._checked_qk(q, k, label, plan)
         padded = q3.shape[0] > plan.limits[label]   # an engine's padded batch: cut the tail
         if padded:
@@ -208,22 +192,14 @@ class RopeManager(PositionManager):
         self._plans.promote()
         if tokens == 0:
             return q, k
-        if self.launcher is not None:
-            try:
-                # The launcher reads the first ``tokens`` positions; no slice (a view per
-                # call costs microseconds on the hot path).
-                self.launcher.rotate_(q3, k3, plan.tensors[label], cfg)
-            except BackendUnavailable:
-                pass
-            else:
-                bind = getattr(self.launcher, "bind", None)
-                # A bound run gets q as given: not one longer than its plan.
-                if bind is not None and not llama31 and not padded:
-                    if len(self._bound) >= _MAX_BOUND:
-                        self._bound.clear()
-                    self._bound[_call_signature(label, q, k, overrides)] = bind(q3, k3, cfg)
-                return q, k
-        self._refuse_jax_under_capture("apply_qk", self.launcher)
+        # The launcher reads the first ``tokens`` positions; no slice (a view per call costs
+        # microseconds on the hot path). A bound run gets q as given: not one longer than
+        # its plan.
+        if self._rope_path.launch(lambda launcher: launcher.rotate_(q3, k3, plan.tensors[label], cfg),
+                                  None if llama31 or padded else lambda bind: bind(q3, k3, cfg),
+                                  signature):
+            return q, k
+        self._rope_path.refuse_under_capture(self.device)
         self._jax_rotation()(q3, k3, plan.tensors[label], cfg, allow_copy=self.allow_copy)
         return q, k
 
@@ -303,18 +279,11 @@ class RopeManager(PositionManager):
           >>> mgr.commit(step, ctx)
         """
         plan = self._plans.peek()
-        if self._kv_bound and plan is not None:
-            try:
-                bound = self._kv_bound.get(kv_append.call_signature(
-                    label, q, k, v, kv_cache, slots, layout, k_quant_scale, v_quant_scale))
-            except (AttributeError, TypeError, ValueError):  # checked below
-                bound = None
-            if bound is not None:
-                pos = plan.tensors.get(label)
-                if pos is not None and q.shape[0] <= plan.limits[label]:
-                    self._plans.promote()
-                    if bound(q, k, v, pos, kv_cache, slots):
-                        return q, kv_cache
+        signature = lambda: kv_append.call_signature(  # noqa: E731
+            label, q, k, v, kv_cache, slots, layout, k_quant_scale, v_quant_scale)
+        if self._run_bound(self._kv_path, plan, label, q, signature,
+                           lambda run, pos: run(q, k, v, pos, kv_cache, slots)):
+            return q, kv_cache
         q3, k3 = self._checked_qk(q, k, label, plan)
         v3 = self._heads(v, "v")
         caches, geometry, scales = kv_append.check_call(k3, v3, kv_cache, slots, layout,
@@ -326,23 +295,15 @@ class RopeManager(PositionManager):
         self._plans.promote()
         if q3.shape[0] == 0:
             return q, kv_cache
-        if self.kv_launcher is not None:
-            try:
-                self.kv_launcher.rotate_and_append_kv_(q3, k3, v3, plan.tensors[label], caches,
-                                                       slots, self.rope, geometry, scales)
-            except BackendUnavailable:
-                pass
-            else:
-                bind = getattr(self.kv_launcher, "bind", None)
-                if bind is not None and not padded:  # as in apply_qk
-                    if len(self._kv_bound) >= _MAX_BOUND:
-                        self._kv_bound.clear()
-                    signature = kv_append.call_signature(label, q, k, v, kv_cache, slots, layout,
-                                                         k_quant_scale, v_quant_scale)
-                    self._kv_bound[signature] = bind(q3, k3, v3, caches, slots, self.rope,
-                                                     geometry, scales)
-                return q, kv_cache
-        self._refuse_jax_under_capture("apply_qk_and_append_kv", self.kv_launcher)
+        launched = self._kv_path.launch(
+            lambda launcher: launcher.rotate_and_append_kv_(
+                q3, k3, v3, plan.tensors[label], caches, slots, self.rope, geometry, scales),
+            None if padded else lambda bind: bind(q3, k3, v3, caches, slots, self.rope,
+                                                  geometry, scales),
+            signature)
+        if launched:
+            return q, kv_cache
+        self._kv_path.refuse_under_capture(self.device)
         if self._kv_jax is None:
             self._kv_jax = kv_append.JaxAppend(self.device, self._backend)
         self._kv_jax(q3, k3, v3, caches, geometry, plan.tensors[label], slots, self.rope, scales,
@@ -364,11 +325,21 @@ class RopeManager(PositionManager):
             raise ValueError(f"k.shape[0]={k3.shape[0]} must equal q.shape[0]={tokens} (tokens)")
         return q3, k3
 
-    def _refuse_jax_under_capture(self, method: str, launcher: Any) -> None:
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{method} under CUDA-graph capture needs the launcher: the JAX "
-                               "path runs on JAX's stream, which the capture cannot record, and "
-                               f"the launcher is {'off' if launcher is None else 'declining'}")
+    def _run_bound(self, path: FastPath, plan: Optional[Plan], label: Hashable,
+                   q: torch.Tensor, signature, run) -> bool:
+        """``run(bound, positions)`` when the call's signature has a bound launch and its
+        plan label holds q's tokens (the staged plan then becomes current); False sends
+        the call down the full path."""
+        if plan is None:
+            return False
+        bound = path.bound(signature)
+        if bound is None:
+            return False
+        pos = plan.tensors.get(label)
+        if pos is None or q.shape[0] > plan.limits[label]:
+            return False
+        self._plans.promote()
+        return run(bound, pos)
 
     def _jax_rotation(self) -> JaxRotation:
         if self._jax is None:

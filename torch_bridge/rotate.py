@@ -2,8 +2,8 @@
 
 ``apply_qk`` takes the seed's per-call overrides (FlashInfer's parameters); :class:`ConfigCache`
 maps them onto a :class:`jaxrope.RopeConfig`. The rotation itself first asks an optional
-*launcher* (an object with ``rotate_(q, k, pos_ids, cfg)`` that works on torch tensors
-directly, e.g. :class:`torch_bridge.triton_launch.TritonLauncher`) and, when there is
+*launcher* (:class:`torch_bridge.launchers.Launcher`, e.g.
+:class:`torch_bridge.mosaic_launch.MosaicLauncher`) and, when there is
 none or it declines by raising :class:`jaxrope.BackendUnavailable`, runs
 :class:`JaxRotation`: the jaxrope kernel through DLPack (see :mod:`torch_bridge.dlpack`).
 """
@@ -11,7 +11,7 @@ none or it declines by raising :class:`jaxrope.BackendUnavailable`, runs
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Protocol, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import jax
 import torch
@@ -19,12 +19,10 @@ import torch
 from jaxrope import backend as _backend
 from jaxrope.apply import SUPPORTED_DTYPES, kernel_constants, kernel_options
 from jaxrope.config import RopeConfig
-from jaxrope.errors import BackendUnavailable
 from jaxrope.scaling import Linear, Llama3
 from torch_bridge.dlpack import InPlace, pad_tokens, read_only, token_bucket, write_back
 
-__all__ = ["ConfigCache", "JaxRotation", "Launcher", "TORCH_DTYPES", "auto_launcher_class",
-           "resolve_launcher"]
+__all__ = ["ConfigCache", "JaxRotation", "TORCH_DTYPES"]
 
 # The torch dtypes of jaxrope's SUPPORTED_DTYPES (defined there once).
 TORCH_DTYPES = tuple(getattr(torch, dtype.name) for dtype in SUPPORTED_DTYPES)
@@ -33,94 +31,6 @@ TORCH_DTYPES = tuple(getattr(torch, dtype.name) for dtype in SUPPORTED_DTYPES)
 _LLAMA31_DEFAULTS = {"rope_scale": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                      "old_context_len": 8192}
 LLAMA31_PARAMS = ("low_freq_factor", "high_freq_factor", "old_context_len")
-
-
-class Launcher(Protocol):
-    """A fast path that rotates torch tensors itself, on torch's current stream.
-
-    ``rotate_(q, k, pos_ids, cfg)``: ``q [T, Hq, D]``, ``k [T, Hk, D]`` (validated by
-    the manager: same dtype and device, ``D == cfg.head_dim``), ``pos_ids`` int32
-    ``[N >= T]`` on the same device, of which the first ``T`` are used (M-RoPE, when
-    ``cfg.mrope_section`` is set: ``[3, N]``, the first ``T`` of each row); rotates q
-    and k in place. Raises :class:`jaxrope.BackendUnavailable` to decline (the manager then
-    runs the JAX path); any other exception propagates.
-
-    Optionally also ``bind(q, k, cfg) -> run``: after a successful ``rotate_`` the
-    manager binds the call's signature (label, shapes, dtypes, devices, overrides) and
-    later calls ``run(q, k, pos_ids) -> bool`` with the caller's q and k as given
-    (``[T, H, D]`` or ``[T, H * D]``) instead of validating again; ``run`` returns
-    False to send the call down the full path. Only a launcher that defines ``bind``
-    for this purpose should have an attribute of that name.
-
-    Example (a launcher that always declines, so the JAX path rotates):
-      >>> import jaxrope as jr
-      >>> from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext
-      >>> class Declining:
-      ...     calls = 0
-      ...     def rotate_(self, q, k, pos_ids, cfg):
-      ...         Declining.calls += 1
-      ...         raise jr.BackendUnavailable("no compiled kernel for this shape")
-      >>> mgr = RopeManager(PositionConfig(rope=jr.RopeConfig(head_dim=8)), "cpu",
-      ...                   launcher=Declining())
-      >>> mgr.ingest_request("r0")
-      >>> step, ctx = PositionStep([Segment("r0", "text", 2)]), StepContext(("r0",))
-      >>> _ = mgr.plan(step, ctx)
-      >>> q, k = torch.ones(2, 1, 8), torch.ones(2, 1, 8)
-      >>> _ = mgr.apply_qk(q, k, "text")
-      >>> Declining.calls, q[0, 0].tolist()  # position 0 rotates by angle 0
-      (1, [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
-    """
-
-    def rotate_(self, q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor,
-                cfg: RopeConfig) -> None:
-        """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place at ``pos_ids[..., :T]`` under ``cfg``.
-
-        ``pos_ids`` is int32 ``[N >= T]`` (M-RoPE: ``[3, N]``) on q's device; q and k share
-        dtype (float32, float16 or bfloat16) and device, and ``D == cfg.head_dim``.
-
-        Raises:
-          BackendUnavailable: to decline this call; the manager then runs the JAX path.
-        """
-
-
-def resolve_launcher(launcher: Any, device: torch.device) -> Optional[Launcher]:
-    """The launcher for ``RopeManager(launcher=...)``.
-
-    ``"jax"`` -> None (always the JAX path). ``"auto"`` on a CUDA device -> the launcher
-    of the kernel ``backend="auto"`` runs there (:func:`auto_launcher_class`), or None
-    where it cannot be built. An object with a ``rotate_`` method is used as given.
-
-    Raises:
-      ValueError: any other value.
-    """
-    if isinstance(launcher, str):
-        if launcher == "jax":
-            return None
-        if launcher == "auto":
-            if device.type != "cuda":
-                return None
-            try:
-                return auto_launcher_class(device)()
-            except BackendUnavailable:
-                return None
-    elif callable(getattr(launcher, "rotate_", None)):
-        return launcher
-    raise ValueError(f"launcher={launcher!r} must be 'auto', 'jax' or an object with "
-                     "rotate_(q, k, pos_ids, cfg)")
-
-
-def auto_launcher_class(device: torch.device) -> type:
-    """The launcher of the kernel ``backend="auto"`` runs on CUDA ``device``
-    (:func:`jaxrope.backend.backend_name`, the one rule): the Mosaic GPU kernel's
-    (:class:`~torch_bridge.mosaic_launch.MosaicLauncher`) on Hopper or newer with a JAX
-    that lowers it, else the Triton-lowered kernel's
-    (:class:`~torch_bridge.triton_launch.TritonLauncher`)."""
-    major, minor = torch.cuda.get_device_capability(device)
-    if _backend.backend_name("auto", "cuda", "rope", f"{major}.{minor}") == "mosaic":
-        from torch_bridge.mosaic_launch import MosaicLauncher
-        return MosaicLauncher
-    from torch_bridge.triton_launch import TritonLauncher
-    return TritonLauncher
 
 
 class ConfigCache:

@@ -51,9 +51,9 @@ class TritonLauncher:
     aligned, and when the kernel's Triton IR cannot be exported from the running JAX.
 
     Example:
-      >>> from torch_bridge.rotate import resolve_launcher
-      >>> resolve_launcher("auto", torch.device("cpu")) is None  # no fast path on CPU
-      True
+      >>> from torch_bridge.launchers import resolve_launchers
+      >>> resolve_launchers("auto", torch.device("cpu"))  # no fast path on CPU
+      (None, None)
       >>> launcher = TritonLauncher()              # doctest: +SKIP
       >>> launcher.rotate_(q, k, pos_ids, cfg)     # q, k rotated in place  # doctest: +SKIP
     """
