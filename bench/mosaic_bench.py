@@ -4,6 +4,7 @@ one run.
     python -m bench.mosaic_bench --out DIR [--tokens 16384 65536] [--rounds 2]
                                  [--liger .whl/liger_kernel-0.8.5-py3-none-any.whl]
                                  [--sweep BYTES:IN_FLIGHT ... [--use-best]]
+                                 [--tma-sweep TB:STAGES ...]
 
 bf16 q ``[T, 32, 128]``, k ``[T, 8, 128]`` (Llama-3-8B's heads), positions uniform in
 ``[0, 65536)``. Per token count, ``--rounds`` rounds (ABAB: the spread between rounds is
@@ -12,6 +13,9 @@ the noise) of:
 - ``mosaic`` / ``triton``: ``apply_rope(backend=...)`` in a jitted loop, q and k donated
   (:class:`bench.timing.JaxLoop`); ``*_mrope``: the same on Qwen2-VL's M-RoPE sections
   (16, 24, 24), positions ``[3, T]``;
+- ``mosaic_tma`` (``_mrope``): the experimental TMA-pipelined variant
+  (:func:`jaxrope.kernels.mosaic_tma.rope_mosaic_tma`, default :class:`TmaTuning`), called
+  directly (it is no ``backend=``) in the same loop;
 - ``mosaic_launch`` / ``triton_launch`` (``*_mrope``): the same kernels launched from
   torch by the bridge's launchers (``torch_bridge.mosaic_launch``,
   ``torch_bridge.triton_launch``); ``mosaic_launch_gridN``: at ``--launch-grids`` N;
@@ -22,13 +26,15 @@ the noise) of:
 ``%ceil`` = ceiling time / time (the bytes of the rotation are the ceiling's, plus
 positions). ``--sweep`` first times the Mosaic kernel at other split knobs
 (``mosaic_gpu._GROUP_BYTES``, ``_IN_FLIGHT``); ``--use-best`` runs the table at the
-fastest. Writes ``mosaic_bench.json`` and prints a table. GPU only (FlashInfer and torch
+fastest. ``--tma-sweep`` first times the TMA variant at other tuning points (tokens per
+block, SMEM stages), 1-D. Writes ``mosaic_bench.json`` and prints a table. GPU only (FlashInfer and torch
 CUDA needed).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -53,6 +59,52 @@ MROPE = jr.RopeConfig(head_dim=HEAD_DIM, mrope_section=(16, 24, 24))
 def _jax_time(backend: str, cfg, q, k, pos, iters: int, reps: int) -> timing.Timing:
     step = lambda a, b, p: jr.apply_rope(a, b, p, cfg, backend=backend)  # noqa: E731
     return timing.JaxLoop(step, (q, k), (pos,), iters=iters, unroll=8).time(reps)
+
+
+def _tma_time(cfg, q, k, pos, iters: int, reps: int, tuning=None) -> timing.Timing:
+    # The TMA variant has no backend name: its wrapper, called as apply_rope calls a kernel.
+    from jaxrope.apply import kernel_constants
+    from jaxrope.kernels import mosaic_tma
+    tables, attention = kernel_constants(cfg)
+    tables = jnp.asarray(tables)
+
+    def step(a, b, p):
+        return mosaic_tma.rope_mosaic_tma(
+            a, b, p, tables, rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
+            attention_factor=attention, mrope_section=cfg.mrope_section,
+            mrope_interleaved=cfg.mrope_interleaved,
+            tuning=tuning or mosaic_tma.DEFAULT_TUNING)
+    return timing.JaxLoop(step, (q, k), (pos,), iters=iters, unroll=8).time(reps)
+
+
+def _inputs(rng, tokens):
+    q = jnp.asarray(rng.standard_normal((tokens, Q_HEADS, HEAD_DIM)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((tokens, K_HEADS, HEAD_DIM)), jnp.bfloat16)
+    pos = jnp.asarray(rng.integers(0, 65536, tokens).astype(np.int32))
+    # ~10 ms a sample at 4 TB/s.
+    iters = max(8, 8 * round(4e12 * 0.01 / (2 * (q.nbytes + k.nbytes)) / 8))
+    return q, k, pos, iters
+
+
+def tma_sweep(args) -> List[Dict[str, Any]]:
+    """The TMA variant at each ``--tma-sweep`` point (tokens per block, stages), 1-D."""
+    from jaxrope.kernels import mosaic_tma
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for tokens in args.tokens:
+        q, k, pos, iters = _inputs(rng, tokens)
+        for tb, stages in args.tma_sweep:
+            tuning = mosaic_tma.TmaTuning(tokens_per_block=tb, stages=stages)
+            try:
+                t = _tma_time(ONE_D, q, k, pos, iters, args.reps, tuning)
+            except ValueError as e:  # a point the layout cannot take (SMEM, box sizes)
+                print(f"tma sweep tokens {tokens} {tb}:{stages}: {e}", flush=True)
+                continue
+            rows.append(dict(tokens=tokens, tokens_per_block=tb, stages=stages,
+                             us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us))
+            print(f"tma sweep tokens {tokens} tokens_per_block {tb} stages {stages}: "
+                  f"{t.median_us:.1f} us", flush=True)
+    return rows
 
 
 def sweep(args) -> List[Dict[str, Any]]:
@@ -132,6 +184,8 @@ def run(args) -> Dict[str, Any]:
             for impl in ("mosaic", "triton"):
                 measured[impl] = _jax_time(impl, ONE_D, q, k, pos, iters, args.reps)
                 measured[f"{impl}_mrope"] = _jax_time(impl, MROPE, q, k, pos3, iters, args.reps)
+            measured["mosaic_tma"] = _tma_time(ONE_D, q, k, pos, iters, args.reps)
+            measured["mosaic_tma_mrope"] = _tma_time(MROPE, q, k, pos3, iters, args.reps)
             for impl, fn in torch_calls.items():
                 measured[impl] = timing.time_cuda_graph(fn, iters=iters, reps=args.reps)
             for impl, t in measured.items():
@@ -180,13 +234,19 @@ def main(argv=None) -> None:
                         help="also time the Mosaic torch launch at these grid sizes")
     parser.add_argument("--use-best", action="store_true",
                         help="time the table at the sweep's fastest knobs")
+    parser.add_argument("--tma-sweep", nargs="*", default=[], metavar="TB:STAGES",
+                        help="first time the TMA variant at these tokens per block and stages")
     args = parser.parse_args(argv)
     args.sweep = [tuple(int(x) for x in item.split(":")) for item in args.sweep]
+    args.tma_sweep = [tuple(int(x) for x in item.split(":")) for item in args.tma_sweep]
     swept = sweep(args) if args.sweep else []
+    tma_swept = tma_sweep(args) if args.tma_sweep else []
     report = run(args)
-    from jaxrope.kernels import mosaic_gpu
+    from jaxrope.kernels import mosaic_gpu, mosaic_tma
+    plan = mosaic_tma.plan_tma(Q_HEADS, K_HEADS, HEAD_DIM // 2, HEAD_DIM, 2, False)
     report.update(sweep=swept, mosaic_knobs=dict(group_bytes=mosaic_gpu._GROUP_BYTES,
-                                                 in_flight=mosaic_gpu._IN_FLIGHT))
+                                                 in_flight=mosaic_gpu._IN_FLIGHT),
+                  tma_sweep=tma_swept, tma_plan=dataclasses.asdict(plan))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "mosaic_bench.json").write_text(json.dumps(report, indent=1))
