@@ -202,6 +202,7 @@ def raises_naming_it_and_changes_nothing(case: Bad, make: Callable[[], Any],
         case.call(mgr)
     assert case.fragment in str(raised.value), str(raised.value)
     assert mgr.state_snapshot() == before
+    assert finish_with(mgr) == finish_with(twin)
 
 
 # ------------------------------------------------------------------------------ M-RoPE manager
