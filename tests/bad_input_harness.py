@@ -1,12 +1,16 @@
-"""The bad-input catalogue's harness, shared by the ``tests/test_bad_inputs_*.py`` files.
+"""The bad-input catalogue's harness, shared by the ``tests/test_bad_inputs_*.py`` files
+(and, for a core call over one table, by ``tests/test_positions.py`` and
+``tests/test_guarantees.py``).
 
 Each case (:class:`Bad`) is one bad input, the exception it must raise and a fragment of
 the message that names the offending argument (or its value). Core cases (``jaxrope``,
 no torch) run on a :class:`CoreEnv` and check that the objects they were given are as
-before (:func:`core_raises_naming_it_and_changes_nothing`). Bridge cases run against a
-manager in a busy state (:func:`busy_manager`: two requests with non-zero counters, a
-CUDA-graph buffer, a current plan and a staged preplan with a pre-fork), through
-:func:`raises_naming_it_and_changes_nothing`: after the failed call
+before (:func:`core_raises_naming_it_and_changes_nothing`; a call over a fixed
+:class:`~jaxrope.PositionTable`: :func:`raises_naming_it_and_leaves_the_table`). Bridge
+cases run against a manager in a busy state (:func:`busy_manager`: two requests with
+non-zero counters, a CUDA-graph buffer, a current plan and a staged preplan with a
+pre-fork), through :func:`raises_naming_it_and_changes_nothing` (each catalogue's test is
+:func:`bridge_catalogue_test`'s): after the failed call
 
 1. ``state_snapshot()`` equals the one taken before (counters, slots, plans and their
    positions, graph buffers, known labels);
@@ -23,6 +27,7 @@ import dataclasses
 import itertools
 from typing import Any, Callable, Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -96,6 +101,18 @@ def core_raises_naming_it_and_changes_nothing(case: Bad) -> None:
         case.call(env)
     assert case.fragment in str(raised.value), str(raised.value)
     assert env.state() == before
+
+
+def raises_naming_it_and_leaves_the_table(table: Any, call: Callable[[], Any], error: type,
+                                          fragment: str) -> None:
+    """A core call over ``table`` (a pytree of arrays: a :class:`~jaxrope.PositionTable`)
+    raises ``error`` with ``fragment`` in its message, and every leaf of ``table`` holds
+    the values it held before."""
+    before = [leaf.tolist() for leaf in jax.tree.leaves(table)]
+    with pytest.raises(error) as raised:
+        call()
+    assert fragment in str(raised.value), str(raised.value)
+    assert [leaf.tolist() for leaf in jax.tree.leaves(table)] == before
 
 
 # ------------------------------------------------------------------------------ bridge
@@ -202,6 +219,21 @@ def raises_naming_it_and_changes_nothing(case: Bad, make: Callable[[], Any],
         case.call(mgr)
     assert case.fragment in str(raised.value), str(raised.value)
     assert mgr.state_snapshot() == before
+    assert finish_with(mgr) == finish_with(twin)
+
+
+def bridge_catalogue_test(cases: list, make: Callable[[], Any],
+                          finish_with: Callable[[Any], Any]) -> Callable[[Bad], None]:
+    """The test of one bridge catalogue: each of ``cases`` (its id ``Bad.name``) through
+    :func:`raises_naming_it_and_changes_nothing` on managers from ``make``, skipped without
+    torch. The catalogue's module binds it to a ``test_*`` name, which pytest collects."""
+
+    @needs_torch
+    @pytest.mark.parametrize("case", cases, ids=lambda c: c.name)
+    def test(case: Bad) -> None:
+        raises_naming_it_and_changes_nothing(case, make, finish_with)
+
+    return test
 
 
 # ------------------------------------------------------------------------------ M-RoPE manager

@@ -10,8 +10,8 @@ import pytest
 
 import jaxrope as jr
 
-from bad_input_harness import (HEAD_DIM, LABELS, MAX_SEQ_LEN, Bad, busy_manager, finish,
-                               needs_torch, prefix, raises_naming_it_and_changes_nothing, torch)
+from bad_input_harness import (HEAD_DIM, LABELS, MAX_SEQ_LEN, Bad, bridge_catalogue_test,
+                               busy_manager, finish, needs_torch, prefix, torch)
 
 if torch is not None:
     from torch_bridge import PositionConfig, PublishedPositionInfo, RopeManager
@@ -53,10 +53,8 @@ def _admit_publish_cases():
 ADMIT_PUBLISH_CASES = _admit_publish_cases() if torch is not None else []
 
 
-@needs_torch
-@pytest.mark.parametrize("case", ADMIT_PUBLISH_CASES, ids=lambda c: c.name)
-def test_admit_and_publish_bad_input_raises_naming_the_argument_and_changes_nothing(case):
-    raises_naming_it_and_changes_nothing(case, busy_manager, finish)
+test_admit_and_publish_bad_input_raises_naming_the_argument_and_changes_nothing = bridge_catalogue_test(
+    ADMIT_PUBLISH_CASES, busy_manager, finish)
 
 
 # ------------------------------------------------------------------------------ reported, not raised

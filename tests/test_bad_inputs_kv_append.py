@@ -12,9 +12,9 @@ import pytest
 import jaxrope as jr
 from jaxrope.testing import oracle
 
-from bad_input_harness import (HEAD_DIM, MROPE_CURRENT_POSITIONS, SEEDS, Bad, busy_manager, finish,
-                               mrope_finish, mrope_manager, needs_torch, qk,
-                               raises_naming_it_and_changes_nothing, torch)
+from bad_input_harness import (HEAD_DIM, MROPE_CURRENT_POSITIONS, SEEDS, Bad, bridge_catalogue_test,
+                               busy_manager, finish, mrope_finish, mrope_manager, needs_torch, qk,
+                               torch)
 
 
 # ------------------------------------------------------------------------------ fused KV append
@@ -296,7 +296,5 @@ def test_the_mrope_append_call_the_kv_cases_vary_is_valid():
     assert int((a["cache"][1] != 0).any(-1).any(-1).sum()) == 2
 
 
-@needs_torch
-@pytest.mark.parametrize("case", MROPE_KV_CASES, ids=lambda c: c.name)
-def test_mrope_append_bad_input_raises_and_changes_nothing(case):
-    raises_naming_it_and_changes_nothing(case, mrope_manager, mrope_finish)
+test_mrope_append_bad_input_raises_and_changes_nothing = bridge_catalogue_test(
+    MROPE_KV_CASES, mrope_manager, mrope_finish)

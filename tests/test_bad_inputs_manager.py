@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bad_input_harness import (HEAD_DIM, Bad, apply, busy_manager, finish, needs_torch, plan, prefix,
-                               qk, raises_naming_it_and_changes_nothing, rope_manager, seg, torch)
+from bad_input_harness import (HEAD_DIM, Bad, apply, bridge_catalogue_test, busy_manager, finish,
+                               needs_torch, plan, prefix, qk, rope_manager, seg, torch)
 
 if torch is not None:
     from bad_input_harness import (CURRENT, CURRENT_CTX, CURRENT_POSITIONS, GRAPH, STAGED,
@@ -264,10 +264,8 @@ def _manager_cases():
 MANAGER_CASES = _manager_cases() if torch is not None else []
 
 
-@needs_torch
-@pytest.mark.parametrize("case", MANAGER_CASES, ids=lambda c: c.name)
-def test_manager_bad_input_raises_naming_the_argument_and_changes_nothing(case):
-    raises_naming_it_and_changes_nothing(case, busy_manager, finish)
+test_manager_bad_input_raises_naming_the_argument_and_changes_nothing = bridge_catalogue_test(
+    MANAGER_CASES, busy_manager, finish)
 
 
 @needs_torch

@@ -5,10 +5,8 @@ argument, the manager's state unchanged and its pending step ending as an untouc
 
 from __future__ import annotations
 
-import pytest
-
-from bad_input_harness import (Bad, busy_manager, mrope_finish, mrope_manager, needs_torch, plan, qk,
-                               raises_naming_it_and_changes_nothing, seg, torch)
+from bad_input_harness import (Bad, bridge_catalogue_test, busy_manager, mrope_finish,
+                               mrope_manager, needs_torch, plan, qk, seg, torch)
 
 if torch is not None:
     from bad_input_harness import GRAPH
@@ -54,10 +52,8 @@ def _mrope_cases():
 MROPE_CASES = _mrope_cases() if torch is not None else []
 
 
-@needs_torch
-@pytest.mark.parametrize("case", MROPE_CASES, ids=lambda c: c.name)
-def test_mrope_bad_input_raises_naming_the_argument_and_changes_nothing(case):
-    raises_naming_it_and_changes_nothing(case, mrope_manager, mrope_finish)
+test_mrope_bad_input_raises_naming_the_argument_and_changes_nothing = bridge_catalogue_test(
+    MROPE_CASES, mrope_manager, mrope_finish)
 
 
 @needs_torch

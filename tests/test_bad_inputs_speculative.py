@@ -12,8 +12,8 @@ import pytest
 
 import jaxrope as jr
 
-from bad_input_harness import (LABELS, Bad, busy_manager, finish, needs_torch, plan,
-                               raises_naming_it_and_changes_nothing, seg, torch)
+from bad_input_harness import (LABELS, Bad, bridge_catalogue_test, busy_manager, finish,
+                               needs_torch, plan, seg, torch)
 
 if torch is not None:
     from bad_input_harness import CURRENT, CURRENT_CTX
@@ -95,10 +95,8 @@ def _block_manager():
 SPECULATIVE_CASES = _speculative_cases() if torch is not None else []
 
 
-@needs_torch
-@pytest.mark.parametrize("case", SPECULATIVE_CASES, ids=lambda c: c.name)
-def test_speculative_bad_input_raises_naming_the_argument_and_changes_nothing(case):
-    raises_naming_it_and_changes_nothing(case, busy_manager, finish)
+test_speculative_bad_input_raises_naming_the_argument_and_changes_nothing = bridge_catalogue_test(
+    SPECULATIVE_CASES, busy_manager, finish)
 
 
 if torch is not None:

@@ -29,6 +29,7 @@ import pytest
 from jaxrope.scaling import Linear, Llama3
 
 from jaxrope.testing import flashinfer as fp
+from jaxrope.testing import flashinfer_bounds as fb
 from jaxrope.testing import golden
 from jaxrope.testing import oracle
 
@@ -86,20 +87,20 @@ def test_flashinfer_and_jaxrope_leave_the_dims_past_rotary_dim_bit_identical(nam
     ours = {b: fp.run_jaxrope(record.cfg, record.q, record.k, record.batch.pos_ids, b)
             for b in ("xla", "interpret")}
     for i, (x, theirs) in enumerate(((record.q, record.q_out), (record.k, record.k_out))):
-        assert fp.untouched_equal(theirs, x, r).all()
+        assert fb.untouched_equal(theirs, x, r).all()
         for backend, out in ours.items():
-            assert fp.untouched_equal(out[i], x, r).all(), backend
+            assert fb.untouched_equal(out[i], x, r).all(), backend
     if r < record.cfg.head_dim:
         # Partial rotary: something is left alone, and it is not the rotated part.
-        assert not fp.untouched_equal(record.q_out[..., :r], record.q[..., :r], 0).all()
+        assert not fb.untouched_equal(record.q_out[..., :r], record.q[..., :r], 0).all()
 
 
 @pytest.mark.parametrize("name", RECORDS)
 def test_flashinfer_rotates_jaxrope_pairs_by_position_times_frequency(name):
     record = golden.golden_record(name)
     cfg = record.cfg
-    before = fp.pairs(np.concatenate([record.q, record.k], axis=1), cfg.rotary_dim, cfg.interleave)
-    after = fp.pairs(np.concatenate([record.q_out, record.k_out], axis=1), cfg.rotary_dim,
+    before = fb.pairs(np.concatenate([record.q, record.k], axis=1), cfg.rotary_dim, cfg.interleave)
+    after = fb.pairs(np.concatenate([record.q_out, record.k_out], axis=1), cfg.rotary_dim,
                      cfg.interleave)
     radius_in = np.hypot(before[..., 0], before[..., 1])
     radius_out = np.hypot(after[..., 0], after[..., 1])
@@ -107,7 +108,7 @@ def test_flashinfer_rotates_jaxrope_pairs_by_position_times_frequency(name):
     # Pairs of tiny length carry no angle worth measuring.
     usable = radius_in > 0.05
     assert usable.mean() > 0.9
-    u = fp.UNIT_ROUNDOFF[record.dtype]
+    u = fb.UNIT_ROUNDOFF[record.dtype]
     # Each output component is rounded by at most u of itself: the pair moves by at most
     # u * its length, which changes its length by that and its angle by asin(u) < 1.01 u.
     np.testing.assert_array_less(np.abs(radius_out - attention * radius_in)[usable],
@@ -119,7 +120,7 @@ def test_flashinfer_rotates_jaxrope_pairs_by_position_times_frequency(name):
     if record.api == "cos_sin_cache":
         angle_error = np.zeros_like(want)
     else:
-        angle_error = fp.flashinfer_angle_error(record.kwargs, record.batch.pos_ids)
+        angle_error = fb.flashinfer_angle_error(record.kwargs, record.batch.pos_ids)
     miss = np.abs(np.remainder(turned - want[:, None, :] + np.pi, 2 * np.pi) - np.pi)
     bound = angle_error[:, None, :] + 1.01 * u + 1e-5
     assert np.all(miss[usable] <= np.broadcast_to(bound, miss.shape)[usable]), (
@@ -227,7 +228,7 @@ def test_live_flashinfer_pairs_and_untouched_dims_match_jaxrope(interleave, frac
                         for b in ("pallas", "xla")})
         for who, outs in results.items():
             for x, out in zip(inputs, outs):
-                same = fp.untouched_equal(out, x, r)
+                same = fb.untouched_equal(out, x, r)
                 if who.startswith("jaxrope"):
                     assert same.all(), f"{who} changed dims past {r} ({dtype_name})"
                     continue

@@ -5,7 +5,7 @@ with FlashInfer 0.5.x) holds inputs and FlashInfer's outputs for cases across ev
 FlashInfer rope API, both layouts, rotary fractions 0.25-1, head_dim 64/128/256, fp16
 and bf16, ragged batches and positions up to 2**20. jaxrope's XLA and interpret
 (Pallas kernel body) backends replay the inputs here, on CPU, and must agree with
-FlashInfer within the position-dependent bound of ``jaxrope/testing/flashinfer.py`` and
+FlashInfer within the position-dependent bound of ``jaxrope/testing/flashinfer_bounds.py`` and
 with the float64 oracle within the tight one. A missing file fails: CI must check parity.
 """
 
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jaxrope.testing import flashinfer as fp
+from jaxrope.testing import flashinfer_bounds as fb
 from jaxrope.testing import golden
 
 RECORDS = golden.golden_record_names()
@@ -56,9 +57,9 @@ def test_jaxrope_matches_recorded_flashinfer(name, backend):
     ours = fp.run_jaxrope(record.cfg, record.q, record.k, record.batch.pos_ids, backend)
     for x, mine, theirs, tensor in ((record.q, ours[0], record.q_out, "q"),
                                     (record.k, ours[1], record.k_out, "k")):
-        reference = fp.Reference(record.cfg, record.api, record.dtype, x, record.batch.pos_ids)
+        reference = fb.Reference(record.cfg, record.api, record.dtype, x, record.batch.pos_ids)
         verdict = reference.check(mine, theirs, f"{name} {tensor} {backend}")
         assert not verdict.failures, "\n".join(verdict.failures + [verdict.summary()])
-        fp.warn_disagreements(verdict, f"{name} {tensor} {backend}")
-        assert fp.untouched_equal(mine, x, record.cfg.rotary_dim).all()
-        assert fp.untouched_equal(theirs, x, record.cfg.rotary_dim).all()
+        fb.warn_disagreements(verdict, f"{name} {tensor} {backend}")
+        assert fb.untouched_equal(mine, x, record.cfg.rotary_dim).all()
+        assert fb.untouched_equal(theirs, x, record.cfg.rotary_dim).all()

@@ -30,22 +30,15 @@ Q_HEADS, K_HEADS, PAGE_SIZE, PAGES = 4, 2, 8, 24
 GEOMETRY = pa.Geometry(CFG, Q_HEADS, K_HEADS, PAGE_SIZE, PAGES)
 
 
-def _k_index(layout: str, combined: bool, page: int, entry: int):
-    """(array, index) of a token's ``[Hk, D]`` keys, from each reader's documentation."""
-    return {("NHD", False): (0, (page, entry)), ("HND", False): (0, (page, slice(None), entry)),
-            ("NHD", True): (0, (page, 0, entry)), ("HND", True): (0, (page, 0, slice(None), entry)),
-            # paged_attention: k_pages[kv_head, page, entry]
-            ("paged_attention", False): (0, (slice(None), page, entry)),
-            # ragged_paged_attention: kv_pages[page, entry, 0::2] are the keys
-            ("ragged_paged_attention", True): (0, (page, entry, slice(0, None, 2))),
-            }[layout, combined]
-
-
-def _v_index(layout: str, combined: bool, page: int, entry: int):
-    return {("NHD", False): (1, (page, entry)), ("HND", False): (1, (page, slice(None), entry)),
-            ("NHD", True): (0, (page, 1, entry)), ("HND", True): (0, (page, 1, slice(None), entry)),
-            ("paged_attention", False): (1, (slice(None), page, entry)),
-            ("ragged_paged_attention", True): (0, (page, entry, slice(1, None, 2))),
+def _kv_index(layout: str, combined: bool, page: int, entry: int, kv: int):
+    """(array, index) of a token's ``[Hk, D]`` keys (``kv=0``) or values (``kv=1``), from
+    each reader's documentation."""
+    return {("NHD", False): (kv, (page, entry)), ("HND", False): (kv, (page, slice(None), entry)),
+            ("NHD", True): (0, (page, kv, entry)), ("HND", True): (0, (page, kv, slice(None), entry)),
+            # paged_attention: k_pages[kv_head, page, entry], v_pages likewise
+            ("paged_attention", False): (kv, (slice(None), page, entry)),
+            # ragged_paged_attention: kv_pages[page, entry, 0::2] are the keys, 1::2 the values
+            ("ragged_paged_attention", True): (0, (page, entry, slice(kv, None, 2))),
             }[layout, combined]
 
 
@@ -91,8 +84,7 @@ def test_every_layout_puts_k_and_v_where_its_reader_looks(layout, combined, back
     k_want = oracle.rope_of(CFG, k, pos)
     for t in np.flatnonzero(slots >= 0):
         page, entry = divmod(int(slots[t]), PAGE_SIZE)
-        (ka, ki), (va, vi) = _k_index(layout, combined, page, entry), _v_index(layout, combined,
-                                                                              page, entry)
+        (ka, ki), (va, vi) = (_kv_index(layout, combined, page, entry, kv) for kv in (0, 1))
         error = oracle.relative_error(new[ka][ki], k_want[t])
         assert error < 1e-5, f"token {t} (slot {slots[t]}): k rows off by {error:.2g}"
         np.testing.assert_array_equal(bits(new[va][vi]), bits(v[t]), err_msg=f"token {t}: v rows")

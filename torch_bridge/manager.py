@@ -1,4 +1,4 @@
-"""``PositionManager``: the seed engine's position resource, a facade over six parts.
+"""``PositionManager``: the seed engine's position resource, a facade over seven parts.
 
 Where each concern lives (one module each):
 
@@ -10,7 +10,10 @@ Where each concern lives (one module each):
   copy, CUDA-graph buffers;
 - :mod:`torch_bridge.publish_admit`: a request's records out and in (publish, snapshots,
   admit, rollback, cached prefix) and the checks of ``{label: value}`` arguments, two
-  components built from the parts above.
+  components built from the parts above;
+- :mod:`torch_bridge.request_lifecycle`: a request's streams in (ingest), reset and out
+  (remove), and each stream's counter and M-RoPE delta read back, a component built
+  from the same parts.
 
 ``RopeManager`` (:mod:`torch_bridge.rope_manager`) adds ``apply_qk``. Every public
 method validates first and changes state only once nothing can fail: a call that
@@ -33,6 +36,7 @@ from torch_bridge.engine_types import (AdmitOutcome, BatchCheck, EngineInfo, Gra
 from torch_bridge.plans import Plan, StepPlans
 from torch_bridge.publish_admit import PublishAdmit, RecordArgs, Snapshot, writer_id
 from torch_bridge.published import PublishedPositionInfo
+from torch_bridge.request_lifecycle import RequestLifecycle
 from torch_bridge.step_arrays import StepReader, check_hashable
 from torch_bridge import speculative
 from torch_bridge.streams import StreamTable
@@ -108,6 +112,7 @@ class PositionManager(Resource):
         self._args = RecordArgs(config.labels, self.max_seq_len, self._mrope)
         self._records = PublishAdmit(self._streams, self._reader, self._plans, self._args,
                                      self.fingerprint, self.writer)
+        self._requests = RequestLifecycle(self._streams, self._reader, self._plans, self._args)
         self._fingerprint: Optional[bytes] = None
         self._batch = BatchCheck()
 
@@ -180,101 +185,29 @@ class PositionManager(Resource):
         return b"|".join((_FINGERPRINT_VERSION, self.config.scheme.value.encode(),
                           str(self.config.block_step).encode()))
 
-    # ---------------------------------------------------------------- requests
+    # ---------------------------------------------------------------- requests: each method is
+    # torch_bridge.request_lifecycle.RequestLifecycle's of the same name (documented there)
 
     def ingest_request(self, rid: Hashable, overrides: Optional[Mapping[str, int]] = None, *,
                        deltas: Optional[Mapping[str, int]] = None) -> None:
-        """Give ``rid`` a counter per configured label; idempotent, never resets.
-
-        Args:
-          rid: the request id (hashable).
-          overrides: optional ``{label: position}`` start positions, taken as
-            ``counter = max(counter, position)`` so a repeated ingest moves nothing.
-          deltas: optional ``{label: M-RoPE delta}`` of the request's prompt (the ``delta``
-            of :func:`jaxrope.mrope.rope_index`): once the prompt is in, a decode token of
-            the stream sits at ``counter + delta`` on all three rows. Set, not merged:
-            repeating it moves nothing.
-
-        Raises:
-          ValueError: an override or delta names an unknown label, a position outside
-            ``[0, max_seq_len]``, a delta that is not an int in ``[-max_seq_len,
-            max_seq_len]``, or deltas for a manager whose RoPE is not M-RoPE.
-          TypeError: ``rid`` is not hashable.
-
-        Example:
-          >>> from torch_bridge import PositionConfig
-          >>> mgr = PositionManager(PositionConfig(), "cpu")
-          >>> mgr.ingest_request("r0", overrides={"text": 4}); mgr.ingest_request("r0")
-          >>> mgr.position("r0", "text")
-          4
-        """
-        check_hashable(rid, "rid")
-        targets = self._args.positions(overrides or {}, "overrides")
-        delta_targets = self._args.deltas(deltas or {}, "deltas")
-        self._streams.ingest(rid)
-        self._streams.raise_to(rid, targets)
-        self._streams.set_deltas(rid, delta_targets)
+        """Give ``rid`` a counter per configured label; idempotent, never resets."""
+        self._requests.ingest_request(rid, overrides, deltas=deltas)
 
     def remove_request(self, rid: Hashable) -> None:
-        """Forget ``rid`` and free its slots (their counters go back to 0); unknown ids are ignored.
-
-        A plan made before the removal still commits, without the removed request's
-        streams.
-
-        Raises:
-          TypeError: ``rid`` is not hashable.
-        """
-        check_hashable(rid, "rid")
-        if rid not in self._streams:
-            return
-        self._plans.drop(rid, self._streams.slots_of(rid))
-        self._streams.release(rid)
+        """Forget ``rid`` and free its slots; unknown ids are ignored."""
+        self._requests.remove_request(rid)
 
     def reset_request(self, rid: Hashable, free: bool = False) -> None:
-        """Set ``rid``'s counters to 0 (dummy requests of CUDA-graph capture); ``free`` also removes it.
-
-        Raises:
-          ValueError: ``rid`` is not ingested (never, or removed).
-          TypeError: ``free`` is not a bool.
-        """
-        if not isinstance(free, bool):
-            raise TypeError(f"free={free!r} must be a bool")
-        slots = self._reader.request_slots(rid)
-        if free:
-            self.remove_request(rid)
-        else:
-            self._streams.reset(slots)
+        """Set ``rid``'s counters to 0 (dummy requests of CUDA-graph capture); ``free`` also removes it."""
+        self._requests.reset_request(rid, free)
 
     def position(self, rid: Hashable, label: str) -> int:
-        """The next position of stream ``(rid, label)`` (committed counters, no device read).
-
-        For M-RoPE this stays the counter, the stream's length in tokens (what commits
-        advance and the KV cache holds); the rotation position of its next token is
-        ``position + delta`` (:meth:`delta`).
-
-        Raises:
-          ValueError: unknown label, or a request not ingested (the message says whether
-            it was removed or never ingested).
-        """
-        return int(self._streams.counters[self._reader.slot(rid, label)])
+        """The next position of stream ``(rid, label)`` (committed counters, no device read)."""
+        return self._requests.position(rid, label)
 
     def delta(self, rid: Hashable, label: str) -> int:
-        """The M-RoPE delta of stream ``(rid, label)``: its next computed token rotates at
-        ``position(rid, label) + delta`` on all three rows (0 for 1-D RoPE).
-
-        Raises:
-          ValueError: unknown request or label.
-
-        Example:
-          >>> import jaxrope as jr
-          >>> from torch_bridge import PositionConfig
-          >>> rope = jr.RopeConfig(head_dim=8, mrope_section=(2, 1, 1))
-          >>> mgr = PositionManager(PositionConfig(rope=rope), "cpu")
-          >>> mgr.ingest_request("r0", {"text": 200}, deltas={"text": -182})
-          >>> mgr.position("r0", "text"), mgr.delta("r0", "text")
-          (200, -182)
-        """
-        return int(self._streams.columns.deltas[self._reader.slot(rid, label)])
+        """The M-RoPE delta of stream ``(rid, label)`` (0 for 1-D RoPE)."""
+        return self._requests.delta(rid, label)
 
     # ---------------------------------------------------------------- plan / commit
 

@@ -7,7 +7,7 @@ Every case calls one FlashInfer in-place API on a ragged batch (1, 19 or 99 sequ
 ``jaxrope/testing/flashinfer.py``). ``rope_scale`` and ``rope_theta`` are never FlashInfer's
 defaults (1, 1e4).
 
-Tolerances are functions of position, derived in ``jaxrope/testing/flashinfer.py``:
+Tolerances are functions of position, derived in ``jaxrope/testing/flashinfer_bounds.py``:
 
 - jaxrope vs the float64 oracle: the output dtype's half ulp plus a 2**-17 rad angle
   error (jaxrope's exact-turn angle), at every position: tight;
@@ -34,6 +34,7 @@ import pytest
 from jaxrope.scaling import Linear, Llama3, Yarn
 
 from jaxrope.testing import flashinfer as fp
+from jaxrope.testing import flashinfer_bounds as fb
 from jaxrope.testing import oracle
 
 pytestmark = pytest.mark.gpu
@@ -133,8 +134,8 @@ def test_jaxrope_matches_flashinfer(case, flashinfer, record_property):
     r = case.cfg.rotary_dim
     for i, (x, tensor) in enumerate(((q, "q"), (k, "k"))):
         theirs = flashinfer_out[i]
-        assert fp.untouched_equal(theirs, x, r).all(), f"FlashInfer changed {tensor}[..., {r}:]"
-        reference = fp.Reference(case.cfg, case.api, case.dtype, x, batch.pos_ids)
+        assert fb.untouched_equal(theirs, x, r).all(), f"FlashInfer changed {tensor}[..., {r}:]"
+        reference = fb.Reference(case.cfg, case.api, case.dtype, x, batch.pos_ids)
         for backend, out in ours.items():
             label = f"{tensor} {backend}"
             verdict = reference.check(out[i], theirs, label)
@@ -143,8 +144,8 @@ def test_jaxrope_matches_flashinfer(case, flashinfer, record_property):
             record_property(f"{label} jaxrope_err_over_bound",
                             round(verdict.ours_vs_oracle.worst_ratio, 4))
             assert not verdict.failures, "\n".join(verdict.failures + [verdict.summary()])
-            assert fp.untouched_equal(out[i], x, r).all(), f"jaxrope {backend} changed {tensor}[..., {r}:]"
-            fp.warn_disagreements(verdict, f"{case.name} {label}")
+            assert fb.untouched_equal(out[i], x, r).all(), f"jaxrope {backend} changed {tensor}[..., {r}:]"
+            fb.warn_disagreements(verdict, f"{case.name} {label}")
 
 
 def test_flashinfer_drifts_with_position_and_jaxrope_does_not(flashinfer, record_property):

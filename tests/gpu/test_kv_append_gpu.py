@@ -9,7 +9,7 @@ donated) with the same page tables as slots (``jaxrope.testing.flashinfer_kv``) 
 padding tokens at slot -1 that FlashInfer never sees.
 
 - q and the k rows written: FlashInfer's position-dependent parity bound
-  (``jaxrope.testing.flashinfer.Reference``, positions up to ~2**20), dims past
+  (``jaxrope.testing.flashinfer_bounds.Reference``, positions up to ~2**20), dims past
   ``rotary_dim`` bit-identical to the input.
 - v rows: bit-identical on both sides (a copy, or the same scale-and-saturate
   conversion for fp8).
@@ -30,6 +30,7 @@ import pytest
 import jaxrope as jr
 from jaxrope.scaling import Linear
 from jaxrope.testing import flashinfer as fp
+from jaxrope.testing import flashinfer_bounds as fb
 from jaxrope.testing import flashinfer_kv, kv_oracle
 
 pytestmark = pytest.mark.gpu
@@ -90,10 +91,10 @@ def test_fused_append_matches_flashinfer_rope_then_append(case, device, flashinf
     r = cfg.rotary_dim
     fi_q, fi_k, fi_v = flashinfer_kv.run_rope_then_append(
         cfg, q[:t], k[:t], v[:t], pos[:t], batch, *old, layout)
-    q_ref = fp.Reference(cfg, "pos_ids", dtype, q[:t], pos[:t])
-    k_ref = fp.Reference(cfg, "pos_ids", dtype, k[:t], pos[:t])
+    q_ref = fb.Reference(cfg, "pos_ids", dtype, q[:t], pos[:t])
+    k_ref = fb.Reference(cfg, "pos_ids", dtype, k[:t], pos[:t])
     fi_rows = kv_oracle.rows(fi_k, layout, page, entry)
-    assert fp.untouched_equal(fi_rows, k[:t], r).all(), "FlashInfer changed k[..., R:]"
+    assert fb.untouched_equal(fi_rows, k[:t], r).all(), "FlashInfer changed k[..., R:]"
     for backend in BACKENDS:
         ours_q, ours_k, ours_v = _ours(cfg, q, k, v, pos, slots, old, layout, backend, {})
         rows = kv_oracle.rows(ours_k, layout, page, entry)
@@ -103,8 +104,8 @@ def test_fused_append_matches_flashinfer_rope_then_append(case, device, flashinf
             record_property(f"{label} {backend} jaxrope_err_over_bound",
                             round(verdict.ours_vs_oracle.worst_ratio, 4))
             assert not verdict.failures, "\n".join(verdict.failures + [verdict.summary()])
-            assert fp.untouched_equal(got, x, r).all(), f"{backend} changed {label}[..., {r}:]"
-            fp.warn_disagreements(verdict, f"{_id(case)} {label} {backend}")
+            assert fb.untouched_equal(got, x, r).all(), f"{backend} changed {label}[..., {r}:]"
+            fb.warn_disagreements(verdict, f"{_id(case)} {label} {backend}")
         np.testing.assert_array_equal(kv_oracle.bits(kv_oracle.rows(ours_v, layout, page, entry)),
                                       kv_oracle.bits(v[:t]), err_msg=f"{backend}: v rows")
         np.testing.assert_array_equal(kv_oracle.bits(ours_v), kv_oracle.bits(fi_v), err_msg=f"{backend}: v cache")

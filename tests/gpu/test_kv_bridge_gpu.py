@@ -9,7 +9,7 @@ at random, positions up to ~2**20) plus padding tokens at slot -1.
 
 - bf16 / fp16 against FlashInfer's ``apply_rope_pos_ids_inplace`` then
   ``append_paged_kv_cache``: q and the k rows within FlashInfer's position-dependent
-  parity bound (``jaxrope.testing.flashinfer.Reference``), dims past ``rotary_dim`` and
+  parity bound (``jaxrope.testing.flashinfer_bounds.Reference``), dims past ``rotary_dim`` and
   the v rows bit-identical, every entry no token names unchanged; pair and combined
   caches, NHD and HND, page sizes 1 and 16, int32 and int64 slots.
 - fp8 e4m3 caches against ``rope_quantize_fp8_append_paged_kv_cache``: k rows within one
@@ -37,6 +37,7 @@ import jaxrope as jr  # noqa: E402
 from jaxrope.kernels import triton_ir  # noqa: E402
 from jaxrope.scaling import Linear  # noqa: E402
 from jaxrope.testing import flashinfer as fp  # noqa: E402
+from jaxrope.testing import flashinfer_bounds as fb  # noqa: E402
 from jaxrope.testing import flashinfer_kv, kv_oracle, oracle  # noqa: E402
 from torch_bridge import (GraphBucket, GraphSlot, PositionConfig, PositionStep,  # noqa: E402
                           RopeManager, Segment, StepContext)
@@ -139,13 +140,13 @@ def test_fused_append_matches_flashinfer_rope_then_append(case, launcher, device
                                    combined, {}, slot_dtype)
     rows = kv_oracle.rows(ours_k, layout, page, entry)
     for label, x, got, theirs in (("q", q[:t], ours_q[:t], fi_q), ("k cache", k[:t], rows, fi_rows)):
-        verdict = fp.Reference(cfg, "pos_ids", dtype, x, pos[:t]).check(got, theirs,
+        verdict = fb.Reference(cfg, "pos_ids", dtype, x, pos[:t]).check(got, theirs,
                                                                          f"{label} {launcher}")
         record_property(f"{label} {launcher} jaxrope_err_over_bound",
                         round(verdict.ours_vs_oracle.worst_ratio, 4))
         assert not verdict.failures, "\n".join(verdict.failures + [verdict.summary()])
-        assert fp.untouched_equal(got, x, r).all(), f"{launcher} changed {label}[..., {r}:]"
-        fp.warn_disagreements(verdict, f"{_id(case)} {label} {launcher}")
+        assert fb.untouched_equal(got, x, r).all(), f"{launcher} changed {label}[..., {r}:]"
+        fb.warn_disagreements(verdict, f"{_id(case)} {label} {launcher}")
     np.testing.assert_array_equal(kv_oracle.bits(kv_oracle.rows(ours_v, layout, page, entry)), kv_oracle.bits(v[:t]))
     np.testing.assert_array_equal(kv_oracle.bits(ours_v), kv_oracle.bits(fi_v), err_msg="v cache")
     for label, new, prev in (("k cache", ours_k, old[0]), ("v cache", ours_v, old[1])):
@@ -361,7 +362,7 @@ def test_split_qkv_views_take_the_jax_path_and_write_q_back(device):
     # the H200 the paths' q differed by up to 7 bf16 ulps (run of 2026-12-01 12:38 UTC), so
     # q is held to the bound of the parity suite on each side instead.
     bf16 = fp.DTYPE["bfloat16"]
-    reference = fp.Reference(fresh.cfg, "pos_ids", "bfloat16",
+    reference = fb.Reference(fresh.cfg, "pos_ids", "bfloat16",
                              flashinfer_kv.from_torch(fresh.q, bf16), fresh.pos)
     for name, q in (("JAX path (split views)", slow.qkv[:, :32]), ("launcher", fast.q)):
         comparison = reference.check_ours(flashinfer_kv.from_torch(q, bf16), name)
