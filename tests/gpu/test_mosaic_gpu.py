@@ -18,25 +18,11 @@ import pytest
 import jaxrope as jr
 from jaxrope import backend as backend_module
 from jaxrope.cases import BY_NAME, CASES, MROPE_CASES
-from jaxrope.kernels import mosaic_gpu
 from jaxrope.testing import oracle
 
 pytestmark = pytest.mark.gpu
 
 LARGE = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def hopper(jax_gpu):
-    """JAX's first GPU when Mosaic GPU runs on it, else a skip saying why not."""
-    missing = mosaic_gpu.unavailable()
-    if missing:
-        pytest.skip(missing)
-    capability = backend_module.device_capability(jax_gpu)
-    if capability is None or int(capability.split(".")[0]) < backend_module.MOSAIC_MIN_CAPABILITY:
-        pytest.skip(f"{jax_gpu.device_kind} has compute capability {capability}, Mosaic GPU "
-                    "needs 9.0")
-    return jax_gpu
 
 
 def _inputs(rng, case, tokens, dtype, device):
