@@ -292,7 +292,9 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
     scales = jnp.stack([_scale("k_quant_scale", k_quant_scale, quantized),
                         _scale("v_quant_scale", v_quant_scale, quantized)])
     platform = _apply._platform(q)
-    impl = _apply.resolve_for(backend, q, op="rope_append_kv")
+    # The device's compute capability decides "auto" between Mosaic GPU and Triton.
+    impl = _backend.resolve(backend, platform, "rope_append_kv",
+                            _backend.device_capability(_apply._device(q)))
     tables, _ = _apply.kernel_constants(cfg)
     # The kernels see every layout as [rows, D] matrices, addressed by `rows`.
     views = tuple(c.reshape(-1, c.shape[-1]) for c in caches)

@@ -14,9 +14,9 @@ a head's ``D`` values are contiguous in every cache layout) and whose remaining 
 and warps split the heads. q's and k's halves share one layout (its head tile divides
 both head counts), so removing the head axis gives one ``[R/2]`` layout: the angle
 (:func:`jaxrope.kernels.angle.angle_cos_sin`, the accurate one every backend shares) is
-formed once per token and broadcast to q and k for free. A block walks
-``tokens_per_block`` tokens unrolled, each token's loads issued before the previous
-token's stores.
+formed once per token and broadcast to q and k for free. A block walks ``tokens`` tokens
+unrolled (one for JAX calls: ``_TOKENS_PER_BLOCK``), each token's loads issued before the
+previous token's stores.
 
 Caches arrive as ``[rows // (Hk * hs), Hk, hs, D]`` views of the ``[rows, D]`` matrices
 (``hs`` = :attr:`CacheRows.head_stride`): every layout's head axis is one axis of
@@ -52,10 +52,12 @@ from jaxrope.kernels.mosaic_gpu import as_pallas, floor, load, tiled
 
 _THREADS = 128      # a warpgroup
 _VECTOR_BYTES = 16  # the widest GMEM access a thread makes
-# Tokens one block walks unrolled, when the grid still has two blocks per SM of an
-# H200 (132 SMs); fewer for small T, down to one token a block.
-_TOKENS_PER_BLOCK = 8
-_MIN_BLOCKS = 264
+# Tokens one block walks unrolled (each token's loads issued before the previous token's
+# stores). One a block was the fastest of 1-16 on the H200 (bf16 Hq 32 / Hk 8 / D 128,
+# NHD pages of 16): 100.8 us at 16k tokens against 105.5 at 8, 397 us at 64k against
+# 412; many small blocks hide the latency of each token's slot -> address -> store chain
+# better than a block walking several. Launches outside JAX take any (``build_append``).
+_TOKENS_PER_BLOCK = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,14 +115,6 @@ def row_layout(s: RowSplit):
                  warp_dims, lane_dims)
 
 
-def tokens_per_block(num_tokens: int) -> int:
-    """``_TOKENS_PER_BLOCK``, halved while the grid would have under ``_MIN_BLOCKS``."""
-    tokens = _TOKENS_PER_BLOCK
-    while tokens > 1 and -(-num_tokens // tokens) < _MIN_BLOCKS:
-        tokens //= 2
-    return tokens
-
-
 def _pieces(x_ref, start: int, width: int, interleave: bool):
     # The refs of dims [start, start + width) of a token's [H, D] (GPT-J: its [H, D/2, 2]
     # view, start and width in pairs, one ref for the even and one for the odd elements).
@@ -144,7 +138,7 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
     :func:`jaxrope.kernels.mosaic_gpu.slot_row_table`, ``scales`` float32 ``[2]``,
     ``q`` a mutable ``[T, Hq, D]`` ref, ``k``/``v`` ``[T, Hk, D]`` (GPT-J: ``[..., D/2,
     2]`` views of all of these), ``caches`` mutable ``[rows // (Hk * hs), Hk, hs, D]``
-    views (one array when ``combined``, else k's and v's). ``count`` is the static T,
+    views (k's and v's, or the one array of a combined layout). ``count`` is the static T,
     one block per ``tokens`` tokens (JAX calls). ``count=None``: an int32 ``count``
     operand comes first and is read at run time, and ``grid`` blocks walk the count's
     blocks in turn (launches outside JAX; refs may hold more than ``count`` tokens).
@@ -172,6 +166,9 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
             return x_ref.at[:, pl.ds(0, half), 0], x_ref.at[:, pl.ds(0, half), 1]
         return x_ref.at[:, pl.ds(0, half)], x_ref.at[:, pl.ds(half, half)]
 
+    def past_rotary(x_ref):  # k's dims [R, D), copied as they are
+        return _pieces(x_ref, width(rotary_dim), width(passing), interleave) if passing else []
+
     def block(n, refs, first: int | jax.Array, walk: int):
         pos_ref, slot_ref, tables_ref, rows_ref, scale_ref, q_ref, k_ref, v_ref, *cache_refs = refs
         k_cache, v_cache = cache_refs[0], cache_refs[rows.value_array]
@@ -192,9 +189,7 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
                 t=t, real=real, slot=slot_ref.at[t][...], pos=pos,
                 q=[load(r, rotary) for r in halves(q_ref.at[t])],
                 k=[load(r, rotary) for r in halves(k_ref.at[t])],
-                k_rest=[load(r, rest) for r in _pieces(k_ref.at[t], width(rotary_dim),
-                                                      width(passing), interleave)]
-                if passing else [],
+                k_rest=[load(r, rest) for r in past_rotary(k_ref.at[t])],
                 v=[load(r, whole) for r in _pieces(v_ref.at[t], 0, width(head_dim), interleave)])
 
         def cos_sin(pos):
@@ -226,17 +221,19 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
             q_out = rotate(x["q"], cos, sin, q_heads)
             k_out = rotate(x["k"], cos, sin, k_heads)
 
-            def store_q():
+            real = x["real"]
+            ok = (slot >= 0) & (slot < rows.num_slots)
+            if real is not True:
+                ok = ok & real
+
+            # q is rotated whatever the slot; only a clamped repeat of the last token skips it.
+            guard = (lambda store: store()) if real is True else pl.when(real)
+
+            @guard
+            def _():
                 for ref, value in zip(halves(q_ref.at[t]), q_out):
                     ref[...] = value.astype(ref.dtype)
 
-            if isinstance(x["real"], bool):
-                store_q()
-            else:
-                pl.when(x["real"])(store_q)
-            ok = (slot >= 0) & (slot < rows.num_slots)
-            if not isinstance(x["real"], bool):
-                ok = ok & x["real"]
             safe = jnp.where(ok, slot, 0)
             page, entry = jax.lax.div(safe, rows.page_size), jax.lax.rem(safe, rows.page_size)
             base = page * rows.page_stride + entry * rows.entry_stride
@@ -250,8 +247,7 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
                 k_row, v_row = at(k_cache, 0), at(v_cache, rows.value_offset)
                 for ref, value in zip(halves(k_row), k_out):
                     ref[...] = cached(value, scales[0], ref.dtype)
-                for ref, value in zip(_pieces(k_row, width(rotary_dim), width(passing),
-                                              interleave) if passing else [], x["k_rest"]):
+                for ref, value in zip(past_rotary(k_row), x["k_rest"]):
                     ref[...] = cached(value, scales[0], ref.dtype)
                 for ref, value in zip(_pieces(v_row, 0, width(head_dim), interleave), x["v"]):
                     ref[...] = cached(value, scales[1], ref.dtype)
@@ -320,14 +316,13 @@ def rope_append_kv_mosaic(q, k, v, pos_ids, slots, tables, scales, caches, *, ro
     k_heads = k.shape[1]
     if num_tokens == 0:
         return q, tuple(caches)
-    tokens = tokens_per_block(num_tokens)
     kernel = build_append(
         q_heads=q_heads, k_heads=k_heads, head_dim=head_dim,
         itemsize=np.dtype(q.dtype).itemsize, rotary_dim=rotary_dim, interleave=interleave,
         attention_factor=attention_factor, rows=rows,
         quantize=jnp.dtype(caches[0].dtype) == FP8,
         mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, count=num_tokens,
-        tokens=tokens, interpret=interpret)
+        tokens=_TOKENS_PER_BLOCK, interpret=interpret)
     row_table = mosaic_gpu.slot_row_table(rotary_dim // 2, mrope_section, mrope_interleaved)
     views = [x.reshape(*x.shape[:2], head_dim // 2, 2) if interleave else x for x in (q, k, v)]
     q_ref = jax.new_ref(views[0])

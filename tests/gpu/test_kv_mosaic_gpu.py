@@ -4,7 +4,8 @@ layout form at T in (0, 1, 17, 512, 4099), fp8 with scales, slots at -1 and past
 
 Where the math is the same the caches are the same bits (v rows, dims past ``rotary_dim``,
 fp8 conversions of equal values, every entry no slot names); the rotated values differ by
-the hardware sine against XLA's, within two ulps of a row's scale. The CPU suite runs the
+the hardware sine against XLA's, within two ulps of a row's scale (float32: within the
+oracle's bound). The CPU suite runs the
 same body in Mosaic GPU's interpreter (tests/test_kv_mosaic_interpret.py).
 """
 
@@ -37,6 +38,11 @@ def _within_rounding(a, b, label):
     if a.dtype == jnp.float8_e4m3fn:
         worst = kv_oracle.ulps(a, b).max(initial=0)
         assert worst <= 1, f"{label}: {worst} e4m3 ulps apart"
+        return
+    if a.dtype == np.float32:
+        # The hardware sine's ~1e-6 is several float32 ulps: within the oracle's bound.
+        error = oracle.relative_error(a.astype(np.float64), b.astype(np.float64))
+        assert error < oracle.RELATIVE_TOLERANCE["float32"], f"{label}: {error:.2g} apart"
         return
     worst = kv_oracle.row_ulps(a, b).max(initial=0)
     assert worst <= 2, f"{label}: {worst} ulps of the row's scale apart"
@@ -90,11 +96,28 @@ def test_compiled_mosaic_append_writes_every_layout_as_the_other_backends(
         want = oracle.rope_of(cfg, np.asarray(q, np.float64), np.asarray(pos))
         assert oracle.relative_error(np.asarray(outs["mosaic"][0], np.float64), want) < \
             oracle.RELATIVE_TOLERANCE["bfloat16"]
-    # Where XLA left an entry as it was (no slot names it), so did the kernel.
-    for new, ref, prev in zip(jax.tree.leaves(outs["mosaic"][1]), jax.tree.leaves(outs["xla"][1]),
-                              jax.tree.leaves(cache)):
-        same = kv_oracle.bits(ref) == kv_oracle.bits(prev)
-        np.testing.assert_array_equal(kv_oracle.bits(new)[same], kv_oracle.bits(prev)[same])
+    # Every entry no valid slot names keeps its bits (the rows by kv_layout's stride rule,
+    # which tests/test_kv_layouts.py checks against each reader).
+    for new, mask, prev in zip(jax.tree.leaves(outs["mosaic"][1]),
+                               _written(layout, combined, slots, cache), jax.tree.leaves(cache)):
+        np.testing.assert_array_equal(kv_oracle.bits(new)[~mask], kv_oracle.bits(prev)[~mask])
+
+
+def _written(layout, combined, slots, cache):
+    """bool masks, one per cache array, of the elements the valid slots' k and v rows hold."""
+    arrays = jax.tree.leaves(cache)
+    pages, page_size = kv_layout.geometry(layout, combined, arrays[0].shape)
+    k_heads = arrays[0].shape[-2] // 2 if layout == "ragged_paged_attention" else (
+        arrays[0].shape[kv_layout.axes(layout, combined).index("head")])
+    rows = kv_layout.cache_rows(layout, combined, pages, page_size, k_heads)
+    slots = np.asarray(slots)
+    s = slots[(slots >= 0) & (slots < rows.num_slots)][:, None]
+    keys = rows.row(s // page_size, s % page_size, np.arange(k_heads)[None, :]).ravel()
+    masks = [np.zeros(a.shape[:-1], bool).reshape(-1) for a in arrays]
+    masks[0][keys] = True
+    masks[rows.value_array][keys + rows.value_offset] = True
+    return [m.reshape(a.shape[:-1])[..., None].repeat(a.shape[-1], -1)
+            for m, a in zip(masks, arrays)]
 
 
 def test_auto_takes_the_mosaic_append_on_hopper(hopper, rng):
