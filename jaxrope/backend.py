@@ -8,9 +8,11 @@ one entry per op it implements and, if it should win somewhere, one line in
 
 ``BACKENDS`` is the tuple of names ``backend=`` accepts:
 
-- "auto": Mosaic GPU on a CUDA GPU of compute capability 9.0 or newer (Hopper), for the
-  ops it implements; the Triton-lowered Pallas kernel on other GPUs; XLA elsewhere;
-- "mosaic": the Mosaic GPU kernels (:mod:`jaxrope.kernels.mosaic_gpu`; CUDA, Hopper+);
+- "auto": Mosaic GPU on a CUDA GPU of compute capability 9.0 or newer (Hopper) with a JAX
+  whose Mosaic GPU lowers every layout (:func:`jaxrope.kernels.mosaic_gpu.lowering_unavailable`),
+  for every op; the Triton-lowered Pallas kernel on other GPUs; XLA elsewhere;
+- "mosaic": the Mosaic GPU kernels (:mod:`jaxrope.kernels.mosaic_gpu`,
+  :mod:`jaxrope.kernels.kv_mosaic`; CUDA, Hopper+);
 - "triton": the Pallas kernels lowered through Triton (:mod:`jaxrope.kernels.pallas_triton`,
   :mod:`jaxrope.kernels.kv_pallas`), on any GPU Pallas's Triton backend runs on. JAX 0.11
   deprecated that backend (``jax-pallas-triton``): its compile warns, and it stops when
@@ -35,7 +37,7 @@ import functools
 from typing import Callable, Optional
 
 from jaxrope.errors import BackendUnavailable
-from jaxrope.kernels import kv_pallas, kv_reference, mosaic_gpu, pallas_triton, reference
+from jaxrope.kernels import kv_mosaic, kv_pallas, kv_reference, mosaic_gpu, pallas_triton, reference
 
 BACKENDS = ("auto", "mosaic", "triton", "pallas", "xla", "interpret")
 
@@ -55,6 +57,7 @@ _APPEND_KV_IMPLEMENTATIONS = {
     "xla": kv_reference.rope_append_kv_reference,
     "triton": kv_pallas.rope_append_kv_pallas,
     "interpret": functools.partial(kv_pallas.rope_append_kv_pallas, interpret=True),
+    "mosaic": kv_mosaic.rope_append_kv_mosaic,
 }
 
 _OPS = {"rope": _IMPLEMENTATIONS, "rope_append_kv": _APPEND_KV_IMPLEMENTATIONS}

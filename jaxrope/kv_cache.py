@@ -2,7 +2,9 @@
 
 After RoPE an engine writes the rotated k and the v into its paged KV cache; done as two
 kernels, k is read twice. This op rotates q (in place when donated) and writes the
-rotated k and the v into the cache at each token's slot in one launch on the GPU.
+rotated k and the v into the cache at each token's slot in one launch on the GPU: the
+Mosaic GPU kernel (:mod:`jaxrope.kernels.kv_mosaic`) on Hopper or newer, the
+Triton-lowered one (:mod:`jaxrope.kernels.kv_pallas`) on other GPUs.
 
 Vocabulary and conventions:
 
@@ -224,7 +226,10 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
       k_quant_scale, v_quant_scale: fp8 caches only (None otherwise): the cache stores
         ``e4m3(clip(x * scale, -448, 448))``, FlashInfer's ``quant_scale_kv``; a float or
         a scalar array (may be traced); default 1.
-      backend: "auto" (Pallas on GPU, XLA elsewhere), "pallas", "xla" or "interpret".
+      backend: "auto" (the Mosaic GPU kernel on Hopper or newer with JAX 0.11, the
+        Triton-lowered Pallas kernel on other GPUs, XLA elsewhere:
+        :func:`jaxrope.backend.backend_name`), "mosaic", "triton" ("pallas"), "xla" or
+        "interpret".
 
     Returns:
       ``(q, kv_cache)``: q rotated exactly as :func:`jaxrope.apply_rope` rotates it
@@ -245,7 +250,7 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
         tracers there, and donating both is refused by JAX itself).
       BackendUnavailable: ``backend="pallas"`` off GPU or on an fp8 cache of 2-4 GiB
         (:func:`jaxrope.kernels.kv_pallas.unsupported`; "auto" takes the XLA path
-        there), ``"mosaic"`` (no fused kernel).
+        there), ``"mosaic"`` off a CUDA GPU or with a JAX without Mosaic GPU's API.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxrope as jr
@@ -287,7 +292,9 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
     scales = jnp.stack([_scale("k_quant_scale", k_quant_scale, quantized),
                         _scale("v_quant_scale", v_quant_scale, quantized)])
     platform = _apply._platform(q)
-    impl = _backend.resolve(backend, platform, op="rope_append_kv")
+    # The device's compute capability decides "auto" between Mosaic GPU and Triton.
+    impl = _backend.resolve(backend, platform, "rope_append_kv",
+                            _backend.device_capability(_apply._device(q)))
     tables, _ = _apply.kernel_constants(cfg)
     # The kernels see every layout as [rows, D] matrices, addressed by `rows`.
     views = tuple(c.reshape(-1, c.shape[-1]) for c in caches)

@@ -19,7 +19,7 @@ import jaxrope as jr
 from jaxrope import backend as backend_module
 from jaxrope.apply import kernel_constants
 from jaxrope.cases import BY_NAME, CASES, MROPE_CASES
-from jaxrope.kernels import mosaic_gpu
+from jaxrope.kernels import kv_mosaic, mosaic_gpu
 from jaxrope.testing import oracle
 
 MISSING = mosaic_gpu.unavailable()
@@ -161,26 +161,27 @@ def test_mosaic_floor_is_a_floor_for_either_sign(rng):
     # The turn tables' mid and lo parts are signed: the kernel floors negative values too.
     x = rng.uniform(-3e6, 3e6, 4096).astype(np.float32)
     x[:4] = [-2.5, -2.0, -0.25, 0.0]
-    np.testing.assert_array_equal(np.asarray(mosaic_gpu._floor(jnp.asarray(x))), np.floor(x))
+    np.testing.assert_array_equal(np.asarray(mosaic_gpu.floor(jnp.asarray(x))), np.floor(x))
 
 
 def test_auto_takes_mosaic_only_on_hopper_or_newer():
-    # One rule for every caller: compute capability 9.0+ CUDA runs Mosaic GPU, older GPUs
-    # the Triton-lowered kernel, CPU XLA; an op without a Mosaic kernel keeps Triton.
+    # One rule for every caller and both ops (each has a Mosaic GPU kernel): compute
+    # capability 9.0+ CUDA runs Mosaic GPU, older GPUs the Triton-lowered kernel, CPU XLA.
     want = "mosaic" if mosaic_gpu.lowering_unavailable() is None else "triton"
     assert backend_module.backend_name("auto", "cuda", compute_capability="9.0") == want
     assert backend_module.backend_name("auto", "gpu", compute_capability="10.0") == want
     assert backend_module.backend_name("auto", "cuda", compute_capability="8.9") == "triton"
     assert backend_module.backend_name("auto", "rocm") == "triton"
     assert backend_module.backend_name("auto", "cpu") == "xla"
-    assert backend_module.backend_name("auto", "cuda", "rope_append_kv", "9.0") == "triton"
+    assert backend_module.backend_name("auto", "cuda", "rope_append_kv", "9.0") == want
+    assert backend_module.backend_name("auto", "cuda", "rope_append_kv", "8.0") == "triton"
     assert backend_module.resolve("pallas", "cuda") is backend_module.resolve("triton", "cuda")
     with pytest.raises(jr.BackendUnavailable, match="backend='mosaic' needs a CUDA GPU"):
         backend_module.resolve("mosaic", "cpu")
     with pytest.raises(jr.BackendUnavailable, match="backend='triton' \\(or 'pallas'\\) needs"):
         backend_module.resolve("pallas", "cpu")
-    with pytest.raises(jr.BackendUnavailable, match="has no rope_append_kv kernel"):
-        backend_module.resolve("mosaic", "cuda", "rope_append_kv")
+    assert backend_module.resolve("mosaic", "cuda", "rope_append_kv") is (
+        kv_mosaic.rope_append_kv_mosaic)
 
 
 @needs_mosaic
@@ -193,6 +194,7 @@ def test_auto_leaves_mosaic_to_the_jax_versions_known_to_lower_it(monkeypatch):
     monkeypatch.setattr(jax, "__version__", "0.11.2")
     assert mosaic_gpu.lowering_unavailable() is None
     assert backend_module.backend_name("auto", "cuda", compute_capability="9.0") == "mosaic"
+    assert backend_module.backend_name("auto", "cuda", "rope_append_kv", "9.0") == "mosaic"
 
 
 def _run_time_count(cfg, q, k, pos, count, grid, splits):

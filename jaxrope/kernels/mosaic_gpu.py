@@ -151,7 +151,7 @@ def head_splits(token_blocks: int, groups: int) -> int:
     return max(1, min(groups, -(-_MIN_BLOCKS // token_blocks)))
 
 
-def _tiled(tiles, warp_dims, lane_dims):
+def tiled(tiles, warp_dims, lane_dims):
     # Mosaic GPU accepts only canonical layouts (size-1 tiled dims dropped): build the
     # readable form, then canonicalize it.
     from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -159,7 +159,7 @@ def _tiled(tiles, warp_dims, lane_dims):
                           vector_dim=-1, _check_canonical=False).canonicalize()
 
 
-def _as_pallas(layout):
+def as_pallas(layout):
     from jax.experimental.pallas import mosaic_gpu as plgpu
     return plgpu.Layout.TILED(layout.tiling, warp_dims=layout.warp_dims,
                               lane_dims=layout.lane_dims, vector_dim=layout.vector_dim)
@@ -178,19 +178,19 @@ def _data_layout(p: Plan, tokens: int, group: int, half: int):
     pairs = p.lanes_pairs * p.vec
     if tokens == 1:
         copies = (fa.Replicated(p.token_lanes),) if p.token_lanes > 1 else ()
-        return _tiled(((1, group, pairs), (1, 1, p.vec)), (fa.Replicated(_WARPS),),
+        return tiled(((1, group, pairs), (1, 1, p.vec)), (fa.Replicated(_WARPS),),
                       (*copies, -4))
-    return _tiled(((tokens, group, pairs), (p.token_lanes, group, pairs), (1, 1, p.vec)),
+    return tiled(((tokens, group, pairs), (p.token_lanes, group, pairs), (1, 1, p.vec)),
                   (-9,), (-6, -4))
 
 
-def _load(ref, layout):
+def load(ref, layout):
     from jax.experimental.pallas import mosaic_gpu as plgpu
     # "optimized" transfers plan SMEM bank conflicts; these read GMEM.
-    return plgpu.load(ref, layout=_as_pallas(layout), optimized=False)
+    return plgpu.load(ref, layout=as_pallas(layout), optimized=False)
 
 
-def _floor(x):
+def floor(x):
     t = x.astype(jnp.int32).astype(jnp.float32)  # truncates toward zero
     return jnp.where(t > x, t - 1.0, t)
 
@@ -238,40 +238,40 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
         return x_ref.at[tokens, heads, pl.ds(0, half)], x_ref.at[tokens, heads, pl.ds(half, half)]
 
     def broadcast(x, shape, dims, layout):
-        return plgpu.layout_cast(jax.lax.broadcast_in_dim(x, shape, dims), _as_pallas(layout))
+        return plgpu.layout_cast(jax.lax.broadcast_in_dim(x, shape, dims), as_pallas(layout))
 
     def rotate(n, pos_ref, tables_ref, rows_ref, q_ref, k_ref, t0, tokens, chunk):
         by_group = layouts[tokens]
         spans = pl.ds(t0, tokens)
         work = [((q_ref, k_ref)[x], group, g) for x, group, g in chunk]
 
-        def load(item):
+        def load_group(item):
             x_ref, group, g = item
             refs = halves(x_ref, spans, pl.ds(g * group, group))
-            return refs, [_load(r, by_group[group]) for r in refs]
+            return refs, [load(r, by_group[group]) for r in refs]
 
         # The first groups' loads go out before the positions': the angle's arithmetic
         # then overlaps them instead of delaying them.
-        in_flight = [load(item) for item in work[:p.in_flight]]
+        in_flight = [load_group(item) for item in work[:p.in_flight]]
         data = by_group[work[0][1]]
         angle, slots, per_token = data.reduce((1,)), data.reduce((0, 1)), data.reduce((1, 2))
         shape = (tokens, half)
-        turns = [broadcast(_load(tables_ref.at[i], slots), shape, (1,), angle) for i in range(3)]
+        turns = [broadcast(load(tables_ref.at[i], slots), shape, (1,), angle) for i in range(3)]
 
         def positions(row):
             start = t0 if row == 0 else row * n + t0
             if tokens == 1:
                 return broadcast(pos_ref.at[start][...], shape, (), angle)
-            return broadcast(_load(pos_ref.at[pl.ds(start, tokens)], per_token), shape, (0,),
+            return broadcast(load(pos_ref.at[pl.ds(start, tokens)], per_token), shape, (0,),
                              angle)
 
         if not mrope:
             pos = positions(0)
         else:
-            row = broadcast(_load(rows_ref, slots), shape, (1,), angle)
+            row = broadcast(load(rows_ref, slots), shape, (1,), angle)
             p_t, p_h, p_w = (positions(r) for r in range(3))
             pos = jnp.where(row == 2, p_w, jnp.where(row == 1, p_h, p_t))
-        cos, sin = angle_cos_sin(pos, *turns, attention_factor, floor=_floor)
+        cos, sin = angle_cos_sin(pos, *turns, attention_factor, floor=floor)
         wide = {}
         for group in {group for _, group, _ in work}:
             layout = by_group[group]
@@ -282,7 +282,7 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
         for i, (x_ref, group, g) in enumerate(work):
             (first, second), (a, b) = in_flight.pop(0)
             if i + p.in_flight < len(work):
-                in_flight.append(load(work[i + p.in_flight]))
+                in_flight.append(load_group(work[i + p.in_flight]))
             if tokens == 1:
                 # Every warp (and token lane) holds a copy of the one token: without a
                 # barrier a warp ahead of the others could store the group rotated before

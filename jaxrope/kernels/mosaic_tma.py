@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels import mosaic_gpu
 from jaxrope.kernels.angle import angle_cos_sin
-from jaxrope.kernels.mosaic_gpu import _as_pallas, _floor, _load, _tiled
+from jaxrope.kernels.mosaic_gpu import as_pallas, floor, load, tiled
 
 _WARPS, _LANES = 4, 32
 # SMEM a block may take (Hopper: 227 KiB a block, 228 KiB an SM), leaving room for the
@@ -178,7 +178,7 @@ def _block_layout(p: TmaPlan, group: int, half: int):
     tiles = [(p.tokens_per_block, group, pairs), (token_lanes, group, pairs), (1, 1, p.vec)]
     if p.tokens_per_block > p.layout_tokens:
         tiles.insert(1, (p.layout_tokens, group, pairs))
-    return _tiled(tuple(tiles), (-9,), (-6, -4))
+    return tiled(tuple(tiles), (-9,), (-6, -4))
 
 
 def build_tma(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_dim: int,
@@ -216,7 +216,7 @@ def build_tma(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotar
         return x_ref.at[tokens, heads, pl.ds(0, half)], x_ref.at[tokens, heads, pl.ds(half, half)]
 
     def broadcast(x, shape, dims, layout):
-        return plgpu.layout_cast(jax.lax.broadcast_in_dim(x, shape, dims), _as_pallas(layout))
+        return plgpu.layout_cast(jax.lax.broadcast_in_dim(x, shape, dims), as_pallas(layout))
 
     # The angle's [tokens, R/2] layout: the data's without the heads (all in registers).
     angle_layout = {tokens: by[p.q_group].reduce((1,)) for tokens, by in layouts.items()}
@@ -224,9 +224,9 @@ def build_tma(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotar
     def turn_tables(tables_ref, rows_ref, tokens):
         by = layouts[tokens][p.q_group]
         slots, shape = by.reduce((0, 1)), (tokens, half)
-        turns = [broadcast(_load(tables_ref.at[i], slots), shape, (1,), angle_layout[tokens])
+        turns = [broadcast(load(tables_ref.at[i], slots), shape, (1,), angle_layout[tokens])
                  for i in range(3)]
-        row = (broadcast(_load(rows_ref, slots), shape, (1,), angle_layout[tokens])
+        row = (broadcast(load(rows_ref, slots), shape, (1,), angle_layout[tokens])
                if mrope else None)
         return turns, row
 
@@ -238,7 +238,7 @@ def build_tma(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotar
             start = t0 if r == 0 else r * n + t0
             if tokens == 1:
                 return broadcast(pos_ref.at[start][...], shape, (), angle)
-            return broadcast(_load(pos_ref.at[pl.ds(start, tokens)], by.reduce((1, 2))),
+            return broadcast(load(pos_ref.at[pl.ds(start, tokens)], by.reduce((1, 2))),
                              shape, (0,), angle)
 
         if mrope:
@@ -246,7 +246,7 @@ def build_tma(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotar
             pos = jnp.where(row == 2, p_w, jnp.where(row == 1, p_h, p_t))
         else:
             pos = positions(0)
-        cos, sin = angle_cos_sin(pos, *turns, attention_factor, floor=_floor)
+        cos, sin = angle_cos_sin(pos, *turns, attention_factor, floor=floor)
         wide = {}
         for group in groups:
             layout = layouts[tokens][group]
@@ -261,7 +261,7 @@ def build_tma(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotar
         # Plain transfers: Mosaic's bank-conflict planner (optimized=True) finds no plan
         # for many of these layouts, and where the lanes along the pairs span 128 bytes
         # (the bf16 D 128 target) the plain order is conflict-free already.
-        layout = _as_pallas(layouts[tokens][group])
+        layout = as_pallas(layouts[tokens][group])
         c, s = wide[group]
         for g in range(heads // group):
             first, second = halves(x_ref, span, pl.ds(g * group, group))

@@ -1,0 +1,333 @@
+"""RoPE fused with the paged KV-cache append in Pallas's Mosaic GPU dialect (Hopper+).
+
+The Mosaic GPU twin of :mod:`jaxrope.kernels.kv_pallas` (same contract: read
+:func:`jaxrope.kernels.kv_reference.rope_append_kv_reference`): q is rotated in place,
+the rotated k and the v are written into the paged cache at each token's slot, in one
+``plgpu.kernel``.
+
+A Mosaic GPU store writes a register array to a ref slice at one scalar offset, so
+tokens with different slots need separate stores: the whole warpgroup (128 threads)
+moves one token at a time. Per token it holds q's and k's rotary halves as ``[H, R/2]``
+arrays, k's dims past ``R`` as ``[Hk, D - R]`` and v as ``[Hk, D]``, each in a Mosaic
+GPU ``TiledLayout`` (:func:`row_layout`) whose lanes run along a head's dims (coalesced:
+a head's ``D`` values are contiguous in every cache layout) and whose remaining lanes
+and warps split the heads. q's and k's halves share one layout (its head tile divides
+both head counts), so removing the head axis gives one ``[R/2]`` layout: the angle
+(:func:`jaxrope.kernels.angle.angle_cos_sin`, the accurate one every backend shares) is
+formed once per token and broadcast to q and k for free. A block walks ``tokens`` tokens
+unrolled (one for JAX calls: ``_TOKENS_PER_BLOCK``), each token's loads issued before the
+previous token's stores.
+
+Caches arrive as ``[rows // (Hk * hs), Hk, hs, D]`` views of the ``[rows, D]`` matrices
+(``hs`` = :attr:`CacheRows.head_stride`): every layout's head axis is one axis of
+row-major rows, so a token's k rows ``base + h * hs`` (``base`` =
+:meth:`CacheRows.row` at head 0, plus ``value_offset`` for v) are ``view[base // (Hk *
+hs), :, base % (Hk * hs)]``, one store per token for every layout. GPT-J pairs read and
+write through ``[..., D/2, 2]`` views (even and odd elements, one element per vector), as
+the rope kernel does. Slots outside ``[0, pages * page_size)`` skip the token's cache
+stores (q is still rotated); an fp8 cache stores
+:func:`jaxrope.kernels.kv_reference.to_cache_dtype` of the float32 values, the function
+every backend uses.
+
+On CPU it runs in Mosaic GPU's interpreter (``interpret=True``), for tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from jaxrope.errors import BackendUnavailable
+from jaxrope.kernels import mosaic_gpu
+from jaxrope.kernels.angle import angle_cos_sin
+from jaxrope.kernels.kv_layout import CacheRows
+from jaxrope.kernels.kv_reference import FP8, to_cache_dtype
+from jaxrope.kernels.mosaic_gpu import as_pallas, floor, load, tiled
+
+_THREADS = 128      # a warpgroup
+_VECTOR_BYTES = 16  # the widest GMEM access a thread makes
+# Tokens one block walks unrolled (each token's loads issued before the previous token's
+# stores). One a block was the fastest of 1-16 on the H200 (bf16 Hq 32 / Hk 8 / D 128,
+# NHD pages of 16): 100.8 us at 16k tokens against 105.5 at 8, 397 us at 64k against
+# 412; many small blocks hide the latency of each token's slot -> address -> store chain
+# better than a block walking several. Launches outside JAX take any (``build_append``).
+_TOKENS_PER_BLOCK = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSplit:
+    """How 128 threads split a ``[heads, width]`` array (:func:`row_split`)."""
+
+    vec: int          # elements per thread vector
+    width_lanes: int  # lanes along the width (the minor lanes: coalesced)
+    width_warps: int
+    head_lanes: int
+    head_warps: int   # the rest of the lanes and warps hold copies
+
+    @property
+    def head_tile(self) -> int:
+        return self.head_lanes * self.head_warps
+
+
+def row_split(heads: int, width: int, itemsize: int, align: int, interleave: bool) -> RowSplit:
+    """The one heuristic for a per-token array ``[H, width]`` with ``heads`` dividing ``H``.
+
+    - Vectors: the widest (at most 16 bytes) dividing ``width`` and ``align`` (the
+      element offset the row's piece starts at) that still give every thread of the
+      warpgroup a vector of ``heads`` heads; the widest dividing ones when even single
+      elements leave threads over (those then hold copies). GPT-J pairs take single
+      elements (even and odd elements are not contiguous).
+    - Lanes along the width first (coalesced), then warps (width over 32 vectors), then
+      the heads' lanes and warps, all powers of two dividing what they split.
+    """
+    fits = [v for v in (8, 4, 2, 1) if v * itemsize <= _VECTOR_BYTES and not width % v
+            and not align % v] if not interleave else [1]
+    filled = [v for v in fits if heads * (width // v) >= _THREADS]
+    vec = max(filled or fits)
+    columns = width // vec
+    width_lanes = math.gcd(columns, 32)
+    width_warps = math.gcd(columns // width_lanes, 4)
+    head_lanes = math.gcd(heads, 32 // width_lanes)
+    head_warps = math.gcd(heads // head_lanes, 4 // width_warps)
+    return RowSplit(vec, width_lanes, width_warps, head_lanes, head_warps)
+
+
+def row_layout(s: RowSplit):
+    """The ``TiledLayout`` of ``[H, width]`` arrays split by ``s``.
+
+    Tiled by ``(head_tile, W)``, ``(head_lanes, L)`` and ``(1, vec)`` with ``L =
+    width_lanes * vec`` and ``W = width_warps * L``, the tiled shape ends ``[head_warps,
+    width_warps, head_lanes, width_lanes, 1, vec]``; what is left of the lanes and warps
+    replicates (a store of a copy writes the same value).
+    """
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    lanes = s.width_lanes * s.vec
+    copies_w, copies_l = 4 // (s.head_warps * s.width_warps), 32 // (s.head_lanes * s.width_lanes)
+    warp_dims = (-6, -5) + ((fa.Replicated(copies_w),) if copies_w > 1 else ())
+    lane_dims = ((fa.Replicated(copies_l),) if copies_l > 1 else ()) + (-4, -3)
+    return tiled(((s.head_tile, s.width_warps * lanes), (s.head_lanes, lanes), (1, s.vec)),
+                 warp_dims, lane_dims)
+
+
+def _pieces(x_ref, start: int, width: int, interleave: bool):
+    # The refs of dims [start, start + width) of a token's [H, D] (GPT-J: its [H, D/2, 2]
+    # view, start and width in pairs, one ref for the even and one for the odd elements).
+    if interleave:
+        return [x_ref.at[:, pl.ds(start, width), j] for j in (0, 1)]
+    return [x_ref.at[:, pl.ds(start, width)]]
+
+
+def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
+                 rotary_dim: int, interleave: bool, attention_factor: float, rows: CacheRows,
+                 quantize: bool,
+                 mrope_section: Optional[Tuple[int, int, int]] = None,
+                 mrope_interleaved: bool = False, count: Optional[int] = None,
+                 tokens: int = _TOKENS_PER_BLOCK, grid: Optional[int] = None,
+                 interpret: bool = False):
+    """The ``plgpu.kernel`` of the fused op for one head layout and cache geometry.
+
+    Operands: ``(pos_ids, slots, tables, rows, scales, q, k, v, *caches)``: ``pos_ids``
+    flat int32 (M-RoPE: row ``r`` of token ``t`` at ``r * count + t``), ``slots`` int32
+    ``[T]``, ``tables`` the ``[3, R/2]`` angle tables, ``rows``
+    :func:`jaxrope.kernels.mosaic_gpu.slot_row_table`, ``scales`` float32 ``[2]``,
+    ``q`` a mutable ``[T, Hq, D]`` ref, ``k``/``v`` ``[T, Hk, D]`` (GPT-J: ``[..., D/2,
+    2]`` views of all of these), ``caches`` mutable ``[rows // (Hk * hs), Hk, hs, D]``
+    views (k's and v's, or the one array of a combined layout). ``count`` is the static T,
+    one block per ``tokens`` tokens (JAX calls). ``count=None``: an int32 ``count``
+    operand comes first and is read at run time, and ``grid`` blocks walk the count's
+    blocks in turn (launches outside JAX; refs may hold more than ``count`` tokens).
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    half = rotary_dim // 2
+    mrope = mrope_section is not None
+    width = (lambda w: w // 2) if interleave else (lambda w: w)
+    group = math.gcd(q_heads, k_heads)
+    rotary = row_layout(row_split(group, half, itemsize, half, interleave))
+    passing = head_dim - rotary_dim
+    rest = passing and row_layout(row_split(k_heads, width(passing), itemsize,
+                                            width(rotary_dim), interleave))
+    whole = row_layout(row_split(k_heads, width(head_dim), itemsize, 0, interleave))
+    angle = rotary.reduce((0,))
+    head_rows = k_heads * rows.head_stride
+    # A static T of whole blocks has no token past the last: no clamps, no guards.
+    whole_blocks = count is not None and count % tokens == 0
+
+    def broadcast(x, shape, dims, layout):
+        return plgpu.layout_cast(jax.lax.broadcast_in_dim(x, shape, dims), as_pallas(layout))
+
+    def halves(x_ref):
+        if interleave:  # [H, D/2, 2]
+            return x_ref.at[:, pl.ds(0, half), 0], x_ref.at[:, pl.ds(0, half), 1]
+        return x_ref.at[:, pl.ds(0, half)], x_ref.at[:, pl.ds(half, half)]
+
+    def past_rotary(x_ref):  # k's dims [R, D), copied as they are
+        return _pieces(x_ref, width(rotary_dim), width(passing), interleave) if passing else []
+
+    def block(n, refs, first: int | jax.Array, walk: int):
+        pos_ref, slot_ref, tables_ref, rows_ref, scale_ref, q_ref, k_ref, v_ref, *cache_refs = refs
+        k_cache, v_cache = cache_refs[0], cache_refs[rows.value_array]
+        turns = [load(tables_ref.at[i], angle) for i in range(3)]
+        slot_rows = load(rows_ref, angle) if mrope else None
+        scales = (scale_ref.at[0][...], scale_ref.at[1][...]) if quantize else (None, None)
+
+        def fetch(i):
+            # Token first + i, clamped to the last one (its stores are then skipped):
+            # scalars and every array it reads, as a dict.
+            t = first + i
+            if whole_blocks:
+                real = True
+            else:
+                real, t = t < n, jnp.minimum(t, n - 1)
+            pos = [pos_ref.at[t if r == 0 else r * n + t][...] for r in range(3 if mrope else 1)]
+            return dict(
+                t=t, real=real, slot=slot_ref.at[t][...], pos=pos,
+                q=[load(r, rotary) for r in halves(q_ref.at[t])],
+                k=[load(r, rotary) for r in halves(k_ref.at[t])],
+                k_rest=[load(r, rest) for r in past_rotary(k_ref.at[t])],
+                v=[load(r, whole) for r in _pieces(v_ref.at[t], 0, width(head_dim), interleave)])
+
+        def cos_sin(pos):
+            shape = (half,)
+            wide = [broadcast(p, shape, (), angle) for p in pos]
+            if mrope:
+                p_t, p_h, p_w = wide
+                position = jnp.where(slot_rows == 2, p_w, jnp.where(slot_rows == 1, p_h, p_t))
+            else:
+                position = wide[0]
+            return angle_cos_sin(position, *turns, attention_factor, floor=floor)
+
+        def rotate(pair, cos, sin, heads):
+            full = (heads, half)
+            c, s = (broadcast(x, full, (1,), rotary) for x in (cos, sin))
+            a, b = (x.astype(jnp.float32) for x in pair)
+            return a * c - b * s, b * c + a * s
+
+        def cached(x, scale, dtype):
+            # A cache in the input's dtype holds the value as is: to_cache_dtype of its
+            # float32 widening, bit for bit.
+            if not quantize:
+                return x.astype(dtype)
+            return to_cache_dtype(x.astype(jnp.float32), scale, dtype)
+
+        def finish(x):
+            t, slot = x["t"], x["slot"]
+            cos, sin = cos_sin(x["pos"])
+            q_out = rotate(x["q"], cos, sin, q_heads)
+            k_out = rotate(x["k"], cos, sin, k_heads)
+
+            real = x["real"]
+            ok = (slot >= 0) & (slot < rows.num_slots)
+            if real is not True:
+                ok = ok & real
+
+            # q is rotated whatever the slot; only a clamped repeat of the last token skips it.
+            guard = (lambda store: store()) if real is True else pl.when(real)
+
+            @guard
+            def _():
+                for ref, value in zip(halves(q_ref.at[t]), q_out):
+                    ref[...] = value.astype(ref.dtype)
+
+            safe = jnp.where(ok, slot, 0)
+            page, entry = jax.lax.div(safe, rows.page_size), jax.lax.rem(safe, rows.page_size)
+            base = page * rows.page_stride + entry * rows.entry_stride
+
+            def at(cache_ref, offset):
+                row = base + offset
+                return cache_ref.at[jax.lax.div(row, head_rows), :, jax.lax.rem(row, head_rows)]
+
+            @pl.when(ok)
+            def _():
+                k_row, v_row = at(k_cache, 0), at(v_cache, rows.value_offset)
+                for ref, value in zip(halves(k_row), k_out):
+                    ref[...] = cached(value, scales[0], ref.dtype)
+                for ref, value in zip(past_rotary(k_row), x["k_rest"]):
+                    ref[...] = cached(value, scales[0], ref.dtype)
+                for ref, value in zip(_pieces(v_row, 0, width(head_dim), interleave), x["v"]):
+                    ref[...] = cached(value, scales[1], ref.dtype)
+
+        # Token i + 1's loads go out before token i's stores.
+        ahead = fetch(0)
+        for i in range(walk):
+            current, ahead = ahead, fetch(i + 1) if i + 1 < walk else None
+            finish(current)
+
+    def body(*operands):
+        if count is None:
+            count_ref, *refs = operands
+            n = count_ref[0]
+        else:
+            refs, n = operands, count
+        b = jax.lax.axis_index("block")
+        if count is not None:
+            block(n, refs, b * tokens, tokens)
+            return
+        blocks = jax.lax.div(n + (tokens - 1), tokens)
+        turns = jax.lax.div(blocks - b + (grid - 1), grid)
+
+        def walk(i, carry):
+            block(n, refs, (b + i * grid) * tokens, tokens)
+            return carry
+        jax.lax.fori_loop(0, turns, walk, 0)
+
+    if count is not None:
+        grid = -(-count // tokens)
+    return plgpu.kernel(
+        body, out_type=(), grid=(grid,), grid_names=("block",),
+        kernel_name="jaxrope_rope_append_kv_mosaic",  # what profilers show
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane,
+            # No thread reads what another writes: a barrier after every store buys nothing.
+            unsafe_no_auto_barriers=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None)
+
+
+def cache_view(cache, rows: CacheRows, k_heads: int, interleave: bool):
+    """The ``[rows, D]`` matrix ``cache`` as the kernel's ``[rows // (Hk * hs), Hk, hs,
+    D]`` (GPT-J: ``[..., D/2, 2]``)."""
+    head_rows = k_heads * rows.head_stride
+    last = (cache.shape[-1] // 2, 2) if interleave else (cache.shape[-1],)
+    return cache.reshape(cache.shape[0] // head_rows, k_heads, rows.head_stride, *last)
+
+
+def rope_append_kv_mosaic(q, k, v, pos_ids, slots, tables, scales, caches, *, rows: CacheRows,
+                          rotary_dim: int, interleave: bool, attention_factor: float,
+                          mrope_section: Optional[Tuple[int, int, int]] = None,
+                          mrope_interleaved: bool = False, interpret: bool = False):
+    """Rotate q in place and write rotated k and v into the paged ``caches``, in one kernel.
+
+    Arguments as :func:`jaxrope.kernels.kv_reference.rope_append_kv_reference` (the
+    caches ``[rows, D]`` views addressed by ``rows``); returns ``(q, caches)``, in place
+    when q and the caches are donated (mutable refs).
+
+    Raises:
+      BackendUnavailable: a JAX :func:`jaxrope.kernels.mosaic_gpu.unavailable` names.
+    """
+    reason = mosaic_gpu.unavailable()
+    if reason:
+        raise BackendUnavailable(reason)
+    num_tokens, q_heads, head_dim = q.shape
+    k_heads = k.shape[1]
+    if num_tokens == 0:
+        return q, tuple(caches)
+    kernel = build_append(
+        q_heads=q_heads, k_heads=k_heads, head_dim=head_dim,
+        itemsize=np.dtype(q.dtype).itemsize, rotary_dim=rotary_dim, interleave=interleave,
+        attention_factor=attention_factor, rows=rows,
+        quantize=jnp.dtype(caches[0].dtype) == FP8,
+        mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, count=num_tokens,
+        tokens=_TOKENS_PER_BLOCK, interpret=interpret)
+    row_table = mosaic_gpu.slot_row_table(rotary_dim // 2, mrope_section, mrope_interleaved)
+    views = [x.reshape(*x.shape[:2], head_dim // 2, 2) if interleave else x for x in (q, k, v)]
+    q_ref = jax.new_ref(views[0])
+    cache_refs = [jax.new_ref(cache_view(c, rows, k_heads, interleave)) for c in caches]
+    kernel(pos_ids.reshape(-1), slots, tables, row_table, scales, q_ref, views[1], views[2],
+           *cache_refs)
+    return (jax.freeze(q_ref).reshape(q.shape),
+            tuple(jax.freeze(r).reshape(c.shape) for r, c in zip(cache_refs, caches)))
