@@ -260,3 +260,21 @@ def test_mosaic_export_is_one_module_over_the_launch_operands(name):
         dtype=jnp.bfloat16, capacity=1 << 16, grid=8, **jr.apply.kernel_options(case.cfg))
     assert exported.module.startswith(b"ML\xefR") and exported.results == 2
     assert exported.grid == 8 and exported.capacity == 1 << 16
+
+
+@needs_mosaic
+@pytest.mark.skipif(mosaic_gpu.lowering_unavailable() is not None,
+                    reason=str(mosaic_gpu.lowering_unavailable()))
+@pytest.mark.parametrize("layout, combined", [("NHD", False), ("HND", True)])
+def test_mosaic_append_export_is_one_module_over_the_launch_operands(layout, combined):
+    # What torch_bridge.mosaic_launch.MosaicKVLauncher compiles: q and every cache array
+    # aliased to the results, in operand order.
+    from jaxrope.kernels import kv_layout, mosaic_export
+    cfg = BY_NAME["llama3_8b"].cfg
+    rows = kv_layout.cache_rows(layout, combined, 8, 16, 8)
+    exported = mosaic_export.export_append(
+        q_heads=32, k_heads=8, head_dim=cfg.head_dim, dtype=jnp.bfloat16,
+        cache_dtype=jnp.float8_e4m3fn, rows=rows, components=1 if combined else 2,
+        capacity=1 << 16, grid=64, **jr.apply.kernel_options(cfg))
+    assert exported.module.startswith(b"ML\xefR")
+    assert exported.results == (2 if combined else 3)

@@ -45,7 +45,7 @@ from torch_bridge.triton_launch import mrope_block
 from torch_bridge.triton_runtime import (ALIGN, AngleTables, CountTable, KernelCache,
                                          KernelLaunch, LaunchRecords)
 
-__all__ = ["KVAppendLauncher"]
+__all__ = ["KVAppendLauncher", "bound_append", "check_launchable"]
 
 # Launch records kept (one per distinct shape, cache, config, scales and device).
 _MAX_LAUNCHES = 4096
@@ -122,13 +122,7 @@ class KVAppendLauncher:
             return
         if cfg.mrope_section is not None:
             pos_ids = mrope_block(pos_ids, q.shape[0])
-        named = (("q", q), ("k", k), ("v", v), ("pos_ids", pos_ids), ("slots", slots),
-                 *zip(("kv_cache",) if geometry.combined else ("k_cache", "v_cache"), caches))
-        for name, t in named:
-            if not t.is_cuda:
-                raise BackendUnavailable(f"{name} is on {t.device}: the launcher needs CUDA")
-            if not t.is_contiguous() or t.data_ptr() % ALIGN:
-                raise BackendUnavailable(f"{name} must be contiguous and {ALIGN}-byte aligned")
+        check_launchable(q, k, v, pos_ids, slots, caches, geometry)
         slots = int32_slots(slots, geometry.num_slots)
         launch, count_ptr, tables_ptr, scales_ptr = self._launch_for(q, cfg, geometry, scales,
                                                                      block)
@@ -150,35 +144,12 @@ class KVAppendLauncher:
         """
         launch, count_ptr, tables_ptr, scales_ptr = self._launch_for(q, cfg, geometry, scales,
                                                                      None)
-        combined, num_slots = geometry.combined, geometry.num_slots
-        mrope = cfg.mrope_section is not None
-        # Two contiguous tensors of this many bytes overlap exactly when their starts are
-        # closer than that.
-        cache_bytes = caches[0].numel() * caches[0].element_size()
 
-        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: torch.Tensor,
-                kv_cache: Any, slots: torch.Tensor) -> bool:
-            if combined:
-                cache_ptrs = (kv_cache.data_ptr(),)
-                contiguous = kv_cache.is_contiguous()
-            else:
-                k_cache, v_cache = kv_cache
-                cache_ptrs = (k_cache.data_ptr(), v_cache.data_ptr())
-                contiguous = (k_cache.is_contiguous() and v_cache.is_contiguous()
-                              and abs(cache_ptrs[0] - cache_ptrs[1]) >= cache_bytes)
-            slots = int32_slots(slots, num_slots)
-            if mrope:
-                pos_ids = mrope_block(pos_ids, q.shape[0])
-            q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
-            pos_ptr, slot_ptr = pos_ids.data_ptr(), slots.data_ptr()
-            if ((q_ptr | k_ptr | v_ptr | pos_ptr | slot_ptr | cache_ptrs[0] | cache_ptrs[-1]) % ALIGN
-                    or not (contiguous and q.is_contiguous() and k.is_contiguous()
-                            and v.is_contiguous() and slots.is_contiguous())):
-                return False
+        def pointers(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cache_ptrs):
             launch(count_ptr, pos_ptr, slot_ptr, tables_ptr, scales_ptr, q_ptr, k_ptr, v_ptr,
                    *cache_ptrs, q_ptr, *cache_ptrs)
-            return True
 
+        run = bound_append(pointers, geometry, cfg, caches)
         return run
 
     def _launch_for(self, q: torch.Tensor, cfg: RopeConfig, geometry: CacheGeometry,
@@ -212,3 +183,57 @@ class KVAppendLauncher:
                                                                   device=device)
         return (KernelLaunch(compiled, exported.grid(tokens), device), counts.pointer(tokens),
                 self._tables.get(cfg, device, lanes).data_ptr(), scale_values.data_ptr())
+
+
+def bound_append(launch: Callable[..., None], geometry: CacheGeometry, cfg: RopeConfig,
+                 caches: Sequence[torch.Tensor]) -> Callable[..., bool]:
+    """The ``run(q, k, v, pos_ids, kv_cache, slots) -> bool`` of a fused-append launcher's
+    ``bind``: per call it narrows the slots, takes an M-RoPE config's ``[3, T]`` block,
+    checks contiguity, 32-byte alignment and that a pair's two tensors do not overlap,
+    then calls ``launch(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cache_ptrs)``; False
+    (launching nothing) when a check fails, so the caller takes its full path (which
+    refuses an overlapping pair)."""
+    combined, num_slots = geometry.combined, geometry.num_slots
+    mrope = cfg.mrope_section is not None
+    # Two contiguous tensors of this many bytes overlap exactly when their starts are
+    # closer than that.
+    cache_bytes = caches[0].numel() * caches[0].element_size()
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: torch.Tensor,
+            kv_cache: Any, slots: torch.Tensor) -> bool:
+        if combined:
+            cache_ptrs = (kv_cache.data_ptr(),)
+            contiguous = kv_cache.is_contiguous()
+        else:
+            k_cache, v_cache = kv_cache
+            cache_ptrs = (k_cache.data_ptr(), v_cache.data_ptr())
+            contiguous = (k_cache.is_contiguous() and v_cache.is_contiguous()
+                          and abs(cache_ptrs[0] - cache_ptrs[1]) >= cache_bytes)
+        slots = int32_slots(slots, num_slots)
+        if mrope:
+            pos_ids = mrope_block(pos_ids, q.shape[0])
+        q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        pos_ptr, slot_ptr = pos_ids.data_ptr(), slots.data_ptr()
+        if ((q_ptr | k_ptr | v_ptr | pos_ptr | slot_ptr | cache_ptrs[0] | cache_ptrs[-1]) % ALIGN
+                or not (contiguous and q.is_contiguous() and k.is_contiguous()
+                        and v.is_contiguous() and slots.is_contiguous())):
+            return False
+        launch(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cache_ptrs)
+        return True
+
+    return run
+
+
+def check_launchable(q, k, v, pos_ids, slots, caches, geometry: CacheGeometry) -> None:
+    """What a compiled fused-append kernel assumes of its tensors.
+
+    Raises:
+      BackendUnavailable: a tensor off CUDA, not contiguous or not 32-byte aligned.
+    """
+    named = (("q", q), ("k", k), ("v", v), ("pos_ids", pos_ids), ("slots", slots),
+             *zip(("kv_cache",) if geometry.combined else ("k_cache", "v_cache"), caches))
+    for name, t in named:
+        if not t.is_cuda:
+            raise BackendUnavailable(f"{name} is on {t.device}: the launcher needs CUDA")
+        if not t.is_contiguous() or t.data_ptr() % ALIGN:
+            raise BackendUnavailable(f"{name} must be contiguous and {ALIGN}-byte aligned")

@@ -134,18 +134,24 @@ class KVLauncher(Protocol):
         """
 
 
-def auto_launcher_class(device: torch.device) -> type:
-    """The launcher of the kernel ``backend="auto"`` runs on CUDA ``device``
-    (:func:`jaxrope.backend.backend_name`, the one rule): the Mosaic GPU kernel's
-    (:class:`~torch_bridge.mosaic_launch.MosaicLauncher`) on Hopper or newer with a JAX
-    that lowers it, else the Triton-lowered kernel's
-    (:class:`~torch_bridge.triton_launch.TritonLauncher`)."""
+def auto_launcher_class(device: torch.device, op: str = "rope") -> type:
+    """The launcher of the kernel ``backend="auto"`` runs for ``op`` ("rope" or
+    "rope_append_kv") on CUDA ``device`` (:func:`jaxrope.backend.backend_name`, the one
+    rule): the Mosaic GPU kernels' (:class:`~torch_bridge.mosaic_launch.MosaicLauncher`,
+    :class:`~torch_bridge.mosaic_launch.MosaicKVLauncher`) on Hopper or newer with a JAX
+    that lowers them, else the Triton-lowered kernels'
+    (:class:`~torch_bridge.triton_launch.TritonLauncher`,
+    :class:`~torch_bridge.kv_launch.KVAppendLauncher`)."""
     major, minor = torch.cuda.get_device_capability(device)
-    if _backend.backend_name("auto", "cuda", "rope", f"{major}.{minor}") == "mosaic":
-        from torch_bridge.mosaic_launch import MosaicLauncher
-        return MosaicLauncher
-    from torch_bridge.triton_launch import TritonLauncher
-    return TritonLauncher
+    mosaic = _backend.backend_name("auto", "cuda", op, f"{major}.{minor}") == "mosaic"
+    if mosaic:
+        from torch_bridge.mosaic_launch import MosaicKVLauncher, MosaicLauncher
+        return MosaicLauncher if op == "rope" else MosaicKVLauncher
+    if op == "rope":
+        from torch_bridge.triton_launch import TritonLauncher
+        return TritonLauncher
+    from torch_bridge.kv_launch import KVAppendLauncher
+    return KVAppendLauncher
 
 
 def _built(cls_of: Callable[[], type]) -> Optional[Any]:
@@ -161,9 +167,7 @@ def resolve_launchers(launcher: Any, device: torch.device) -> Tuple[Optional[Lau
 
     ``"jax"`` -> neither (always the JAX path). ``"auto"`` on a CUDA device -> the
     launcher of the kernel ``backend="auto"`` runs there for each op
-    (:func:`auto_launcher_class`; the fused append's
-    :class:`~torch_bridge.kv_launch.KVAppendLauncher`), None where one cannot be built
-    and off CUDA. An object with ``rotate_`` -> itself, and itself for the fused append
+    (:func:`auto_launcher_class`), None where one cannot be built and off CUDA. An object with ``rotate_`` -> itself, and itself for the fused append
     too when it has ``rotate_and_append_kv_`` (else that runs the JAX path).
 
     Raises:
@@ -176,11 +180,8 @@ def resolve_launchers(launcher: Any, device: torch.device) -> Tuple[Optional[Lau
     if isinstance(launcher, str) and launcher in ("auto", "jax"):
         if launcher == "jax" or device.type != "cuda":
             return None, None
-
-        def kv_class() -> type:
-            from torch_bridge.kv_launch import KVAppendLauncher
-            return KVAppendLauncher
-        return _built(lambda: auto_launcher_class(device)), _built(kv_class)
+        return (_built(lambda: auto_launcher_class(device, "rope")),
+                _built(lambda: auto_launcher_class(device, "rope_append_kv")))
     if not isinstance(launcher, str) and callable(getattr(launcher, "rotate_", None)):
         fused = callable(getattr(launcher, "rotate_and_append_kv_", None))
         return launcher, launcher if fused else None

@@ -23,19 +23,21 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
 from jaxrope.apply import kernel_options
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
-from jaxrope.kernels import mosaic_export, mosaic_gpu
+from jaxrope.kernels import kv_layout, mosaic_export, mosaic_gpu
+from torch_bridge.kv_append import CacheGeometry, int32_slots
+from torch_bridge.kv_launch import bound_append, check_launchable
 from torch_bridge.triton_launch import mrope_block
 from torch_bridge.triton_runtime import ALIGN as _ALIGN
 from torch_bridge.triton_runtime import AngleTables, CountTable, LaunchRecords
 
-__all__ = ["MAX_BLOCKS_PER_SM", "MosaicLauncher", "launch_shape"]
+__all__ = ["MAX_BLOCKS_PER_SM", "MosaicKVLauncher", "MosaicLauncher", "launch_shape"]
 
 # Blocks of a launch at most, per SM: past this the blocks walk the count's blocks in
 # turn (two fit on an SM at once at the kernel's register use).
@@ -163,7 +165,7 @@ class MosaicLauncher:
         rows = self._rows.get((cfg, device))
         if rows is None:
             host = mosaic_gpu.slot_row_table(half, cfg.mrope_section, cfg.mrope_interleaved)
-            rows = self._rows[(cfg, device)] = torch.from_numpy(host).to(device)
+            rows = self._rows[(cfg, device)] = torch.from_numpy(host.copy()).to(device)
         counts = self._counts.get(device)
         if counts is None:
             counts = self._counts[device] = CountTable(device)
@@ -234,3 +236,107 @@ class MosaicLauncher:
             if not t.is_contiguous() or t.data_ptr() % _ALIGN:
                 raise BackendUnavailable(f"{name} must be contiguous and {_ALIGN}-byte aligned")
         self._run(self._launch_for(q, k, cfg, grid), q, k, pos_ids)
+
+
+class MosaicKVLauncher:
+    """Compiles and launches the Mosaic GPU fused RoPE + paged KV append
+    (:mod:`jaxrope.kernels.kv_mosaic`) on torch's current CUDA stream.
+
+    Same protocol as :class:`torch_bridge.kv_launch.KVAppendLauncher`
+    (``rotate_and_append_kv_`` and ``bind``): one compile per (head layout, cache
+    geometry, config, dtype, launch shape), the token count read at run time, slots
+    narrowed to int32 on torch's stream. Declines as :class:`MosaicLauncher` does, and
+    for tensors off CUDA, not contiguous or not 32-byte aligned.
+    """
+
+    def __init__(self):
+        reason = mosaic_gpu.lowering_unavailable()
+        if reason:
+            raise BackendUnavailable(reason)
+        self._rope = MosaicLauncher()  # its compile cache, tables and counts, shared
+        self._scales: Dict[Tuple[float, float, torch.device], torch.Tensor] = {}
+        self._launches = LaunchRecords(_MAX_LAUNCHES)
+
+    def _prepare(self, tokens: int, q_heads: int, dtype: torch.dtype, device: torch.device,
+                 cfg: RopeConfig, geometry: CacheGeometry, scales: Tuple[float, float],
+                 grid: Optional[int]):
+        rope = self._rope
+        capability = torch.cuda.get_device_capability(device)
+        if capability[0] < 9:
+            raise BackendUnavailable(f"Mosaic GPU needs compute capability 9.0 (Hopper) or "
+                                     f"newer, {device} has {capability[0]}.{capability[1]}")
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        # One token a block, the blocks' next power of two, as launch_shape's.
+        shape_grid, _, capacity = launch_shape(tokens, 1, 1, sms)
+        rows = kv_layout.cache_rows(geometry.layout, geometry.combined,
+                                    geometry.view_shape[0] // geometry.components,
+                                    geometry.page_size, geometry.k_heads)
+        export_kwargs = dict(q_heads=q_heads, k_heads=geometry.k_heads, head_dim=cfg.head_dim,
+                             dtype=str(dtype).removeprefix("torch."),
+                             cache_dtype=str(geometry.dtype).removeprefix("torch."), rows=rows,
+                             components=1 if geometry.combined else 2, capacity=capacity,
+                             grid=grid or shape_grid, **kernel_options(cfg))
+        module = rope._module(("append", capability, *export_kwargs.items()),
+                              lambda: mosaic_export.export_append(**export_kwargs))
+        half = cfg.rotary_dim // 2
+        table_rows = rope._rows.get((cfg, device))
+        if table_rows is None:
+            host = mosaic_gpu.slot_row_table(half, cfg.mrope_section, cfg.mrope_interleaved)
+            table_rows = rope._rows[(cfg, device)] = torch.from_numpy(host.copy()).to(device)
+        counts = rope._counts.get(device)
+        if counts is None:
+            counts = rope._counts[device] = CountTable(device)
+        scale_values = self._scales.get((*scales, device))
+        if scale_values is None:
+            # Kept for good: a captured graph may hold the pointer.
+            scale_values = self._scales[(*scales, device)] = torch.tensor(
+                scales, dtype=torch.float32, device=device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = rope._raw_stream
+        count_ptr = counts.pointer(tokens)
+        tables_ptr = rope._tables.get(cfg, device, half).data_ptr()
+        rows_ptr, scales_ptr = table_rows.data_ptr(), scale_values.data_ptr()
+
+        def launch(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cache_ptrs):
+            module(stream(index), count_ptr, pos_ptr, slot_ptr, tables_ptr, rows_ptr, scales_ptr,
+                   q_ptr, k_ptr, v_ptr, *cache_ptrs, q_ptr, *cache_ptrs)
+        return launch
+
+    def _launch_for(self, q: torch.Tensor, cfg: RopeConfig, geometry: CacheGeometry,
+                    scales: Tuple[float, float], grid: Optional[int]):
+        tokens = q.shape[0]
+        q_heads = q.numel() // max(1, tokens * cfg.head_dim)
+        key = (tokens, q_heads, q.dtype, q.device, cfg, geometry, scales, grid)
+        launch = self._launches.get(key)
+        if launch is None:
+            launch = self._launches.make(key, q.device, lambda: self._prepare(
+                tokens, q_heads, q.dtype, q.device, cfg, geometry, scales, grid))
+        return launch
+
+    def rotate_and_append_kv_(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              pos_ids: torch.Tensor, caches: Sequence[torch.Tensor],
+                              slots: torch.Tensor, cfg: RopeConfig, geometry: CacheGeometry,
+                              scales: Tuple[float, float], grid: Optional[int] = None) -> None:
+        """As :meth:`torch_bridge.kv_launch.KVAppendLauncher.rotate_and_append_kv_`;
+        ``grid`` overrides the launch's block count (benchmarks sweep it).
+
+        Raises:
+          BackendUnavailable: a tensor off CUDA or breaking the kernel's layout
+            assumptions, a GPU before Hopper, or a kernel this JAX cannot export.
+        """
+        if q.shape[0] == 0:
+            return
+        if cfg.mrope_section is not None:
+            pos_ids = mrope_block(pos_ids, q.shape[0])
+        check_launchable(q, k, v, pos_ids, slots, caches, geometry)
+        slots = int32_slots(slots, geometry.num_slots)
+        launch = self._launch_for(q, cfg, geometry, scales, grid)
+        launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), pos_ids.data_ptr(), slots.data_ptr(),
+               tuple(c.data_ptr() for c in caches))
+
+    def bind(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             caches: Sequence[torch.Tensor], slots: torch.Tensor, cfg: RopeConfig,
+             geometry: CacheGeometry, scales: Tuple[float, float]) -> Callable[..., bool]:
+        """As :meth:`torch_bridge.kv_launch.KVAppendLauncher.bind`."""
+        return bound_append(self._launch_for(q, cfg, geometry, scales, None), geometry, cfg,
+                            caches)

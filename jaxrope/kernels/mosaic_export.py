@@ -70,6 +70,18 @@ def _module_bytes(lowered) -> Tuple[bytes, int]:
         return bytes(config["module"].value_bytes), len(call.results)
 
 
+def _lower(call, specs, donate) -> Tuple[bytes, int]:
+    try:
+        lowered = jax.jit(call, donate_argnums=donate).trace(*specs).lower(
+            lowering_platforms=("cuda",))
+        return _module_bytes(lowered)
+    except BackendUnavailable:
+        raise
+    except Exception as e:  # JAX's lowering or its IR API changed
+        raise BackendUnavailable(f"exporting the Mosaic GPU kernel failed: "
+                                 f"{type(e).__name__}: {e}") from e
+
+
 def export(*, q_heads: int, k_heads: int, head_dim: int, dtype, rotary_dim: int,
            interleave: bool, attention_factor: float, capacity: int, grid: int,
            splits: int = 1, mrope_section: Optional[Tuple[int, int, int]] = None,
@@ -113,15 +125,71 @@ def export(*, q_heads: int, k_heads: int, head_dim: int, dtype, rotary_dim: int,
              jax.ShapeDtypeStruct((half,), jnp.int32),
              jax.ShapeDtypeStruct((capacity, q_heads, *view), dtype),
              jax.ShapeDtypeStruct((capacity, k_heads, *view), dtype))
-    try:
-        lowered = jax.jit(call, donate_argnums=(4, 5)).trace(*specs).lower(
-            lowering_platforms=("cuda",))
-        module, results = _module_bytes(lowered)
-    except BackendUnavailable:
-        raise
-    except Exception as e:  # JAX's lowering or its IR API changed
-        raise BackendUnavailable(f"exporting the Mosaic GPU kernel failed: "
-                                 f"{type(e).__name__}: {e}") from e
+    module, results = _lower(call, specs, (4, 5))
     tokens_per_block = mosaic_gpu.plan(q_heads, k_heads, half, head_dim, itemsize,
                                        interleave).tokens_per_block
     return MosaicModule(module, capacity, grid, tokens_per_block, results)
+
+
+# Operand order of the exported fused RoPE + KV append; results: q, then the caches.
+APPEND_OPERANDS = ("count", "pos_ids", "slots", "tables", "rows", "scales", "q", "k", "v",
+                   "*caches")
+
+
+def export_append(*, q_heads: int, k_heads: int, head_dim: int, dtype, cache_dtype,
+                  rows, components: int, rotary_dim: int, interleave: bool,
+                  attention_factor: float, capacity: int, grid: int,
+                  mrope_section: Optional[Tuple[int, int, int]] = None,
+                  mrope_interleaved: bool = False) -> MosaicModule:
+    """The fused RoPE + paged KV append kernel (:func:`jaxrope.kernels.kv_mosaic.build_append`)
+    for one head layout, cache geometry (``rows``, a
+    :class:`jaxrope.kernels.kv_layout.CacheRows`; ``components`` cache arrays: 2 for a
+    ``(k, v)`` pair, 1 for one array holding both) and launch shape, as a Mosaic module
+    reading the token count at run time.
+
+    Operands (:data:`APPEND_OPERANDS`): ``count`` int32 ``[1]``, ``pos_ids`` as
+    :func:`export`'s, ``slots`` int32 ``[capacity]``, ``tables``, ``rows``
+    (:func:`jaxrope.kernels.mosaic_gpu.slot_row_table`), ``scales`` float32 ``[2]``, q,
+    k, v contiguous ``[capacity, H, D]``, then each cache array (contiguous, any shape
+    holding ``rows``' rows of ``D``).
+
+    Raises:
+      BackendUnavailable: as :func:`export`.
+    """
+    from jaxrope.kernels import kv_mosaic
+    from jaxrope.kernels.kv_reference import FP8
+    reason = mosaic_gpu.unavailable()
+    if reason:
+        raise BackendUnavailable(reason)
+    itemsize = jnp.dtype(dtype).itemsize
+    kernel = kv_mosaic.build_append(
+        q_heads=q_heads, k_heads=k_heads, head_dim=head_dim, itemsize=itemsize,
+        rotary_dim=rotary_dim, interleave=interleave, attention_factor=attention_factor,
+        rows=rows, quantize=jnp.dtype(cache_dtype) == FP8, mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved, count=None, grid=grid)
+    view = (head_dim // 2, 2) if interleave else (head_dim,)
+    cache_rows = rows.num_slots * k_heads * (2 if components == 1 else 1)
+    head_rows = k_heads * rows.head_stride
+
+    def call(count, pos_ids, slots, tables, row_table, scales, q, k, v, *caches):
+        q_ref = jax.new_ref(q)
+        cache_refs = [jax.new_ref(c) for c in caches]
+        kernel(count, pos_ids, slots, tables, row_table, scales, q_ref, k, v, *cache_refs)
+        return (jax.freeze(q_ref), *(jax.freeze(r) for r in cache_refs))
+
+    half = rotary_dim // 2
+    rows_of_pos = 1 if mrope_section is None else 3
+    cache_spec = jax.ShapeDtypeStruct(
+        (cache_rows // head_rows, k_heads, rows.head_stride, *view), cache_dtype)
+    specs = (jax.ShapeDtypeStruct((1,), jnp.int32),
+             jax.ShapeDtypeStruct((rows_of_pos * capacity,), jnp.int32),
+             jax.ShapeDtypeStruct((capacity,), jnp.int32),
+             jax.ShapeDtypeStruct((3, half), jnp.float32),
+             jax.ShapeDtypeStruct((half,), jnp.int32),
+             jax.ShapeDtypeStruct((2,), jnp.float32),
+             jax.ShapeDtypeStruct((capacity, q_heads, *view), dtype),
+             jax.ShapeDtypeStruct((capacity, k_heads, *view), dtype),
+             jax.ShapeDtypeStruct((capacity, k_heads, *view), dtype),
+             *[cache_spec] * components)
+    module, results = _lower(call, specs, (6, *range(9, 9 + components)))
+    return MosaicModule(module, capacity, grid, 1, results)

@@ -141,7 +141,84 @@ def test_bridge_default_is_the_mosaic_launch_with_pallas_triton_an_error(hopper,
                 q.copy_(before[0])
                 k.copy_(before[1])
                 mgr.apply_qk(q, k, "text")
+            # The fused call takes the Mosaic KV launch, likewise without Triton.
+            from torch_bridge.mosaic_launch import MosaicKVLauncher
+            assert isinstance(mgr.kv_launcher, MosaicKVLauncher)
+            cache = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16, device=device)
+            pair = (cache, cache.clone())
+            kv_q = before[0].clone()
+            mgr.apply_qk_and_append_kv(kv_q, before[1], before[1], "text", pair,
+                                       torch.arange(8, device=device))
             mgr.commit(step, ctx)
         finally:
             deprecations._registered_deprecations["jax-pallas-triton"].accelerated = False
     _check(cfg, before, (q, k), pos[:8], torch.bfloat16)
+    _check(cfg, (before[0],), (kv_q,), pos[:8], torch.bfloat16)
+    # Keys cached rotated, values as given, at slots 0-7 of page 0.
+    _check(cfg, (before[1],), (pair[0][0, :8],), pos[:8], torch.bfloat16)
+    assert torch.equal(pair[1][0, :8], before[1])
+
+
+def _kv_inputs(device, cfg, layout, combined, tokens, fp8, seed, q_heads=32, k_heads=8,
+               page_size=16):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(tokens, q_heads, cfg.head_dim, device=device, generator=gen).bfloat16()
+    k, v = (torch.randn(tokens, k_heads, cfg.head_dim, device=device, generator=gen).bfloat16()
+            for _ in range(2))
+    pages = 2 * -(-tokens // page_size) + 1
+    entry = (page_size, k_heads) if layout == "NHD" else (k_heads, page_size)
+    shape = (pages, *((2,) if combined else ()), *entry, cfg.head_dim)
+    cache_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    caches = [torch.randn(shape, device=device, generator=gen).to(cache_dtype)
+              for _ in range(1 if combined else 2)]
+    slots = torch.randperm(pages * page_size, device=device, generator=gen)[:tokens]
+    slots[::7] = -1  # padding tokens: q rotated, nothing cached
+    span = 3 if cfg.mrope_section is not None else None
+    high = 1 << 19
+    pos = torch.randint(0, high, (span, tokens) if span else (tokens,), device=device,
+                        dtype=torch.int32, generator=gen)
+    return q, k, v, (caches[0] if combined else tuple(caches)), slots, pos
+
+
+def _close(a, b, label):
+    a, b = a.float(), b.float()
+    if a.dtype == torch.float8_e4m3fn or label.endswith("fp8"):
+        # One e4m3 step of the larger value (3 mantissa bits), or the smallest subnormal.
+        bound = torch.maximum(a.abs(), b.abs()) * 2.0 ** -3 + 2.0 ** -9
+    else:
+        # Two bf16 ulps of the row's scale: the two kernels' hardware sines differ.
+        bound = 2.0 ** -6 * torch.maximum(a.abs().amax(-1, keepdim=True),
+                                          b.abs().amax(-1, keepdim=True))
+    worst = ((a - b).abs() - bound).max().item()
+    assert worst <= 0, f"{label}: {worst:.3g} past the bound"
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("tokens", [1, 17, 512, 4099])
+@pytest.mark.parametrize("layout, combined", [("NHD", False), ("HND", False), ("NHD", True),
+                                              ("HND", True)])
+def test_mosaic_kv_launch_writes_what_the_triton_launch_writes(hopper, device, layout, combined,
+                                                                tokens, fp8):
+    import jaxrope as jr
+    from torch_bridge.kv_append import check_call
+    from torch_bridge.kv_launch import KVAppendLauncher
+    from torch_bridge.mosaic_launch import MosaicKVLauncher
+    cfg = jr.RopeConfig(head_dim=128, theta=5e5, max_position=LARGE)
+    if tokens == 17:  # M-RoPE once per form
+        cfg = jr.RopeConfig(head_dim=128, theta=1e6, max_position=LARGE,
+                            mrope_section=(16, 24, 24))
+    q, k, v, kv_cache, slots, pos = _kv_inputs(device, cfg, layout, combined, tokens, fp8,
+                                                seed=tokens + 2 * combined + fp8)
+    scale = 0.5 if fp8 else None
+    outs = []
+    for launcher in (MosaicKVLauncher(), KVAppendLauncher()):
+        q2 = q.clone()
+        cache2 = kv_cache.clone() if combined else tuple(c.clone() for c in kv_cache)
+        caches, geometry, scales = check_call(k, v, cache2, slots, layout, scale, scale, device)
+        launcher.rotate_and_append_kv_(q2, k, v, pos, caches, slots, cfg, geometry, scales)
+        outs.append((q2, caches))
+    torch.cuda.synchronize()
+    (q_m, caches_m), (q_t, caches_t) = outs
+    _close(q_m, q_t, f"{layout} combined={combined} q")
+    for i, (a, b) in enumerate(zip(caches_m, caches_t)):
+        _close(a, b, f"{layout} combined={combined} cache {i}" + (" fp8" if fp8 else ""))
