@@ -184,8 +184,9 @@ def run(args) -> Dict[str, Any]:
             for impl in ("mosaic", "triton"):
                 measured[impl] = _jax_time(impl, ONE_D, q, k, pos, iters, args.reps)
                 measured[f"{impl}_mrope"] = _jax_time(impl, MROPE, q, k, pos3, iters, args.reps)
-            measured["mosaic_tma"] = _tma_time(ONE_D, q, k, pos, iters, args.reps)
-            measured["mosaic_tma_mrope"] = _tma_time(MROPE, q, k, pos3, iters, args.reps)
+            if not args.no_tma:
+                measured["mosaic_tma"] = _tma_time(ONE_D, q, k, pos, iters, args.reps)
+                measured["mosaic_tma_mrope"] = _tma_time(MROPE, q, k, pos3, iters, args.reps)
             for impl, fn in torch_calls.items():
                 measured[impl] = timing.time_cuda_graph(fn, iters=iters, reps=args.reps)
             for impl, t in measured.items():
@@ -236,12 +237,16 @@ def main(argv=None) -> None:
                         help="time the table at the sweep's fastest knobs")
     parser.add_argument("--tma-sweep", nargs="*", default=[], metavar="TB:STAGES",
                         help="first time the TMA variant at these tokens per block and stages")
+    parser.add_argument("--no-tma", action="store_true",
+                        help="leave the TMA variant out of the table")
+    parser.add_argument("--sweeps-only", action="store_true",
+                        help="run the sweeps asked for, not the table")
     args = parser.parse_args(argv)
     args.sweep = [tuple(int(x) for x in item.split(":")) for item in args.sweep]
     args.tma_sweep = [tuple(int(x) for x in item.split(":")) for item in args.tma_sweep]
     swept = sweep(args) if args.sweep else []
     tma_swept = tma_sweep(args) if args.tma_sweep else []
-    report = run(args)
+    report = dict(rows=[]) if args.sweeps_only else run(args)
     from jaxrope.kernels import mosaic_gpu, mosaic_tma
     plan = mosaic_tma.plan_tma(Q_HEADS, K_HEADS, HEAD_DIM // 2, HEAD_DIM, 2, False)
     report.update(sweep=swept, mosaic_knobs=dict(group_bytes=mosaic_gpu._GROUP_BYTES,
@@ -250,7 +255,8 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "mosaic_bench.json").write_text(json.dumps(report, indent=1))
-    print(table(report))
+    if report["rows"]:
+        print(table(report))
 
 
 if __name__ == "__main__":
