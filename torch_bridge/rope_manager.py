@@ -41,8 +41,8 @@ class RopeManager(PositionManager):
         the seed's signature. q and k are rotated in their own dtype (the seed cast
         to this dtype; float32 inputs here stay float32).
       launcher: the fast paths ``apply_qk`` and ``apply_qk_and_append_kv`` try first:
-        "auto" (on CUDA the launchers of the kernels ``backend="auto"`` runs: Mosaic
-        GPU on Hopper), "jax" (always the JAX path), or an object with ``rotate_(q, k,
+        "auto" (on CUDA: :func:`torch_bridge.launchers.auto_launcher_class`, the
+        Mosaic GPU launch of ``apply_qk`` on Hopper), "jax" (always the JAX path), or an object with ``rotate_(q, k,
         pos_ids, cfg)`` (:class:`torch_bridge.Launcher`), which serves the fused call
         too if it has ``rotate_and_append_kv_`` (:class:`torch_bridge.KVLauncher`);
         see :func:`torch_bridge.launchers.resolve_launchers`.
