@@ -200,13 +200,19 @@ def test_auto_leaves_mosaic_to_the_jax_versions_known_to_lower_it(monkeypatch):
 def _run_time_count(cfg, q, k, pos, count, grid, splits):
     # The kernel a launch outside JAX compiles: T read from an operand, `grid` blocks
     # taking the count's blocks in turn, refs holding more tokens than are rotated.
-    tables, attention = kernel_constants(cfg)
+    _, attention = kernel_constants(cfg)
     kernel = mosaic_gpu.build(
         q_heads=q.shape[1], k_heads=k.shape[1], head_dim=cfg.head_dim,
         itemsize=q.dtype.itemsize, rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
         attention_factor=attention, mrope_section=cfg.mrope_section,
         mrope_interleaved=cfg.mrope_interleaved, count=None, grid=grid, splits=splits,
         interpret=True)
+    return run_with_count(kernel, cfg, q, k, pos, count)
+
+
+def run_with_count(kernel, cfg, q, k, pos, count):
+    """``kernel`` (built with a run-time count) over q and k at ``pos``, ``count`` tokens."""
+    tables, _ = kernel_constants(cfg)
     rows = mosaic_gpu.slot_row_table(cfg.rotary_dim // 2, cfg.mrope_section,
                                      cfg.mrope_interleaved)
     view = lambda x: x.reshape(*x.shape[:2], cfg.head_dim // 2, 2) if cfg.interleave else x

@@ -20,13 +20,12 @@ from jaxrope.apply import kernel_constants
 from jaxrope.cases import BY_NAME, CASES, MROPE_CASES
 from jaxrope.kernels import mosaic_gpu
 from jaxrope.testing import oracle
+from test_mosaic_interpret import BOUND, LARGE, _check, _draw, run_with_count  # noqa: E402
 
 MISSING = mosaic_gpu.unavailable()
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
 needs_lowering = pytest.mark.skipif(mosaic_gpu.lowering_unavailable() is not None,
                                     reason=str(mosaic_gpu.lowering_unavailable()))
-LARGE = 1 << 20
-BOUND = {jnp.bfloat16: 2.5e-3, jnp.float16: 2.5e-3, jnp.float32: 1e-5}
 # One SM: the static-count grid is then a few blocks, each walking many token blocks
 # through every stage (the default grid gives each block one token block on CPU sizes).
 ONE_SM = dict(sms=1)
@@ -45,20 +44,6 @@ def _rope(cfg, q, k, pos, interpret=True, **tuning):
         interleave=cfg.interleave, attention_factor=attention,
         mrope_section=cfg.mrope_section, mrope_interleaved=cfg.mrope_interleaved,
         interpret=interpret, tuning=mosaic_tma.TmaTuning(**tuning))
-
-
-def _draw(rng, cfg, tokens, q_heads, k_heads, dtype):
-    q, k = (jnp.asarray(rng.standard_normal((tokens, h, cfg.head_dim)), dtype)
-            for h in (q_heads, k_heads))
-    shape = (tokens,) if cfg.mrope_section is None else (3, tokens)
-    return q, k, rng.integers(0, LARGE, shape).astype(np.int32)
-
-
-def _check(cfg, q, k, pos, out, dtype):
-    for x, y in zip((q, k), out):
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        assert oracle.relative_error(y, oracle.rope_of(cfg, x, pos)) < BOUND[dtype]
-        np.testing.assert_array_equal(y[..., cfg.rotary_dim:], x[..., cfg.rotary_dim:])
 
 
 def _plan(case, itemsize=2, **tuning):
@@ -119,25 +104,14 @@ def _run_time_count(cfg, q, k, pos, count, grid, **tuning):
     # The kernel a launch outside JAX compiles: T read from an operand, `grid` blocks
     # walking the token blocks, refs holding more tokens than are rotated.
     mosaic_tma = _tma()
-    tables, attention = kernel_constants(cfg)
+    _, attention = kernel_constants(cfg)
     kernel = mosaic_tma.build_tma(
         q_heads=q.shape[1], k_heads=k.shape[1], head_dim=cfg.head_dim,
         itemsize=q.dtype.itemsize, rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
         attention_factor=attention, mrope_section=cfg.mrope_section,
         mrope_interleaved=cfg.mrope_interleaved, count=None, grid=grid, interpret=True,
         tuning=mosaic_tma.TmaTuning(**tuning))
-    rows = mosaic_gpu.slot_row_table(cfg.rotary_dim // 2, cfg.mrope_section,
-                                     cfg.mrope_interleaved)
-    # M-RoPE rows sit `count` apart: the [3, count] block first, in one flat buffer.
-    flat = np.zeros(np.size(pos) if cfg.mrope_section is None else 3 * q.shape[0], np.int32)
-    flat[:np.size(pos[..., :count])] = np.asarray(pos)[..., :count].reshape(-1)
-
-    def call(a, b):
-        q_ref, k_ref = jax.new_ref(a), jax.new_ref(b)
-        kernel(jnp.asarray([count], jnp.int32), jnp.asarray(flat), jnp.asarray(tables),
-               rows, q_ref, k_ref)
-        return jax.freeze(q_ref), jax.freeze(k_ref)
-    return jax.jit(call)(q, k)
+    return run_with_count(kernel, cfg, q, k, pos, count)
 
 
 @pytest.mark.parametrize("name, count, grid, tokens_per_block", [

@@ -38,14 +38,14 @@ import torch
 
 from jaxrope.apply import kernel_options
 from jaxrope.config import RopeConfig
-from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels import kv_pallas, pallas_triton, triton_ir
 from torch_bridge.kv_append import CacheGeometry, int32_slots
 from torch_bridge.triton_launch import mrope_block
 from torch_bridge.triton_runtime import (ALIGN, AngleTables, CountTable, KernelCache,
                                          KernelLaunch, LaunchRecords)
+from torch_bridge.triton_runtime import check_launchable
 
-__all__ = ["KVAppendLauncher", "bound_append", "check_launchable"]
+__all__ = ["KVAppendLauncher", "bound_append", "check_append_tensors"]
 
 # Launch records kept (one per distinct shape, cache, config, scales and device).
 _MAX_LAUNCHES = 4096
@@ -122,7 +122,7 @@ class KVAppendLauncher:
             return
         if cfg.mrope_section is not None:
             pos_ids = mrope_block(pos_ids, q.shape[0])
-        check_launchable(q, k, v, pos_ids, slots, caches, geometry)
+        check_append_tensors(q, k, v, pos_ids, slots, caches, geometry)
         slots = int32_slots(slots, geometry.num_slots)
         launch, count_ptr, tables_ptr, scales_ptr = self._launch_for(q, cfg, geometry, scales,
                                                                      block)
@@ -224,16 +224,11 @@ def bound_append(launch: Callable[..., None], geometry: CacheGeometry, cfg: Rope
     return run
 
 
-def check_launchable(q, k, v, pos_ids, slots, caches, geometry: CacheGeometry) -> None:
+def check_append_tensors(q, k, v, pos_ids, slots, caches, geometry: CacheGeometry) -> None:
     """What a compiled fused-append kernel assumes of its tensors.
 
     Raises:
       BackendUnavailable: a tensor off CUDA, not contiguous or not 32-byte aligned.
     """
-    named = (("q", q), ("k", k), ("v", v), ("pos_ids", pos_ids), ("slots", slots),
-             *zip(("kv_cache",) if geometry.combined else ("k_cache", "v_cache"), caches))
-    for name, t in named:
-        if not t.is_cuda:
-            raise BackendUnavailable(f"{name} is on {t.device}: the launcher needs CUDA")
-        if not t.is_contiguous() or t.data_ptr() % ALIGN:
-            raise BackendUnavailable(f"{name} must be contiguous and {ALIGN}-byte aligned")
+    check_launchable((("q", q), ("k", k), ("v", v), ("pos_ids", pos_ids), ("slots", slots),
+                   *zip(("kv_cache",) if geometry.combined else ("k_cache", "v_cache"), caches)))

@@ -32,10 +32,10 @@ from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels import kv_layout, mosaic_export, mosaic_gpu
 from torch_bridge.kv_append import CacheGeometry, int32_slots
-from torch_bridge.kv_launch import bound_append, check_launchable
+from torch_bridge.kv_launch import bound_append, check_append_tensors
 from torch_bridge.triton_launch import mrope_block
 from torch_bridge.triton_runtime import ALIGN as _ALIGN
-from torch_bridge.triton_runtime import AngleTables, CountTable, LaunchRecords
+from torch_bridge.triton_runtime import AngleTables, CountTable, LaunchRecords, check_launchable
 
 __all__ = ["MAX_BLOCKS_PER_SM", "MosaicKVLauncher", "MosaicLauncher", "launch_shape"]
 
@@ -80,6 +80,14 @@ def _mosaic_compiler():
     compile_fn.argtypes = [ctypes.c_char_p, ctypes.c_int]
     compile_fn.restype = ctypes.POINTER(ctypes.c_void_p)
     return compile_fn
+
+
+def _hopper_capability(device: torch.device) -> Tuple[int, int]:
+    capability = torch.cuda.get_device_capability(device)
+    if capability[0] < 9:
+        raise BackendUnavailable(f"Mosaic GPU needs compute capability 9.0 (Hopper) or "
+                                 f"newer, {device} has {capability[0]}.{capability[1]}")
+    return capability
 
 
 class CompiledModule:
@@ -144,10 +152,7 @@ class MosaicLauncher:
 
     def _prepare(self, tokens: int, q_heads: int, k_heads: int, dtype: torch.dtype,
                  device: torch.device, cfg: RopeConfig, grid: Optional[int]):
-        capability = torch.cuda.get_device_capability(device)
-        if capability[0] < 9:
-            raise BackendUnavailable(f"Mosaic GPU needs compute capability 9.0 (Hopper) or "
-                                     f"newer, {device} has {capability[0]}.{capability[1]}")
+        capability = _hopper_capability(device)
         half = cfg.rotary_dim // 2
         itemsize = torch.empty((), dtype=dtype).element_size()
         p = mosaic_gpu.plan(q_heads, k_heads, half, cfg.head_dim, itemsize, cfg.interleave)
@@ -230,11 +235,7 @@ class MosaicLauncher:
             return
         if cfg.mrope_section is not None:
             pos_ids = mrope_block(pos_ids, q.shape[0])
-        for name, t in (("q", q), ("k", k), ("pos_ids", pos_ids)):
-            if not t.is_cuda:
-                raise BackendUnavailable(f"{name} is on {t.device}: the launcher needs CUDA")
-            if not t.is_contiguous() or t.data_ptr() % _ALIGN:
-                raise BackendUnavailable(f"{name} must be contiguous and {_ALIGN}-byte aligned")
+        check_launchable((("q", q), ("k", k), ("pos_ids", pos_ids)))
         self._run(self._launch_for(q, k, cfg, grid), q, k, pos_ids)
 
 
@@ -261,10 +262,7 @@ class MosaicKVLauncher:
                  cfg: RopeConfig, geometry: CacheGeometry, scales: Tuple[float, float],
                  grid: Optional[int]):
         rope = self._rope
-        capability = torch.cuda.get_device_capability(device)
-        if capability[0] < 9:
-            raise BackendUnavailable(f"Mosaic GPU needs compute capability 9.0 (Hopper) or "
-                                     f"newer, {device} has {capability[0]}.{capability[1]}")
+        capability = _hopper_capability(device)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         # One token a block, the blocks' next power of two, as launch_shape's.
         shape_grid, _, capacity = launch_shape(tokens, 1, 1, sms)
@@ -328,7 +326,7 @@ class MosaicKVLauncher:
             return
         if cfg.mrope_section is not None:
             pos_ids = mrope_block(pos_ids, q.shape[0])
-        check_launchable(q, k, v, pos_ids, slots, caches, geometry)
+        check_append_tensors(q, k, v, pos_ids, slots, caches, geometry)
         slots = int32_slots(slots, geometry.num_slots)
         launch = self._launch_for(q, cfg, geometry, scales, grid)
         launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), pos_ids.data_ptr(), slots.data_ptr(),

@@ -32,11 +32,10 @@ import torch
 
 from jaxrope.apply import kernel_options
 from jaxrope.config import RopeConfig
-from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels import pallas_triton, triton_ir
 from torch_bridge.triton_runtime import ALIGN as _ALIGN
 from torch_bridge.triton_runtime import (AngleTables, CountTable, KernelCache, KernelLaunch,
-                                         LaunchRecords)
+                                         LaunchRecords, check_launchable)
 
 # Launch records kept (one per distinct shape, config and device); past this the cache
 # starts over rather than grow with every token count an engine ever uses.
@@ -128,11 +127,7 @@ class TritonLauncher:
             return
         if cfg.mrope_section is not None:
             pos_ids = mrope_block(pos_ids, q.shape[0])
-        for name, t in (("q", q), ("k", k), ("pos_ids", pos_ids)):
-            if not t.is_cuda:
-                raise BackendUnavailable(f"{name} is on {t.device}: the launcher needs CUDA")
-            if not t.is_contiguous() or t.data_ptr() % _ALIGN:
-                raise BackendUnavailable(f"{name} must be contiguous and {_ALIGN}-byte aligned")
+        check_launchable((("q", q), ("k", k), ("pos_ids", pos_ids)))
         launch, count_ptr, tables_ptr = self._launch_for(q, k, cfg, block)
         q_ptr, k_ptr = q.data_ptr(), k.data_ptr()
         launch(count_ptr, pos_ids.data_ptr(), tables_ptr, q_ptr, k_ptr, q_ptr, k_ptr)

@@ -33,7 +33,7 @@ from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 
 __all__ = ["ALIGN", "AngleTables", "CountTable", "KernelCache", "KernelLaunch", "LaunchRecords",
-           "import_triton"]
+           "check_launchable", "import_triton"]
 
 # Pallas marks every pointer of the exported kernels tt.divisibility = 32.
 ALIGN = 32
@@ -50,6 +50,20 @@ def import_triton():
     except ImportError as e:
         raise BackendUnavailable(f"Triton is not installed: {e}") from e
     return triton
+
+
+def check_launchable(named) -> None:
+    """What every compiled kernel assumes of its ``(name, tensor)`` pairs: on CUDA,
+    contiguous, ``ALIGN``-byte aligned.
+
+    Raises:
+      BackendUnavailable: the first tensor that is not, named.
+    """
+    for name, t in named:
+        if not t.is_cuda:
+            raise BackendUnavailable(f"{name} is on {t.device}: the launcher needs CUDA")
+        if not t.is_contiguous() or t.data_ptr() % ALIGN:
+            raise BackendUnavailable(f"{name} must be contiguous and {ALIGN}-byte aligned")
 
 
 class CountTable:

@@ -264,28 +264,15 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
             n = count_ref[0]
         else:
             refs, n = operands, count
-        b = jax.lax.axis_index("block")
+        one = lambda b: block(n, refs, b * tokens, tokens)  # noqa: E731
         if count is not None:
-            block(n, refs, b * tokens, tokens)
-            return
-        blocks = jax.lax.div(n + (tokens - 1), tokens)
-        turns = jax.lax.div(blocks - b + (grid - 1), grid)
-
-        def walk(i, carry):
-            block(n, refs, (b + i * grid) * tokens, tokens)
-            return carry
-        jax.lax.fori_loop(0, turns, walk, 0)
+            one(jax.lax.axis_index("block"))
+        else:
+            mosaic_gpu.walk(jax.lax.div(n + (tokens - 1), tokens), grid, one)
 
     if count is not None:
         grid = -(-count // tokens)
-    return plgpu.kernel(
-        body, out_type=(), grid=(grid,), grid_names=("block",),
-        kernel_name="jaxrope_rope_append_kv_mosaic",  # what profilers show
-        compiler_params=plgpu.CompilerParams(
-            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane,
-            # No thread reads what another writes: a barrier after every store buys nothing.
-            unsafe_no_auto_barriers=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None)
+    return mosaic_gpu.kernel(body, grid, "jaxrope_rope_append_kv_mosaic", interpret)
 
 
 def cache_view(cache, rows: CacheRows, k_heads: int, interleave: bool):

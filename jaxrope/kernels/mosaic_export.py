@@ -22,7 +22,6 @@ from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels import mosaic_gpu

@@ -335,24 +335,34 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
             for s, chunk in enumerate(chunks):
                 pl.when(split == s)(functools.partial(one_block, b, chunk))
 
-        block = jax.lax.axis_index("block")
         if count is not None:
-            one_item(block)
-            return
-        # Block b of the launch takes the count's items b, b + grid, ...
-        items = jax.lax.div(n + (tpb - 1), tpb) * splits
-        turns = jax.lax.div(items - block + (grid - 1), grid)
-
-        def walk(i, carry):
-            one_item(block + i * grid)
-            return carry
-        jax.lax.fori_loop(0, turns, walk, 0)
+            one_item(jax.lax.axis_index("block"))
+        else:
+            walk(jax.lax.div(n + (tpb - 1), tpb) * splits, grid, one_item)
 
     if count is not None:
         grid = -(-count // tpb) * splits
+    return kernel(body, grid, "jaxrope_rope_mosaic", interpret)
+
+
+def walk(items, grid: int, one_item) -> None:
+    """Inside a kernel of ``grid`` blocks: block ``b`` calls ``one_item`` on items ``b, b +
+    grid, ...`` below ``items`` (a run-time count: one compiled grid for any count)."""
+    block = jax.lax.axis_index("block")
+    turns = jax.lax.div(items - block + (grid - 1), grid)
+
+    def step(i, carry):
+        one_item(block + i * grid)
+        return carry
+    jax.lax.fori_loop(0, turns, step, 0)
+
+
+def kernel(body, grid: int, name: str, interpret: bool):
+    """The ``plgpu.kernel`` of a body over GMEM refs, with the compiler parameters every
+    kernel here uses; ``name`` is what profilers show."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
     return plgpu.kernel(
-        body, out_type=(), grid=(grid,), grid_names=("block",),
-        kernel_name="jaxrope_rope_mosaic",  # what profilers show
+        body, out_type=(), grid=(grid,), grid_names=("block",), kernel_name=name,
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane,
             # No thread reads what another writes: a barrier after every store buys nothing.
@@ -376,7 +386,7 @@ def rope_mosaic(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
     num_tokens, q_heads, head_dim = q.shape
     if num_tokens == 0:
         return q, k
-    kernel = build(q_heads=q_heads, k_heads=k.shape[1], head_dim=head_dim,
+    rope = build(q_heads=q_heads, k_heads=k.shape[1], head_dim=head_dim,
                    itemsize=np.dtype(q.dtype).itemsize, rotary_dim=rotary_dim,
                    interleave=interleave, attention_factor=attention_factor,
                    mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
@@ -385,5 +395,5 @@ def rope_mosaic(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
     views = [x.reshape(x.shape[0], x.shape[1], head_dim // 2, 2) if interleave else x
              for x in (q, k)]
     q_ref, k_ref = (jax.new_ref(x) for x in views)
-    kernel(pos_ids.reshape(-1), tables, rows, q_ref, k_ref)
+    rope(pos_ids.reshape(-1), tables, rows, q_ref, k_ref)
     return tuple(jax.freeze(r).reshape(x.shape) for r, x in zip((q_ref, k_ref), (q, k)))

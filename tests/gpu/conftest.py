@@ -68,18 +68,3 @@ def launcher(request, device):
         if probe.launcher is None:
             pytest.skip("no fast launcher here (Triton unavailable)")
     return request.param
-
-
-@pytest.fixture(scope="module")
-def hopper(jax_gpu):
-    """JAX's first GPU when Mosaic GPU runs on it, else a skip saying why not."""
-    from jaxrope import backend as backend_module
-    from jaxrope.kernels import mosaic_gpu
-    missing = mosaic_gpu.unavailable()
-    if missing:
-        pytest.skip(missing)
-    capability = backend_module.device_capability(jax_gpu)
-    if capability is None or int(capability.split(".")[0]) < backend_module.MOSAIC_MIN_CAPABILITY:
-        pytest.skip(f"{jax_gpu.device_kind} has compute capability {capability}, Mosaic GPU "
-                    "needs 9.0")
-    return jax_gpu
