@@ -198,21 +198,19 @@ def test_auto_leaves_mosaic_to_the_jax_versions_known_to_lower_it(monkeypatch):
 
 
 def _run_time_count(cfg, q, k, pos, count, grid, splits):
-    # The kernel a launch outside JAX compiles: T read from an operand, `grid` blocks
-    # taking the count's blocks in turn, refs holding more tokens than are rotated.
-    _, attention = kernel_constants(cfg)
-    kernel = mosaic_gpu.build(
+    return run_with_count(mosaic_gpu.build, cfg, q, k, pos, count, grid=grid, splits=splits)
+
+
+def run_with_count(builder, cfg, q, k, pos, count, **build_kwargs):
+    """The kernel a launch outside JAX compiles (``builder`` with a run-time count: T read
+    from an operand, the grid's blocks taking the count's blocks in turn) over q and k at
+    ``pos``, ``count`` tokens of refs that hold more."""
+    tables, attention = kernel_constants(cfg)
+    kernel = builder(
         q_heads=q.shape[1], k_heads=k.shape[1], head_dim=cfg.head_dim,
         itemsize=q.dtype.itemsize, rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
         attention_factor=attention, mrope_section=cfg.mrope_section,
-        mrope_interleaved=cfg.mrope_interleaved, count=None, grid=grid, splits=splits,
-        interpret=True)
-    return run_with_count(kernel, cfg, q, k, pos, count)
-
-
-def run_with_count(kernel, cfg, q, k, pos, count):
-    """``kernel`` (built with a run-time count) over q and k at ``pos``, ``count`` tokens."""
-    tables, _ = kernel_constants(cfg)
+        mrope_interleaved=cfg.mrope_interleaved, count=None, interpret=True, **build_kwargs)
     rows = mosaic_gpu.slot_row_table(cfg.rotary_dim // 2, cfg.mrope_section,
                                      cfg.mrope_interleaved)
     view = lambda x: x.reshape(*x.shape[:2], cfg.head_dim // 2, 2) if cfg.interleave else x
@@ -242,7 +240,11 @@ def test_mosaic_kernel_reads_the_token_count_at_run_time(name, count, grid, spli
     cfg = dataclasses.replace(case.cfg, max_position=LARGE)
     capacity = 48
     q, k, pos = _draw(rng, cfg, capacity, case.q_heads, case.k_heads, jnp.bfloat16)
-    out = _run_time_count(cfg, q, k, pos, count, grid, splits)
+    check_count_run(cfg, q, k, pos, count, _run_time_count(cfg, q, k, pos, count, grid, splits))
+
+
+def check_count_run(cfg, q, k, pos, count, out):
+    """Tokens ``[0, count)`` of ``out`` rotated as by the oracle, the rest as they were."""
     for x, y in zip((q, k), out):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         np.testing.assert_array_equal(y[count:], x[count:])

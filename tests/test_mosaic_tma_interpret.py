@@ -19,8 +19,8 @@ import pytest
 from jaxrope.apply import kernel_constants
 from jaxrope.cases import BY_NAME, CASES, MROPE_CASES
 from jaxrope.kernels import mosaic_gpu
-from jaxrope.testing import oracle
-from test_mosaic_interpret import BOUND, LARGE, _check, _draw, run_with_count  # noqa: E402
+from test_mosaic_interpret import (LARGE, _check, _draw, check_count_run,  # noqa: E402
+                                   run_with_count)
 
 MISSING = mosaic_gpu.unavailable()
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
@@ -101,17 +101,9 @@ def test_tma_variant_takes_zero_and_one_token(tokens, rng):
 
 
 def _run_time_count(cfg, q, k, pos, count, grid, **tuning):
-    # The kernel a launch outside JAX compiles: T read from an operand, `grid` blocks
-    # walking the token blocks, refs holding more tokens than are rotated.
     mosaic_tma = _tma()
-    _, attention = kernel_constants(cfg)
-    kernel = mosaic_tma.build_tma(
-        q_heads=q.shape[1], k_heads=k.shape[1], head_dim=cfg.head_dim,
-        itemsize=q.dtype.itemsize, rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
-        attention_factor=attention, mrope_section=cfg.mrope_section,
-        mrope_interleaved=cfg.mrope_interleaved, count=None, grid=grid, interpret=True,
-        tuning=mosaic_tma.TmaTuning(**tuning))
-    return run_with_count(kernel, cfg, q, k, pos, count)
+    return run_with_count(mosaic_tma.build_tma, cfg, q, k, pos, count, grid=grid,
+                          tuning=mosaic_tma.TmaTuning(**tuning))
 
 
 @pytest.mark.parametrize("name, count, grid, tokens_per_block", [
@@ -127,14 +119,8 @@ def test_tma_variant_reads_the_token_count_at_run_time(name, count, grid, tokens
     cfg = dataclasses.replace(case.cfg, max_position=LARGE)
     capacity = 48
     q, k, pos = _draw(rng, cfg, capacity, case.q_heads, case.k_heads, jnp.bfloat16)
-    out = _run_time_count(cfg, q, k, pos, count, grid, tokens_per_block=tokens_per_block,
-                          stages=3)
-    for x, y in zip((q, k), out):
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        np.testing.assert_array_equal(y[count:], x[count:])
-        if count:
-            want = oracle.rope_of(cfg, x[:count], pos[..., :count])
-            assert oracle.relative_error(y[:count], want) < BOUND[jnp.bfloat16]
+    check_count_run(cfg, q, k, pos, count, _run_time_count(
+        cfg, q, k, pos, count, grid, tokens_per_block=tokens_per_block, stages=3))
 
 
 def test_tma_plan_fits_the_copy_rules_of_every_case():

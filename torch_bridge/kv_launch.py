@@ -45,7 +45,7 @@ from torch_bridge.triton_runtime import (ALIGN, AngleTables, CountTable, KernelC
                                          KernelLaunch, LaunchRecords)
 from torch_bridge.triton_runtime import check_launchable
 
-__all__ = ["KVAppendLauncher", "bound_append", "check_append_tensors"]
+__all__ = ["KVAppendLauncher", "append_record", "append_operands", "bound_append"]
 
 # Launch records kept (one per distinct shape, cache, config, scales and device).
 _MAX_LAUNCHES = 4096
@@ -120,10 +120,7 @@ class KVAppendLauncher:
         """
         if q.shape[0] == 0:
             return
-        if cfg.mrope_section is not None:
-            pos_ids = mrope_block(pos_ids, q.shape[0])
-        check_append_tensors(q, k, v, pos_ids, slots, caches, geometry)
-        slots = int32_slots(slots, geometry.num_slots)
+        pos_ids, slots = append_operands(q, k, v, pos_ids, slots, caches, cfg, geometry)
         launch, count_ptr, tables_ptr, scales_ptr = self._launch_for(q, cfg, geometry, scales,
                                                                      block)
         q_ptr, cache_ptrs = q.data_ptr(), tuple(c.data_ptr() for c in caches)
@@ -155,16 +152,7 @@ class KVAppendLauncher:
     def _launch_for(self, q: torch.Tensor, cfg: RopeConfig, geometry: CacheGeometry,
                     scales: Tuple[float, float],
                     block: Optional[kv_pallas.AppendBlockConfig]) -> Tuple[KernelLaunch, int, int, int]:
-        head_dim = cfg.head_dim
-        tokens = q.shape[0]
-        q_heads = q.numel() // max(1, tokens * head_dim)
-        # Everything but the per-call pointers is fixed by this key.
-        key = (tokens, q_heads, q.dtype, q.device, cfg, geometry, scales, block)
-        launch = self._launches.get(key)
-        if launch is None:
-            launch = self._launches.make(key, q.device, lambda: self._prepare(
-                tokens, q_heads, q.dtype, q.device, cfg, geometry, scales, block))
-        return launch
+        return append_record(self._launches, self._prepare, q, cfg, geometry, scales, block)
 
     def _prepare(self, tokens: int, q_heads: int, dtype: torch.dtype, device: torch.device,
                  cfg: RopeConfig, geometry: CacheGeometry, scales: Tuple[float, float],
@@ -224,11 +212,34 @@ def bound_append(launch: Callable[..., None], geometry: CacheGeometry, cfg: Rope
     return run
 
 
-def check_append_tensors(q, k, v, pos_ids, slots, caches, geometry: CacheGeometry) -> None:
-    """What a compiled fused-append kernel assumes of its tensors.
+def append_operands(q, k, v, pos_ids, slots, caches, cfg: RopeConfig,
+                    geometry: CacheGeometry) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(pos_ids, slots)`` as a compiled fused-append kernel reads them (an M-RoPE
+    config's ``[3, T]`` block, int32 slots), after checking what it assumes of every
+    tensor.
 
     Raises:
       BackendUnavailable: a tensor off CUDA, not contiguous or not 32-byte aligned.
     """
+    if cfg.mrope_section is not None:
+        pos_ids = mrope_block(pos_ids, q.shape[0])
     check_launchable((("q", q), ("k", k), ("v", v), ("pos_ids", pos_ids), ("slots", slots),
                    *zip(("kv_cache",) if geometry.combined else ("k_cache", "v_cache"), caches)))
+    return pos_ids, int32_slots(slots, geometry.num_slots)
+
+
+def append_record(records: LaunchRecords, prepare: Callable[..., Any], q: torch.Tensor,
+                  cfg: RopeConfig, geometry: CacheGeometry, scales: Tuple[float, float],
+                  shape: Any) -> Any:
+    """A fused-append launcher's record for this call: ``records[key]``, built by
+    ``prepare(tokens, q_heads, dtype, device, cfg, geometry, scales, shape)`` on a miss;
+    everything but the per-call pointers is fixed by the key (``shape``: the launch-shape
+    override, or None)."""
+    tokens = q.shape[0]
+    q_heads = q.numel() // max(1, tokens * cfg.head_dim)
+    key = (tokens, q_heads, q.dtype, q.device, cfg, geometry, scales, shape)
+    record = records.get(key)
+    if record is None:
+        record = records.make(key, q.device, lambda: prepare(
+            tokens, q_heads, q.dtype, q.device, cfg, geometry, scales, shape))
+    return record

@@ -31,8 +31,8 @@ from jaxrope.apply import kernel_options
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels import kv_layout, mosaic_export, mosaic_gpu
-from torch_bridge.kv_append import CacheGeometry, int32_slots
-from torch_bridge.kv_launch import bound_append, check_append_tensors
+from torch_bridge.kv_append import CacheGeometry
+from torch_bridge.kv_launch import append_operands, append_record, bound_append
 from torch_bridge.triton_launch import mrope_block
 from torch_bridge.triton_runtime import ALIGN as _ALIGN
 from torch_bridge.triton_runtime import AngleTables, CountTable, LaunchRecords, check_launchable
@@ -136,7 +136,9 @@ class MosaicLauncher:
         self._launches = LaunchRecords(_MAX_LAUNCHES)
         self._raw_stream = torch._C._cuda_getCurrentRawStream
 
-    def _module(self, key: Tuple, export: Callable[[], mosaic_export.MosaicModule]):
+    def compiled(self, key: Tuple, export: Callable[[], mosaic_export.MosaicModule]):
+        """The module ``export()`` returns, compiled once per ``key`` (a declined export is
+        remembered)."""
         with self._lock:
             module = self._modules.get(key)
             if isinstance(module, BackendUnavailable):
@@ -164,18 +166,29 @@ class MosaicLauncher:
                              grid=grid or shape_grid, splits=splits, **kernel_options(cfg))
         # Keyed by everything the module is exported from and the device's architecture
         # (the module targets it); the frequencies are run-time tables, keyed by cfg.
-        module = self._module((capability, *export_kwargs.items()),
-                              lambda: mosaic_export.export(**export_kwargs))
-        tables = self._tables.get(cfg, device, half)
+        module = self.compiled((capability, *export_kwargs.items()),
+                               lambda: mosaic_export.export(**export_kwargs))
+        tables_ptr, rows_ptr = self.table_pointers(cfg, device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return module, self.count_pointer(device, tokens), tables_ptr, rows_ptr, index
+
+    def table_pointers(self, cfg: RopeConfig, device: torch.device) -> Tuple[int, int]:
+        """Device pointers of ``cfg``'s angle tables ``[3, R/2]`` and slot rows ``[R/2]``
+        (:func:`jaxrope.kernels.mosaic_gpu.slot_row_table`), made once, kept for good (a
+        captured graph may hold them)."""
+        half = cfg.rotary_dim // 2
         rows = self._rows.get((cfg, device))
         if rows is None:
             host = mosaic_gpu.slot_row_table(half, cfg.mrope_section, cfg.mrope_interleaved)
             rows = self._rows[(cfg, device)] = torch.from_numpy(host.copy()).to(device)
+        return self._tables.get(cfg, device, half).data_ptr(), rows.data_ptr()
+
+    def count_pointer(self, device: torch.device, tokens: int) -> int:
+        """A device pointer to the int32 ``tokens`` (:class:`CountTable`)."""
         counts = self._counts.get(device)
         if counts is None:
             counts = self._counts[device] = CountTable(device)
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return module, counts.pointer(tokens), tables.data_ptr(), rows.data_ptr(), index
+        return counts.pointer(tokens)
 
     def _launch_for(self, q: torch.Tensor, k: torch.Tensor, cfg: RopeConfig,
                     grid: Optional[int]):
@@ -274,26 +287,18 @@ class MosaicKVLauncher:
                              cache_dtype=str(geometry.dtype).removeprefix("torch."), rows=rows,
                              components=1 if geometry.combined else 2, capacity=capacity,
                              grid=grid or shape_grid, **kernel_options(cfg))
-        module = rope._module(("append", capability, *export_kwargs.items()),
-                              lambda: mosaic_export.export_append(**export_kwargs))
-        half = cfg.rotary_dim // 2
-        table_rows = rope._rows.get((cfg, device))
-        if table_rows is None:
-            host = mosaic_gpu.slot_row_table(half, cfg.mrope_section, cfg.mrope_interleaved)
-            table_rows = rope._rows[(cfg, device)] = torch.from_numpy(host.copy()).to(device)
-        counts = rope._counts.get(device)
-        if counts is None:
-            counts = rope._counts[device] = CountTable(device)
+        module = rope.compiled(("append", capability, *export_kwargs.items()),
+                               lambda: mosaic_export.export_append(**export_kwargs))
         scale_values = self._scales.get((*scales, device))
         if scale_values is None:
             # Kept for good: a captured graph may hold the pointer.
             scale_values = self._scales[(*scales, device)] = torch.tensor(
                 scales, dtype=torch.float32, device=device)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = rope._raw_stream
-        count_ptr = counts.pointer(tokens)
-        tables_ptr = rope._tables.get(cfg, device, half).data_ptr()
-        rows_ptr, scales_ptr = table_rows.data_ptr(), scale_values.data_ptr()
+        stream = torch._C._cuda_getCurrentRawStream
+        count_ptr = rope.count_pointer(device, tokens)
+        tables_ptr, rows_ptr = rope.table_pointers(cfg, device)
+        scales_ptr = scale_values.data_ptr()
 
         def launch(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cache_ptrs):
             module(stream(index), count_ptr, pos_ptr, slot_ptr, tables_ptr, rows_ptr, scales_ptr,
@@ -302,14 +307,7 @@ class MosaicKVLauncher:
 
     def _launch_for(self, q: torch.Tensor, cfg: RopeConfig, geometry: CacheGeometry,
                     scales: Tuple[float, float], grid: Optional[int]):
-        tokens = q.shape[0]
-        q_heads = q.numel() // max(1, tokens * cfg.head_dim)
-        key = (tokens, q_heads, q.dtype, q.device, cfg, geometry, scales, grid)
-        launch = self._launches.get(key)
-        if launch is None:
-            launch = self._launches.make(key, q.device, lambda: self._prepare(
-                tokens, q_heads, q.dtype, q.device, cfg, geometry, scales, grid))
-        return launch
+        return append_record(self._launches, self._prepare, q, cfg, geometry, scales, grid)
 
     def rotate_and_append_kv_(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               pos_ids: torch.Tensor, caches: Sequence[torch.Tensor],
@@ -324,10 +322,7 @@ class MosaicKVLauncher:
         """
         if q.shape[0] == 0:
             return
-        if cfg.mrope_section is not None:
-            pos_ids = mrope_block(pos_ids, q.shape[0])
-        check_append_tensors(q, k, v, pos_ids, slots, caches, geometry)
-        slots = int32_slots(slots, geometry.num_slots)
+        pos_ids, slots = append_operands(q, k, v, pos_ids, slots, caches, cfg, geometry)
         launch = self._launch_for(q, cfg, geometry, scales, grid)
         launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), pos_ids.data_ptr(), slots.data_ptr(),
                tuple(c.data_ptr() for c in caches))

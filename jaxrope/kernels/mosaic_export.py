@@ -69,6 +69,14 @@ def _module_bytes(lowered) -> Tuple[bytes, int]:
         return bytes(config["module"].value_bytes), len(call.results)
 
 
+def _built(builder, **kwargs):
+    # The kernel with a run-time count, on a JAX that has the API.
+    reason = mosaic_gpu.unavailable()
+    if reason:
+        raise BackendUnavailable(reason)
+    return builder(count=None, **kwargs)
+
+
 def _lower(call, specs, donate) -> Tuple[bytes, int]:
     try:
         lowered = jax.jit(call, donate_argnums=donate).trace(*specs).lower(
@@ -100,15 +108,11 @@ def export(*, q_heads: int, k_heads: int, head_dim: int, dtype, rotary_dim: int,
       BackendUnavailable: a JAX without the Mosaic GPU API, or whose lowered form this
         does not recognise.
     """
-    reason = mosaic_gpu.unavailable()
-    if reason:
-        raise BackendUnavailable(reason)
     itemsize = jnp.dtype(dtype).itemsize
-    kernel = mosaic_gpu.build(
-        q_heads=q_heads, k_heads=k_heads, head_dim=head_dim, itemsize=itemsize,
-        rotary_dim=rotary_dim, interleave=interleave, attention_factor=attention_factor,
-        mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, count=None,
-        grid=grid, splits=splits)
+    kernel = _built(mosaic_gpu.build, q_heads=q_heads, k_heads=k_heads, head_dim=head_dim,
+                    itemsize=itemsize, rotary_dim=rotary_dim, interleave=interleave,
+                    attention_factor=attention_factor, mrope_section=mrope_section,
+                    mrope_interleaved=mrope_interleaved, grid=grid, splits=splits)
     view = (head_dim // 2, 2) if interleave else (head_dim,)
 
     def call(count, pos_ids, tables, rows, q, k):
@@ -157,15 +161,12 @@ def export_append(*, q_heads: int, k_heads: int, head_dim: int, dtype, cache_dty
     """
     from jaxrope.kernels import kv_mosaic
     from jaxrope.kernels.kv_reference import FP8
-    reason = mosaic_gpu.unavailable()
-    if reason:
-        raise BackendUnavailable(reason)
-    itemsize = jnp.dtype(dtype).itemsize
-    kernel = kv_mosaic.build_append(
-        q_heads=q_heads, k_heads=k_heads, head_dim=head_dim, itemsize=itemsize,
-        rotary_dim=rotary_dim, interleave=interleave, attention_factor=attention_factor,
-        rows=rows, quantize=jnp.dtype(cache_dtype) == FP8, mrope_section=mrope_section,
-        mrope_interleaved=mrope_interleaved, count=None, grid=grid)
+    kernel = _built(kv_mosaic.build_append, q_heads=q_heads, k_heads=k_heads,
+                    head_dim=head_dim, itemsize=jnp.dtype(dtype).itemsize,
+                    rotary_dim=rotary_dim, interleave=interleave,
+                    attention_factor=attention_factor, rows=rows,
+                    quantize=jnp.dtype(cache_dtype) == FP8, mrope_section=mrope_section,
+                    mrope_interleaved=mrope_interleaved, grid=grid)
     view = (head_dim // 2, 2) if interleave else (head_dim,)
     cache_rows = rows.num_slots * k_heads * (2 if components == 1 else 1)
     head_rows = k_heads * rows.head_stride

@@ -380,17 +380,31 @@ def rope_mosaic(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
     Raises:
       BackendUnavailable: a JAX :func:`unavailable` names.
     """
+    return run_static(build, q, k, pos_ids, tables, rotary_dim=rotary_dim,
+                      interleave=interleave, attention_factor=attention_factor,
+                      mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
+                      interpret=interpret)
+
+
+def run_static(builder, q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
+               mrope_section: Optional[Tuple[int, int, int]], mrope_interleaved: bool,
+               **build_kwargs):
+    """A JAX call of the rope kernel ``builder`` builds (:func:`build`'s keywords, the
+    static token count of q): in place on q and k through mutable refs.
+
+    Raises:
+      BackendUnavailable: a JAX :func:`unavailable` names.
+    """
     reason = unavailable()
     if reason:
         raise BackendUnavailable(reason)
     num_tokens, q_heads, head_dim = q.shape
     if num_tokens == 0:
         return q, k
-    rope = build(q_heads=q_heads, k_heads=k.shape[1], head_dim=head_dim,
+    rope = builder(q_heads=q_heads, k_heads=k.shape[1], head_dim=head_dim,
                    itemsize=np.dtype(q.dtype).itemsize, rotary_dim=rotary_dim,
-                   interleave=interleave, attention_factor=attention_factor,
-                   mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
-                   count=num_tokens, interpret=interpret)
+                   interleave=interleave, mrope_section=mrope_section,
+                   mrope_interleaved=mrope_interleaved, count=num_tokens, **build_kwargs)
     rows = slot_row_table(rotary_dim // 2, mrope_section, mrope_interleaved)
     views = [x.reshape(x.shape[0], x.shape[1], head_dim // 2, 2) if interleave else x
              for x in (q, k)]

@@ -39,10 +39,8 @@ from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
-from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels import mosaic_gpu
 from jaxrope.kernels.angle import angle_cos_sin
 from jaxrope.kernels.mosaic_gpu import as_pallas, floor, load, tiled
@@ -371,18 +369,8 @@ def rope_mosaic_tma(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
       BackendUnavailable: a JAX :func:`mosaic_gpu.unavailable` names.
       ValueError: a layout TMA cannot move (:func:`plan_tma`).
     """
-    reason = mosaic_gpu.unavailable()
-    if reason:
-        raise BackendUnavailable(reason)
-    num_tokens, q_heads, head_dim = q.shape
-    if num_tokens == 0:
-        return q, k
-    kernel = build_tma(q_heads=q_heads, k_heads=k.shape[1], head_dim=head_dim,
-                       itemsize=np.dtype(q.dtype).itemsize, rotary_dim=rotary_dim,
-                       interleave=interleave, attention_factor=attention_factor,
-                       mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
-                       count=num_tokens, interpret=interpret, tuning=tuning)
-    rows = mosaic_gpu.slot_row_table(rotary_dim // 2, mrope_section, mrope_interleaved)
-    q_ref, k_ref = jax.new_ref(q), jax.new_ref(k)
-    kernel(pos_ids.reshape(-1), tables, rows, q_ref, k_ref)
-    return jax.freeze(q_ref), jax.freeze(k_ref)
+    return mosaic_gpu.run_static(build_tma, q, k, pos_ids, tables, rotary_dim=rotary_dim,
+                                 interleave=interleave, attention_factor=attention_factor,
+                                 mrope_section=mrope_section,
+                                 mrope_interleaved=mrope_interleaved, interpret=interpret,
+                                 tuning=tuning)
