@@ -170,8 +170,9 @@ def resolve_launchers(launcher: Any, device: torch.device) -> Tuple[Optional[Lau
 
     ``"jax"`` -> neither (always the JAX path). ``"auto"`` on a CUDA device -> the
     launcher of the kernel ``backend="auto"`` runs there for each op
-    (:func:`auto_launcher_class`), None where one cannot be built and off CUDA. An object with ``rotate_`` -> itself, and itself for the fused append
-    too when it has ``rotate_and_append_kv_`` (else that runs the JAX path).
+    (:func:`auto_launcher_class`), None where one cannot be built and off CUDA. An
+    object with ``rotate_`` -> itself, and itself for the fused append too when it has
+    ``rotate_and_append_kv_`` (else that runs the JAX path).
 
     Raises:
       ValueError: any other value.

@@ -103,7 +103,6 @@ class CompiledModule:
         self._compiled = compiled  # the pair below lives as long as this pointer
         self._function = compiled[0]
         self._launch = _LAUNCH(compiled[1])
-        self.exported = exported
 
     def __call__(self, stream: int, *pointers: int) -> None:
         self._launch(self._function, stream, (ctypes.c_void_p * len(pointers))(*pointers))
@@ -267,7 +266,8 @@ class MosaicKVLauncher:
         reason = mosaic_gpu.lowering_unavailable()
         if reason:
             raise BackendUnavailable(reason)
-        self._rope = MosaicLauncher()  # its compile cache, tables and counts, shared
+        # A rope launcher of its own: its compile cache, angle tables and count table.
+        self._rope = MosaicLauncher()
         self._scales: Dict[Tuple[float, float, torch.device], torch.Tensor] = {}
         self._launches = LaunchRecords(_MAX_LAUNCHES)
 
@@ -295,7 +295,7 @@ class MosaicKVLauncher:
             scale_values = self._scales[(*scales, device)] = torch.tensor(
                 scales, dtype=torch.float32, device=device)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = torch._C._cuda_getCurrentRawStream
+        stream = rope._raw_stream
         count_ptr = rope.count_pointer(device, tokens)
         tables_ptr, rows_ptr = rope.table_pointers(cfg, device)
         scales_ptr = scale_values.data_ptr()

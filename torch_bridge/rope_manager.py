@@ -42,10 +42,11 @@ class RopeManager(PositionManager):
         to this dtype; float32 inputs here stay float32).
       launcher: the fast paths ``apply_qk`` and ``apply_qk_and_append_kv`` try first:
         "auto" (on CUDA: :func:`torch_bridge.launchers.auto_launcher_class`, the
-        Mosaic GPU launch of ``apply_qk`` on Hopper), "jax" (always the JAX path), or an object with ``rotate_(q, k,
-        pos_ids, cfg)`` (:class:`torch_bridge.Launcher`), which serves the fused call
-        too if it has ``rotate_and_append_kv_`` (:class:`torch_bridge.KVLauncher`);
-        see :func:`torch_bridge.launchers.resolve_launchers`.
+        Mosaic GPU launch of ``apply_qk`` on Hopper), "jax" (always the JAX path), or
+        an object with ``rotate_(q, k, pos_ids, cfg)`` (:class:`torch_bridge.Launcher`),
+        which serves the fused call too if it has ``rotate_and_append_kv_``
+        (:class:`torch_bridge.KVLauncher`); see
+        :func:`torch_bridge.launchers.resolve_launchers`.
       backend: the jaxrope backend of the JAX path ("auto", "pallas", "xla", "interpret").
       allow_copy: let the JAX path stage q/k through copies (written back in place):
         padded to a token bucket, so it compiles once per bucket, and contiguous where

@@ -40,8 +40,7 @@ class MosaicModule:
     module: bytes
     capacity: int
     grid: int
-    tokens_per_block: int
-    results: int  # result pointers after the operands' (q and k, aliased)
+    results: int  # result pointers after the operands' (q and k, or q and the caches, aliased)
 
 
 def _module_bytes(lowered) -> Tuple[bytes, int]:
@@ -108,9 +107,8 @@ def export(*, q_heads: int, k_heads: int, head_dim: int, dtype, rotary_dim: int,
       BackendUnavailable: a JAX without the Mosaic GPU API, or whose lowered form this
         does not recognise.
     """
-    itemsize = jnp.dtype(dtype).itemsize
     kernel = _built(mosaic_gpu.build, q_heads=q_heads, k_heads=k_heads, head_dim=head_dim,
-                    itemsize=itemsize, rotary_dim=rotary_dim, interleave=interleave,
+                    itemsize=jnp.dtype(dtype).itemsize, rotary_dim=rotary_dim, interleave=interleave,
                     attention_factor=attention_factor, mrope_section=mrope_section,
                     mrope_interleaved=mrope_interleaved, grid=grid, splits=splits)
     view = (head_dim // 2, 2) if interleave else (head_dim,)
@@ -129,9 +127,7 @@ def export(*, q_heads: int, k_heads: int, head_dim: int, dtype, rotary_dim: int,
              jax.ShapeDtypeStruct((capacity, q_heads, *view), dtype),
              jax.ShapeDtypeStruct((capacity, k_heads, *view), dtype))
     module, results = _lower(call, specs, (4, 5))
-    tokens_per_block = mosaic_gpu.plan(q_heads, k_heads, half, head_dim, itemsize,
-                                       interleave).tokens_per_block
-    return MosaicModule(module, capacity, grid, tokens_per_block, results)
+    return MosaicModule(module, capacity, grid, results)
 
 
 # Operand order of the exported fused RoPE + KV append; results: q, then the caches.
@@ -192,4 +188,4 @@ def export_append(*, q_heads: int, k_heads: int, head_dim: int, dtype, cache_dty
              jax.ShapeDtypeStruct((capacity, k_heads, *view), dtype),
              *[cache_spec] * components)
     module, results = _lower(call, specs, (6, *range(9, 9 + components)))
-    return MosaicModule(module, capacity, grid, 1, results)
+    return MosaicModule(module, capacity, grid, results)
