@@ -74,6 +74,12 @@ class RowSplit:
     def head_tile(self) -> int:
         return self.head_lanes * self.head_warps
 
+    @property
+    def copies(self) -> int:
+        """Threads holding each element: the lanes and warps the split leaves over."""
+        return (4 // (self.head_warps * self.width_warps)) * (32 // (self.head_lanes *
+                                                                     self.width_lanes))
+
 
 def row_split(heads: int, width: int, itemsize: int, align: int, interleave: bool) -> RowSplit:
     """The one heuristic for a per-token array ``[H, width]`` with ``heads`` dividing ``H``.
@@ -148,7 +154,8 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
     mrope = mrope_section is not None
     width = (lambda w: w // 2) if interleave else (lambda w: w)
     group = math.gcd(q_heads, k_heads)
-    rotary = row_layout(row_split(group, half, itemsize, half, interleave))
+    rotary_split = row_split(group, half, itemsize, half, interleave)
+    rotary = row_layout(rotary_split)
     passing = head_dim - rotary_dim
     rest = passing and row_layout(row_split(k_heads, width(passing), itemsize,
                                             width(rotary_dim), interleave))
@@ -226,6 +233,11 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
             if real is not True:
                 ok = ok & real
 
+            if rotary_split.copies > 1:
+                # Several threads hold each element of q, which is rotated in place: without
+                # a barrier a warp ahead of the others could store q rotated before another
+                # loads it, which would then rotate it twice.
+                plgpu.commit_smem()
             # q is rotated whatever the slot; only a clamped repeat of the last token skips it.
             guard = (lambda store: store()) if real is True else pl.when(real)
 

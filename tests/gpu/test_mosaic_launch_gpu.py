@@ -222,3 +222,30 @@ def test_mosaic_kv_launch_writes_what_the_triton_launch_writes(hopper, device, l
     _close(q_m, q_t, f"{layout} combined={combined} q")
     for i, (a, b) in enumerate(zip(caches_m, caches_t)):
         _close(a, b, f"{layout} combined={combined} cache {i}" + (" fp8" if fp8 else ""))
+
+
+@pytest.mark.parametrize("q_heads, k_heads", [(4, 1), (16, 2)])
+def test_mosaic_kv_launch_walking_one_block_rotates_q_once(hopper, device, q_heads, k_heads):
+    # Few heads: several warps hold copies of each q element, rotated in place; one block
+    # walking every token lets the warps drift apart, so a copy stored before another
+    # warp's load would rotate q twice. Against the Triton launch on the same inputs.
+    import jaxrope as jr
+    from torch_bridge.kv_append import check_call
+    from torch_bridge.kv_launch import KVAppendLauncher
+    from torch_bridge.mosaic_launch import MosaicKVLauncher
+    cfg = jr.RopeConfig(head_dim=64, theta=5e5, max_position=LARGE)
+    q, k, v, kv_cache, slots, pos = _kv_inputs(device, cfg, "NHD", False, 999, False, seed=5,
+                                                q_heads=q_heads, k_heads=k_heads)
+    outs = []
+    for launcher, grid in ((MosaicKVLauncher(), 1), (KVAppendLauncher(), None)):
+        q2, cache2 = q.clone(), tuple(c.clone() for c in kv_cache)
+        caches, geometry, scales = check_call(k, v, cache2, slots, "NHD", None, None, device)
+        extra = {} if grid is None else dict(grid=grid)
+        launcher.rotate_and_append_kv_(q2, k, v, pos, caches, slots, cfg, geometry, scales,
+                                       **extra)
+        outs.append((q2, caches))
+    torch.cuda.synchronize()
+    (q_m, caches_m), (q_t, caches_t) = outs
+    _close(q_m, q_t, f"{q_heads}/{k_heads} q")
+    for i, (a, b) in enumerate(zip(caches_m, caches_t)):
+        _close(a, b, f"{q_heads}/{k_heads} cache {i}")
