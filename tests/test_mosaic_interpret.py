@@ -130,7 +130,7 @@ def test_mosaic_kernel_computes_the_angle_once_per_block(name):
     p = mosaic_gpu.plan(case.q_heads, case.k_heads, case.cfg.rotary_dim // 2,
                         case.cfg.head_dim, 2, case.cfg.interleave)
     groups = case.q_heads // p.q_group + case.k_heads // p.k_group
-    splits = mosaic_gpu.head_splits(2, groups)
+    splits = mosaic_gpu.head_splits(2, groups, p.block_groups)
     assert splits > 1
     text = str(_lowered(case.cfg, p.tokens_per_block + 1, case.q_heads, case.k_heads).jaxpr)
     half = case.cfg.rotary_dim // 2

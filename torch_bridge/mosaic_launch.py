@@ -40,7 +40,8 @@ from torch_bridge.triton_runtime import AngleTables, CountTable, LaunchRecords, 
 __all__ = ["MAX_BLOCKS_PER_SM", "MosaicKVLauncher", "MosaicLauncher", "launch_shape"]
 
 # Blocks of a launch at most, per SM: past this the blocks walk the count's blocks in
-# turn (two fit on an SM at once at the kernel's register use).
+# turn. Of 2, 3, 4, 5, 8, 10 and ~39 per SM (bf16 Hq 32 / Hk 8 / D 128, H200), 8 was the
+# fastest at 16k and 64k tokens (bench/RESULTS.md).
 MAX_BLOCKS_PER_SM = 8
 # Tokens the refs are declared with at least (the kernel never reads past the count).
 _MIN_CAPACITY = 1 << 16
@@ -48,19 +49,21 @@ _MAX_LAUNCHES = 4096
 _LAUNCH = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
 
 
-def launch_shape(tokens: int, tokens_per_block: int, groups: int, sms: int) -> Tuple[int, int, int]:
+def launch_shape(tokens: int, tokens_per_block: int, groups: int, block_groups: int,
+                 sms: int) -> Tuple[int, int, int]:
     """``(grid, splits, capacity)`` of the launch serving ``tokens``: the token blocks' next
     power of two, each split among ``splits`` blocks by head group
-    (:func:`jaxrope.kernels.mosaic_gpu.head_splits`, so few tokens still fill the GPU),
-    at most ``MAX_BLOCKS_PER_SM * sms`` blocks; the tokens' next power of two, at least
-    2**16. Every T of one launch shape runs the same compiled kernel.
+    (:func:`jaxrope.kernels.mosaic_gpu.head_splits`: at most ``block_groups`` of the
+    ``groups`` a block, more splits when few tokens would leave SMs idle), at most
+    ``MAX_BLOCKS_PER_SM * sms`` blocks; the tokens' next power of two, at least 2**16.
+    Every T of one launch shape runs the same compiled kernel.
 
     Example:
-      >>> launch_shape(64, 16, 10, 132), launch_shape(16384, 16, 10, 132)
-      ((40, 10, 65536), (1024, 1, 65536))
+      >>> launch_shape(64, 16, 10, 2, 132), launch_shape(16384, 16, 10, 2, 132)
+      ((40, 10, 65536), (1056, 5, 65536))
     """
     blocks = 1 << (max(1, -(-tokens // tokens_per_block)) - 1).bit_length()
-    splits = mosaic_gpu.head_splits(blocks, groups)
+    splits = mosaic_gpu.head_splits(blocks, groups, block_groups)
     grid = min(blocks * splits, MAX_BLOCKS_PER_SM * sms)
     return grid, splits, max(_MIN_CAPACITY, 1 << max(0, tokens - 1).bit_length())
 
@@ -159,7 +162,8 @@ class MosaicLauncher:
         p = mosaic_gpu.plan(q_heads, k_heads, half, cfg.head_dim, itemsize, cfg.interleave)
         groups = q_heads // p.q_group + k_heads // p.k_group
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        shape_grid, splits, capacity = launch_shape(tokens, p.tokens_per_block, groups, sms)
+        shape_grid, splits, capacity = launch_shape(tokens, p.tokens_per_block, groups,
+                                                    p.block_groups, sms)
         export_kwargs = dict(q_heads=q_heads, k_heads=k_heads, head_dim=cfg.head_dim,
                              dtype=str(dtype).removeprefix("torch."), capacity=capacity,
                              grid=grid or shape_grid, splits=splits, **kernel_options(cfg))
@@ -278,7 +282,7 @@ class MosaicKVLauncher:
         capability = _hopper_capability(device)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         # One token a block, the blocks' next power of two, as launch_shape's.
-        shape_grid, _, capacity = launch_shape(tokens, 1, 1, sms)
+        shape_grid, _, capacity = launch_shape(tokens, 1, 1, 1, sms)
         rows = kv_layout.cache_rows(geometry.layout, geometry.combined,
                                     geometry.view_shape[0] // geometry.components,
                                     geometry.page_size, geometry.k_heads)

@@ -55,8 +55,14 @@ _LANES = 32         # threads of a warp
 # were within 2% (bench/RESULTS.md).
 _GROUP_BYTES = 128
 _IN_FLIGHT = 3
-# Blocks a launch should have before it splits heads among blocks: two per SM of an
-# H100/H200.
+# Bytes of q and k one thread rotates in one block, all its head groups: a token block's
+# head groups are split among blocks to keep to it. At 16k / 64k tokens (bf16 Hq 32 / Hk
+# 8 / D 128, H200) blocks of 256 bytes a thread (2 of the 10 head groups) ran in 84.4 /
+# 326 us against 90.9 / 348 us for one block walking all ten, and at the same 251
+# registers two blocks of five groups already gained half of that: a block walking many
+# groups in turn, not its register use, held the kernel back (bench/RESULTS.md).
+_BLOCK_BYTES = 256
+# Blocks a launch should have before it splits heads further: two per SM of an H100/H200.
 _MIN_BLOCKS = 264
 
 
@@ -102,6 +108,7 @@ class Plan:
     q_group: int           # heads of q per load
     k_group: int
     in_flight: int         # head groups loaded at a time, the one being rotated included
+    block_groups: int      # head groups one block rotates at most (:func:`head_splits`)
 
     @property
     def token_lanes(self) -> int:
@@ -124,7 +131,8 @@ def plan(q_heads: int, k_heads: int, half: int, head_dim: int, itemsize: int,
     - Lanes along the pairs: as many as the half's vectors allow (at most a warp), the
       rest of the warp and the four warps along tokens.
     - Head groups: the most heads that divide the head count within ``_GROUP_BYTES`` a
-      thread, ``_IN_FLIGHT`` of them loaded at a time.
+      thread, ``_IN_FLIGHT`` of them loaded at a time, as many to a block as fit
+      ``_BLOCK_BYTES`` a thread.
     """
     candidates = (1,) if interleave else (8, 4, 2, 1)
     for vec in candidates:
@@ -134,21 +142,23 @@ def plan(q_heads: int, k_heads: int, half: int, head_dim: int, itemsize: int,
         if half // lanes_pairs <= 16 or vec == 1:
             break
     per_thread = half // lanes_pairs
-    return Plan(vec, lanes_pairs, _WARPS * (_LANES // lanes_pairs),
-                _head_group(q_heads, per_thread, itemsize),
-                _head_group(k_heads, per_thread, itemsize), _IN_FLIGHT)
+    q_group, k_group = (_head_group(h, per_thread, itemsize) for h in (q_heads, k_heads))
+    group_bytes = 2 * per_thread * itemsize * max(q_group, k_group)
+    return Plan(vec, lanes_pairs, _WARPS * (_LANES // lanes_pairs), q_group, k_group,
+                _IN_FLIGHT, max(1, _BLOCK_BYTES // group_bytes))
 
 
-def head_splits(token_blocks: int, groups: int) -> int:
-    """Blocks sharing one token block's head groups: enough for :data:`_MIN_BLOCKS` blocks
-    in all when the tokens alone make fewer (few tokens would otherwise leave most SMs
-    idle while each block walks every head), at most one group each.
+def head_splits(token_blocks: int, groups: int, block_groups: int) -> int:
+    """Blocks sharing one token block's ``groups`` head groups: enough that none rotates
+    more than ``block_groups`` (:attr:`Plan.block_groups`), and enough for
+    :data:`_MIN_BLOCKS` blocks in all when the tokens alone make fewer (few tokens would
+    otherwise leave most SMs idle), at most one group each.
 
     Example:
-      >>> head_splits(4, 10), head_splits(1024, 10), head_splits(1, 3)
-      (10, 1, 3)
+      >>> head_splits(1024, 10, 2), head_splits(4, 10, 2), head_splits(1, 3, 2)
+      (5, 10, 3)
     """
-    return max(1, min(groups, -(-_MIN_BLOCKS // token_blocks)))
+    return max(1, -(-groups // block_groups), min(groups, -(-_MIN_BLOCKS // token_blocks)))
 
 
 def tiled(tiles, warp_dims, lane_dims):
@@ -221,8 +231,8 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
     outside JAX uses: an int32 ``count`` operand comes first and is read at run time,
     and ``grid`` blocks walk the blocks of ``count`` tokens in turn, so one compiled
     kernel serves every T its refs hold (the torch bridge). ``splits`` divides the head
-    groups among that many blocks per token block (default :func:`head_splits` of the
-    static count's blocks; 1 with a run-time count).
+    groups among that many blocks per token block (default: :func:`head_splits` of the
+    static count's blocks, or of one block with a run-time count; launches pass theirs).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
     half = rotary_dim // 2
@@ -299,7 +309,8 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
     work = [(x, group, g) for x, heads, group in ((0, q_heads, p.q_group), (1, k_heads, p.k_group))
             for g in range(heads // group)]
     if splits is None:
-        splits = head_splits(-(-count // tpb) if count is not None else 1, len(work))
+        splits = head_splits(-(-count // tpb) if count is not None else 1, len(work),
+                             p.block_groups)
     chunks = [work[len(work) * s // splits:len(work) * (s + 1) // splits] for s in range(splits)]
 
     def body(*operands):

@@ -99,7 +99,7 @@ class TmaPlan:
     def register_plan(self) -> mosaic_gpu.Plan:
         """The same split as a :class:`mosaic_gpu.Plan` (for its single-token layout)."""
         return mosaic_gpu.Plan(self.vec, self.lanes_pairs, self.layout_tokens, self.q_group,
-                               self.k_group, 1)
+                               self.k_group, 1, 1)
 
 
 def _layout_tokens(half: int, vec: int) -> int:

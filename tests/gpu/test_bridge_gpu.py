@@ -251,16 +251,24 @@ def test_plan_under_cuda_graph_capture_raises_and_changes_nothing(device, launch
     assert mgr.state_snapshot() == before
 
 
-def test_a_failing_triton_export_falls_back_to_the_jax_path(device, monkeypatch):
-    from jaxrope.kernels import triton_ir
+@pytest.mark.parametrize("exporter", ["triton", "mosaic"])
+def test_a_failing_kernel_export_falls_back_to_the_jax_path(device, monkeypatch, exporter):
+    # Each launcher, given explicitly ("auto" picks one of them per GPU), whose kernel
+    # export fails: the call still rotates, on the JAX path.
+    from jaxrope.kernels import mosaic_export, triton_ir
+    from torch_bridge.mosaic_launch import MosaicLauncher
+    from torch_bridge.triton_launch import TritonLauncher
 
     def failing_export(**kwargs):
         raise jr.BackendUnavailable("export forced to fail by the test")
 
-    monkeypatch.setattr(triton_ir, "export", failing_export)
-    mgr = make(device, "auto")
-    if mgr.launcher is None:
-        pytest.skip("no fast launcher here (Triton unavailable)")
+    module, launcher = {"triton": (triton_ir, TritonLauncher),
+                        "mosaic": (mosaic_export, MosaicLauncher)}[exporter]
+    monkeypatch.setattr(module, "export", failing_export)
+    try:
+        mgr = make(device, launcher())
+    except jr.BackendUnavailable as e:
+        pytest.skip(f"no {exporter} launcher here: {e}")
     _, _, pos = planned(mgr, [5, 9])
     q, k = rand_qk(device, pos.shape[0])
     want_q, want_k = expected(q, pos, mgr.rope), expected(k, pos, mgr.rope)
