@@ -11,7 +11,10 @@ GPU ``TiledLayout`` whose head dimension is never split across threads, so remov
 (``reduce``) gives the layout of a ``[tokens, R/2]`` array that every head group of q
 and of k broadcasts for free: the angle is computed once per (token, pair) and serves
 ``Hq + Hk`` heads, for any head count. Head groups are loaded ahead of the group
-being rotated (``Plan.in_flight``), so a group's stores overlap later groups' loads.
+being rotated (``Plan.in_flight``), so a group's stores overlap later groups' loads,
+and a token block's head groups are split among neighbouring blocks
+(:func:`head_splits`: a few groups each, more blocks when the tokens are few): many
+short blocks kept more bytes moving than one block walking every head.
 
 Layouts: NeoX halves are dims ``[0, R/2)`` and ``[R/2, R)`` of a head; GPT-J pairs are
 the even and odd elements of ``[0, R)``, read through a ``[T, H, D/2, 2]`` view of the
