@@ -154,7 +154,14 @@ def test_mosaic_plan_splits_every_layout_into_whole_warps():
         assert not interleave or p.vec == 1
         assert p.tokens_per_block == 4 * 32 // p.lanes_pairs
         assert heads[0] % p.q_group == 0 and heads[1] % p.k_group == 0
+        # A block rotates at most _BLOCK_BYTES a thread (one group when a group is more).
+        group_bytes = 2 * (half // p.lanes_pairs) * itemsize * max(p.q_group, p.k_group)
+        assert p.block_groups >= 1
+        assert p.block_groups == 1 or p.block_groups * group_bytes <= mosaic_gpu._BLOCK_BYTES
     assert mosaic_gpu.plan(32, 8, 64, 128, 2, False).vec == 8  # 16-byte bf16 vectors
+    # Llama's 40 heads (10 groups of 4): 5 blocks of 2 groups per token block at any T.
+    llama = mosaic_gpu.plan(32, 8, 64, 128, 2, False)
+    assert (llama.block_groups, mosaic_gpu.head_splits(4096, 10, llama.block_groups)) == (2, 5)
 
 
 def test_mosaic_floor_is_a_floor_for_either_sign(rng):
