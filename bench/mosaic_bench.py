@@ -56,7 +56,7 @@ ONE_D = jr.RopeConfig(head_dim=HEAD_DIM)
 MROPE = jr.RopeConfig(head_dim=HEAD_DIM, mrope_section=(16, 24, 24))
 
 
-def _jax_time(backend: str, cfg, q, k, pos, iters: int, reps: int) -> timing.Timing:
+def jax_time(backend: str, cfg, q, k, pos, iters: int, reps: int) -> timing.Timing:
     step = lambda a, b, p: jr.apply_rope(a, b, p, cfg, backend=backend)  # noqa: E731
     return timing.JaxLoop(step, (q, k), (pos,), iters=iters, unroll=8).time(reps)
 
@@ -77,7 +77,7 @@ def _tma_time(cfg, q, k, pos, iters: int, reps: int, tuning=None) -> timing.Timi
     return timing.JaxLoop(step, (q, k), (pos,), iters=iters, unroll=8).time(reps)
 
 
-def _inputs(rng, tokens):
+def inputs(rng, tokens):
     q = jnp.asarray(rng.standard_normal((tokens, Q_HEADS, HEAD_DIM)), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((tokens, K_HEADS, HEAD_DIM)), jnp.bfloat16)
     pos = jnp.asarray(rng.integers(0, 65536, tokens).astype(np.int32))
@@ -92,7 +92,7 @@ def tma_sweep(args) -> List[Dict[str, Any]]:
     rng = np.random.default_rng(args.seed)
     rows = []
     for tokens in args.tokens:
-        q, k, pos, iters = _inputs(rng, tokens)
+        q, k, pos, iters = inputs(rng, tokens)
         for tb, stages in args.tma_sweep:
             tuning = mosaic_tma.TmaTuning(tokens_per_block=tb, stages=stages)
             try:
@@ -115,14 +115,11 @@ def sweep(args) -> List[Dict[str, Any]]:
     rows = []
     saved = mosaic_gpu._GROUP_BYTES, mosaic_gpu._IN_FLIGHT
     for tokens in args.tokens:
-        q = jnp.asarray(rng.standard_normal((tokens, Q_HEADS, HEAD_DIM)), jnp.bfloat16)
-        k = jnp.asarray(rng.standard_normal((tokens, K_HEADS, HEAD_DIM)), jnp.bfloat16)
-        pos = jnp.asarray(rng.integers(0, 65536, tokens).astype(np.int32))
-        iters = max(8, 8 * round(4e12 * 0.01 / (2 * (q.nbytes + k.nbytes)) / 8))
+        q, k, pos, iters = inputs(rng, tokens)
         for group_bytes, in_flight in args.sweep:
             mosaic_gpu._GROUP_BYTES, mosaic_gpu._IN_FLIGHT = group_bytes, in_flight
             try:
-                t = _jax_time("mosaic", ONE_D, q, k, pos, iters, args.reps)
+                t = jax_time("mosaic", ONE_D, q, k, pos, iters, args.reps)
             finally:
                 mosaic_gpu._GROUP_BYTES, mosaic_gpu._IN_FLIGHT = saved
             rows.append(dict(tokens=tokens, group_bytes=group_bytes, in_flight=in_flight,
@@ -182,8 +179,8 @@ def run(args) -> Dict[str, Any]:
         for round_ in range(args.rounds):
             measured = {}
             for impl in ("mosaic", "triton"):
-                measured[impl] = _jax_time(impl, ONE_D, q, k, pos, iters, args.reps)
-                measured[f"{impl}_mrope"] = _jax_time(impl, MROPE, q, k, pos3, iters, args.reps)
+                measured[impl] = jax_time(impl, ONE_D, q, k, pos, iters, args.reps)
+                measured[f"{impl}_mrope"] = jax_time(impl, MROPE, q, k, pos3, iters, args.reps)
             if not args.no_tma:
                 measured["mosaic_tma"] = _tma_time(ONE_D, q, k, pos, iters, args.reps)
                 measured["mosaic_tma_mrope"] = _tma_time(MROPE, q, k, pos3, iters, args.reps)

@@ -26,46 +26,34 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
-Q_HEADS, K_HEADS, HEAD_DIM = 32, 8, 128
-
-
 def one_point(point: str, tokens: List[int], reps: int) -> Dict[str, Any]:
     """Times one point (this process compiles nothing else with Mosaic GPU)."""
     import jax.numpy as jnp
     import numpy as np
 
-    import jaxrope as jr
     from bench import timing
+    from bench.mosaic_bench import ONE_D, inputs, jax_time
     from jaxrope.apply import kernel_constants
     from jaxrope.kernels import mosaic_gpu
 
     group_bytes, in_flight, splits = (int(x) for x in point.split(":"))
     mosaic_gpu._GROUP_BYTES, mosaic_gpu._IN_FLIGHT = group_bytes, in_flight
-    cfg = jr.RopeConfig(head_dim=HEAD_DIM)
-    tables, attention = kernel_constants(cfg)
+    tables, attention = kernel_constants(ONE_D)
     tables = jnp.asarray(tables)
 
     def mosaic(a, b, p):
         return mosaic_gpu.run_static(
-            mosaic_gpu.build, a, b, p, tables, rotary_dim=cfg.rotary_dim,
+            mosaic_gpu.build, a, b, p, tables, rotary_dim=ONE_D.rotary_dim,
             interleave=False, attention_factor=attention, mrope_section=None,
             mrope_interleaved=False, splits=splits or None)
-
-    def triton(a, b, p):
-        return jr.apply_rope(a, b, p, cfg, backend="triton")
 
     rng = np.random.default_rng(0)
     rows = []
     for t in tokens:
-        q = jnp.asarray(rng.standard_normal((t, Q_HEADS, HEAD_DIM)), jnp.bfloat16)
-        k = jnp.asarray(rng.standard_normal((t, K_HEADS, HEAD_DIM)), jnp.bfloat16)
-        pos = jnp.asarray(rng.integers(0, 65536, t).astype(np.int32))
-        iters = max(8, 8 * round(4e12 * 0.01 / (2 * (q.nbytes + k.nbytes)) / 8))
-        row = dict(tokens=t)
-        for name, step in (("mosaic", mosaic), ("triton", triton)):
-            loop = timing.JaxLoop(step, (q, k), (pos,), iters=iters, unroll=8)
-            row[name + "_us"] = loop.time(reps).median_us
-        rows.append(row)
+        q, k, pos, iters = inputs(rng, t)
+        mosaic_t = timing.JaxLoop(mosaic, (q, k), (pos,), iters=iters, unroll=8).time(reps)
+        triton_t = jax_time("triton", ONE_D, q, k, pos, iters, reps)
+        rows.append(dict(tokens=t, mosaic_us=mosaic_t.median_us, triton_us=triton_t.median_us))
     return dict(point=point, rows=rows)
 
 
