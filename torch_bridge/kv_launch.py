@@ -42,8 +42,7 @@ from jaxrope.kernels import kv_pallas, pallas_triton, triton_ir
 from torch_bridge.kv_append import CacheGeometry, int32_slots
 from torch_bridge.triton_launch import mrope_block
 from torch_bridge.triton_runtime import (ALIGN, AngleTables, CountTable, KernelCache,
-                                         KernelLaunch, LaunchRecords)
-from torch_bridge.triton_runtime import check_launchable
+                                         KernelLaunch, LaunchRecords, check_launchable)
 
 __all__ = ["KVAppendLauncher", "append_record", "append_operands", "bound_append"]
 
