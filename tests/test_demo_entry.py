@@ -45,13 +45,17 @@ def _timed(*argv: str) -> Tuple[float, subprocess.CompletedProcess]:
 
 
 def test_help_parses_before_torch_is_imported_and_costs_about_an_import_of_jaxrope():
-    baseline, _ = _timed("-c", "import jaxrope")
-    elapsed, result = _timed("-X", "importtime", "-m", "jaxrope.demo", "--help")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("usage: python -m jaxrope.demo"), result.stdout
-    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0]
-                for line in result.stderr.splitlines() if line.startswith("import time:")}
-    assert "jaxrope" in imported and not {"torch", "torch_bridge"} & imported, sorted(imported)
+    # The fastest of three runs each: one run on a 2-core machine busy with other test
+    # workers moved by over a second (4.3 s against a 3.1 s baseline in one CI run).
+    baseline = min(_timed("-c", "import jaxrope")[0] for _ in range(3))
+    runs = [_timed("-X", "importtime", "-m", "jaxrope.demo", "--help") for _ in range(3)]
+    for _, result in runs:
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("usage: python -m jaxrope.demo"), result.stdout
+        imported = {line.rsplit("|", 1)[-1].strip().split(".")[0]
+                    for line in result.stderr.splitlines() if line.startswith("import time:")}
+        assert "jaxrope" in imported and not {"torch", "torch_bridge"} & imported, sorted(imported)
+    elapsed = min(t for t, _ in runs)
     # 3 s is generous on a quiet 2-core machine (importing jaxrope, i.e. JAX, takes ~1.5 s;
     # torch and the bridge took 3-8 s more); a loaded one may pass on the second bound.
     assert elapsed < 3.0 or elapsed < baseline + 1.0, (elapsed, baseline)
