@@ -122,21 +122,23 @@ def test_mosaic_kernel_lowers_in_place():
 @needs_mosaic
 @pytest.mark.parametrize("name", ["llama3_8b", "qwen2_vl_7b", "linear_x4"])
 def test_mosaic_kernel_computes_the_angle_once_per_block(name):
-    # One sine and one cosine of [tokens, R/2] per block (and one of [1, R/2] per tail
-    # token), whatever the head count: every head group of the block broadcasts them.
-    # Two token blocks are too few for the GPU: the head groups split among blocks, each
-    # split's blocks with their own angle.
+    # One sine and one cosine of [tokens, R/2] per block, whatever the head count: every
+    # head group of the block broadcasts them. One block and a token: the block, then the
+    # block shifted to end at the count (no single tokens); under a block, [1, R/2] in
+    # the loop over its tokens. Two token blocks are too few for the GPU: the head groups split among
+    # blocks, each split's blocks with their own angle.
     case = BY_NAME[name]
     p = mosaic_gpu.plan(case.q_heads, case.k_heads, case.cfg.rotary_dim // 2,
                         case.cfg.head_dim, 2, case.cfg.interleave)
     groups = case.q_heads // p.q_group + case.k_heads // p.k_group
-    splits = mosaic_gpu.head_splits(2, groups, p.block_groups)
-    assert splits > 1
-    text = str(_lowered(case.cfg, p.tokens_per_block + 1, case.q_heads, case.k_heads).jaxpr)
     half = case.cfg.rotary_dim // 2
-    assert sorted(re.findall(r":f32\[([\d,]*)\] = (sin|cos) ", text)) == sorted(
-        [(f"{p.tokens_per_block},{half}", "sin"), (f"{p.tokens_per_block},{half}", "cos"),
-         (f"1,{half}", "sin"), (f"1,{half}", "cos")] * splits)
+    for tokens, shape, per_split in ((p.tokens_per_block + 1, p.tokens_per_block, 2),
+                                     (p.tokens_per_block - 1, 1, 1)):
+        splits = mosaic_gpu.head_splits(-(-tokens // p.tokens_per_block), groups, p.block_groups)
+        assert splits > 1
+        text = str(_lowered(case.cfg, tokens, case.q_heads, case.k_heads).jaxpr)
+        assert sorted(re.findall(r":f32\[([\d,]*)\] = (sin|cos) ", text)) == sorted(
+            [(f"{shape},{half}", "sin"), (f"{shape},{half}", "cos")] * per_split * splits)
 
 
 def test_mosaic_plan_splits_every_layout_into_whole_warps():
@@ -204,8 +206,9 @@ def test_auto_leaves_mosaic_to_the_jax_versions_known_to_lower_it(monkeypatch):
     assert backend_module.backend_name("auto", "cuda", "rope_append_kv", "9.0") == "mosaic"
 
 
-def _run_time_count(cfg, q, k, pos, count, grid, splits):
-    return run_with_count(mosaic_gpu.build, cfg, q, k, pos, count, grid=grid, splits=splits)
+def _run_time_count(cfg, q, k, pos, count, grid, splits, min_count=1, max_count=None):
+    return run_with_count(mosaic_gpu.build, cfg, q, k, pos, count, grid=grid, splits=splits,
+                          min_count=min_count, max_count=max_count)
 
 
 def run_with_count(builder, cfg, q, k, pos, count, **build_kwargs):
@@ -234,11 +237,22 @@ def run_with_count(builder, cfg, q, k, pos, count, **build_kwargs):
 
 
 @needs_mosaic
-@pytest.mark.parametrize("name, count, grid, splits", [
-    ("llama3_8b", 37, 2, 1), ("llama3_8b", 0, 3, 1), ("llama3_8b", 1, 1, 1),
-    ("qwen2_vl_7b", 21, 1, 1), ("gptj_interleave", 9, 4, 1), ("neox_partial_quarter", 40, 3, 1),
-    ("qwen3_vl_interleaved", 30, 2, 1), ("llama3_8b", 37, 5, 3), ("qwen2_vl_7b", 21, 16, 8)])
-def test_mosaic_kernel_reads_the_token_count_at_run_time(name, count, grid, splits, rng):
+@pytest.mark.parametrize("name, count, grid, splits, min_count, max_count", [
+    ("llama3_8b", 37, 2, 1, 1, None), ("llama3_8b", 0, 3, 1, 1, None),
+    ("llama3_8b", 1, 1, 1, 1, None), ("qwen2_vl_7b", 21, 1, 1, 1, None),
+    ("gptj_interleave", 9, 4, 1, 1, None), ("neox_partial_quarter", 40, 3, 1, 1, None),
+    ("qwen3_vl_interleaved", 30, 2, 1, 1, None), ("llama3_8b", 37, 5, 3, 1, None),
+    ("qwen2_vl_7b", 21, 16, 8, 1, None),
+    # A lower bound of a block or more: no single-token path, the tail as a block
+    # shifted to end at the count, on every split and with the count a whole block.
+    ("llama3_8b", 37, 2, 1, 17, None), ("llama3_8b", 47, 5, 3, 33, None),
+    ("llama3_8b", 32, 3, 2, 17, None), ("qwen2_vl_7b", 21, 16, 8, 17, None),
+    ("gptj_interleave", 43, 4, 1, 5, None), ("qwen3_vl_interleaved", 30, 2, 1, 17, None),
+    # A block for every item up to an upper bound: no walk, blocks past the count idle.
+    ("llama3_8b", 47, 9, 3, 33, 48), ("llama3_8b", 40, 12, 3, 33, 64),
+    ("llama3_8b", 9, 2, 2, 1, 16), ("gptj_interleave", 43, 12, 1, 5, 48)])
+def test_mosaic_kernel_reads_the_token_count_at_run_time(name, count, grid, splits, min_count,
+                                                         max_count, rng):
     # One compiled kernel for every T: tokens [0, count) rotated as by the oracle at
     # their positions, whatever the grid (fewer blocks than the count has walk several)
     # and however the heads split among blocks, and every token past the count left as
@@ -247,7 +261,8 @@ def test_mosaic_kernel_reads_the_token_count_at_run_time(name, count, grid, spli
     cfg = dataclasses.replace(case.cfg, max_position=LARGE)
     capacity = 48
     q, k, pos = _draw(rng, cfg, capacity, case.q_heads, case.k_heads, jnp.bfloat16)
-    check_count_run(cfg, q, k, pos, count, _run_time_count(cfg, q, k, pos, count, grid, splits))
+    check_count_run(cfg, q, k, pos, count,
+                    _run_time_count(cfg, q, k, pos, count, grid, splits, min_count, max_count))
 
 
 def check_count_run(cfg, q, k, pos, count, out):

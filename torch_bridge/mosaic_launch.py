@@ -8,11 +8,12 @@ function that returns, with torch's current raw stream and raw pointers: stream-
 with the surrounding torch work, no host sync, capturable in a ``torch.cuda.CUDAGraph``.
 
 The kernel reads the token count from device memory (a
-:class:`~torch_bridge.triton_runtime.CountTable` pointer) and its fixed grid walks the
-count's blocks, so one compiled kernel serves every T of its launch shape: ``grid`` a
-power of two of blocks up to :data:`MAX_BLOCKS_PER_SM` per SM, ``capacity`` the tokens its
-refs are declared with, and the blocks sharing one token block's heads when the tokens
-are few (:func:`launch_shape`).
+:class:`~torch_bridge.triton_runtime.CountTable` pointer) and its fixed grid covers the
+launch shape's largest count, so one compiled kernel serves every T of its launch shape:
+token blocks up to a power of two, each split among blocks by head group, one block a
+split (blocks past the count exit), ``capacity`` the tokens its refs are declared with
+(:func:`launch_shape`). The fused append's grid stops at :data:`MAX_BLOCKS_PER_SM` per
+SM and walks the count's tokens.
 
 Launch before capturing a CUDA graph at least once per shape: compiling inside a
 capture is not supported. M-RoPE positions are one contiguous ``[3, T]`` block, as for
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -37,11 +38,11 @@ from torch_bridge.triton_launch import mrope_block
 from torch_bridge.triton_runtime import ALIGN as _ALIGN
 from torch_bridge.triton_runtime import AngleTables, CountTable, LaunchRecords, check_launchable
 
-__all__ = ["MAX_BLOCKS_PER_SM", "MosaicKVLauncher", "MosaicLauncher", "launch_shape"]
+__all__ = ["LaunchShape", "MAX_BLOCKS_PER_SM", "MosaicKVLauncher", "MosaicLauncher", "launch_shape"]
 
-# Blocks of a launch at most, per SM: past this the blocks walk the count's blocks in
-# turn. Of 2, 3, 4, 5, 8, 10 and ~39 per SM (bf16 Hq 32 / Hk 8 / D 128, H200), 8 was the
-# fastest at 16k and 64k tokens (bench/RESULTS.md).
+# Blocks of a fused-append launch at most, per SM: past this its blocks walk the count's
+# tokens in turn. (The rope launch has a block for every item: walking blocks of items,
+# at 264-2640 blocks, ran 2-9% slower than a block an item, bench/RESULTS.md.)
 MAX_BLOCKS_PER_SM = 8
 # Tokens the refs are declared with at least (the kernel never reads past the count).
 _MIN_CAPACITY = 1 << 16
@@ -49,23 +50,35 @@ _MAX_LAUNCHES = 4096
 _LAUNCH = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
 
 
-def launch_shape(tokens: int, tokens_per_block: int, groups: int, block_groups: int,
-                 sms: int) -> Tuple[int, int, int]:
-    """``(grid, splits, capacity)`` of the launch serving ``tokens``: the token blocks' next
-    power of two, each split among ``splits`` blocks by head group
-    (:func:`jaxrope.kernels.mosaic_gpu.head_splits`: at most ``block_groups`` of the
-    ``groups`` a block, more splits when few tokens would leave SMs idle), at most
-    ``MAX_BLOCKS_PER_SM * sms`` blocks; the tokens' next power of two, at least 2**16.
-    Every T of one launch shape runs the same compiled kernel.
+class LaunchShape(NamedTuple):
+    """What one compiled launch serves (:func:`launch_shape`)."""
+
+    grid: int       # blocks
+    splits: int     # blocks sharing a token block's head groups
+    capacity: int   # tokens the kernel's refs are declared with
+    min_count: int  # the fewest and most tokens a count of this shape has
+    max_count: int
+
+
+def launch_shape(tokens: int, tokens_per_block: int, groups: int,
+                 block_groups: int) -> LaunchShape:
+    """The launch serving ``tokens``: the token blocks' next power of two (``max_count``
+    tokens; ``min_count`` is one past half of them, or 1), each split among ``splits``
+    blocks by head group (:func:`jaxrope.kernels.mosaic_gpu.head_splits`: at most
+    ``block_groups`` of the ``groups`` a block, more splits when few tokens would leave
+    SMs idle), a block for each; refs of the tokens' next power of two, at least 2**16.
+    Every T of one launch shape runs the same compiled kernel; the bounds let it leave
+    out the path for counts under a block.
 
     Example:
-      >>> launch_shape(64, 16, 10, 2, 132), launch_shape(16384, 16, 10, 2, 132)
-      ((40, 10, 65536), (1056, 5, 65536))
+      >>> tuple(launch_shape(64, 16, 10, 2)), tuple(launch_shape(16384, 16, 10, 2))
+      ((40, 10, 65536, 33, 64), (5120, 5, 65536, 8193, 16384))
     """
     blocks = 1 << (max(1, -(-tokens // tokens_per_block)) - 1).bit_length()
     splits = mosaic_gpu.head_splits(blocks, groups, block_groups)
-    grid = min(blocks * splits, MAX_BLOCKS_PER_SM * sms)
-    return grid, splits, max(_MIN_CAPACITY, 1 << max(0, tokens - 1).bit_length())
+    return LaunchShape(blocks * splits, splits,
+                       max(_MIN_CAPACITY, 1 << max(0, tokens - 1).bit_length()),
+                       blocks // 2 * tokens_per_block + 1, blocks * tokens_per_block)
 
 
 def _mosaic_compiler():
@@ -161,12 +174,12 @@ class MosaicLauncher:
         itemsize = torch.empty((), dtype=dtype).element_size()
         p = mosaic_gpu.plan(q_heads, k_heads, half, cfg.head_dim, itemsize, cfg.interleave)
         groups = q_heads // p.q_group + k_heads // p.k_group
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        shape_grid, splits, capacity = launch_shape(tokens, p.tokens_per_block, groups,
-                                                    p.block_groups, sms)
+        shape = launch_shape(tokens, p.tokens_per_block, groups, p.block_groups)
         export_kwargs = dict(q_heads=q_heads, k_heads=k_heads, head_dim=cfg.head_dim,
-                             dtype=str(dtype).removeprefix("torch."), capacity=capacity,
-                             grid=grid or shape_grid, splits=splits, **kernel_options(cfg))
+                             dtype=str(dtype).removeprefix("torch."), capacity=shape.capacity,
+                             grid=grid or shape.grid, splits=shape.splits,
+                             min_count=shape.min_count, max_count=shape.max_count,
+                             **kernel_options(cfg))
         # Keyed by everything the module is exported from and the device's architecture
         # (the module targets it); the frequencies are run-time tables, keyed by cfg.
         module = self.compiled((capability, *export_kwargs.items()),
@@ -281,16 +294,18 @@ class MosaicKVLauncher:
         rope = self._rope
         capability = _hopper_capability(device)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        # One token a block, the blocks' next power of two, as launch_shape's.
-        shape_grid, _, capacity = launch_shape(tokens, 1, 1, 1, sms)
+        # One token a block, the blocks' next power of two, as launch_shape's, at most
+        # MAX_BLOCKS_PER_SM a SM.
+        shape = launch_shape(tokens, 1, 1, 1)
         rows = kv_layout.cache_rows(geometry.layout, geometry.combined,
                                     geometry.view_shape[0] // geometry.components,
                                     geometry.page_size, geometry.k_heads)
         export_kwargs = dict(q_heads=q_heads, k_heads=geometry.k_heads, head_dim=cfg.head_dim,
                              dtype=str(dtype).removeprefix("torch."),
                              cache_dtype=str(geometry.dtype).removeprefix("torch."), rows=rows,
-                             components=1 if geometry.combined else 2, capacity=capacity,
-                             grid=grid or shape_grid, **kernel_options(cfg))
+                             components=1 if geometry.combined else 2, capacity=shape.capacity,
+                             grid=grid or min(shape.grid, MAX_BLOCKS_PER_SM * sms),
+                             **kernel_options(cfg))
         module = rope.compiled(("append", capability, *export_kwargs.items()),
                                lambda: mosaic_export.export_append(**export_kwargs))
         scale_values = self._scales.get((*scales, device))

@@ -90,12 +90,14 @@ def _lower(call, specs, donate) -> Tuple[bytes, int]:
 
 def export(*, q_heads: int, k_heads: int, head_dim: int, dtype, rotary_dim: int,
            interleave: bool, attention_factor: float, capacity: int, grid: int,
-           splits: int = 1, mrope_section: Optional[Tuple[int, int, int]] = None,
+           splits: int = 1, min_count: int = 1, max_count: Optional[int] = None,
+           mrope_section: Optional[Tuple[int, int, int]] = None,
            mrope_interleaved: bool = False) -> MosaicModule:
     """The kernel for one head layout, dtype and launch shape (``capacity`` tokens, ``grid``
     blocks) as a Mosaic module; the token count is read at run time, so one export serves
-    every T up to ``capacity``. ``splits``: blocks sharing a token block's heads
-    (:func:`jaxrope.kernels.mosaic_gpu.head_splits`).
+    every T up to ``capacity`` (and at least ``min_count``: a bound of a token block or
+    more leaves out the kernel's path for fewer tokens). ``splits``: blocks sharing a
+    token block's heads (:func:`jaxrope.kernels.mosaic_gpu.head_splits`).
 
     Operands (:data:`OPERANDS`): ``count`` int32 ``[1]``, ``pos_ids`` int32 ``[capacity]``
     (M-RoPE: ``[3 * capacity]``, row ``r`` of token ``t`` at ``r * count + t``),
@@ -110,7 +112,8 @@ def export(*, q_heads: int, k_heads: int, head_dim: int, dtype, rotary_dim: int,
     kernel = _built(mosaic_gpu.build, q_heads=q_heads, k_heads=k_heads, head_dim=head_dim,
                     itemsize=jnp.dtype(dtype).itemsize, rotary_dim=rotary_dim, interleave=interleave,
                     attention_factor=attention_factor, mrope_section=mrope_section,
-                    mrope_interleaved=mrope_interleaved, grid=grid, splits=splits)
+                    mrope_interleaved=mrope_interleaved, grid=grid, splits=splits,
+                    min_count=min_count, max_count=max_count)
     view = (head_dim // 2, 2) if interleave else (head_dim,)
 
     def call(count, pos_ids, tables, rows, q, k):

@@ -25,11 +25,14 @@ three rows of a block's tokens and picks one per slot with the rows
 the kernel); the angle is :func:`jaxrope.kernels.angle.angle_cos_sin`, the accurate
 one every backend shares.
 
-Tokens past the last whole block (and every token when ``T < tokens_per_block``) are
-rotated one at a time by the last block, in a layout where the warps and the lanes that
-split tokens hold copies: a store of a copy writes the same value, a barrier before each
-head group's stores keeps every copy's load ahead of them, and no block touches another
-block's tokens. ``floor`` has no Mosaic GPU lowering, so it is built from a truncating
+Tokens past the last whole block are rotated by the blocks of the last whole block,
+after it and behind a barrier, as a whole block shifted to end at T whose first tokens
+(already rotated) are stored back as loaded: every block has one layout and one
+register budget, and no block touches another block's tokens. Only a T under one
+block (a static T, or a launch whose counts may be) takes a path of single tokens, in
+a layout where the warps and the lanes that split tokens hold copies: a store of a
+copy writes the same value, and a barrier before each head group's stores keeps every
+copy's load ahead of them. ``floor`` has no Mosaic GPU lowering, so it is built from a truncating
 int conversion (the values floored stay below ``2**31`` in magnitude).
 
 On CPU it runs in Mosaic GPU's interpreter (``interpret=True``), for tests.
@@ -58,6 +61,8 @@ _LANES = 32         # threads of a warp
 # were within 2% (bench/RESULTS.md).
 _GROUP_BYTES = 128
 _IN_FLIGHT = 3
+# Bytes of one thread's vector at most (the widest access is 16).
+_VEC_BYTES = 16
 # Bytes of q and k one thread rotates in one block, all its head groups: a token block's
 # head groups are split among blocks to keep to it. At 16k / 64k tokens (bf16 Hq 32 / Hk
 # 8 / D 128, H200) blocks of 256 bytes a thread (2 of the 10 head groups) ran in 84.4 /
@@ -139,7 +144,7 @@ def plan(q_heads: int, k_heads: int, half: int, head_dim: int, itemsize: int,
     """
     candidates = (1,) if interleave else (8, 4, 2, 1)
     for vec in candidates:
-        if vec * itemsize > 16 or half % vec or head_dim % vec:
+        if vec * itemsize > _VEC_BYTES or half % vec or head_dim % vec:
             continue
         lanes_pairs = math.gcd(half // vec, _LANES)
         if half // lanes_pairs <= 16 or vec == 1:
@@ -223,7 +228,8 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
           interleave: bool, attention_factor: float,
           mrope_section: Optional[Tuple[int, int, int]] = None,
           mrope_interleaved: bool = False, count: Optional[int] = None,
-          grid: Optional[int] = None, splits: Optional[int] = None, interpret: bool = False):
+          grid: Optional[int] = None, splits: Optional[int] = None, min_count: int = 1,
+          max_count: Optional[int] = None, interpret: bool = False):
     """The ``plgpu.kernel`` for one head layout: ``kernel(*operands)`` over GMEM refs.
 
     Operands: ``(pos_ids, tables, rows, q, k)`` with ``pos_ids`` flat int32 (M-RoPE: row
@@ -233,9 +239,12 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
     ``tokens_per_block`` tokens (JAX calls). ``count=None`` builds the kernel a launch
     outside JAX uses: an int32 ``count`` operand comes first and is read at run time,
     and ``grid`` blocks walk the blocks of ``count`` tokens in turn, so one compiled
-    kernel serves every T its refs hold (the torch bridge). ``splits`` divides the head
-    groups among that many blocks per token block (default: :func:`head_splits` of the
-    static count's blocks, or of one block with a run-time count; launches pass theirs).
+    kernel serves every T its refs hold (the torch bridge); ``min_count`` and
+    ``max_count`` bound the counts it will see: a bound of a block or more leaves out the
+    single-token path (and its registers), and a grid with a block for every item of
+    ``max_count`` tokens leaves out the walk. ``splits`` divides the head groups among
+    that many blocks per token block (default: :func:`head_splits` of the static count's
+    blocks, or of one block with a run-time count; launches pass theirs).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
     half = rotary_dim // 2
@@ -253,7 +262,9 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
     def broadcast(x, shape, dims, layout):
         return plgpu.layout_cast(jax.lax.broadcast_in_dim(x, shape, dims), as_pallas(layout))
 
-    def rotate(n, pos_ref, tables_ref, rows_ref, q_ref, k_ref, t0, tokens, chunk):
+    def rotate(n, pos_ref, tables_ref, rows_ref, q_ref, k_ref, t0, tokens, chunk, keep=None):
+        # keep: a run-time count of the block's first tokens to store back as they were
+        # loaded (the shifted last block, see body).
         by_group = layouts[tokens]
         spans = pl.ds(t0, tokens)
         work = [((q_ref, k_ref)[x], group, g) for x, group, g in chunk]
@@ -285,13 +296,17 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
             p_t, p_h, p_w = (positions(r) for r in range(3))
             pos = jnp.where(row == 2, p_w, jnp.where(row == 1, p_h, p_t))
         cos, sin = angle_cos_sin(pos, *turns, attention_factor, floor=floor)
-        wide = {}
+        wide, kept = {}, {}
         for group in {group for _, group, _ in work}:
             layout = by_group[group]
             assert layout.reduce((1,)) == angle, (layout, angle)
             full = (tokens, group, half)
             wide[group] = (broadcast(cos, full, (0, 2), layout),
                            broadcast(sin, full, (0, 2), layout))
+            if keep is not None:
+                index = plgpu.broadcasted_iota(jnp.int32, (tokens,), 0,
+                                               layout=as_pallas(per_token))
+                kept[group] = broadcast(index, full, (0,), layout) < keep
         for i, (x_ref, group, g) in enumerate(work):
             (first, second), (a, b) = in_flight.pop(0)
             if i + p.in_flight < len(work):
@@ -302,9 +317,11 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
                 # another loads it, which would then rotate it twice.
                 plgpu.commit_smem()
             c, s = wide[group]
-            a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-            first[...] = (a * c - b * s).astype(first.dtype)
-            second[...] = (b * c + a * s).astype(second.dtype)
+            x, y = a.astype(jnp.float32), b.astype(jnp.float32)
+            new_a, new_b = (x * c - y * s).astype(first.dtype), (y * c + x * s).astype(second.dtype)
+            if keep is not None:
+                new_a, new_b = jnp.where(kept[group], a, new_a), jnp.where(kept[group], b, new_b)
+            first[...], second[...] = new_a, new_b
 
     tpb = p.tokens_per_block
     # Head groups as (0 for q / 1 for k, heads per group, group index), split into
@@ -315,6 +332,10 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
         splits = head_splits(-(-count // tpb) if count is not None else 1, len(work),
                              p.block_groups)
     chunks = [work[len(work) * s // splits:len(work) * (s + 1) // splits] for s in range(splits)]
+    # Counts below one block rotate their tokens one at a time; a kernel that never sees
+    # one (a static count, or a launch's lower bound, of a block or more) leaves that
+    # path out, and with it its registers.
+    single_tokens = (count if count is not None else min_count) < tpb
 
     def body(*operands):
         if count is None:
@@ -324,21 +345,40 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
         else:
             refs, n = operands, count
             full_blocks, tail = divmod(count, tpb)
+        static = isinstance(full_blocks, int)
 
-        def one_block(b, chunk):
-            # Python ints (a JAX call's static T) leave out what no block runs.
-            if not isinstance(full_blocks, int) or full_blocks:
-                @pl.when(b < full_blocks)
-                def _():
-                    rotate(n, *refs, b * tpb, tpb, chunk)
-            if not isinstance(tail, int) or tail:
-                @pl.when(b == full_blocks if isinstance(tail, int)
-                         else jnp.logical_and(b == full_blocks, tail > 0))
+        def shifted_tail(b, chunk):
+            # The tokens past the last whole block are rotated by that block's own blocks,
+            # after it, as a block shifted to end at the count: its first tokens (the last
+            # block's, already rotated) are stored back unchanged. A barrier keeps every
+            # thread's stores of the last block ahead of the shifted block's loads; one
+            # block does both, so no other block's stores race them.
+            if static and not tail:
+                return  # a Python int (a JAX call's static T) leaves out what no block runs
+
+            @pl.when(b == full_blocks - 1 if static
+                     else jnp.logical_and(b == full_blocks - 1, tail > 0))
+            def _():
+                plgpu.commit_smem()
+                rotate(n, *refs, n - tpb, tpb, chunk, keep=tpb - tail)
+
+        def single(b, chunk):
+            # Under one block: block 0 of each split, one token at a time.
+            if single_tokens and (not static or not full_blocks):
+                @pl.when(b == 0 if static else jnp.logical_and(b == 0, full_blocks == 0))
                 def _():
                     def one(i, carry):
-                        rotate(n, *refs, full_blocks * tpb + i, 1, chunk)
+                        rotate(n, *refs, i, 1, chunk)
                         return carry
-                    jax.lax.fori_loop(0, tail, one, 0)
+                    jax.lax.fori_loop(0, n, one, 0)
+
+        def one_block(b, chunk):
+            def whole():
+                rotate(n, *refs, b * tpb, tpb, chunk)
+                shifted_tail(b, chunk)
+            if not static or full_blocks:
+                pl.when(b < full_blocks)(whole)
+            single(b, chunk)
 
         def one_item(item):
             # Item = token block * splits + chunk: a token block's chunks are neighbours.
@@ -349,13 +389,20 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
             for s, chunk in enumerate(chunks):
                 pl.when(split == s)(functools.partial(one_block, b, chunk))
 
+        block = jax.lax.axis_index("block")
         if count is not None:
-            one_item(jax.lax.axis_index("block"))
+            one_item(block)
+            return
+        # Whole blocks, or one (of single tokens) below a block.
+        blocks = jnp.maximum(full_blocks, jnp.minimum(n, 1)) if single_tokens else full_blocks
+        if max_count is not None and -(-max_count // tpb) * splits <= grid:
+            # A block for every item of the largest count: no walk (nor its registers).
+            pl.when(block < blocks * splits)(functools.partial(one_item, block))
         else:
-            walk(jax.lax.div(n + (tpb - 1), tpb) * splits, grid, one_item)
+            walk(blocks * splits, grid, one_item)
 
     if count is not None:
-        grid = -(-count // tpb) * splits
+        grid = max(count // tpb, 1) * splits
     return kernel(body, grid, "jaxrope_rope_mosaic", interpret)
 
 
