@@ -95,9 +95,10 @@ def export(*, q_heads: int, k_heads: int, head_dim: int, dtype, rotary_dim: int,
            mrope_interleaved: bool = False) -> MosaicModule:
     """The kernel for one head layout, dtype and launch shape (``capacity`` tokens, ``grid``
     blocks) as a Mosaic module; the token count is read at run time, so one export serves
-    every T up to ``capacity`` (and at least ``min_count``: a bound of a token block or
-    more leaves out the kernel's path for fewer tokens). ``splits``: blocks sharing a
-    token block's heads (:func:`jaxrope.kernels.mosaic_gpu.head_splits`).
+    every T up to ``capacity``, within ``[min_count, max_count]`` when they are given
+    (:func:`jaxrope.kernels.mosaic_gpu.build`: the bounds leave out the path for counts
+    under a block and, when ``grid`` has a block for every item, the walk). ``splits``:
+    blocks sharing a token block's heads (:func:`jaxrope.kernels.mosaic_gpu.head_splits`).
 
     Operands (:data:`OPERANDS`): ``count`` int32 ``[1]``, ``pos_ids`` int32 ``[capacity]``
     (M-RoPE: ``[3 * capacity]``, row ``r`` of token ``t`` at ``r * count + t``),
