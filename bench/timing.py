@@ -342,7 +342,7 @@ def kernel_durations(run: Callable[[], Any], applications: int, *,
     applications. ``detail["kernels"]`` lists the six longest kernels' counts and totals.
     """
     if profiler == "jax":
-        events = _jax_kernel_events(run)
+        events = jax_kernel_events(run)
     elif profiler == "torch":
         events = _torch_kernel_events(run)
     else:
@@ -382,7 +382,10 @@ def per_application(events: Sequence[Tuple[str, float, float]],
     return samples.tolist(), kernels
 
 
-def _jax_kernel_events(run: Callable[[], Any]) -> List[Tuple[str, float, float]]:
+def jax_kernel_events(run: Callable[[], Any], *,
+                      copies: bool = False) -> List[Tuple[str, float, float]]:
+    """``(name, start_ns, duration_ns)`` of every GPU kernel the JAX profiler saw while
+    ``run`` ran (CUPTI: torch's too); copies and memsets only with ``copies``."""
     import jax
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp)
@@ -402,7 +405,7 @@ def _jax_kernel_events(run: Callable[[], Any]) -> List[Tuple[str, float, float]]
         streams = [line for line in lines if line.name.startswith("Stream")]
         for line in streams or [line for line in lines if line.name not in _DERIVED_LINES]:
             events += [(e.name, e.start_ns, e.duration_ns) for e in line.events
-                       if not _is_copy(e.name)]
+                       if copies or not _is_copy(e.name)]
     return events
 
 

@@ -131,9 +131,10 @@ def test_mosaic_append_takes_no_tokens(rng):
         np.testing.assert_array_equal(bits(a), bits(b))
 
 
-def _blocks(case, x, count, tokens, grid=None, n=None):
+def _blocks(case, x, count, tokens, grid=None, n=None, max_count=None):
     """The kernel built with ``tokens`` a block: ``count`` static, or None (then ``n`` is
-    read at run time and ``grid`` blocks walk the first ``n`` tokens of ``x``)."""
+    read at run time and ``grid`` blocks walk the first ``n`` tokens of ``x``, or run a
+    token block each when ``max_count`` says the grid covers every count)."""
     cfg, (caches, combined, rows) = case.case.cfg, kv_cache._caches(x.kv_cache, case.layout, x.k)
     n = count if count is not None else n
     tables, attention = kernel_constants(cfg)
@@ -142,7 +143,7 @@ def _blocks(case, x, count, tokens, grid=None, n=None):
         itemsize=x.q.dtype.itemsize, rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
         attention_factor=attention, rows=rows, quantize=case.fp8,
         mrope_section=cfg.mrope_section, mrope_interleaved=cfg.mrope_interleaved,
-        count=count, tokens=tokens, grid=grid, interpret=True)
+        count=count, tokens=tokens, grid=grid, max_count=max_count, interpret=True)
     view = (lambda a: a.reshape(*a.shape[:2], cfg.head_dim // 2, 2)) if cfg.interleave else (
         lambda a: a)
     # M-RoPE rows sit n apart: the [3, n] block first, in one flat buffer.
@@ -184,17 +185,22 @@ def test_blocks_of_several_tokens_and_a_partial_last_block(name, count, tokens, 
 
 
 @needs_mosaic
-@pytest.mark.parametrize("name, n, tokens, grid", [
-    ("llama3_nhd_p16", 13, 4, 2), ("llama3_nhd_p16", 0, 2, 3), ("llama3_nhd_p16", 1, 1, 1),
-    ("qwen3_vl_interleaved_hnd_combined", 11, 2, 2), ("gptj_fp8_nhd_p1", 9, 4, 1)])
-def test_mosaic_append_reads_the_token_count_at_run_time(name, n, tokens, grid, rng):
+@pytest.mark.parametrize("name, n, tokens, grid, max_count", [
+    ("llama3_nhd_p16", 13, 4, 2, None), ("llama3_nhd_p16", 0, 2, 3, None),
+    ("llama3_nhd_p16", 1, 1, 1, None), ("qwen3_vl_interleaved_hnd_combined", 11, 2, 2, None),
+    ("gptj_fp8_nhd_p1", 9, 4, 1, None),
+    # A block a token block of max_count, no walk: the last block partial, then blocks
+    # past the count idle; a grid short of max_count's blocks still walks.
+    ("llama3_nhd_p16", 13, 4, 4, 16), ("llama3_nhd_p16", 5, 1, 16, 16),
+    ("qwen3_vl_interleaved_hnd_combined", 11, 1, 16, 16), ("llama3_nhd_p16", 13, 4, 2, 16)])
+def test_mosaic_append_reads_the_token_count_at_run_time(name, n, tokens, grid, max_count, rng):
     # One compiled kernel for every T: tokens [0, n) rotated and appended as the oracle
     # says, whatever the grid (fewer blocks than the count has walk several); q past n
     # and the cache rows of the slots of tokens past n left as they were.
     case = APPEND_BY_NAME[name]
     x = make_inputs(rng, case, jnp.bfloat16)
     assert n < len(x.slots)
-    q, cache = _blocks(case, x, None, tokens, grid, n)
+    q, cache = _blocks(case, x, None, tokens, grid, n, max_count)
     np.testing.assert_array_equal(bits(q)[n:], bits(x.q)[n:])
     slots = np.where(np.arange(len(x.slots)) < n, x.slots, -1)
     written, page, entry = kv_oracle.entries(slots, case.pages, case.page_size)

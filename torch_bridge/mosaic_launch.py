@@ -12,8 +12,7 @@ The kernel reads the token count from device memory (a
 launch shape's largest count, so one compiled kernel serves every T of its launch shape:
 token blocks up to a power of two, each split among blocks by head group, one block a
 split (blocks past the count exit), ``capacity`` the tokens its refs are declared with
-(:func:`launch_shape`). The fused append's grid stops at :data:`MAX_BLOCKS_PER_SM` per
-SM and walks the count's tokens.
+(:func:`launch_shape`). The fused append's shape is the same with one token a block.
 
 Launch before capturing a CUDA graph at least once per shape: compiling inside a
 capture is not supported. M-RoPE positions are one contiguous ``[3, T]`` block, as for
@@ -38,12 +37,8 @@ from torch_bridge.triton_launch import mrope_block
 from torch_bridge.triton_runtime import ALIGN as _ALIGN
 from torch_bridge.triton_runtime import AngleTables, CountTable, LaunchRecords, check_launchable
 
-__all__ = ["LaunchShape", "MAX_BLOCKS_PER_SM", "MosaicKVLauncher", "MosaicLauncher", "launch_shape"]
+__all__ = ["LaunchShape", "MosaicKVLauncher", "MosaicLauncher", "launch_shape"]
 
-# Blocks of a fused-append launch at most, per SM: past this its blocks walk the count's
-# tokens in turn. (The rope launch has a block for every item: walking blocks of items,
-# at 264-2640 blocks, ran 2-9% slower than a block an item, bench/RESULTS.md.)
-MAX_BLOCKS_PER_SM = 8
 # Tokens the refs are declared with at least (the kernel never reads past the count).
 _MIN_CAPACITY = 1 << 16
 _MAX_LAUNCHES = 4096
@@ -293,9 +288,8 @@ class MosaicKVLauncher:
                  grid: Optional[int]):
         rope = self._rope
         capability = _hopper_capability(device)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        # One token a block, the blocks' next power of two, as launch_shape's, at most
-        # MAX_BLOCKS_PER_SM a SM.
+        # One token a block, a block for each token of the count's next power of two (a
+        # grid override smaller than that walks).
         shape = launch_shape(tokens, 1, 1, 1)
         rows = kv_layout.cache_rows(geometry.layout, geometry.combined,
                                     geometry.view_shape[0] // geometry.components,
@@ -304,7 +298,7 @@ class MosaicKVLauncher:
                              dtype=str(dtype).removeprefix("torch."),
                              cache_dtype=str(geometry.dtype).removeprefix("torch."), rows=rows,
                              components=1 if geometry.combined else 2, capacity=shape.capacity,
-                             grid=grid or min(shape.grid, MAX_BLOCKS_PER_SM * sms),
+                             grid=grid or shape.grid, max_count=shape.max_count,
                              **kernel_options(cfg))
         module = rope.compiled(("append", capability, *export_kwargs.items()),
                                lambda: mosaic_export.export_append(**export_kwargs))

@@ -142,13 +142,15 @@ APPEND_OPERANDS = ("count", "pos_ids", "slots", "tables", "rows", "scales", "q",
 def export_append(*, q_heads: int, k_heads: int, head_dim: int, dtype, cache_dtype,
                   rows, components: int, rotary_dim: int, interleave: bool,
                   attention_factor: float, capacity: int, grid: int,
+                  max_count: Optional[int] = None,
                   mrope_section: Optional[Tuple[int, int, int]] = None,
                   mrope_interleaved: bool = False) -> MosaicModule:
     """The fused RoPE + paged KV append kernel (:func:`jaxrope.kernels.kv_mosaic.build_append`)
     for one head layout, cache geometry (``rows``, a
     :class:`jaxrope.kernels.kv_layout.CacheRows`; ``components`` cache arrays: 2 for a
     ``(k, v)`` pair, 1 for one array holding both) and launch shape, as a Mosaic module
-    reading the token count at run time.
+    reading the token count at run time; ``max_count`` bounds the counts it will see
+    (with a block of ``grid`` for every token of it, no block walks).
 
     Operands (:data:`APPEND_OPERANDS`): ``count`` int32 ``[1]``, ``pos_ids`` as
     :func:`export`'s, ``slots`` int32 ``[capacity]``, ``tables``, ``rows``
@@ -166,7 +168,7 @@ def export_append(*, q_heads: int, k_heads: int, head_dim: int, dtype, cache_dty
                     rotary_dim=rotary_dim, interleave=interleave,
                     attention_factor=attention_factor, rows=rows,
                     quantize=jnp.dtype(cache_dtype) == FP8, mrope_section=mrope_section,
-                    mrope_interleaved=mrope_interleaved, grid=grid)
+                    mrope_interleaved=mrope_interleaved, grid=grid, max_count=max_count)
     view = (head_dim // 2, 2) if interleave else (head_dim,)
     cache_rows = rows.num_slots * k_heads * (2 if components == 1 else 1)
     head_rows = k_heads * rows.head_stride
