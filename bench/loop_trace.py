@@ -38,7 +38,7 @@ def trace(backend: str, tokens: int, reps: int, out: Path) -> Dict[str, Any]:
     step = lambda a, b, p: jr.apply_rope(a, b, p, ONE_D, backend=backend)  # noqa: E731
     loop = timing.JaxLoop(step, (q, k), (pos,), iters=iters, unroll=8)
     loop_us = loop.time(reps).median_us
-    hlo = loop._fn.as_text()
+    hlo = loop.hlo
     (out / f"{backend}_{tokens}.hlo.txt").write_text(hlo)
     events = sorted(timing.jax_kernel_events(lambda: loop(1), copies=True),
                     key=lambda e: e[1])
@@ -62,7 +62,7 @@ def trace(backend: str, tokens: int, reps: int, out: Path) -> Dict[str, Any]:
                 hlo_ops=dict(custom_calls=collections.Counter(
                     re.findall(r'custom_call_target="([^"]+)"', hlo)),
                     fusions=len(re.findall(r"\bfusion\(", hlo)),
-                    copies=hlo.count(" copy(")))
+                    copies=loop.hlo_copies))
 
 
 def main(argv=None) -> None:

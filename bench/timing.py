@@ -115,7 +115,7 @@ class JaxLoop:
     is unrolled ``unroll`` times so the loop counter's own launch is amortised, and an
     ``optimization_barrier`` keeps XLA from fusing consecutive applications. Calling the
     loop with ``count`` runs ``count`` chained calls and returns their wall seconds,
-    the final sync included.
+    the final sync included. ``hlo`` is the compiled loop's HLO text.
     """
 
     def __init__(self, step: Callable, carry: Sequence[Any], consts: Sequence[Any] = (), *,
@@ -136,8 +136,9 @@ class JaxLoop:
         start = time.perf_counter()
         self._fn = jax.jit(loop, donate_argnums=0).lower(self._state, consts).compile()
         self.compile_s = time.perf_counter() - start
+        self.hlo = self._fn.as_text()
         # Copies in the compiled loop mean a donation did not take: not in place.
-        self.hlo_copies = self._fn.as_text().count(" copy(")
+        self.hlo_copies = self.hlo.count(" copy(")
 
     @property
     def carry(self) -> Tuple[Any, ...]:

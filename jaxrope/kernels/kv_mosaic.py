@@ -279,17 +279,11 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
         else:
             refs, n = operands, count
         one = lambda b: block(n, refs, b * tokens, tokens)  # noqa: E731
-        index = jax.lax.axis_index("block")
         if count is not None:
-            one(index)
-            return
-        blocks = jax.lax.div(n + (tokens - 1), tokens)
-        if max_count is not None and -(-max_count // tokens) <= grid:
-            # A block for every token block of the largest count: a walk's loop kept each
-            # block's tokens in sequence, 1.13-1.16x this at 16k / 64k (bench/RESULTS.md).
-            pl.when(index < blocks)(lambda: one(index))
+            one(jax.lax.axis_index("block"))
         else:
-            mosaic_gpu.walk(blocks, grid, one)
+            mosaic_gpu.walk(jax.lax.div(n + (tokens - 1), tokens), grid, one,
+                            None if max_count is None else -(-max_count // tokens))
 
     if count is not None:
         grid = -(-count // tokens)
