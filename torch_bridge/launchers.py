@@ -137,20 +137,20 @@ class KVLauncher(Protocol):
 def auto_launcher_class(device: torch.device, op: str = "rope") -> type:
     """The launcher of the kernel ``backend="auto"`` runs for ``op`` ("rope" or
     "rope_append_kv") on CUDA ``device`` (:func:`jaxrope.backend.backend_name`, the one
-    rule): for "rope" the Mosaic GPU kernel's
-    (:class:`~torch_bridge.mosaic_launch.MosaicLauncher`) on Hopper or newer with a JAX
-    that lowers it, else the Triton-lowered kernel's
-    (:class:`~torch_bridge.triton_launch.TritonLauncher`); for "rope_append_kv" the
-    Triton-lowered kernel's (:class:`~torch_bridge.kv_launch.KVAppendLauncher`) until
-    :class:`~torch_bridge.mosaic_launch.MosaicKVLauncher` (pass it as ``kv_launcher``)
-    has passed the GPU suite."""
+    rule): the Mosaic GPU kernel's on Hopper or newer with a JAX that lowers it
+    (:class:`~torch_bridge.mosaic_launch.MosaicLauncher`,
+    :class:`~torch_bridge.mosaic_launch.MosaicKVLauncher`), else the Triton-lowered
+    kernel's (:class:`~torch_bridge.triton_launch.TritonLauncher`,
+    :class:`~torch_bridge.kv_launch.KVAppendLauncher`)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    mosaic = _backend.backend_name("auto", "cuda", op, f"{major}.{minor}") == "mosaic"
     if op == "rope_append_kv":
-        # The Mosaic fused-append launch has not passed the GPU suite yet (its one run was
-        # cut short): "auto" keeps the Triton launch, the JAX path the Mosaic kernel.
+        if mosaic:
+            from torch_bridge.mosaic_launch import MosaicKVLauncher
+            return MosaicKVLauncher
         from torch_bridge.kv_launch import KVAppendLauncher
         return KVAppendLauncher
-    major, minor = torch.cuda.get_device_capability(device)
-    if _backend.backend_name("auto", "cuda", op, f"{major}.{minor}") == "mosaic":
+    if mosaic:
         from torch_bridge.mosaic_launch import MosaicLauncher
         return MosaicLauncher
     from torch_bridge.triton_launch import TritonLauncher

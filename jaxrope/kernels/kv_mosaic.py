@@ -48,7 +48,7 @@ from jaxrope.kernels import mosaic_gpu
 from jaxrope.kernels.angle import angle_cos_sin
 from jaxrope.kernels.kv_layout import CacheRows
 from jaxrope.kernels.kv_reference import FP8, to_cache_dtype
-from jaxrope.kernels.mosaic_gpu import as_pallas, floor, load, tiled
+from jaxrope.kernels.mosaic_gpu import as_pallas, floor, load, store, tiled
 
 _THREADS = 128      # a warpgroup
 _VECTOR_BYTES = 16  # the widest GMEM access a thread makes
@@ -241,12 +241,12 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
                 # loads it, which would then rotate it twice.
                 plgpu.commit_smem()
             # q is rotated whatever the slot; only a clamped repeat of the last token skips it.
-            guard = (lambda store: store()) if real is True else pl.when(real)
+            guard = (lambda stores: stores()) if real is True else pl.when(real)
 
             @guard
             def _():
                 for ref, value in zip(halves(q_ref.at[t]), q_out):
-                    ref[...] = value.astype(ref.dtype)
+                    store(ref, value.astype(ref.dtype))
 
             safe = jnp.where(ok, slot, 0)
             page, entry = jax.lax.div(safe, rows.page_size), jax.lax.rem(safe, rows.page_size)
@@ -260,11 +260,11 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
             def _():
                 k_row, v_row = at(k_cache, 0), at(v_cache, rows.value_offset)
                 for ref, value in zip(halves(k_row), k_out):
-                    ref[...] = cached(value, scales[0], ref.dtype)
+                    store(ref, cached(value, scales[0], ref.dtype))
                 for ref, value in zip(past_rotary(k_row), x["k_rest"]):
-                    ref[...] = cached(value, scales[0], ref.dtype)
+                    store(ref, cached(value, scales[0], ref.dtype))
                 for ref, value in zip(_pieces(v_row, 0, width(head_dim), interleave), x["v"]):
-                    ref[...] = cached(value, scales[1], ref.dtype)
+                    store(ref, cached(value, scales[1], ref.dtype))
 
         # Token i + 1's loads go out before token i's stores.
         ahead = fetch(0)

@@ -116,13 +116,14 @@ def test_mosaic_launch_runs_on_the_current_stream_and_in_a_cuda_graph(launcher, 
 
 
 def test_bridge_default_is_the_mosaic_launch_with_pallas_triton_an_error(hopper, device):
-    # The seed's apply_qk on Hopper launches the Mosaic kernel: with the Triton backend's
-    # deprecation turned into the error it becomes, no warning, no fallback.
+    # The seed's apply_qk and apply_qk_and_append_kv on Hopper launch the Mosaic kernels:
+    # with the Triton backend's deprecation turned into the error it becomes, no warning,
+    # no fallback.
     from jax._src import deprecations
 
     import jaxrope as jr
     from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext
-    from torch_bridge.mosaic_launch import MosaicLauncher
+    from torch_bridge.mosaic_launch import MosaicKVLauncher, MosaicLauncher
     cfg = jr.RopeConfig(head_dim=128, theta=5e5, max_position=LARGE)
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
@@ -130,6 +131,7 @@ def test_bridge_default_is_the_mosaic_launch_with_pallas_triton_an_error(hopper,
         try:
             mgr = RopeManager(PositionConfig(rope=cfg), device, max_seq_len=LARGE)
             assert isinstance(mgr.launcher, MosaicLauncher)
+            assert isinstance(mgr.kv_launcher, MosaicKVLauncher)
             for rid in ("a", "b"):
                 mgr.ingest_request(rid)
             step = PositionStep([Segment("a", "text", 5), Segment("b", "text", 3)])
@@ -141,9 +143,6 @@ def test_bridge_default_is_the_mosaic_launch_with_pallas_triton_an_error(hopper,
                 q.copy_(before[0])
                 k.copy_(before[1])
                 mgr.apply_qk(q, k, "text")
-            # The Mosaic KV launch (opt-in for now) runs the fused call without Triton too.
-            from torch_bridge.mosaic_launch import MosaicKVLauncher
-            mgr.kv_launcher = MosaicKVLauncher()
             cache = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16, device=device)
             pair = (cache, cache.clone())
             kv_q = before[0].clone()
