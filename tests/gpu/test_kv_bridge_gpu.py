@@ -34,7 +34,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import jaxrope as jr  # noqa: E402
-from jaxrope.kernels import triton_ir  # noqa: E402
+from jaxrope.kernels import mosaic_export, triton_ir  # noqa: E402
 from jaxrope.scaling import Linear  # noqa: E402
 from jaxrope.testing import flashinfer as fp  # noqa: E402
 from jaxrope.testing import flashinfer_bounds as fb  # noqa: E402
@@ -341,7 +341,12 @@ def test_a_failing_export_falls_back_to_the_jax_path(device, monkeypatch):
         raise jr.BackendUnavailable("export forced to fail by the test")
 
     def patch(engine):
-        monkeypatch.setattr(triton_ir, "export_append_kv", failing_export)
+        # The export of the launcher "auto" picked: Mosaic GPU's on Hopper, else Triton IR.
+        from torch_bridge.mosaic_launch import MosaicKVLauncher
+        if isinstance(engine.mgr.kv_launcher, MosaicKVLauncher):
+            monkeypatch.setattr(mosaic_export, "export_append", failing_export)
+        else:
+            monkeypatch.setattr(triton_ir, "export_append_kv", failing_export)
 
     fast, slow = _fast_and_fallback(device, 7, patch)
     _within_an_ulp((slow.q, *slow.cache), (fast.q, *fast.cache))
@@ -370,12 +375,15 @@ def test_split_qkv_views_take_the_jax_path_and_write_q_back(device):
     assert torch.equal(slow.qkv[:, 32:40], fast.k) and torch.equal(slow.qkv[:, 40:], fast.v)
 
 
-def test_an_fp8_cache_of_3_gib_takes_the_xla_path_and_is_right(device):
-    # The Pallas lowering would address it with wrapping int32 offsets: the launcher
-    # declines, the JAX path's "auto" takes XLA (kv_pallas.unsupported).
+def test_an_fp8_cache_of_3_gib_is_written_right_by_either_launcher(device):
+    # The Pallas Triton lowering would address it with wrapping int32 offsets: its
+    # launcher declines and the JAX path's "auto" takes XLA (kv_pallas.unsupported). The
+    # Mosaic GPU kernel addresses memory with 64-bit indices: its launcher runs it.
+    from torch_bridge.mosaic_launch import MosaicKVLauncher
     e = Engine(device, "auto", tokens=64)
     if e.mgr.kv_launcher is None:
         pytest.skip("no fast launcher here (Triton unavailable)")
+    launched = isinstance(e.mgr.kv_launcher, MosaicKVLauncher)
     pages = (3 << 30) // (16 * 8 * 128)
     e.cache = tuple(torch.zeros(pages, 16, 8, 128, dtype=torch.float8_e4m3fn, device=device)
                     for _ in "kv")
@@ -387,7 +395,7 @@ def test_an_fp8_cache_of_3_gib_takes_the_xla_path_and_is_right(device):
     e.mgr.apply_qk_and_append_kv(e.q, e.k, e.v, LABEL, e.cache, slots, k_quant_scale=0.5,
                                  v_quant_scale=2.0)
     torch.cuda.synchronize()
-    assert e.mgr._kv_jax is not None and [c.data_ptr() for c in e.cache] == pointers
+    assert (e.mgr._kv_jax is None) == launched and [c.data_ptr() for c in e.cache] == pointers
     host = slots.cpu().numpy()
     written, page, entry = kv_oracle.entries(host, pages, 16)
     # The written rows, gathered on the device (the caches are 3 GiB each).
