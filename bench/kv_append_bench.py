@@ -14,8 +14,9 @@ inputs:
   ``fori_loop``; ``jaxrope_mosaic``: the same with ``backend="mosaic"`` (the Mosaic GPU
   kernel, what "auto" runs on Hopper), on the GPU only;
 - ``bridge``: ``RopeManager.apply_qk_and_append_kv`` on torch tensors (the fused kernel
-  launched on torch's stream, ``torch_bridge.kv_launch``), what a torch engine calls;
-  ``bridge_mosaic`` (GPU): the same through ``torch_bridge.mosaic_launch.MosaicKVLauncher``;
+  "auto" launches on torch's stream: ``torch_bridge.mosaic_launch.MosaicKVLauncher`` on
+  Hopper), what a torch engine calls; ``bridge_triton`` (GPU): the same through the
+  Triton-lowered kernel's launcher, ``torch_bridge.kv_launch.KVAppendLauncher``;
 - ``flashinfer_pair``: ``apply_rope_pos_ids_inplace`` then ``append_paged_kv_cache``,
   what an engine runs today;
 - ``jaxrope_fp8`` / ``bridge_fp8`` / ``flashinfer_fp8``: the same with an fp8 e4m3 cache,
@@ -215,16 +216,16 @@ def bridge_runs(x: Inputs, rep_seconds: float, reps: int, on_gpu: bool) -> List[
         out.append(torch_row(label, call, rep_seconds, reps, on_gpu, wall=True))
         out[-1]["path"] = "launcher" if mgr._kv_jax is None else "jax"
     if on_gpu:
-        # The Mosaic GPU fused launch (opt-in beside "auto"'s Triton-lowered one), bf16.
+        # The Triton-lowered kernel's launch beside "auto"'s (Mosaic GPU's on Hopper), bf16.
         from jaxrope.errors import BackendUnavailable
-        from torch_bridge.mosaic_launch import MosaicKVLauncher
+        from torch_bridge.kv_launch import KVAppendLauncher
         try:
-            mgr.kv_launcher = MosaicKVLauncher()
+            mgr.kv_launcher = KVAppendLauncher()
         except BackendUnavailable as e:
-            print(f"bridge_mosaic: {e}", flush=True)
+            print(f"bridge_triton: {e}", flush=True)
             return out
         caches = tuple(torch.zeros(shape, dtype=torch.bfloat16, device=dev) for _ in "kv")
-        out.append(torch_row("bridge_mosaic", lambda: mgr.apply_qk_and_append_kv(
+        out.append(torch_row("bridge_triton", lambda: mgr.apply_qk_and_append_kv(
             q, k, v, "text", caches, slots), rep_seconds, reps, on_gpu, wall=True))
         out[-1]["path"] = "launcher" if mgr._kv_jax is None else "jax"
     return out
@@ -279,7 +280,7 @@ def torch_runs(x: Inputs, rep_seconds: float, reps: int, notes: List[str]) -> Li
 PAIRS = (("jaxrope", "flashinfer_pair"), ("jaxrope_fp8", "flashinfer_fp8"),
          ("jaxrope_mosaic", "flashinfer_pair"), ("jaxrope_mosaic_fp8", "flashinfer_fp8"),
          ("bridge", "flashinfer_pair"), ("bridge_fp8", "flashinfer_fp8"),
-         ("bridge_mosaic", "flashinfer_pair"))
+         ("bridge_triton", "flashinfer_pair"))
 TARGETED = ("jaxrope", "jaxrope_mosaic", "bridge")
 # impl -> (ceiling fraction at >= 16k tokens, time vs the pair at >= 16k, at 512 or None).
 LIMITS = {"jaxrope": (0.95, 0.80, None), "bridge": (0.95, 0.80, None),
