@@ -11,8 +11,9 @@ CUDA, which needs no GPU, and returns that module; ``torch_bridge.mosaic_launch`
 compiles it once and launches it on torch's current stream.
 
 This reads JAX's lowered StableHLO (the custom call's name and its ``mhlo.backend_config``
-``module`` entry), checked against JAX 0.11.2. Everything of that is touched here; any
-failure raises :class:`jaxrope.BackendUnavailable` and callers fall back to the JAX path.
+``module`` entry), checked against JAX 0.11.2 (on the H200) and 0.12.0.1 (the export, on
+CPU). Everything of that is touched here; any failure raises
+:class:`jaxrope.BackendUnavailable` and callers fall back to the JAX path.
 """
 
 from __future__ import annotations
