@@ -66,5 +66,5 @@ def launcher(request, device):
         from torch_bridge import PositionConfig, RopeManager
         probe = RopeManager(PositionConfig(rope=jr.RopeConfig(head_dim=128)), device)
         if probe.launcher is None:
-            pytest.skip("no fast launcher here (Triton unavailable)")
+            pytest.skip("no fast launcher here (neither the CUDA plugin nor Triton can build one)")
     return request.param

@@ -72,7 +72,7 @@ def _id(case):
 @pytest.fixture(params=["auto", "jax"])
 def launcher(request, device):
     if request.param == "auto" and _manager(device, "auto", _config()).kv_launcher is None:
-        pytest.skip("no fast launcher here (Triton unavailable)")
+        pytest.skip("no fast launcher here (neither the CUDA plugin nor Triton can build one)")
     return request.param
 
 
@@ -260,7 +260,7 @@ def test_captured_in_a_cuda_graph_and_replayed_on_new_inputs(device):
     cfg = _config()
     mgr = _manager(device, "auto", cfg)
     if mgr.kv_launcher is None:
-        pytest.skip("no fast launcher here (Triton unavailable)")
+        pytest.skip("no fast launcher here (neither the CUDA plugin nor Triton can build one)")
     rids = [f"g{i}" for i in range(4)]
     for i, rid in enumerate(rids):
         mgr.ingest_request(rid)
@@ -320,7 +320,7 @@ def _fast_and_fallback(device, seed, fallback_changes=lambda e: None):
     to a second engine built from the same seed. Returns both engines after their calls."""
     fast = Engine(device, "auto", seed=seed)
     if fast.mgr.kv_launcher is None:
-        pytest.skip("no fast launcher here (Triton unavailable)")
+        pytest.skip("no fast launcher here (neither the CUDA plugin nor Triton can build one)")
     fast.call()
     slow = Engine(device, "auto", seed=seed)
     args = fallback_changes(slow) or {}
@@ -382,7 +382,7 @@ def test_an_fp8_cache_of_3_gib_is_written_right_by_either_launcher(device):
     from torch_bridge.mosaic_launch import MosaicKVLauncher
     e = Engine(device, "auto", tokens=64)
     if e.mgr.kv_launcher is None:
-        pytest.skip("no fast launcher here (Triton unavailable)")
+        pytest.skip("no fast launcher here (neither the CUDA plugin nor Triton can build one)")
     launched = isinstance(e.mgr.kv_launcher, MosaicKVLauncher)
     pages = (3 << 30) // (16 * 8 * 128)
     e.cache = tuple(torch.zeros(pages, 16, 8, 128, dtype=torch.float8_e4m3fn, device=device)

@@ -49,7 +49,7 @@ def _manager(device, launcher, cfg) -> RopeManager:
 @pytest.fixture
 def fast(device):
     if _manager(device, "auto", MROPE_APPEND_CASES[0].case.cfg).kv_launcher is None:
-        pytest.skip("no fast launcher here (Triton unavailable)")
+        pytest.skip("no fast launcher here (neither the CUDA plugin nor Triton can build one)")
 
 
 def _inputs(device, case: AppendCase, tokens: int, planned: int):
