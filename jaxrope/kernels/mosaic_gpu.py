@@ -207,12 +207,13 @@ def load(ref, layout):
 
 
 def store(ref, value) -> None:
-    """``ref[...] = value`` on GMEM, unchecked for coalescing like :func:`load`.
+    """``ref[...] = value`` as a plain transfer, like :func:`load`'s.
 
-    JAX 0.12's ``ref[...] =`` plans an "optimized" GMEM transfer and refuses vectors under
-    4 bytes a thread or not covering whole 32-byte sectors and 128-byte lines, which the
-    head groups of many layouts make; its ``plgpu.store(optimized=False)`` skips that plan.
-    JAX 0.11 has no ``plgpu.store`` and does not check.
+    JAX 0.12's ``ref[...] =`` plans an "optimized" transfer and refuses, on GMEM, vectors
+    under 4 bytes a thread or not covering whole 32-byte sectors and 128-byte lines, and on
+    SMEM (:mod:`jaxrope.kernels.mosaic_tma`) layouts it finds no bank-conflict-free order
+    for, which the head groups of many layouts make; its ``plgpu.store(optimized=False)``
+    skips that plan. JAX 0.11 has no ``plgpu.store`` and does not check.
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
     if hasattr(plgpu, "store"):

@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 
 from jaxrope.kernels import mosaic_gpu
 from jaxrope.kernels.angle import angle_cos_sin
-from jaxrope.kernels.mosaic_gpu import as_pallas, floor, load, tiled
+from jaxrope.kernels.mosaic_gpu import as_pallas, floor, load, store, tiled
 
 _WARPS, _LANES = 4, 32
 # SMEM a block may take (Hopper: 227 KiB a block, 228 KiB an SM), leaving room for the
@@ -269,8 +269,8 @@ def build_tma(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotar
                 # Every warp holds a copy of the one token: a warp ahead must not store
                 # the group before another has loaded it (it would rotate twice).
                 plgpu.commit_smem()
-            first[...] = (a * c - b * s).astype(first.dtype)
-            second[...] = (b * c + a * s).astype(second.dtype)
+            store(first, (a * c - b * s).astype(first.dtype))
+            store(second, (b * c + a * s).astype(second.dtype))
 
     def body(*operands):
         if count is None:
