@@ -33,3 +33,27 @@ def test_bridge_auto_is_the_cores_auto():
     JaxRotation.check_backend("auto", CPU)
     assert JaxAppend(CPU, "auto").backend == backend_module.backend_name("auto", "cpu") == "xla"
     assert JaxAppend(CPU, "interpret").backend == "interpret"
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0), (10, 0)])
+@pytest.mark.parametrize("lowers", [True, False], ids=["mosaic-lowers", "mosaic-refused"])
+def test_bridge_auto_launchers_follow_the_cores_rule_for_both_ops(monkeypatch, capability,
+                                                                  lowers):
+    # Each op's launcher is the one for the kernel the core's "auto" picks: Mosaic GPU's
+    # on Hopper or newer with a JAX that lowers it, the Triton-lowered kernel's elsewhere.
+    from jaxrope.kernels import mosaic_gpu
+    from torch_bridge.kv_launch import KVAppendLauncher
+    from torch_bridge.launchers import auto_launcher_class
+    from torch_bridge.mosaic_launch import MosaicKVLauncher, MosaicLauncher
+    from torch_bridge.triton_launch import TritonLauncher
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(mosaic_gpu, "lowering_unavailable",
+                        lambda: None if lowers else "refused by the test")
+    cuda = torch.device("cuda")
+    want = {"rope": (MosaicLauncher, TritonLauncher),
+            "rope_append_kv": (MosaicKVLauncher, KVAppendLauncher)}
+    for op, (mosaic, triton) in want.items():
+        core = backend_module.backend_name("auto", "cuda", op, "{}.{}".format(*capability))
+        assert core == ("mosaic" if lowers and capability >= (9, 0) else "triton"), op
+        assert auto_launcher_class(cuda, op) is (mosaic if core == "mosaic" else triton), op

@@ -42,7 +42,7 @@ class RopeManager(PositionManager):
         to this dtype; float32 inputs here stay float32).
       launcher: the fast paths ``apply_qk`` and ``apply_qk_and_append_kv`` try first:
         "auto" (on CUDA: :func:`torch_bridge.launchers.auto_launcher_class`, the
-        Mosaic GPU launch of ``apply_qk`` on Hopper), "jax" (always the JAX path), or
+        Mosaic GPU launches of both methods on Hopper), "jax" (always the JAX path), or
         an object with ``rotate_(q, k, pos_ids, cfg)`` (:class:`torch_bridge.Launcher`),
         which serves the fused call too if it has ``rotate_and_append_kv_``
         (:class:`torch_bridge.KVLauncher`); see
@@ -249,8 +249,9 @@ class RopeManager(PositionManager):
         and before whatever is queued next on it; no host sync. CUDA graphs: call once
         outside capture per signature (shapes, dtypes, cache, scales), then capture and
         replay (the positions read are the plan's buffer: plan graph steps with their
-        ``graph_slot``). The JAX path (no launcher, or one declining: no CUDA or Triton,
-        non-contiguous or misaligned tensors, an fp8 cache of 2-4 GiB) imports the
+        ``graph_slot``). The JAX path (no launcher, or one declining: no CUDA, no CUDA
+        plugin or Triton to build it, non-contiguous or misaligned tensors; the Triton
+        launcher also an fp8 cache of 2-4 GiB) imports the
         tensors through DLPack and writes into them (on CPU the results are copied back;
         non-contiguous tensors are staged through copies when ``allow_copy``).
 

@@ -143,11 +143,13 @@ def test_bridge_default_is_the_mosaic_launch_with_pallas_triton_an_error(hopper,
                 q.copy_(before[0])
                 k.copy_(before[1])
                 mgr.apply_qk(q, k, "text")
+            assert mgr._jax is None  # the launcher ran both calls, not the JAX path
             cache = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16, device=device)
             pair = (cache, cache.clone())
             kv_q = before[0].clone()
             mgr.apply_qk_and_append_kv(kv_q, before[1], before[1], "text", pair,
                                        torch.arange(8, device=device))
+            assert mgr._kv_jax is None  # the launcher ran it, not the JAX path
             mgr.commit(step, ctx)
         finally:
             deprecations._registered_deprecations["jax-pallas-triton"].accelerated = False

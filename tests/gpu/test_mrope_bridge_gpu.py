@@ -117,7 +117,7 @@ def test_a_captured_decode_step_replays_at_each_steps_3_by_n_buffer(device, live
     replayed after each step's plan wrote new counter + delta positions into the buffer."""
     mgr = make(device, "auto")
     if mgr.launcher is None:
-        pytest.skip("no fast launcher here (neither the CUDA plugin nor Triton can build one)")
+        pytest.skip("no fast launcher here (\"auto\" built none)")
     bucket = GraphBucket("decode", batch_size=8, num_tokens=8)
     graph_slot = GraphSlot(bucket, 0)
     rids = [f"r{i}" for i in range(3)]
