@@ -2,11 +2,13 @@
 times, in jitted loops on donated buffers beside the ceiling (torch ``mul_(1.0)`` in a CUDA
 graph) and the Triton-lowered rope kernel:
 
-- ``stream_<C>``: the least a Mosaic GPU kernel can do over the same bytes, a block
-  scaling ``C`` contiguous bf16 elements of one flat buffer (q's and k's bytes) by 1.0
+- ``stream_<C>_v<V>``: the least a Mosaic GPU kernel can do over the same bytes, a block
+  negating ``C`` contiguous bf16 elements of one flat buffer (q's and k's bytes) (a
+  scale by 1.0 is not a test: LLVM drops the store of a value loaded from the same address)
   through ``plgpu.load``/:func:`jaxrope.kernels.mosaic_gpu.store` in a strided layout of
-  16-byte vectors;
-- ``xla``: XLA's fusion of the same scale;
+  ``V``-element vectors;
+- ``stream_global_<C>``: :func:`stream_global`, the same with ``ld.global`` / ``st.global``;
+- ``xla``: XLA's fusion of the same negation;
 - ``mosaic``: the rope kernel; ``mosaic_no_angle``: the same kernel with the angle
   replaced by cos 1, sin 0 (its loads of positions and tables stay), which shows what the
   accurate angle's arithmetic costs.
@@ -20,6 +22,7 @@ bf16 q ``[T, 32, 128]``, k ``[T, 8, 128]``, positions in ``[0, 65536)``. Writes
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from typing import Any, Dict, List
 
@@ -30,24 +33,66 @@ import numpy as np
 from bench import timing
 from bench.mosaic_bench import ONE_D, inputs, jax_time
 
-_STREAM_ELEMENTS = (2048, 8192, 32768)
+# (elements a block, elements a thread vector): 16-byte vectors at three block sizes, and
+# 8-byte ones.
+_STREAMS = ((2048, 8), (8192, 8), (32768, 8), (8192, 4))
 
 
-def stream(buf, elements: int):
-    """``buf * 1.0`` in place, a block per ``elements`` contiguous elements."""
+def stream(buf, elements: int, vec: int):
+    """``-buf`` in place, a block per ``elements`` contiguous elements."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental import pallas as pl
     from jaxrope.kernels import mosaic_gpu
 
-    layout = plgpu.Layout.WG_STRIDED((elements,), vec_size=8)
+    layout = plgpu.Layout.WG_STRIDED((elements,), vec_size=vec)
 
     def body(ref):
         part = ref.at[pl.ds(jax.lax.axis_index("block") * elements, elements)]
         x = plgpu.load(part, layout=layout, optimized=False)
-        mosaic_gpu.store(part, (x.astype(jnp.float32) * 1.0).astype(x.dtype))
+        mosaic_gpu.store(part, -x)
 
     ref = jax.new_ref(buf)
     mosaic_gpu.kernel(body, buf.size // elements, "jaxrope_stream_probe", False)(ref)
+    return jax.freeze(ref)
+
+
+def stream_global(buf, elements: int):
+    """:func:`stream` with 16-byte vectors moved by ``ld.global`` / ``st.global`` (inline
+    PTX in an ``inline_mgpu`` block): Mosaic GPU's own transfers address GMEM through
+    generic pointers (``ld`` / ``st``), and this shows what that costs."""
+    from jax.experimental.mosaic.gpu import utils as mu
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, gpu, llvm
+    from jaxrope.kernels import mosaic_gpu
+
+    vecs = elements // 1024  # 16-byte vectors a thread, 128 threads a block
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def negate(ctx, ref):
+        void = ir.Type.parse("!llvm.void")
+        four = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
+        i64, i32 = (ir.IntegerType.get_signless(b) for b in (64, 32))
+        base = llvm.ptrtoint(i64, mu.memref_ptr(ref))
+        tid, bid = (arith.index_cast(i64, f(gpu.Dimension.x)) for f in (gpu.thread_id,
+                                                                         gpu.block_id))
+        start = arith.addi(base, arith.addi(arith.muli(bid, mu.c(elements * 2, i64)),
+                                            arith.muli(tid, mu.c(16, i64))))
+        start = llvm.inline_asm(i64, [start], "cvta.to.global.u64 $0, $1;", "=l,l")
+        addrs = [arith.addi(start, mu.c(i * 2048, i64)) for i in range(vecs)]
+        loaded = [llvm.inline_asm(four, [a], "ld.global.v4.b32 {$0, $1, $2, $3}, [$4];",
+                                  "=r,=r,=r,=r,l", has_side_effects=True) for a in addrs]
+        sign = mu.c(-2147450880, i32)  # 0x80008000: both bf16 sign bits of a word
+        for a, v in zip(addrs, loaded):
+            words = [arith.xori(llvm.extractvalue(i32, v, [j]), sign) for j in range(4)]
+            llvm.inline_asm(void, [a, *words], "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
+                            "l,r,r,r,r", has_side_effects=True)
+
+    def body(ref):
+        negate(ref)
+
+    ref = jax.new_ref(buf)
+    mosaic_gpu.kernel(body, buf.size // elements, "jaxrope_stream_global_probe", False)(ref)
     return jax.freeze(ref)
 
 
@@ -72,12 +117,22 @@ def run(args) -> Dict[str, Any]:
             measured["mosaic_no_angle"] = jax_time("mosaic", ONE_D, q, k, pos, iters, args.reps)
         finally:
             mosaic_gpu.angle_cos_sin = angle
-        measured["xla"] = timing.JaxLoop(lambda b: (b * jnp.bfloat16(1.0),), (buf,),
+        measured["xla"] = timing.JaxLoop(lambda b: (-b,), (buf,),
                                          iters=iters, unroll=8).time(args.reps)
-        for elements in _STREAM_ELEMENTS:
-            measured[f"stream_{elements}"] = timing.JaxLoop(
-                lambda b, e=elements: (stream(b, e),), (buf,), iters=iters,
-                unroll=8).time(args.reps)
+        kernels = {f"stream_{e}_v{v}": functools.partial(stream, elements=e, vec=v)
+                   for e, v in _STREAMS}
+        kernels.update({f"stream_global_{e}": functools.partial(stream_global, elements=e)
+                        for e in (2048, 8192)})
+        errors = {}
+        for name, fn in kernels.items():
+            try:
+                measured[name] = timing.JaxLoop(lambda b, fn=fn: (fn(b),), (buf,),
+                                                iters=iters, unroll=8).time(args.reps)
+            except Exception as e:  # a probe: record what failed, time the rest
+                errors[name] = f"{type(e).__name__}: {e}"[:2000]
+                print(f"{name} failed: {errors[name][:300]}", flush=True)
+        # The rope kernel again, last: how far one kernel moves within the run.
+        measured["mosaic_again"] = jax_time("mosaic", ONE_D, q, k, pos, iters, args.reps)
         ceiling = measured["ceiling"].median_us
         for impl, t in measured.items():
             rows.append(dict(tokens=tokens, impl=impl, us=t.median_us, p10_us=t.p10_us,
@@ -85,6 +140,7 @@ def run(args) -> Dict[str, Any]:
         print(f"tokens {tokens}: " + ", ".join(
             f"{i} {t.median_us:.1f} ({100 * ceiling / t.median_us:.1f}%)"
             for i, t in measured.items()), flush=True)
+        rows.extend(dict(tokens=tokens, impl=name, error=error) for name, error in errors.items())
     return dict(info=timing.run_info("bench.mosaic_stream_probe", sys.argv[1:]),
                 device=torch.cuda.get_device_name(0), jax=jax.__version__,
                 torch=torch.__version__, rows=rows)
