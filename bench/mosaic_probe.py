@@ -9,7 +9,7 @@ folder of their own.
 A point is ``GROUP_BYTES:IN_FLIGHT:SPLITS[:VEC_BYTES]`` (``mosaic_gpu._GROUP_BYTES`` and
 ``_IN_FLIGHT``, the blocks each token block's head groups are split among, ``SPLITS`` 0
 for :func:`jaxrope.kernels.mosaic_gpu.head_splits`'s default, and ``_VEC_BYTES``, the
-widest vector a thread moves, 16 when left out). bf16 q ``[T, 32, 128]``,
+widest vector a thread moves, the module's when left out). bf16 q ``[T, 32, 128]``,
 k ``[T, 8, 128]``, positions in ``[0, 65536)``; each point times the kernel in a jitted
 loop on donated buffers (:class:`bench.timing.JaxLoop`), the Triton-lowered kernel in
 the same process as the reference. Writes ``DIR/mosaic_probe.json`` and
@@ -39,7 +39,8 @@ def one_point(point: str, tokens: List[int], reps: int) -> Dict[str, Any]:
 
     group_bytes, in_flight, splits, *vec_bytes = (int(x) for x in point.split(":"))
     mosaic_gpu._GROUP_BYTES, mosaic_gpu._IN_FLIGHT = group_bytes, in_flight
-    mosaic_gpu._VEC_BYTES = vec_bytes[0] if vec_bytes else 16
+    if vec_bytes:
+        mosaic_gpu._VEC_BYTES = vec_bytes[0]
     tables, attention = kernel_constants(ONE_D)
     tables = jnp.asarray(tables)
 

@@ -144,7 +144,7 @@ def test_mosaic_kernel_computes_the_angle_once_per_block(name):
 def test_mosaic_plan_splits_every_layout_into_whole_warps():
     # Brute force: lanes along the pairs divide a warp and the half's vectors, a vector
     # fits 16 bytes and divides the half and the head stride (GPT-J: one element), head
-    # groups divide the head count.
+    # groups divide the head count and serve enough heads an angle.
     for half, extra, itemsize, interleave, heads in [
             (h, e, i, il, hs) for h in (4, 8, 16, 20, 24, 32, 40, 48, 64, 96, 128, 256)
             for e in (0, 2, 36) for i in (2, 4) for il in (False, True)
@@ -152,18 +152,25 @@ def test_mosaic_plan_splits_every_layout_into_whole_warps():
         head_dim = 2 * half + extra
         p = mosaic_gpu.plan(*heads, half, head_dim, itemsize, interleave)
         assert 32 % p.lanes_pairs == 0 and (half // p.vec) % p.lanes_pairs == 0
-        assert p.vec * itemsize <= 16 and half % p.vec == 0 and head_dim % p.vec == 0
+        assert p.vec * itemsize <= mosaic_gpu._VEC_BYTES
+        assert half % p.vec == 0 and head_dim % p.vec == 0
         assert not interleave or p.vec == 1
         assert p.tokens_per_block == 4 * 32 // p.lanes_pairs
         assert heads[0] % p.q_group == 0 and heads[1] % p.k_group == 0
+        for h, group in zip(heads, (p.q_group, p.k_group)):
+            assert group >= min(h, mosaic_gpu._ANGLE_HEADS)
         # A block rotates at most _BLOCK_BYTES a thread (one group when a group is more).
         group_bytes = 2 * (half // p.lanes_pairs) * itemsize * max(p.q_group, p.k_group)
         assert p.block_groups >= 1
         assert p.block_groups == 1 or p.block_groups * group_bytes <= mosaic_gpu._BLOCK_BYTES
-    assert mosaic_gpu.plan(32, 8, 64, 128, 2, False).vec == 8  # 16-byte bf16 vectors
-    # Llama's 40 heads (10 groups of 4): 5 blocks of 2 groups per token block at any T.
+    # Llama's 40 heads in bf16: 4-byte vectors, 10 groups of 4 heads x 2 pairs a thread
+    # (32 bytes), one group a block, so 10 blocks per token block of 4 tokens at any T.
     llama = mosaic_gpu.plan(32, 8, 64, 128, 2, False)
-    assert (llama.block_groups, mosaic_gpu.head_splits(4096, 10, llama.block_groups)) == (2, 5)
+    assert (llama.vec, llama.q_group, llama.k_group, llama.tokens_per_block) == (2, 4, 4, 4)
+    assert (llama.block_groups, mosaic_gpu.head_splits(4096, 10, llama.block_groups)) == (1, 10)
+    # 14 heads have no divisor of 2-4 past 2: groups of 7, not 2 heads an angle.
+    qwen2 = mosaic_gpu.plan(14, 2, 64, 128, 2, False)
+    assert (qwen2.q_group, qwen2.k_group) == (7, 2)
 
 
 def test_mosaic_floor_is_a_floor_for_either_sign(rng):

@@ -13,8 +13,8 @@ and of k broadcasts for free: the angle is computed once per (token, pair) and s
 ``Hq + Hk`` heads, for any head count. Head groups are loaded ahead of the group
 being rotated (``Plan.in_flight``), so a group's stores overlap later groups' loads,
 and a token block's head groups are split among neighbouring blocks
-(:func:`head_splits`: a few groups each, more blocks when the tokens are few): many
-short blocks kept more bytes moving than one block walking every head.
+(:func:`head_splits`: one group each by default, with a few bytes a thread): many short
+blocks kept more bytes moving than few blocks walking many heads.
 
 Layouts: NeoX halves are dims ``[0, R/2)`` and ``[R/2, R)`` of a head; GPT-J pairs are
 the even and odd elements of ``[0, R)``, read through a ``[T, H, D/2, 2]`` view of the
@@ -55,21 +55,21 @@ from jaxrope.kernels.angle import angle_cos_sin, slot_rows
 
 _WARPS = 4          # warps of a warpgroup
 _LANES = 32         # threads of a warp
-# Bytes of q or k one thread rotates at once (both halves of a head group, 2x that in
-# float32 registers), and how many such groups it has loaded at a time: the fastest of
-# 32-128 bytes x 2-8 groups on the H200, bf16 Hq 32 / Hk 8 / D 128, though all of them
-# were within 2% (bench/RESULTS.md).
-_GROUP_BYTES = 128
-_IN_FLIGHT = 3
-# Bytes of one thread's vector at most (the widest access is 16).
-_VEC_BYTES = 16
-# Bytes of q and k one thread rotates in one block, all its head groups: a token block's
-# head groups are split among blocks to keep to it. At 16k / 64k tokens (bf16 Hq 32 / Hk
-# 8 / D 128, H200) blocks of 256 bytes a thread (2 of the 10 head groups) ran in 84.4 /
-# 326 us against 90.9 / 348 us for one block walking all ten, and at the same 251
-# registers two blocks of five groups already gained half of that: a block walking many
-# groups in turn, not its register use, held the kernel back (bench/RESULTS.md).
-_BLOCK_BYTES = 256
+# Bytes of q and k one thread moves a block, and the widest vector it moves them in.
+# Bytes a thread, not what it computes, set this kernel's speed on the H200 (bf16 Hq 32 /
+# Hk 8 / D 128, bench/RESULTS.md): a Mosaic GPU kernel that only negates q and k in place
+# ran at 98.4% of torch's in-place ceiling with 32 bytes a thread a block and at 93.1%
+# with 128; the rope kernel at 32 bytes (one group of 4 heads x 2 pairs a thread, 4-byte
+# vectors, one group a block) ran within 1% of the Triton-lowered kernel, at 256 bytes
+# (16-byte vectors, two 128-byte groups a block) 3-4% behind it.
+_GROUP_BYTES = 32
+_VEC_BYTES = 4
+_BLOCK_BYTES = 32
+# The fewest heads one angle should serve: at 2 heads an angle (32 bytes a thread, 4
+# pairs of each) the angle's arithmetic showed again, 15% slower than at 4.
+_ANGLE_HEADS = 4
+# Head groups a block has loaded at a time, the one being rotated included.
+_IN_FLIGHT = 2
 # Blocks a launch should have before it splits heads further: two per SM of an H100/H200.
 _MIN_BLOCKS = 264
 
@@ -123,22 +123,27 @@ class Plan:
 
 
 def _head_group(heads: int, pairs_per_thread: int, itemsize: int) -> int:
-    # The most heads, dividing the head count, whose two halves fit _GROUP_BYTES a thread.
+    # The most heads, dividing the head count, whose two halves fit _GROUP_BYTES a thread;
+    # when that is under _ANGLE_HEADS, the fewest dividing heads that reach it.
     fits = max(1, _GROUP_BYTES // (2 * pairs_per_thread * itemsize))
-    return max(g for g in range(1, min(heads, fits) + 1) if heads % g == 0)
+    divisors = [g for g in range(1, heads + 1) if heads % g == 0]
+    group = max(g for g in divisors if g <= fits)
+    least = min(heads, _ANGLE_HEADS)
+    return group if group >= least else min(g for g in divisors if g >= least)
 
 
 def plan(q_heads: int, k_heads: int, half: int, head_dim: int, itemsize: int,
          interleave: bool) -> Plan:
     """The one heuristic for the kernel's split.
 
-    - Vectors as wide as 16 bytes (fewer, wider accesses) that divide the half and the
-      head stride, narrower while a thread would hold more than 16 pairs of the angle;
-      GPT-J pairs take one element (even and odd elements are not contiguous).
+    - Vectors as wide as ``_VEC_BYTES`` that divide the half and the head stride,
+      narrower while a thread would hold more than 16 pairs of the angle; GPT-J pairs
+      take one element (even and odd elements are not contiguous).
     - Lanes along the pairs: as many as the half's vectors allow (at most a warp), the
       rest of the warp and the four warps along tokens.
     - Head groups: the most heads that divide the head count within ``_GROUP_BYTES`` a
-      thread, ``_IN_FLIGHT`` of them loaded at a time, as many to a block as fit
+      thread, or the fewest that serve ``_ANGLE_HEADS`` heads an angle when those are
+      fewer; ``_IN_FLIGHT`` of them loaded at a time, as many to a block as fit
       ``_BLOCK_BYTES`` a thread.
     """
     candidates = (1,) if interleave else (8, 4, 2, 1)
