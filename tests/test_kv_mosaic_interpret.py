@@ -266,3 +266,21 @@ def test_one_layout_serves_q_and_k_so_the_angle_is_formed_once_a_token():
     # GPT-J pairs take single elements; a head count of one leaves copies, never a split head.
     assert kv_mosaic.row_split(4, 32, 2, 32, True).vec == 1
     assert kv_mosaic.row_split(1, 40, 2, 40, False).head_tile == 1
+
+
+def test_a_token_of_many_bytes_is_split_into_pieces_that_cover_it_once():
+    # Brute force over head layouts: every q head in exactly one piece, k and v in one,
+    # each piece's loads within _BLOCK_BYTES unless a single head is more.
+    budget = kv_mosaic._BLOCK_BYTES
+    for q_heads, k_heads, head_dim, rotary_dim, itemsize in [
+            (q, k, d, r, i) for q, k in ((32, 8), (28, 4), (40, 8), (64, 8), (12, 2), (14, 2),
+                                        (16, 16), (8, 1), (5, 1))
+            for d in (64, 128, 256, 512) for r in (d, d // 2) for i in (2, 4)]:
+        work = kv_mosaic.pieces(q_heads, k_heads, head_dim, rotary_dim, itemsize)
+        heads = [h for p in work for h in range(p.q_first, p.q_first + p.q_heads)]
+        assert sorted(heads) == list(range(q_heads))
+        assert sum(p.kv for p in work) == 1
+        token_bytes = (q_heads * rotary_dim + 2 * k_heads * head_dim) * itemsize
+        assert (len(work) == 1) == (token_bytes <= budget)
+        for p in work:
+            assert p.q_heads == 1 or p.q_heads * rotary_dim * itemsize <= budget or len(work) == 1

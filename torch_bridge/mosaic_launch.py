@@ -30,7 +30,7 @@ import torch
 from jaxrope.apply import kernel_options
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
-from jaxrope.kernels import kv_layout, mosaic_export, mosaic_gpu
+from jaxrope.kernels import kv_layout, kv_mosaic, mosaic_export, mosaic_gpu
 from torch_bridge.kv_append import CacheGeometry
 from torch_bridge.kv_launch import append_operands, append_record, bound_append
 from torch_bridge.triton_launch import mrope_block
@@ -288,9 +288,11 @@ class MosaicKVLauncher:
                  grid: Optional[int]):
         rope = self._rope
         capability = _hopper_capability(device)
-        # One token a block, a block for each token of the count's next power of two (a
-        # grid override smaller than that walks).
-        shape = launch_shape(tokens, 1, 1, 1)
+        # One token a block, a block for each piece of each token of the count's next
+        # power of two (a grid override smaller than that walks).
+        work = kv_mosaic.pieces(q_heads, geometry.k_heads, cfg.head_dim, cfg.rotary_dim,
+                                torch.empty((), dtype=dtype).element_size())
+        shape = launch_shape(tokens, 1, len(work), 1)
         rows = kv_layout.cache_rows(geometry.layout, geometry.combined,
                                     geometry.view_shape[0] // geometry.components,
                                     geometry.page_size, geometry.k_heads)

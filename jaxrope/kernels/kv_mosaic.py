@@ -7,14 +7,16 @@ the rotated k and the v are written into the paged cache at each token's slot, i
 
 A Mosaic GPU store writes a register array to a ref slice at one scalar offset, so
 tokens with different slots need separate stores: the whole warpgroup (128 threads)
-moves one token at a time. Per token it holds q's and k's rotary halves as ``[H, R/2]``
-arrays, k's dims past ``R`` as ``[Hk, D - R]`` and v as ``[Hk, D]``, each in a Mosaic
-GPU ``TiledLayout`` (:func:`row_layout`) whose lanes run along a head's dims (coalesced:
-a head's ``D`` values are contiguous in every cache layout) and whose remaining lanes
-and warps split the heads. q's and k's halves share one layout (its head tile divides
-both head counts), so removing the head axis gives one ``[R/2]`` layout: the angle
-(:func:`jaxrope.kernels.angle.angle_cos_sin`, the accurate one every backend shares) is
-formed once per token and broadcast to q and k for free. A block walks ``tokens`` tokens
+moves one token at a time. A token's work is one piece, or several for blocks of their
+own when its bytes are many (:func:`pieces`: chunks of q's heads, and k with v). A piece
+holds q's and k's rotary halves as ``[H, R/2]`` arrays, k's dims past ``R`` as ``[Hk, D
+- R]`` and v as ``[Hk, D]``, each in a Mosaic GPU ``TiledLayout`` (:func:`row_layout`)
+whose lanes run along a head's dims (coalesced: a head's ``D`` values are contiguous in
+every cache layout) and whose remaining lanes and warps split the heads. A piece's q and
+k halves share one layout (its head tile divides both head counts), so removing the head
+axis gives one ``[R/2]`` layout: the angle (:func:`jaxrope.kernels.angle.angle_cos_sin`,
+the accurate one every backend shares) is formed once per token and piece and
+broadcast to its heads for free. A block walks ``tokens`` tokens
 unrolled (one for JAX calls: ``_TOKENS_PER_BLOCK``), each token's loads issued before the
 previous token's stores.
 
@@ -35,8 +37,9 @@ On CPU it runs in Mosaic GPU's interpreter (``interpret=True``), for tests.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +61,39 @@ _VECTOR_BYTES = 16  # the widest GMEM access a thread makes
 # 412; many small blocks hide the latency of each token's slot -> address -> store chain
 # better than a block walking several. Launches outside JAX take any (``build_append``).
 _TOKENS_PER_BLOCK = 1
+# Bytes of q, k and v one block loads for one token at most: a token whose q, k and v are
+# more is split among blocks (:func:`pieces`), q's heads in chunks and k with v in a
+# block of their own. The rope kernel moved bytes fastest at 32 bytes a thread a block
+# (bench/RESULTS.md); 128 threads x 32 bytes.
+_BLOCK_BYTES = 4096
+
+
+class Piece(NamedTuple):
+    """What one block does for each of its tokens (:func:`pieces`)."""
+
+    q_first: int  # q's heads [q_first, q_first + q_heads) are rotated
+    q_heads: int
+    kv: bool      # k is rotated and written to the cache with v
+
+
+def pieces(q_heads: int, k_heads: int, head_dim: int, rotary_dim: int,
+           itemsize: int) -> Tuple[Piece, ...]:
+    """A token's work, split among blocks that each load ``_BLOCK_BYTES`` at most.
+
+    One piece when q's rotary dims, k and v fit; else q's heads in equal chunks (the
+    most heads within ``_BLOCK_BYTES``, dividing the head count) and a piece for k and v.
+
+    Example:
+      >>> [tuple(p) for p in pieces(32, 8, 128, 128, 2)]  # Llama 3, bf16
+      [(0, 16, False), (16, 16, False), (0, 0, True)]
+      >>> pieces(8, 1, 64, 64, 2)
+      (Piece(q_first=0, q_heads=8, kv=True),)
+    """
+    if (q_heads * rotary_dim + 2 * k_heads * head_dim) * itemsize <= _BLOCK_BYTES:
+        return (Piece(0, q_heads, True),)
+    chunk = max(c for c in range(1, q_heads + 1)
+                if q_heads % c == 0 and (c == 1 or c * rotary_dim * itemsize <= _BLOCK_BYTES))
+    return tuple(Piece(h, chunk, False) for h in range(0, q_heads, chunk)) + (Piece(0, 0, True),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +157,7 @@ def row_layout(s: RowSplit):
                  warp_dims, lane_dims)
 
 
-def _pieces(x_ref, start: int, width: int, interleave: bool):
+def _dim_refs(x_ref, start: int, width: int, interleave: bool):
     # The refs of dims [start, start + width) of a token's [H, D] (GPT-J: its [H, D/2, 2]
     # view, start and width in pairs, one ref for the even and one for the odd elements).
     if interleave:
@@ -155,17 +191,20 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
     half = rotary_dim // 2
     mrope = mrope_section is not None
     width = (lambda w: w // 2) if interleave else (lambda w: w)
-    group = math.gcd(q_heads, k_heads)
-    rotary_split = row_split(group, half, itemsize, half, interleave)
-    rotary = row_layout(rotary_split)
+    work = pieces(q_heads, k_heads, head_dim, rotary_dim, itemsize)
     passing = head_dim - rotary_dim
     rest = passing and row_layout(row_split(k_heads, width(passing), itemsize,
                                             width(rotary_dim), interleave))
     whole = row_layout(row_split(k_heads, width(head_dim), itemsize, 0, interleave))
-    angle = rotary.reduce((0,))
     head_rows = k_heads * rows.head_stride
     # A static T of whole blocks has no token past the last: no clamps, no guards.
     whole_blocks = count is not None and count % tokens == 0
+
+    def rotary_split(piece: Piece) -> RowSplit:
+        # q's and k's halves share one layout when one block rotates both (its head tile
+        # divides both head counts): the angle is then formed once for both.
+        heads = math.gcd(piece.q_heads, k_heads) if piece.kv else piece.q_heads
+        return row_split(heads, half, itemsize, half, interleave)
 
     def broadcast(x, shape, dims, layout):
         return plgpu.layout_cast(jax.lax.broadcast_in_dim(x, shape, dims), as_pallas(layout))
@@ -176,14 +215,21 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
         return x_ref.at[:, pl.ds(0, half)], x_ref.at[:, pl.ds(half, half)]
 
     def past_rotary(x_ref):  # k's dims [R, D), copied as they are
-        return _pieces(x_ref, width(rotary_dim), width(passing), interleave) if passing else []
+        return _dim_refs(x_ref, width(rotary_dim), width(passing), interleave) if passing else []
 
-    def block(n, refs, first: int | jax.Array, walk: int):
+    def block(n, refs, first: int | jax.Array, walk: int, piece: Piece):
         pos_ref, slot_ref, tables_ref, rows_ref, scale_ref, q_ref, k_ref, v_ref, *cache_refs = refs
         k_cache, v_cache = cache_refs[0], cache_refs[rows.value_array]
+        split = rotary_split(piece)
+        rotary = row_layout(split)
+        angle = rotary.reduce((0,))
         turns = [load(tables_ref.at[i], angle) for i in range(3)]
         slot_rows = load(rows_ref, angle) if mrope else None
-        scales = (scale_ref.at[0][...], scale_ref.at[1][...]) if quantize else (None, None)
+        scales = (scale_ref.at[0][...], scale_ref.at[1][...]) if quantize and piece.kv else (
+            None, None)
+
+        def q_of(t):
+            return q_ref.at[t, pl.ds(piece.q_first, piece.q_heads)]
 
         def fetch(i):
             # Token first + i, clamped to the last one (its stores are then skipped):
@@ -194,12 +240,16 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
             else:
                 real, t = t < n, jnp.minimum(t, n - 1)
             pos = [pos_ref.at[t if r == 0 else r * n + t][...] for r in range(3 if mrope else 1)]
-            return dict(
-                t=t, real=real, slot=slot_ref.at[t][...], pos=pos,
-                q=[load(r, rotary) for r in halves(q_ref.at[t])],
-                k=[load(r, rotary) for r in halves(k_ref.at[t])],
-                k_rest=[load(r, rest) for r in past_rotary(k_ref.at[t])],
-                v=[load(r, whole) for r in _pieces(v_ref.at[t], 0, width(head_dim), interleave)])
+            x = dict(t=t, real=real, pos=pos,
+                     q=[load(r, rotary) for r in halves(q_of(t))] if piece.q_heads else [])
+            if piece.kv:
+                x.update(
+                    slot=slot_ref.at[t][...],
+                    k=[load(r, rotary) for r in halves(k_ref.at[t])],
+                    k_rest=[load(r, rest) for r in past_rotary(k_ref.at[t])],
+                    v=[load(r, whole) for r in _dim_refs(v_ref.at[t], 0, width(head_dim),
+                                                       interleave)])
+            return x
 
         def cos_sin(pos):
             shape = (half,)
@@ -225,29 +275,30 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
             return to_cache_dtype(x.astype(jnp.float32), scale, dtype)
 
         def finish(x):
-            t, slot = x["t"], x["slot"]
+            t, real = x["t"], x["real"]
             cos, sin = cos_sin(x["pos"])
-            q_out = rotate(x["q"], cos, sin, q_heads)
-            k_out = rotate(x["k"], cos, sin, k_heads)
+            if piece.q_heads:
+                q_out = rotate(x["q"], cos, sin, piece.q_heads)
+                if split.copies > 1:
+                    # Several threads hold each element of q, which is rotated in place:
+                    # without a barrier a warp ahead of the others could store q rotated
+                    # before another loads it, which would then rotate it twice.
+                    plgpu.commit_smem()
+                # q is rotated whatever the slot; only a clamped repeat of the last token
+                # skips it.
+                guard = (lambda stores: stores()) if real is True else pl.when(real)
 
-            real = x["real"]
+                @guard
+                def _():
+                    for ref, value in zip(halves(q_of(t)), q_out):
+                        store(ref, value.astype(ref.dtype))
+            if not piece.kv:
+                return
+            k_out = rotate(x["k"], cos, sin, k_heads)
+            slot = x["slot"]
             ok = (slot >= 0) & (slot < rows.num_slots)
             if real is not True:
                 ok = ok & real
-
-            if rotary_split.copies > 1:
-                # Several threads hold each element of q, which is rotated in place: without
-                # a barrier a warp ahead of the others could store q rotated before another
-                # loads it, which would then rotate it twice.
-                plgpu.commit_smem()
-            # q is rotated whatever the slot; only a clamped repeat of the last token skips it.
-            guard = (lambda stores: stores()) if real is True else pl.when(real)
-
-            @guard
-            def _():
-                for ref, value in zip(halves(q_ref.at[t]), q_out):
-                    store(ref, value.astype(ref.dtype))
-
             safe = jnp.where(ok, slot, 0)
             page, entry = jax.lax.div(safe, rows.page_size), jax.lax.rem(safe, rows.page_size)
             base = page * rows.page_stride + entry * rows.entry_stride
@@ -263,7 +314,7 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
                     store(ref, cached(value, scales[0], ref.dtype))
                 for ref, value in zip(past_rotary(k_row), x["k_rest"]):
                     store(ref, cached(value, scales[0], ref.dtype))
-                for ref, value in zip(_pieces(v_row, 0, width(head_dim), interleave), x["v"]):
+                for ref, value in zip(_dim_refs(v_row, 0, width(head_dim), interleave), x["v"]):
                     store(ref, cached(value, scales[1], ref.dtype))
 
         # Token i + 1's loads go out before token i's stores.
@@ -272,21 +323,30 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
             current, ahead = ahead, fetch(i + 1) if i + 1 < walk else None
             finish(current)
 
+    def one_item(n, refs, item):
+        # Item = token block * pieces + piece: a token's pieces are neighbours.
+        if len(work) == 1:
+            block(n, refs, item * tokens, tokens, work[0])
+            return
+        b, which = jax.lax.div(item, len(work)), jax.lax.rem(item, len(work))
+        for i, piece in enumerate(work):
+            pl.when(which == i)(lambda piece=piece: block(n, refs, b * tokens, tokens, piece))
+
     def body(*operands):
         if count is None:
             count_ref, *refs = operands
             n = count_ref[0]
         else:
             refs, n = operands, count
-        one = lambda b: block(n, refs, b * tokens, tokens)  # noqa: E731
+        one = functools.partial(one_item, n, refs)
         if count is not None:
             one(jax.lax.axis_index("block"))
         else:
-            mosaic_gpu.walk(jax.lax.div(n + (tokens - 1), tokens), grid, one,
-                            None if max_count is None else -(-max_count // tokens))
+            mosaic_gpu.walk(jax.lax.div(n + (tokens - 1), tokens) * len(work), grid, one,
+                            None if max_count is None else -(-max_count // tokens) * len(work))
 
     if count is not None:
-        grid = -(-count // tokens)
+        grid = -(-count // tokens) * len(work)
     return mosaic_gpu.kernel(body, grid, "jaxrope_rope_append_kv_mosaic", interpret)
 
 

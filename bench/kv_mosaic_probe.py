@@ -1,0 +1,81 @@
+"""How the Mosaic GPU fused RoPE + KV append moves with the bytes one block loads a token
+and the widest vector a thread moves: points beside the Triton-lowered kernel and the
+byte ceiling, in one process.
+
+    python -m bench.kv_mosaic_probe --out DIR [--points 4096:16 1000000:16 ...]
+                                    [--tokens 16384 65536] [--reps 5]
+
+A point is ``BLOCK_BYTES:VECTOR_BYTES`` (``kv_mosaic._BLOCK_BYTES``: a token's q, k and v
+over that are split among blocks, :func:`jaxrope.kernels.kv_mosaic.pieces`;
+``kv_mosaic._VECTOR_BYTES``). bf16 Hq 32 / Hk 8 / D 128, NHD pages of 16 drawn at random
+(:func:`bench.kv_append_bench.make_inputs`); each implementation is
+``apply_rope_and_append_kv`` in a jitted loop on donated q and caches
+(:func:`bench.kv_append_bench.jax_runs`); the ceiling is torch ``mul_(1.0)`` over q's,
+k's and v's bytes in a CUDA graph. Writes ``DIR/kv_mosaic_probe.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Dict, List
+
+import numpy as np
+
+from bench import kv_append_bench as kvb
+from bench import timing
+
+
+def run(points: List[str], tokens: List[int], reps: int, rep_seconds: float,
+        seed: int) -> List[Dict[str, Any]]:
+    import torch
+
+    from jaxrope.kernels import kv_mosaic
+
+    rng = np.random.default_rng(seed)
+    rows: List[Dict[str, Any]] = []
+    defaults = kv_mosaic._BLOCK_BYTES, kv_mosaic._VECTOR_BYTES
+    for count in tokens:
+        x = kvb.make_inputs(rng, count)
+        buf = torch.ones(x.q.size + x.k.size + x.v.size, dtype=torch.bfloat16, device="cuda")
+        ceiling = timing.time_cuda_graph(lambda: buf.mul_(1.0), reps=reps,
+                                         rep_seconds=rep_seconds).median_us
+
+        def time(backend: str) -> float:
+            return kvb.jax_runs(x, False, backend, backend, rep_seconds, reps, False,
+                                False)[0]["loop_us"]
+
+        triton = time("triton")
+        for point in points:
+            block_bytes, vector_bytes = (int(v) for v in point.split(":"))
+            kv_mosaic._BLOCK_BYTES, kv_mosaic._VECTOR_BYTES = block_bytes, vector_bytes
+            try:
+                us = time("mosaic")
+                pieces = len(kv_mosaic.pieces(kvb.Q_HEADS, kvb.K_HEADS, kvb.HEAD_DIM,
+                                              kvb.HEAD_DIM, 2))
+            finally:
+                kv_mosaic._BLOCK_BYTES, kv_mosaic._VECTOR_BYTES = defaults
+            rows.append(dict(tokens=count, point=point, mosaic_us=us, triton_us=triton,
+                             ceiling_us=ceiling, pct_ceiling=100 * ceiling / us,
+                             default=point == f"{defaults[0]}:{defaults[1]}", pieces=pieces))
+            print(f"{count} {point}: {us:.1f} us ({100 * ceiling / us:.1f}% of {ceiling:.1f}), "
+                  f"Triton {triton:.1f}", flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.kv_mosaic_probe")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--points", nargs="+", default=["4096:16", "4096:8", "4096:4",
+                                                         "8192:16", "1000000:16"])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[16384, 65536])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--rep-seconds", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    rows = run(args.points, args.tokens, args.reps, args.rep_seconds, args.seed)
+    timing.write_json(args.out, "kv_mosaic_probe", {"points": args.points, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
