@@ -258,11 +258,13 @@ def test_mosaic_append_lowers_for_cuda_on_every_layout_form(layout, combined, fp
 
 def test_one_layout_serves_q_and_k_so_the_angle_is_formed_once_a_token():
     # Llama 3 (Hq 32, Hk 8, D 128, bf16): the halves' layout fills the warpgroup with k's
-    # 8 heads (8-byte vectors, no copies), and v's [8, 128] is one 16-byte vector a thread.
+    # 8 heads (4-byte vectors, a warp along a head's half, no copies), and v's
+    # [8, 128] is four 4-byte vectors a thread.
     halves = kv_mosaic.row_split(8, 64, 2, 64, False)
-    assert (halves.vec, halves.width_lanes, halves.head_lanes, halves.head_warps) == (4, 16, 2, 4)
+    assert (halves.vec, halves.width_lanes, halves.head_lanes, halves.head_warps) == (2, 32, 1, 4)
+    assert halves.copies == 1
     whole = kv_mosaic.row_split(8, 128, 2, 0, False)
-    assert (whole.vec, whole.width_lanes, whole.head_lanes, whole.head_warps) == (8, 16, 2, 4)
+    assert (whole.vec, whole.width_lanes, whole.width_warps, whole.head_warps) == (2, 32, 2, 2)
     # GPT-J pairs take single elements; a head count of one leaves copies, never a split head.
     assert kv_mosaic.row_split(4, 32, 2, 32, True).vec == 1
     assert kv_mosaic.row_split(1, 40, 2, 40, False).head_tile == 1

@@ -54,7 +54,10 @@ from jaxrope.kernels.kv_reference import FP8, to_cache_dtype
 from jaxrope.kernels.mosaic_gpu import as_pallas, floor, load, store, tiled
 
 _THREADS = 128      # a warpgroup
-_VECTOR_BYTES = 16  # the widest GMEM access a thread makes
+# The widest GMEM access a thread makes. On the H200 (bf16 Hq 32 / Hk 8 / D 128, NHD pages
+# of 16, pieces of 4 KB) 4-byte vectors ran at 95.4% / 95.2% of the byte ceiling at 16k /
+# 64k tokens, 16-byte ones at 82% (bench/kv_mosaic_probe.py, bench/RESULTS.md).
+_VECTOR_BYTES = 4
 # Tokens one block walks unrolled (each token's loads issued before the previous token's
 # stores). One a block was the fastest of 1-16 on the H200 (bf16 Hq 32 / Hk 8 / D 128,
 # NHD pages of 16): 100.8 us at 16k tokens against 105.5 at 8, 397 us at 64k against
