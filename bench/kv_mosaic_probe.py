@@ -5,9 +5,10 @@ byte ceiling, in one process.
     python -m bench.kv_mosaic_probe --out DIR [--points 4096:16 1000000:16 ...]
                                     [--tokens 16384 65536] [--reps 5]
 
-A point is ``BLOCK_BYTES:VECTOR_BYTES`` (``kv_mosaic._BLOCK_BYTES``: a token's q, k and v
-over that are split among blocks, :func:`jaxrope.kernels.kv_mosaic.pieces`;
-``kv_mosaic._VECTOR_BYTES``). bf16 Hq 32 / Hk 8 / D 128, NHD pages of 16 drawn at random
+A point is ``BLOCK_BYTES:VECTOR_BYTES[:TOKENS]`` (``kv_mosaic._BLOCK_BYTES``: a token's
+q, k and v over that are split among blocks, :func:`jaxrope.kernels.kv_mosaic.pieces`;
+``kv_mosaic._VECTOR_BYTES``; ``kv_mosaic._TOKENS_PER_BLOCK``, the module's when left
+out). bf16 Hq 32 / Hk 8 / D 128, NHD pages of 16 drawn at random
 (:func:`bench.kv_append_bench.make_inputs`); each implementation is
 ``apply_rope_and_append_kv`` in a jitted loop on donated q and caches
 (:func:`bench.kv_append_bench.jax_runs`); the ceiling is torch ``mul_(1.0)`` over q's,
@@ -34,7 +35,8 @@ def run(points: List[str], tokens: List[int], reps: int, rep_seconds: float,
 
     rng = np.random.default_rng(seed)
     rows: List[Dict[str, Any]] = []
-    defaults = kv_mosaic._BLOCK_BYTES, kv_mosaic._VECTOR_BYTES
+    names = ("_BLOCK_BYTES", "_VECTOR_BYTES", "_TOKENS_PER_BLOCK")
+    defaults = tuple(getattr(kv_mosaic, n) for n in names)
     for count in tokens:
         x = kvb.make_inputs(rng, count)
         buf = torch.ones(x.q.size + x.k.size + x.v.size, dtype=torch.bfloat16, device="cuda")
@@ -47,17 +49,19 @@ def run(points: List[str], tokens: List[int], reps: int, rep_seconds: float,
 
         triton = time("triton")
         for point in points:
-            block_bytes, vector_bytes = (int(v) for v in point.split(":"))
-            kv_mosaic._BLOCK_BYTES, kv_mosaic._VECTOR_BYTES = block_bytes, vector_bytes
+            values = [int(v) for v in point.split(":")]
+            for name, value in zip(names, values + list(defaults[len(values):])):
+                setattr(kv_mosaic, name, value)
             try:
                 us = time("mosaic")
                 pieces = len(kv_mosaic.pieces(kvb.Q_HEADS, kvb.K_HEADS, kvb.HEAD_DIM,
                                               kvb.HEAD_DIM, 2))
             finally:
-                kv_mosaic._BLOCK_BYTES, kv_mosaic._VECTOR_BYTES = defaults
+                for name, value in zip(names, defaults):
+                    setattr(kv_mosaic, name, value)
             rows.append(dict(tokens=count, point=point, mosaic_us=us, triton_us=triton,
                              ceiling_us=ceiling, pct_ceiling=100 * ceiling / us,
-                             default=point == f"{defaults[0]}:{defaults[1]}", pieces=pieces))
+                             default=tuple(values) == defaults[:len(values)], pieces=pieces))
             print(f"{count} {point}: {us:.1f} us ({100 * ceiling / us:.1f}% of {ceiling:.1f}), "
                   f"Triton {triton:.1f}", flush=True)
     return rows
