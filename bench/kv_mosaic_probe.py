@@ -2,10 +2,10 @@
 and the widest vector a thread moves: points beside the Triton-lowered kernel and the
 byte ceiling, in one process.
 
-    python -m bench.kv_mosaic_probe --out DIR [--points 4096:16 1000000:16 ...]
+    python -m bench.kv_mosaic_probe --out DIR [--points 4096:4 8192:4 4096:4:2 ...]
                                     [--tokens 16384 65536] [--reps 5]
 
-A point is ``BLOCK_BYTES:VECTOR_BYTES[:TOKENS]`` (``kv_mosaic._BLOCK_BYTES``: a token's
+A point is ``PIECE_BYTES:VECTOR_BYTES[:TOKENS]`` (``kv_mosaic._PIECE_BYTES``: a token's
 q, k and v over that are split among blocks, :func:`jaxrope.kernels.kv_mosaic.pieces`;
 ``kv_mosaic._VECTOR_BYTES``; ``kv_mosaic._TOKENS_PER_BLOCK``, the module's when left
 out). bf16 Hq 32 / Hk 8 / D 128, NHD pages of 16 drawn at random
@@ -35,7 +35,7 @@ def run(points: List[str], tokens: List[int], reps: int, rep_seconds: float,
 
     rng = np.random.default_rng(seed)
     rows: List[Dict[str, Any]] = []
-    names = ("_BLOCK_BYTES", "_VECTOR_BYTES", "_TOKENS_PER_BLOCK")
+    names = ("_PIECE_BYTES", "_VECTOR_BYTES", "_TOKENS_PER_BLOCK")
     defaults = tuple(getattr(kv_mosaic, n) for n in names)
     for count in tokens:
         x = kvb.make_inputs(rng, count)
@@ -70,8 +70,8 @@ def run(points: List[str], tokens: List[int], reps: int, rep_seconds: float,
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.kv_mosaic_probe")
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--points", nargs="+", default=["4096:16", "4096:8", "4096:4",
-                                                         "8192:16", "1000000:16"])
+    parser.add_argument("--points", nargs="+", default=["4096:4", "2048:4", "8192:4",
+                                                         "1000000:4", "4096:16", "4096:4:2"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[16384, 65536])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--rep-seconds", type=float, default=0.1)

@@ -272,8 +272,8 @@ def test_one_layout_serves_q_and_k_so_the_angle_is_formed_once_a_token():
 
 def test_a_token_of_many_bytes_is_split_into_pieces_that_cover_it_once():
     # Brute force over head layouts: every q head in exactly one piece, k and v in one,
-    # each piece's loads within _BLOCK_BYTES unless a single head is more.
-    budget = kv_mosaic._BLOCK_BYTES
+    # each piece's loads within _PIECE_BYTES unless a single head is more.
+    budget = kv_mosaic._PIECE_BYTES
     for q_heads, k_heads, head_dim, rotary_dim, itemsize in [
             (q, k, d, r, i) for q, k in ((32, 8), (28, 4), (40, 8), (64, 8), (12, 2), (14, 2),
                                         (16, 16), (8, 1), (5, 1))

@@ -12,7 +12,8 @@ The kernel reads the token count from device memory (a
 launch shape's largest count, so one compiled kernel serves every T of its launch shape:
 token blocks up to a power of two, each split among blocks by head group, one block a
 split (blocks past the count exit), ``capacity`` the tokens its refs are declared with
-(:func:`launch_shape`). The fused append's shape is the same with one token a block.
+(:func:`launch_shape`). The fused append's shape is the same with one token a block,
+split among blocks by piece (:func:`jaxrope.kernels.kv_mosaic.pieces`).
 
 Launch before capturing a CUDA graph at least once per shape: compiling inside a
 capture is not supported. M-RoPE positions are one contiguous ``[3, T]`` block, as for

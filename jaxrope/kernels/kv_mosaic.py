@@ -66,9 +66,11 @@ _VECTOR_BYTES = 4
 _TOKENS_PER_BLOCK = 1
 # Bytes of q, k and v one block loads for one token at most: a token whose q, k and v are
 # more is split among blocks (:func:`pieces`), q's heads in chunks and k with v in a
-# block of their own. The rope kernel moved bytes fastest at 32 bytes a thread a block
-# (bench/RESULTS.md); 128 threads x 32 bytes.
-_BLOCK_BYTES = 4096
+# block of their own. 4 KB is 32 bytes a thread, where the rope kernel moved bytes
+# fastest; on the H200 (Llama 3 shape, 4-byte vectors) 4 KB pieces ran at 95.5% / 95.2%
+# of the byte ceiling at 16k / 64k tokens, 2 KB at 90%, 8 KB 94.3% / 94.4%, one piece a
+# token 93% (94.4% / 94.6% with 16-byte vectors, the kernel before pieces; RESULTS.md).
+_PIECE_BYTES = 4096
 
 
 class Piece(NamedTuple):
@@ -81,10 +83,10 @@ class Piece(NamedTuple):
 
 def pieces(q_heads: int, k_heads: int, head_dim: int, rotary_dim: int,
            itemsize: int) -> Tuple[Piece, ...]:
-    """A token's work, split among blocks that each load ``_BLOCK_BYTES`` at most.
+    """A token's work, split among blocks that each load ``_PIECE_BYTES`` at most.
 
     One piece when q's rotary dims, k and v fit; else q's heads in equal chunks (the
-    most heads within ``_BLOCK_BYTES``, dividing the head count) and a piece for k and v.
+    most heads within ``_PIECE_BYTES``, dividing the head count) and a piece for k and v.
 
     Example:
       >>> [tuple(p) for p in pieces(32, 8, 128, 128, 2)]  # Llama 3, bf16
@@ -92,10 +94,10 @@ def pieces(q_heads: int, k_heads: int, head_dim: int, rotary_dim: int,
       >>> pieces(8, 1, 64, 64, 2)
       (Piece(q_first=0, q_heads=8, kv=True),)
     """
-    if (q_heads * rotary_dim + 2 * k_heads * head_dim) * itemsize <= _BLOCK_BYTES:
+    if (q_heads * rotary_dim + 2 * k_heads * head_dim) * itemsize <= _PIECE_BYTES:
         return (Piece(0, q_heads, True),)
     chunk = max(c for c in range(1, q_heads + 1)
-                if q_heads % c == 0 and (c == 1 or c * rotary_dim * itemsize <= _BLOCK_BYTES))
+                if q_heads % c == 0 and (c == 1 or c * rotary_dim * itemsize <= _PIECE_BYTES))
     return tuple(Piece(h, chunk, False) for h in range(0, q_heads, chunk)) + (Piece(0, 0, True),)
 
 
