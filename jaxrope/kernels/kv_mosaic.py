@@ -55,8 +55,9 @@ from jaxrope.kernels.mosaic_gpu import as_pallas, floor, load, store, tiled
 
 _THREADS = 128      # a warpgroup
 # The widest GMEM access a thread makes. On the H200 (bf16 Hq 32 / Hk 8 / D 128, NHD pages
-# of 16, pieces of 4 KB) 4-byte vectors ran at 95.4% / 95.2% of the byte ceiling at 16k /
-# 64k tokens, 16-byte ones at 82% (bench/kv_mosaic_probe.py, bench/RESULTS.md).
+# of 16, pieces of 4 KB) vectors of up to 4 bytes ran at 95.5% / 95.2% of the byte
+# ceiling at 16k / 64k tokens, up to 16 bytes at 82% (bench/kv_mosaic_probe.py,
+# bench/RESULTS.md).
 _VECTOR_BYTES = 4
 # Tokens one block walks unrolled (each token's loads issued before the previous token's
 # stores). One a block was the fastest of 1-16 on the H200 (bf16 Hq 32 / Hk 8 / D 128,
@@ -69,7 +70,7 @@ _TOKENS_PER_BLOCK = 1
 # block of their own. 4 KB is 32 bytes a thread, where the rope kernel moved bytes
 # fastest; on the H200 (Llama 3 shape, 4-byte vectors) 4 KB pieces ran at 95.5% / 95.2%
 # of the byte ceiling at 16k / 64k tokens, 2 KB at 90%, 8 KB 94.3% / 94.4%, one piece a
-# token 93% (94.4% / 94.6% with 16-byte vectors, the kernel before pieces; RESULTS.md).
+# token 93% (94.4% / 94.6% with vectors up to 16 bytes, the kernel before pieces).
 _PIECE_BYTES = 4096
 
 
