@@ -1,15 +1,16 @@
-"""Why the Mosaic GPU RoPE kernel trails the Triton-lowered one: each split point's time
+"""How the Mosaic GPU RoPE kernel's time moves with its split: each split point's time
 beside its register count, one point per process so that Mosaic GPU's compiler dumps
 (``MOSAIC_GPU_DUMP_PTXAS``: ptxas's resource lines; ``--dump`` adds PTX and SASS) land in a
 folder of their own.
 
-    python -m bench.mosaic_probe --out DIR [--points 128:3:1 32:4:10 ...] [--tokens ...]
-                                 [--dump 128:3:1]
+    python -m bench.mosaic_probe --out DIR [--points 32:2:0 128:3:5:16 ...] [--tokens ...]
+                                 [--dump 32:2:0]
 
 A point is ``GROUP_BYTES:IN_FLIGHT:SPLITS[:VEC_BYTES]`` (``mosaic_gpu._GROUP_BYTES`` and
 ``_IN_FLIGHT``, the blocks each token block's head groups are split among, ``SPLITS`` 0
 for :func:`jaxrope.kernels.mosaic_gpu.head_splits`'s default, and ``_VEC_BYTES``, the
-widest vector a thread moves, the module's when left out). bf16 q ``[T, 32, 128]``,
+widest vector a thread moves, the module's when left out; a group under
+``mosaic_gpu._ANGLE_HEADS`` heads is still raised to that many where they fit). bf16 q ``[T, 32, 128]``,
 k ``[T, 8, 128]``, positions in ``[0, 65536)``; each point times the kernel in a jitted
 loop on donated buffers (:class:`bench.timing.JaxLoop`), the Triton-lowered kernel in
 the same process as the reference. Writes ``DIR/mosaic_probe.json`` and
@@ -71,11 +72,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.mosaic_probe")
     parser.add_argument("--out", default="bench/out")
     parser.add_argument("--points", nargs="+", default=[
-        "128:3:1", "32:2:1", "32:4:1", "64:3:1", "128:10:1", "128:3:2", "128:3:5",
-        "128:3:10", "32:4:10", "64:2:5"])
+        "32:2:0", "32:2:0:8", "64:2:0", "32:2:5", "128:3:5:16"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[16384, 65536])
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--dump", nargs="*", default=["128:3:1"],
+    parser.add_argument("--dump", nargs="*", default=["32:2:0"],
                         help="points whose PTX and SASS are dumped too")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

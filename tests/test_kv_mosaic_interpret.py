@@ -190,7 +190,8 @@ def test_blocks_of_several_tokens_and_a_partial_last_block(name, count, tokens, 
     ("llama3_nhd_p16", 1, 1, 1, None), ("qwen3_vl_interleaved_hnd_combined", 11, 2, 2, None),
     ("gptj_fp8_nhd_p1", 9, 4, 1, None),
     # A block a token block of max_count, no walk: the last block partial, then blocks
-    # past the count idle; a grid short of max_count's blocks still walks.
+    # past the count idle; a grid short of max_count's blocks still walks. grid counts
+    # blocks for each of a token's pieces (Llama 3 and Qwen3-VL in bf16 have 3).
     ("llama3_nhd_p16", 13, 4, 4, 16), ("llama3_nhd_p16", 5, 1, 16, 16),
     ("qwen3_vl_interleaved_hnd_combined", 11, 1, 16, 16), ("llama3_nhd_p16", 13, 4, 2, 16)])
 def test_mosaic_append_reads_the_token_count_at_run_time(name, n, tokens, grid, max_count, rng):
@@ -200,7 +201,10 @@ def test_mosaic_append_reads_the_token_count_at_run_time(name, n, tokens, grid, 
     case = APPEND_BY_NAME[name]
     x = make_inputs(rng, case, jnp.bfloat16)
     assert n < len(x.slots)
-    q, cache = _blocks(case, x, None, tokens, grid, n, max_count)
+    cfg = case.case.cfg
+    work = kv_mosaic.pieces(x.q.shape[1], x.k.shape[1], cfg.head_dim, cfg.rotary_dim,
+                            x.q.dtype.itemsize)
+    q, cache = _blocks(case, x, None, tokens, grid * len(work), n, max_count)
     np.testing.assert_array_equal(bits(q)[n:], bits(x.q)[n:])
     slots = np.where(np.arange(len(x.slots)) < n, x.slots, -1)
     written, page, entry = kv_oracle.entries(slots, case.pages, case.page_size)
@@ -209,7 +213,6 @@ def test_mosaic_append_reads_the_token_count_at_run_time(name, n, tokens, grid, 
             new.shape, case.layout, page[written], entry[written]))
     if not n:
         return
-    cfg = case.case.cfg
     assert oracle.relative_error(np.asarray(q[:n], np.float64),
                                  oracle.rope_of(cfg, x.q[:n], x.pos[..., :n])) < 2.5e-3
     k_rows, v_rows = (kv_oracle.rows(c, case.layout, page[written], entry[written])
@@ -256,7 +259,7 @@ def test_mosaic_append_lowers_for_cuda_on_every_layout_form(layout, combined, fp
     assert "mosaic_gpu" in text
 
 
-def test_one_layout_serves_q_and_k_so_the_angle_is_formed_once_a_token():
+def test_llama3_halves_and_v_fill_the_warpgroup_without_copies():
     # Llama 3 (Hq 32, Hk 8, D 128, bf16): the halves' layout fills the warpgroup with k's
     # 8 heads (4-byte vectors, a warp along a head's half, no copies), and v's
     # [8, 128] is four 4-byte vectors a thread.
@@ -271,8 +274,8 @@ def test_one_layout_serves_q_and_k_so_the_angle_is_formed_once_a_token():
 
 
 def test_a_token_of_many_bytes_is_split_into_pieces_that_cover_it_once():
-    # Brute force over head layouts: every q head in exactly one piece, k and v in one,
-    # each piece's loads within _PIECE_BYTES unless a single head is more.
+    # Brute force over head layouts: every q head in exactly one piece, k and v in one;
+    # q's chunks the largest dividing the head count within _PIECE_BYTES.
     budget = kv_mosaic._PIECE_BYTES
     for q_heads, k_heads, head_dim, rotary_dim, itemsize in [
             (q, k, d, r, i) for q, k in ((32, 8), (28, 4), (40, 8), (64, 8), (12, 2), (14, 2),
@@ -284,5 +287,11 @@ def test_a_token_of_many_bytes_is_split_into_pieces_that_cover_it_once():
         assert sum(p.kv for p in work) == 1
         token_bytes = (q_heads * rotary_dim + 2 * k_heads * head_dim) * itemsize
         assert (len(work) == 1) == (token_bytes <= budget)
-        for p in work:
-            assert p.q_heads == 1 or p.q_heads * rotary_dim * itemsize <= budget or len(work) == 1
+        if len(work) == 1:
+            continue
+        chunk = work[0].q_heads
+        assert all(p.q_heads == chunk for p in work[:-1]) and not work[-1].q_heads
+        head = rotary_dim * itemsize
+        assert chunk == 1 or chunk * head <= budget
+        larger = [c for c in range(chunk + 1, q_heads + 1) if q_heads % c == 0]
+        assert not larger or larger[0] * head > budget

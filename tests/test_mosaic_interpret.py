@@ -143,12 +143,12 @@ def test_mosaic_kernel_computes_the_angle_once_per_block(name):
 
 def test_mosaic_plan_splits_every_layout_into_whole_warps():
     # Brute force: lanes along the pairs divide a warp and the half's vectors, a vector
-    # fits 16 bytes and divides the half and the head stride (GPT-J: one element), head
+    # fits _VEC_BYTES and divides the half and the head stride (GPT-J: one element), head
     # groups divide the head count and serve enough heads an angle.
     for half, extra, itemsize, interleave, heads in [
             (h, e, i, il, hs) for h in (4, 8, 16, 20, 24, 32, 40, 48, 64, 96, 128, 256)
             for e in (0, 2, 36) for i in (2, 4) for il in (False, True)
-            for hs in ((32, 8), (28, 4), (5, 1), (3, 3), (64, 8))]:
+            for hs in ((32, 8), (28, 4), (5, 1), (3, 3), (64, 8), (17, 1), (19, 1))]:
         head_dim = 2 * half + extra
         p = mosaic_gpu.plan(*heads, half, head_dim, itemsize, interleave)
         assert 32 % p.lanes_pairs == 0 and (half // p.vec) % p.lanes_pairs == 0
@@ -157,8 +157,15 @@ def test_mosaic_plan_splits_every_layout_into_whole_warps():
         assert not interleave or p.vec == 1
         assert p.tokens_per_block == 4 * 32 // p.lanes_pairs
         assert heads[0] % p.q_group == 0 and heads[1] % p.k_group == 0
+        head_bytes = 2 * (half // p.lanes_pairs) * itemsize
+        cap = mosaic_gpu._ANGLE_HEADS * mosaic_gpu._GROUP_BYTES
         for h, group in zip(heads, (p.q_group, p.k_group)):
-            assert group >= min(h, mosaic_gpu._ANGLE_HEADS)
+            # _ANGLE_HEADS heads an angle where a dividing group of them fits the cap; a
+            # group over the cap only as a single head.
+            reachable = [g for g in range(min(h, mosaic_gpu._ANGLE_HEADS), h + 1)
+                         if h % g == 0 and g * head_bytes <= cap]
+            assert group >= min(h, mosaic_gpu._ANGLE_HEADS) or not reachable
+            assert group == 1 or group * head_bytes <= cap
         # A block rotates at most _BLOCK_BYTES a thread (one group when a group is more).
         group_bytes = 2 * (half // p.lanes_pairs) * itemsize * max(p.q_group, p.k_group)
         assert p.block_groups >= 1
@@ -168,9 +175,11 @@ def test_mosaic_plan_splits_every_layout_into_whole_warps():
     llama = mosaic_gpu.plan(32, 8, 64, 128, 2, False)
     assert (llama.vec, llama.q_group, llama.k_group, llama.tokens_per_block) == (2, 4, 4, 4)
     assert (llama.block_groups, mosaic_gpu.head_splits(4096, 10, llama.block_groups)) == (1, 10)
-    # 14 heads have no divisor of 2-4 past 2: groups of 7, not 2 heads an angle.
+    # 14 heads have no divisor from 3 to 6: groups of 7, not 2 heads an angle; 17 heads of
+    # 2 pairs (8 bytes) a thread would be 136 bytes, over 4 x 32: one head a group.
     qwen2 = mosaic_gpu.plan(14, 2, 64, 128, 2, False)
     assert (qwen2.q_group, qwen2.k_group) == (7, 2)
+    assert mosaic_gpu.plan(17, 1, 64, 128, 2, False).q_group == 1
 
 
 def test_mosaic_floor_is_a_floor_for_either_sign(rng):

@@ -167,7 +167,7 @@ class MosaicLauncher:
                  device: torch.device, cfg: RopeConfig, grid: Optional[int]):
         capability = _hopper_capability(device)
         half = cfg.rotary_dim // 2
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         p = mosaic_gpu.plan(q_heads, k_heads, half, cfg.head_dim, itemsize, cfg.interleave)
         groups = q_heads // p.q_group + k_heads // p.k_group
         shape = launch_shape(tokens, p.tokens_per_block, groups, p.block_groups)
@@ -292,7 +292,7 @@ class MosaicKVLauncher:
         # One token a block, a block for each piece of each token of the count's next
         # power of two (a grid override smaller than that walks).
         work = kv_mosaic.pieces(q_heads, geometry.k_heads, cfg.head_dim, cfg.rotary_dim,
-                                torch.empty((), dtype=dtype).element_size())
+                                dtype.itemsize)
         shape = launch_shape(tokens, 1, len(work), 1)
         rows = kv_layout.cache_rows(geometry.layout, geometry.combined,
                                     geometry.view_shape[0] // geometry.components,

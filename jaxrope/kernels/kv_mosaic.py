@@ -12,11 +12,12 @@ own when its bytes are many (:func:`pieces`: chunks of q's heads, and k with v).
 holds q's and k's rotary halves as ``[H, R/2]`` arrays, k's dims past ``R`` as ``[Hk, D
 - R]`` and v as ``[Hk, D]``, each in a Mosaic GPU ``TiledLayout`` (:func:`row_layout`)
 whose lanes run along a head's dims (coalesced: a head's ``D`` values are contiguous in
-every cache layout) and whose remaining lanes and warps split the heads. A piece's q and
-k halves share one layout (its head tile divides both head counts), so removing the head
-axis gives one ``[R/2]`` layout: the angle (:func:`jaxrope.kernels.angle.angle_cos_sin`,
-the accurate one every backend shares) is formed once per token and piece and
-broadcast to its heads for free. A block walks ``tokens`` tokens
+every cache layout) and whose remaining lanes and warps split the heads. Removing the
+head axis of a piece's halves' layout gives one ``[R/2]`` layout: the angle
+(:func:`jaxrope.kernels.angle.angle_cos_sin`, the accurate one every backend shares) is
+formed once per token and piece and broadcast to its heads for free; a token of one
+piece shares one layout between q's and k's halves (its head tile divides both head
+counts), so it forms the angle once for both. A block walks ``tokens`` tokens
 unrolled (one for JAX calls: ``_TOKENS_PER_BLOCK``), each token's loads issued before the
 previous token's stores.
 
@@ -63,7 +64,9 @@ _VECTOR_BYTES = 4
 # stores). One a block was the fastest of 1-16 on the H200 (bf16 Hq 32 / Hk 8 / D 128,
 # NHD pages of 16): 100.8 us at 16k tokens against 105.5 at 8, 397 us at 64k against
 # 412; many small blocks hide the latency of each token's slot -> address -> store chain
-# better than a block walking several. Launches outside JAX take any (``build_append``).
+# better than a block walking several (measured before :func:`pieces`; with 4 KB pieces
+# two tokens a block were 0.1-0.6% slower than one). Launches outside JAX take any
+# (``build_append``).
 _TOKENS_PER_BLOCK = 1
 # Bytes of q, k and v one block loads for one token at most: a token whose q, k and v are
 # more is split among blocks (:func:`pieces`), q's heads in chunks and k with v in a
@@ -84,10 +87,12 @@ class Piece(NamedTuple):
 
 def pieces(q_heads: int, k_heads: int, head_dim: int, rotary_dim: int,
            itemsize: int) -> Tuple[Piece, ...]:
-    """A token's work, split among blocks that each load ``_PIECE_BYTES`` at most.
+    """A token's work, split among blocks.
 
-    One piece when q's rotary dims, k and v fit; else q's heads in equal chunks (the
-    most heads within ``_PIECE_BYTES``, dividing the head count) and a piece for k and v.
+    One piece when q's rotary dims, k and v fit ``_PIECE_BYTES``; else q's heads in
+    equal chunks (the most heads within ``_PIECE_BYTES``, dividing the head count, one
+    head at least) and one piece for k and v, whatever their size (for Hk near Hq, as in
+    multi-head attention, that piece is the larger: k and v are not split).
 
     Example:
       >>> [tuple(p) for p in pieces(32, 8, 128, 128, 2)]  # Llama 3, bf16
@@ -126,7 +131,7 @@ class RowSplit:
 def row_split(heads: int, width: int, itemsize: int, align: int, interleave: bool) -> RowSplit:
     """The one heuristic for a per-token array ``[H, width]`` with ``heads`` dividing ``H``.
 
-    - Vectors: the widest (at most 16 bytes) dividing ``width`` and ``align`` (the
+    - Vectors: the widest (at most ``_VECTOR_BYTES``) dividing ``width`` and ``align`` (the
       element offset the row's piece starts at) that still give every thread of the
       warpgroup a vector of ``heads`` heads; the widest dividing ones when even single
       elements leave threads over (those then hold copies). GPT-J pairs take single

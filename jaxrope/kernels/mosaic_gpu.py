@@ -66,9 +66,13 @@ _GROUP_BYTES = 32
 _VEC_BYTES = 4
 _BLOCK_BYTES = 32
 # The fewest heads one angle should serve: at 2 heads an angle (32 bytes a thread, 4
-# pairs of each) the angle's arithmetic showed again, 15% slower than at 4.
+# pairs of each) the angle's arithmetic showed again, 15% slower than at 4. A group grows
+# to reach it only while it stays within _ANGLE_HEADS x _GROUP_BYTES a thread.
 _ANGLE_HEADS = 4
-# Head groups a block has loaded at a time, the one being rotated included.
+# Head groups a block has loaded at a time, the one being rotated included. With one
+# group a block (the default) it matters only where a block rotates several: small
+# groups of few-byte heads. 2-8 groups in flight were within 2% of each other at 32-128
+# bytes a group and several groups a block (bench/RESULTS.md's git history, 2026-12-02).
 _IN_FLIGHT = 2
 # Blocks a launch should have before it splits heads further: two per SM of an H100/H200.
 _MIN_BLOCKS = 264
@@ -122,14 +126,18 @@ class Plan:
         return _LANES // self.lanes_pairs
 
 
-def _head_group(heads: int, pairs_per_thread: int, itemsize: int) -> int:
-    # The most heads, dividing the head count, whose two halves fit _GROUP_BYTES a thread;
-    # when that is under _ANGLE_HEADS, the fewest dividing heads that reach it.
-    fits = max(1, _GROUP_BYTES // (2 * pairs_per_thread * itemsize))
+def _head_group(heads: int, pairs_per_thread: int, itemsize: int,
+                group_bytes: int = _GROUP_BYTES) -> int:
+    # The most heads, dividing the head count, whose two halves fit group_bytes a thread;
+    # when that is under _ANGLE_HEADS, the fewest dividing heads that reach it, if they
+    # fit _ANGLE_HEADS x group_bytes (a prime head count would otherwise take every head).
+    head_bytes = 2 * pairs_per_thread * itemsize
     divisors = [g for g in range(1, heads + 1) if heads % g == 0]
-    group = max(g for g in divisors if g <= fits)
+    group = max((g for g in divisors if g * head_bytes <= group_bytes), default=1)
     least = min(heads, _ANGLE_HEADS)
-    return group if group >= least else min(g for g in divisors if g >= least)
+    raised = [g for g in divisors
+              if g >= least and g * head_bytes <= _ANGLE_HEADS * group_bytes]
+    return group if group >= least or not raised else min(raised)
 
 
 def plan(q_heads: int, k_heads: int, half: int, head_dim: int, itemsize: int,
@@ -142,9 +150,9 @@ def plan(q_heads: int, k_heads: int, half: int, head_dim: int, itemsize: int,
     - Lanes along the pairs: as many as the half's vectors allow (at most a warp), the
       rest of the warp and the four warps along tokens.
     - Head groups: the most heads that divide the head count within ``_GROUP_BYTES`` a
-      thread, or the fewest that serve ``_ANGLE_HEADS`` heads an angle when those are
-      fewer; ``_IN_FLIGHT`` of them loaded at a time, as many to a block as fit
-      ``_BLOCK_BYTES`` a thread.
+      thread, or, when those are fewer than ``_ANGLE_HEADS``, the fewest that serve that
+      many heads an angle within ``_ANGLE_HEADS x _GROUP_BYTES``; ``_IN_FLIGHT`` of them
+      loaded at a time, as many to a block as fit ``_BLOCK_BYTES`` a thread.
     """
     candidates = (1,) if interleave else (8, 4, 2, 1)
     for vec in candidates:
