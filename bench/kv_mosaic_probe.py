@@ -4,6 +4,7 @@ byte ceiling, in one process.
 
     python -m bench.kv_mosaic_probe --out DIR [--points 4096:4 8192:4 4096:4:2 ...]
                                     [--tokens 16384 65536] [--reps 5]
+                                    [--pages random sequential] [--no-angle]
 
 A point is ``PIECE_BYTES:VECTOR_BYTES[:TOKENS]`` (``kv_mosaic._PIECE_BYTES``: a token's
 q, k and v over that are split among blocks, :func:`jaxrope.kernels.kv_mosaic.pieces`;
@@ -13,11 +14,17 @@ out). bf16 Hq 32 / Hk 8 / D 128, NHD pages of 16 drawn at random
 ``apply_rope_and_append_kv`` in a jitted loop on donated q and caches
 (:func:`bench.kv_append_bench.jax_runs`); the ceiling is torch ``mul_(1.0)`` over q's,
 k's and v's bytes in a CUDA graph. Writes ``DIR/kv_mosaic_probe.json``.
+
+What the byte ceiling leaves out, measured: ``--pages sequential`` puts the same requests
+on pages in order (the cache writes then stream like the ceiling's), and ``--no-angle``
+adds each point with the angle replaced by cos 1 / sin 0 (its loads and stores kept), so
+the rows show what the page scatter and the angle's arithmetic cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -25,10 +32,28 @@ import numpy as np
 
 from bench import kv_append_bench as kvb
 from bench import timing
+from jaxrope.kernels.angle import angle_cos_sin
+
+
+def in_order(x: kvb.Inputs) -> kvb.Inputs:
+    """``x`` with its requests' pages taken in order: request after request, page after
+    page (slots ``0..T-1`` for the prefill chunks of ``make_inputs``)."""
+    indices = x.batch.kv_indices
+    batch = dataclasses.replace(x.batch, kv_indices=np.arange(indices.size, dtype=indices.dtype))
+    return dataclasses.replace(x, batch=batch)
+
+
+def no_angle(position, *_, **__):
+    # cos 1 / sin 0 in the position's layout; x * 0 is kept by the compiler (not folded:
+    # it is not 0 for inf or NaN), so the rotation's loads, multiplies and stores stay.
+    import jax.numpy as jnp
+    zero = position.astype(jnp.float32) * 0.0
+    return zero + 1.0, zero
 
 
 def run(points: List[str], tokens: List[int], reps: int, rep_seconds: float,
-        seed: int) -> List[Dict[str, Any]]:
+        seed: int, page_orders: List[str] = ("random",),
+        angles: List[bool] = (True,)) -> List[Dict[str, Any]]:
     import torch
 
     from jaxrope.kernels import kv_mosaic
@@ -37,8 +62,10 @@ def run(points: List[str], tokens: List[int], reps: int, rep_seconds: float,
     rows: List[Dict[str, Any]] = []
     names = ("_PIECE_BYTES", "_VECTOR_BYTES", "_TOKENS_PER_BLOCK")
     defaults = tuple(getattr(kv_mosaic, n) for n in names)
-    for count in tokens:
+    for count, order in [(c, o) for c in tokens for o in page_orders]:
         x = kvb.make_inputs(rng, count)
+        if order == "sequential":
+            x = in_order(x)
         buf = torch.ones(x.q.size + x.k.size + x.v.size, dtype=torch.bfloat16, device="cuda")
         ceiling = timing.time_cuda_graph(lambda: buf.mul_(1.0), reps=reps,
                                          rep_seconds=rep_seconds).median_us
@@ -48,10 +75,12 @@ def run(points: List[str], tokens: List[int], reps: int, rep_seconds: float,
                                 False)[0]["loop_us"]
 
         triton = time("triton")
-        for point in points:
+        for point, angle in [(p, a) for p in points for a in angles]:
             values = [int(v) for v in point.split(":")]
             for name, value in zip(names, values + list(defaults[len(values):])):
                 setattr(kv_mosaic, name, value)
+            if not angle:
+                kv_mosaic.angle_cos_sin = no_angle
             try:
                 us = time("mosaic")
                 pieces = len(kv_mosaic.pieces(kvb.Q_HEADS, kvb.K_HEADS, kvb.HEAD_DIM,
@@ -59,11 +88,13 @@ def run(points: List[str], tokens: List[int], reps: int, rep_seconds: float,
             finally:
                 for name, value in zip(names, defaults):
                     setattr(kv_mosaic, name, value)
-            rows.append(dict(tokens=count, point=point, mosaic_us=us, triton_us=triton,
-                             ceiling_us=ceiling, pct_ceiling=100 * ceiling / us,
+                kv_mosaic.angle_cos_sin = angle_cos_sin
+            rows.append(dict(tokens=count, pages=order, angle=angle, point=point, mosaic_us=us,
+                             triton_us=triton, ceiling_us=ceiling, pct_ceiling=100 * ceiling / us,
                              default=tuple(values) == defaults[:len(values)], pieces=pieces))
-            print(f"{count} {point}: {us:.1f} us ({100 * ceiling / us:.1f}% of {ceiling:.1f}), "
-                  f"Triton {triton:.1f}", flush=True)
+            print(f"{count} {order} {point}{'' if angle else ' no angle'}: {us:.1f} us "
+                  f"({100 * ceiling / us:.1f}% of {ceiling:.1f}), Triton {triton:.1f} "
+                  f"({100 * ceiling / triton:.1f}%)", flush=True)
     return rows
 
 
@@ -76,9 +107,15 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--rep-seconds", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pages", nargs="+", choices=("random", "sequential"),
+                        default=["random"])
+    parser.add_argument("--no-angle", action="store_true",
+                        help="also time each point with the angle replaced by cos 1 / sin 0")
     args = parser.parse_args(argv)
-    rows = run(args.points, args.tokens, args.reps, args.rep_seconds, args.seed)
-    timing.write_json(args.out, "kv_mosaic_probe", {"points": args.points, "rows": rows})
+    rows = run(args.points, args.tokens, args.reps, args.rep_seconds, args.seed, args.pages,
+               [True, False] if args.no_angle else [True])
+    timing.write_json(args.out, "kv_mosaic_probe", {"points": args.points,
+                                                    "pages": args.pages, "rows": rows})
 
 
 if __name__ == "__main__":
