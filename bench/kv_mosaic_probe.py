@@ -24,15 +24,16 @@ the rows show what the page scatter and the angle's arithmetic cost.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 import numpy as np
 
 from bench import kv_append_bench as kvb
 from bench import timing
-from jaxrope.kernels.angle import angle_cos_sin
+from bench.mosaic_bench import angle_removed
 
 
 def in_order(x: kvb.Inputs) -> kvb.Inputs:
@@ -43,17 +44,9 @@ def in_order(x: kvb.Inputs) -> kvb.Inputs:
     return dataclasses.replace(x, batch=batch)
 
 
-def no_angle(position, *_, **__):
-    # cos 1 / sin 0 in the position's layout; x * 0 is kept by the compiler (not folded:
-    # it is not 0 for inf or NaN), so the rotation's loads, multiplies and stores stay.
-    import jax.numpy as jnp
-    zero = position.astype(jnp.float32) * 0.0
-    return zero + 1.0, zero
-
-
 def run(points: List[str], tokens: List[int], reps: int, rep_seconds: float,
-        seed: int, page_orders: List[str] = ("random",),
-        angles: List[bool] = (True,)) -> List[Dict[str, Any]]:
+        seed: int, page_orders: Sequence[str] = ("random",),
+        angles: Sequence[bool] = (True,)) -> List[Dict[str, Any]]:
     import torch
 
     from jaxrope.kernels import kv_mosaic
@@ -79,16 +72,14 @@ def run(points: List[str], tokens: List[int], reps: int, rep_seconds: float,
             values = [int(v) for v in point.split(":")]
             for name, value in zip(names, values + list(defaults[len(values):])):
                 setattr(kv_mosaic, name, value)
-            if not angle:
-                kv_mosaic.angle_cos_sin = no_angle
             try:
-                us = time("mosaic")
+                with contextlib.nullcontext() if angle else angle_removed(kv_mosaic):
+                    us = time("mosaic")
                 pieces = len(kv_mosaic.pieces(kvb.Q_HEADS, kvb.K_HEADS, kvb.HEAD_DIM,
                                               kvb.HEAD_DIM, 2))
             finally:
                 for name, value in zip(names, defaults):
                     setattr(kv_mosaic, name, value)
-                kv_mosaic.angle_cos_sin = angle_cos_sin
             rows.append(dict(tokens=count, pages=order, angle=angle, point=point, mosaic_us=us,
                              triton_us=triton, ceiling_us=ceiling, pct_ceiling=100 * ceiling / us,
                              default=tuple(values) == defaults[:len(values)], pieces=pieces))

@@ -34,6 +34,7 @@ CUDA needed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -75,6 +76,25 @@ def _tma_time(cfg, q, k, pos, iters: int, reps: int, tuning=None) -> timing.Timi
             mrope_interleaved=cfg.mrope_interleaved,
             tuning=tuning or mosaic_tma.DEFAULT_TUNING)
     return timing.JaxLoop(step, (q, k), (pos,), iters=iters, unroll=8).time(reps)
+
+
+@contextlib.contextmanager
+def angle_removed(module):
+    """``module.angle_cos_sin`` (a Mosaic GPU kernel module's accurate angle) replaced by
+    cos 1 / sin 0 in the position's layout while the block runs: the kernel keeps its loads
+    of positions and tables, its rotation and its stores, without the angle's arithmetic.
+    ``x * 0`` is not folded (it is not 0 for inf or NaN), so the multiplies stay."""
+    accurate = module.angle_cos_sin
+
+    def unit(position, *_, **__):
+        zero = position.astype(jnp.float32) * 0.0
+        return zero + 1.0, zero
+
+    module.angle_cos_sin = unit
+    try:
+        yield
+    finally:
+        module.angle_cos_sin = accurate
 
 
 def inputs(rng, tokens):

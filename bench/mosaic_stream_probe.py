@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import timing
-from bench.mosaic_bench import ONE_D, inputs, jax_time
+from bench.mosaic_bench import ONE_D, angle_removed, inputs, jax_time
 
 # (elements a block, elements a thread vector): 16-byte vectors at three block sizes, and
 # 8-byte ones.
@@ -110,13 +110,8 @@ def run(args) -> Dict[str, Any]:
                                                       reps=args.reps)}
         for impl in ("triton", "mosaic"):
             measured[impl] = jax_time(impl, ONE_D, q, k, pos, iters, args.reps)
-        angle = mosaic_gpu.angle_cos_sin
-        mosaic_gpu.angle_cos_sin = lambda p, *rest, floor: (  # noqa: E731
-            p.astype(jnp.float32) * 0.0 + 1.0, p.astype(jnp.float32) * 0.0)
-        try:
+        with angle_removed(mosaic_gpu):
             measured["mosaic_no_angle"] = jax_time("mosaic", ONE_D, q, k, pos, iters, args.reps)
-        finally:
-            mosaic_gpu.angle_cos_sin = angle
         measured["xla"] = timing.JaxLoop(lambda b: (-b,), (buf,),
                                          iters=iters, unroll=8).time(args.reps)
         kernels = {f"stream_{e}_v{v}": functools.partial(stream, elements=e, vec=v)

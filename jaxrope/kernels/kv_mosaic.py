@@ -66,7 +66,7 @@ _VECTOR_BYTES = 4
 # 412; many small blocks hide the latency of each token's slot -> address -> store chain
 # better than a block walking several (measured before :func:`pieces`; with 4 KB pieces
 # two tokens a block were 0.1-0.6% slower than one, and smaller pieces over 2-4 tokens a
-# block, the rope kernel's shape, 0.3-15% slower). Launches outside JAX take any
+# block, the rope kernel's shape, 0.3-17% slower). Launches outside JAX take any
 # (``build_append``).
 _TOKENS_PER_BLOCK = 1
 # Bytes of q, k and v one block loads for one token at most: a token whose q, k and v are
