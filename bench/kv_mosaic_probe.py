@@ -6,10 +6,11 @@ byte ceiling, in one process.
                                     [--tokens 16384 65536] [--reps 5]
                                     [--pages random sequential] [--no-angle]
 
-A point is ``PIECE_BYTES:VECTOR_BYTES[:TOKENS]`` (``kv_mosaic._PIECE_BYTES``: a token's
-q, k and v over that are split among blocks, :func:`jaxrope.kernels.kv_mosaic.pieces`;
-``kv_mosaic._VECTOR_BYTES``; ``kv_mosaic._TOKENS_PER_BLOCK``, the module's when left
-out). bf16 Hq 32 / Hk 8 / D 128, NHD pages of 16 drawn at random
+A point is ``PIECE_BYTES:VECTOR_BYTES[:TOKENS[:WARPGROUPS]]`` (``kv_mosaic._PIECE_BYTES``:
+a token's q, k and v over that are split among blocks,
+:func:`jaxrope.kernels.kv_mosaic.pieces`; ``kv_mosaic._VECTOR_BYTES``;
+``kv_mosaic._TOKENS_PER_BLOCK``; ``kv_mosaic._WARPGROUPS``, warpgroups a block, each with
+a piece of its own; the module's values when left out). bf16 Hq 32 / Hk 8 / D 128, NHD pages of 16 drawn at random
 (:func:`bench.kv_append_bench.make_inputs`); each implementation is
 ``apply_rope_and_append_kv`` in a jitted loop on donated q and caches
 (:func:`bench.kv_append_bench.jax_runs`); the ceiling is torch ``mul_(1.0)`` over q's,
@@ -53,7 +54,7 @@ def run(points: List[str], tokens: List[int], reps: int, rep_seconds: float,
 
     rng = np.random.default_rng(seed)
     rows: List[Dict[str, Any]] = []
-    names = ("_PIECE_BYTES", "_VECTOR_BYTES", "_TOKENS_PER_BLOCK")
+    names = ("_PIECE_BYTES", "_VECTOR_BYTES", "_TOKENS_PER_BLOCK", "_WARPGROUPS")
     defaults = tuple(getattr(kv_mosaic, n) for n in names)
     for count, order in [(c, o) for c in tokens for o in page_orders]:
         x = kvb.make_inputs(rng, count)

@@ -7,6 +7,8 @@ graph) and the Triton-lowered rope kernel:
   scale by 1.0 is not a test: LLVM drops the store of a value loaded from the same address)
   through ``plgpu.load``/:func:`jaxrope.kernels.mosaic_gpu.store` in a strided layout of
   ``V``-element vectors;
+- ``stream_<C>_v<V>_w<W>``: the same with ``W`` warpgroups a block, each its own ``C``
+  elements; ``mosaic_w<W>``: the rope kernel so (``--warpgroups``);
 - ``stream_global_<C>``: :func:`stream_global`, the same with ``ld.global`` / ``st.global``;
 - ``xla``: XLA's fusion of the same negation;
 - ``mosaic``: the rope kernel; ``mosaic_no_angle``: the same kernel with the angle
@@ -14,6 +16,7 @@ graph) and the Triton-lowered rope kernel:
   accurate angle's arithmetic costs.
 
     python -m bench.mosaic_stream_probe --out DIR [--tokens 16384 65536] [--reps 5]
+                                       [--warpgroups 2 4]
 
 bf16 q ``[T, 32, 128]``, k ``[T, 8, 128]``, positions in ``[0, 65536)``. Writes
 ``DIR/mosaic_stream_probe.json``.
@@ -22,6 +25,7 @@ bf16 q ``[T, 32, 128]``, k ``[T, 8, 128]``, positions in ``[0, 65536)``. Writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import sys
 from typing import Any, Dict, List
@@ -38,8 +42,9 @@ from bench.mosaic_bench import ONE_D, angle_removed, inputs, jax_time
 _STREAMS = ((2048, 8), (8192, 8), (32768, 8), (8192, 4))
 
 
-def stream(buf, elements: int, vec: int):
-    """``-buf`` in place, a block per ``elements`` contiguous elements."""
+def stream(buf, elements: int, vec: int, warpgroups: int = 1):
+    """``-buf`` in place, a warpgroup per ``elements`` contiguous elements, ``warpgroups``
+    of them a block."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental import pallas as pl
     from jaxrope.kernels import mosaic_gpu
@@ -47,13 +52,30 @@ def stream(buf, elements: int, vec: int):
     layout = plgpu.Layout.WG_STRIDED((elements,), vec_size=vec)
 
     def body(ref):
-        part = ref.at[pl.ds(jax.lax.axis_index("block") * elements, elements)]
+        part = jax.lax.axis_index("block")
+        if warpgroups > 1:
+            part = part * warpgroups + jax.lax.axis_index("warpgroup")
+        part = ref.at[pl.ds(part * elements, elements)]
         x = plgpu.load(part, layout=layout, optimized=False)
         mosaic_gpu.store(part, -x)
 
     ref = jax.new_ref(buf)
-    mosaic_gpu.kernel(body, buf.size // elements, "jaxrope_stream_probe", False)(ref)
+    mosaic_gpu.kernel(body, buf.size // (elements * warpgroups), "jaxrope_stream_probe", False,
+                      warpgroups)(ref)
     return jax.freeze(ref)
+
+
+@contextlib.contextmanager
+def warpgroups_a_block(module, warpgroups: int):
+    """``module``'s kernel (:mod:`jaxrope.kernels.mosaic_gpu` or
+    :mod:`jaxrope.kernels.kv_mosaic`) with ``warpgroups`` warpgroups a block, each with its
+    own item, inside the block; the module's own count after it."""
+    default = module._WARPGROUPS
+    module._WARPGROUPS = warpgroups
+    try:
+        yield
+    finally:
+        module._WARPGROUPS = default
 
 
 def stream_global(buf, elements: int):
@@ -112,10 +134,16 @@ def run(args) -> Dict[str, Any]:
             measured[impl] = jax_time(impl, ONE_D, q, k, pos, iters, args.reps)
         with angle_removed(mosaic_gpu):
             measured["mosaic_no_angle"] = jax_time("mosaic", ONE_D, q, k, pos, iters, args.reps)
+        for w in args.warpgroups:
+            with warpgroups_a_block(mosaic_gpu, w):
+                measured[f"mosaic_w{w}"] = jax_time("mosaic", ONE_D, q, k, pos, iters, args.reps)
         measured["xla"] = timing.JaxLoop(lambda b: (-b,), (buf,),
                                          iters=iters, unroll=8).time(args.reps)
         kernels = {f"stream_{e}_v{v}": functools.partial(stream, elements=e, vec=v)
                    for e, v in _STREAMS}
+        kernels.update({f"stream_{e}_v{v}_w{w}": functools.partial(stream, elements=e, vec=v,
+                                                                  warpgroups=w)
+                        for e, v in _STREAMS[-1:] for w in args.warpgroups})
         kernels.update({f"stream_global_{e}": functools.partial(stream_global, elements=e)
                         for e in (2048, 8192)})
         errors = {}
@@ -147,6 +175,9 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=[16384, 65536])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warpgroups", nargs="*", type=int, default=[2, 4],
+                        help="also time the rope kernel and the 8-byte-vector stream with "
+                             "this many warpgroups a block")
     args = parser.parse_args(argv)
     timing.write_json(args.out, "mosaic_stream_probe", run(args))
 

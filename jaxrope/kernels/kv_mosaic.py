@@ -76,6 +76,8 @@ _TOKENS_PER_BLOCK = 1
 # of the byte ceiling at 16k / 64k tokens, 2 KB at 90%, 8 KB 94.3% / 94.4%, one piece a
 # token 93% (94.4% / 94.6% with vectors up to 16 bytes, the kernel before pieces).
 _PIECE_BYTES = 4096
+# Warpgroups a block, each with its own piece (JAX calls).
+_WARPGROUPS = 1
 
 
 class Piece(NamedTuple):
@@ -352,14 +354,21 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
             refs, n = operands, count
         one = functools.partial(one_item, n, refs)
         if count is not None:
-            one(jax.lax.axis_index("block"))
+            item = jax.lax.axis_index("block")
+            if _WARPGROUPS > 1:
+                item = item * _WARPGROUPS + jax.lax.axis_index("warpgroup")
+                pl.when(item < items)(functools.partial(one, item))
+            else:
+                one(item)
         else:
             mosaic_gpu.walk(jax.lax.div(n + (tokens - 1), tokens) * len(work), grid, one,
                             None if max_count is None else -(-max_count // tokens) * len(work))
 
     if count is not None:
-        grid = -(-count // tokens) * len(work)
-    return mosaic_gpu.kernel(body, grid, "jaxrope_rope_append_kv_mosaic", interpret)
+        items = -(-count // tokens) * len(work)
+        grid = -(-items // _WARPGROUPS)
+    return mosaic_gpu.kernel(body, grid, "jaxrope_rope_append_kv_mosaic", interpret,
+                             _WARPGROUPS if count is not None else 1)
 
 
 def cache_view(cache, rows: CacheRows, k_heads: int, interleave: bool):
