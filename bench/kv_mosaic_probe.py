@@ -2,15 +2,16 @@
 and the widest vector a thread moves: points beside the Triton-lowered kernel and the
 byte ceiling, in one process.
 
-    python -m bench.kv_mosaic_probe --out DIR [--points 4096:4 8192:4 4096:4:2 ...]
+    python -m bench.kv_mosaic_probe --out DIR [--points 4096:8 4096:4 4096:8:1:0 ...]
                                     [--tokens 16384 65536] [--reps 5]
                                     [--pages random sequential] [--no-angle]
 
-A point is ``PIECE_BYTES:VECTOR_BYTES[:TOKENS[:WARPGROUPS]]`` (``kv_mosaic._PIECE_BYTES``:
-a token's q, k and v over that are split among blocks,
+A point is ``PIECE_BYTES:VECTOR_BYTES[:TOKENS[:SHARE]]`` (``kv_mosaic._PIECE_BYTES``: a
+token's q, k and v over that are split among blocks,
 :func:`jaxrope.kernels.kv_mosaic.pieces`; ``kv_mosaic._VECTOR_BYTES``;
-``kv_mosaic._TOKENS_PER_BLOCK``; ``kv_mosaic._WARPGROUPS``, warpgroups a block, each with
-a piece of its own; the module's values when left out). bf16 Hq 32 / Hk 8 / D 128, NHD pages of 16 drawn at random
+``kv_mosaic._TOKENS_PER_BLOCK``; ``kv_mosaic._SHARE_ANGLE``, 1 or 0: the angle formed
+one element a thread and passed on through SMEM, or formed in the rotation's layout; the
+module's values when left out). bf16 Hq 32 / Hk 8 / D 128, NHD pages of 16 drawn at random
 (:func:`bench.kv_append_bench.make_inputs`); each implementation is
 ``apply_rope_and_append_kv`` in a jitted loop on donated q and caches
 (:func:`bench.kv_append_bench.jax_runs`); the ceiling is torch ``mul_(1.0)`` over q's,
@@ -54,7 +55,7 @@ def run(points: List[str], tokens: List[int], reps: int, rep_seconds: float,
 
     rng = np.random.default_rng(seed)
     rows: List[Dict[str, Any]] = []
-    names = ("_PIECE_BYTES", "_VECTOR_BYTES", "_TOKENS_PER_BLOCK", "_WARPGROUPS")
+    names = ("_PIECE_BYTES", "_VECTOR_BYTES", "_TOKENS_PER_BLOCK", "_SHARE_ANGLE")
     defaults = tuple(getattr(kv_mosaic, n) for n in names)
     for count, order in [(c, o) for c in tokens for o in page_orders]:
         x = kvb.make_inputs(rng, count)
@@ -93,8 +94,8 @@ def run(points: List[str], tokens: List[int], reps: int, rep_seconds: float,
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.kv_mosaic_probe")
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--points", nargs="+", default=["4096:4", "2048:4", "8192:4",
-                                                         "1000000:4", "4096:16", "4096:4:2"])
+    parser.add_argument("--points", nargs="+", default=["4096:8", "4096:4", "4096:16",
+                                                         "4096:8:1:0", "8192:8", "4096:8:2"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[16384, 65536])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--rep-seconds", type=float, default=0.1)

@@ -8,7 +8,9 @@ graph) and the Triton-lowered rope kernel:
   through ``plgpu.load``/:func:`jaxrope.kernels.mosaic_gpu.store` in a strided layout of
   ``V``-element vectors;
 - ``stream_<C>_v<V>_w<W>``: the same with ``W`` warpgroups a block, each its own ``C``
-  elements; ``mosaic_w<W>``: the rope kernel so (``--warpgroups``);
+  elements (``--warpgroups``);
+- ``mosaic_<B>:<H>`` and ``mosaic_<B>:<H>_no_angle``: the rope kernel planned with
+  vectors of up to ``B`` bytes and angle groups of ``H`` heads (``--plans``);
 - ``stream_global_<C>``: :func:`stream_global`, the same with ``ld.global`` / ``st.global``;
 - ``xla``: XLA's fusion of the same negation;
 - ``mosaic``: the rope kernel; ``mosaic_no_angle``: the same kernel with the angle
@@ -16,7 +18,7 @@ graph) and the Triton-lowered rope kernel:
   accurate angle's arithmetic costs.
 
     python -m bench.mosaic_stream_probe --out DIR [--tokens 16384 65536] [--reps 5]
-                                       [--warpgroups 2 4]
+                                       [--warpgroups 2 4] [--plans 16:1 8:4]
 
 bf16 q ``[T, 32, 128]``, k ``[T, 8, 128]``, positions in ``[0, 65536)``. Writes
 ``DIR/mosaic_stream_probe.json``.
@@ -25,7 +27,6 @@ bf16 q ``[T, 32, 128]``, k ``[T, 8, 128]``, positions in ``[0, 65536)``. Writes
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import sys
 from typing import Any, Dict, List
@@ -63,19 +64,6 @@ def stream(buf, elements: int, vec: int, warpgroups: int = 1):
     mosaic_gpu.kernel(body, buf.size // (elements * warpgroups), "jaxrope_stream_probe", False,
                       warpgroups)(ref)
     return jax.freeze(ref)
-
-
-@contextlib.contextmanager
-def warpgroups_a_block(module, warpgroups: int):
-    """``module``'s kernel (:mod:`jaxrope.kernels.mosaic_gpu` or
-    :mod:`jaxrope.kernels.kv_mosaic`) with ``warpgroups`` warpgroups a block, each with its
-    own item, inside the block; the module's own count after it."""
-    default = module._WARPGROUPS
-    module._WARPGROUPS = warpgroups
-    try:
-        yield
-    finally:
-        module._WARPGROUPS = default
 
 
 def stream_global(buf, elements: int):
@@ -118,6 +106,25 @@ def stream_global(buf, elements: int):
     return jax.freeze(ref)
 
 
+def plan_times(plan: str, q, k, pos, iters: int, reps: int) -> Dict[str, timing.Timing]:
+    """The rope kernel at ``plan`` = ``VEC_BYTES:ANGLE_HEADS`` (``mosaic_gpu._VEC_BYTES``,
+    ``mosaic_gpu._ANGLE_HEADS``), with its angle and without: rows ``mosaic_<plan>`` and
+    ``mosaic_<plan>_no_angle``."""
+    from jaxrope.kernels import mosaic_gpu
+    names = ("_VEC_BYTES", "_ANGLE_HEADS")
+    defaults = [getattr(mosaic_gpu, n) for n in names]
+    for name, value in zip(names, plan.split(":")):
+        setattr(mosaic_gpu, name, int(value))
+    try:
+        with_angle = jax_time("mosaic", ONE_D, q, k, pos, iters, reps)
+        with angle_removed(mosaic_gpu):
+            without = jax_time("mosaic", ONE_D, q, k, pos, iters, reps)
+    finally:
+        for name, value in zip(names, defaults):
+            setattr(mosaic_gpu, name, value)
+    return {f"mosaic_{plan}": with_angle, f"mosaic_{plan}_no_angle": without}
+
+
 def run(args) -> Dict[str, Any]:
     import torch
     from jaxrope.kernels import mosaic_gpu
@@ -134,9 +141,8 @@ def run(args) -> Dict[str, Any]:
             measured[impl] = jax_time(impl, ONE_D, q, k, pos, iters, args.reps)
         with angle_removed(mosaic_gpu):
             measured["mosaic_no_angle"] = jax_time("mosaic", ONE_D, q, k, pos, iters, args.reps)
-        for w in args.warpgroups:
-            with warpgroups_a_block(mosaic_gpu, w):
-                measured[f"mosaic_w{w}"] = jax_time("mosaic", ONE_D, q, k, pos, iters, args.reps)
+        for plan in args.plans:
+            measured.update(plan_times(plan, q, k, pos, iters, args.reps))
         measured["xla"] = timing.JaxLoop(lambda b: (-b,), (buf,),
                                          iters=iters, unroll=8).time(args.reps)
         kernels = {f"stream_{e}_v{v}": functools.partial(stream, elements=e, vec=v)
@@ -175,9 +181,12 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=[16384, 65536])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plans", nargs="*", default=[],
+                        help="also time the rope kernel at VEC_BYTES:ANGLE_HEADS, with "
+                             "and without its angle (e.g. 16:1 8:4)")
     parser.add_argument("--warpgroups", nargs="*", type=int, default=[2, 4],
-                        help="also time the rope kernel and the 8-byte-vector stream with "
-                             "this many warpgroups a block")
+                        help="also time the 8-byte-vector stream with this many warpgroups "
+                             "a block")
     args = parser.parse_args(argv)
     timing.write_json(args.out, "mosaic_stream_probe", run(args))
 

@@ -261,16 +261,60 @@ def test_mosaic_append_lowers_for_cuda_on_every_layout_form(layout, combined, fp
 
 def test_llama3_halves_and_v_fill_the_warpgroup_without_copies():
     # Llama 3 (Hq 32, Hk 8, D 128, bf16): the halves' layout fills the warpgroup with k's
-    # 8 heads (4-byte vectors, a warp along a head's half, no copies), and v's
-    # [8, 128] is four 4-byte vectors a thread.
+    # 8 heads (8-byte vectors, half a warp along a head's half, no copies), and v's
+    # [8, 128] is two 8-byte vectors a thread.
     halves = kv_mosaic.row_split(8, 64, 2, 64, False)
-    assert (halves.vec, halves.width_lanes, halves.head_lanes, halves.head_warps) == (2, 32, 1, 4)
+    assert (halves.vec, halves.width_lanes, halves.head_lanes, halves.head_warps) == (4, 16, 2, 4)
     assert halves.copies == 1
     whole = kv_mosaic.row_split(8, 128, 2, 0, False)
-    assert (whole.vec, whole.width_lanes, whole.width_warps, whole.head_warps) == (2, 32, 2, 2)
+    assert (whole.vec, whole.width_lanes, whole.width_warps, whole.head_warps) == (4, 32, 1, 4)
     # GPT-J pairs take single elements; a head count of one leaves copies, never a split head.
     assert kv_mosaic.row_split(4, 32, 2, 32, True).vec == 1
     assert kv_mosaic.row_split(1, 40, 2, 40, False).head_tile == 1
+
+
+@pytest.mark.parametrize("half", [16, 32, 40, 48, 64, 128, 256])
+def test_the_angle_is_formed_on_as_few_threads_an_element_as_its_size_allows(half):
+    # One element a thread over min(half, 128) threads' worth of lanes and warps that
+    # divide it: Llama 3's 64 slots on two warps (each element on 2 threads, against 8
+    # in a q piece's halves at 8-byte vectors).
+    split = kv_mosaic.angle_split(half)
+    assert split.vec == 1 and split.head_tile == 1
+    threads = split.width_lanes * split.width_warps
+    assert half % threads == 0 and threads <= 128
+    assert threads == max(t for t in (1, 2, 4, 8, 16, 32, 64, 128)
+                          if half % t == 0 and (t <= 32 or t % 32 == 0))
+    rotary = kv_mosaic.row_split(16, 64, 2, 64, False)
+    assert 128 // (rotary.width_lanes * rotary.width_warps) == 8
+    assert 128 // threads == 2 or half != 64
+
+
+@needs_mosaic
+@pytest.mark.parametrize("name, count, tokens, grid", [
+    ("llama3_nhd_p16", 17, 1, None), ("qwen2_vl_nhd_p16", 13, 2, None),
+    ("dynamic_d192_fp8_hnd", 16, 1, None), ("partial_half_hnd_p1", 9, 1, None),
+    ("linear_d80_hnd_one_token", 1, 1, None), ("mrope_interleaved_d80_nhd_combined", 17, 1, None),
+    # A grid that walks: a block forms an angle for one item after another.
+    ("llama3_nhd_p16", None, 1, 2), ("qwen3_vl_interleaved_hnd_combined", None, 2, 3)])
+def test_the_shared_angle_rotates_bit_for_bit_as_the_angle_formed_in_place(
+        name, count, tokens, grid, rng, monkeypatch):
+    # The one angle function in either layout gives the same float32 bits, and SMEM
+    # hands them over unchanged: q and the cache agree to the bit with _SHARE_ANGLE off.
+    case = APPEND_BY_NAME[name]
+    x = make_inputs(rng, case, jnp.bfloat16)
+    n = count if count is not None else len(x.slots) - 3
+    work = kv_mosaic.pieces(x.q.shape[1], x.k.shape[1], case.case.cfg.head_dim,
+                            case.case.cfg.rotary_dim, 2)
+    half = case.case.cfg.rotary_dim // 2
+    splits = [kv_mosaic.rotary_split(p, x.k.shape[1], half, 2, case.case.cfg.interleave)
+              for p in work]
+    assert any(kv_mosaic.shares_angle(s, half) for s in splits), "a case that shares"
+    shape = dict(grid=grid and grid * len(work), n=n)
+    shared = _blocks(case, x, count, tokens, **shape)
+    monkeypatch.setattr(kv_mosaic, "_SHARE_ANGLE", False)
+    own = _blocks(case, x, count, tokens, **shape)
+    for a, b in zip(jax.tree.leaves(shared), jax.tree.leaves(own)):
+        np.testing.assert_array_equal(bits(a), bits(b))
 
 
 def test_a_token_of_many_bytes_is_split_into_pieces_that_cover_it_once():

@@ -13,11 +13,13 @@ holds q's and k's rotary halves as ``[H, R/2]`` arrays, k's dims past ``R`` as `
 - R]`` and v as ``[Hk, D]``, each in a Mosaic GPU ``TiledLayout`` (:func:`row_layout`)
 whose lanes run along a head's dims (coalesced: a head's ``D`` values are contiguous in
 every cache layout) and whose remaining lanes and warps split the heads. Removing the
-head axis of a piece's halves' layout gives one ``[R/2]`` layout: the angle
+head axis of a piece's halves' layout gives one ``[R/2]`` layout, where the angle
 (:func:`jaxrope.kernels.angle.angle_cos_sin`, the accurate one every backend shares) is
-formed once per token and piece and broadcast to its heads for free; a token of one
-piece shares one layout between q's and k's halves (its head tile divides both head
-counts), so it forms the angle once for both. A block walks ``tokens`` tokens
+broadcast to the heads for free; it is formed once per token and piece, one element a
+thread (:func:`angle_split`), and passed to that layout through SMEM when that layout
+would form each element on more threads. A token of one piece shares one layout between
+q's and k's halves (its head tile divides both head counts), so it forms the angle once
+for both. A block walks ``tokens`` tokens
 unrolled (one for JAX calls: ``_TOKENS_PER_BLOCK``), each token's loads issued before the
 previous token's stores.
 
@@ -56,10 +58,10 @@ from jaxrope.kernels.mosaic_gpu import as_pallas, floor, load, store, tiled
 
 _THREADS = 128      # a warpgroup
 # The widest GMEM access a thread makes. On the H200 (bf16 Hq 32 / Hk 8 / D 128, NHD pages
-# of 16, pieces of 4 KB) vectors of up to 4 bytes ran at 95.5% / 95.2% of the byte
-# ceiling at 16k / 64k tokens, up to 16 bytes at 82% (bench/kv_mosaic_probe.py,
-# bench/RESULTS.md).
-_VECTOR_BYTES = 4
+# of 16, pieces of 4 KB, the angle shared, bench/kv_mosaic_probe.py, bench/RESULTS.md)
+# vectors of up to 8 bytes ran at 96.0% / 96.3% of the byte ceiling at 16k / 64k tokens,
+# up to 4 bytes at 95.4% / 95.6%, up to 16 bytes at 95.1% / 95.3%.
+_VECTOR_BYTES = 8
 # Tokens one block walks unrolled (each token's loads issued before the previous token's
 # stores). One a block was the fastest of 1-16 on the H200 (bf16 Hq 32 / Hk 8 / D 128,
 # NHD pages of 16): 100.8 us at 16k tokens against 105.5 at 8, 397 us at 64k against
@@ -76,8 +78,12 @@ _TOKENS_PER_BLOCK = 1
 # of the byte ceiling at 16k / 64k tokens, 2 KB at 90%, 8 KB 94.3% / 94.4%, one piece a
 # token 93% (94.4% / 94.6% with vectors up to 16 bytes, the kernel before pieces).
 _PIECE_BYTES = 4096
-# Warpgroups a block, each with its own piece (JAX calls).
-_WARPGROUPS = 1
+# Whether a block forms its token's angle once, one element a thread, and hands it to the
+# rotation's layout through SMEM (:func:`angle_split`), when that layout would form each
+# element on more threads. At 8-byte vectors a q piece's layout forms each element on 8
+# threads; on the H200 (Llama 3 shape) the kernel ran at 94.8% / 95.2% of the byte
+# ceiling so, 96.0% / 96.3% shared, 96.1% / 96.4% with the angle replaced by cos 1 / sin 0.
+_SHARE_ANGLE = True
 
 
 class Piece(NamedTuple):
@@ -154,6 +160,31 @@ def row_split(heads: int, width: int, itemsize: int, align: int, interleave: boo
     return RowSplit(vec, width_lanes, width_warps, head_lanes, head_warps)
 
 
+def angle_split(half: int) -> RowSplit:
+    """One float32 element of a ``[half]`` angle a thread, over as many threads as it has
+    elements (the rest hold copies): the fewest angle evaluations a thread."""
+    lanes = math.gcd(half, 32)
+    return RowSplit(1, lanes, math.gcd(half // lanes, 4), 1, 1)
+
+
+def rotary_split(piece: Piece, k_heads: int, half: int, itemsize: int,
+                 interleave: bool) -> RowSplit:
+    """How ``piece``'s rotary halves (``[heads, half]``) are split: q's and k's share one
+    layout when one block rotates both (its head tile divides both head counts), so the
+    angle is formed once for both."""
+    heads = math.gcd(piece.q_heads, k_heads) if piece.kv else piece.q_heads
+    return row_split(heads, half, itemsize, half, interleave)
+
+
+def shares_angle(rotary: RowSplit, half: int) -> bool:
+    """Whether a piece whose halves ``rotary`` splits forms its angle in
+    :func:`angle_split`'s layout and passes it on through SMEM: when ``rotary`` would form
+    each element on more threads (``_SHARE_ANGLE``)."""
+    own = angle_split(half)
+    return _SHARE_ANGLE and (own.width_lanes * own.width_warps
+                             > rotary.width_lanes * rotary.width_warps)
+
+
 def row_layout(s: RowSplit):
     """The ``TiledLayout`` of ``[H, width]`` arrays split by ``s``.
 
@@ -214,12 +245,6 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
     # A static T of whole blocks has no token past the last: no clamps, no guards.
     whole_blocks = count is not None and count % tokens == 0
 
-    def rotary_split(piece: Piece) -> RowSplit:
-        # q's and k's halves share one layout when one block rotates both (its head tile
-        # divides both head counts): the angle is then formed once for both.
-        heads = math.gcd(piece.q_heads, k_heads) if piece.kv else piece.q_heads
-        return row_split(heads, half, itemsize, half, interleave)
-
     def broadcast(x, shape, dims, layout):
         return plgpu.layout_cast(jax.lax.broadcast_in_dim(x, shape, dims), as_pallas(layout))
 
@@ -231,14 +256,25 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
     def past_rotary(x_ref):  # k's dims [R, D), copied as they are
         return _dim_refs(x_ref, width(rotary_dim), width(passing), interleave) if passing else []
 
+    def shares(piece: Piece) -> bool:
+        return shares_angle(rotary_split(piece, k_heads, half, itemsize, interleave), half)
+
+    sharing = any(shares(p) for p in work)
+    # A block that has formed an angle before waits for every thread's reads of it.
+    walks = count is None and (max_count is None
+                               or -(-max_count // tokens) * len(work) > grid)
+
     def block(n, refs, first: int | jax.Array, walk: int, piece: Piece):
         pos_ref, slot_ref, tables_ref, rows_ref, scale_ref, q_ref, k_ref, v_ref, *cache_refs = refs
+        if sharing:
+            *cache_refs, angle_smem = cache_refs
         k_cache, v_cache = cache_refs[0], cache_refs[rows.value_array]
-        split = rotary_split(piece)
+        split = rotary_split(piece, k_heads, half, itemsize, interleave)
         rotary = row_layout(split)
         angle = rotary.reduce((0,))
-        turns = [load(tables_ref.at[i], angle) for i in range(3)]
-        slot_rows = load(rows_ref, angle) if mrope else None
+        formed = row_layout(angle_split(half)).reduce((0,)) if shares(piece) else angle
+        turns = [load(tables_ref.at[i], formed) for i in range(3)]
+        slot_rows = load(rows_ref, formed) if mrope else None
         scales = (scale_ref.at[0][...], scale_ref.at[1][...]) if quantize and piece.kv else (
             None, None)
 
@@ -265,15 +301,23 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
                                                        interleave)])
             return x
 
-        def cos_sin(pos):
+        def cos_sin(pos, again: bool):
             shape = (half,)
-            wide = [broadcast(p, shape, (), angle) for p in pos]
+            wide = [broadcast(p, shape, (), formed) for p in pos]
             if mrope:
                 p_t, p_h, p_w = wide
                 position = jnp.where(slot_rows == 2, p_w, jnp.where(slot_rows == 1, p_h, p_t))
             else:
                 position = wide[0]
-            return angle_cos_sin(position, *turns, attention_factor, floor=floor)
+            cos, sin = angle_cos_sin(position, *turns, attention_factor, floor=floor)
+            if formed is angle:
+                return cos, sin
+            if again:
+                plgpu.commit_smem()  # every thread has read the previous angle
+            store(angle_smem.at[0], cos)
+            store(angle_smem.at[1], sin)
+            plgpu.commit_smem()
+            return load(angle_smem.at[0], angle), load(angle_smem.at[1], angle)
 
         def rotate(pair, cos, sin, heads):
             full = (heads, half)
@@ -288,9 +332,9 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
                 return x.astype(dtype)
             return to_cache_dtype(x.astype(jnp.float32), scale, dtype)
 
-        def finish(x):
+        def finish(x, again: bool):
             t, real = x["t"], x["real"]
-            cos, sin = cos_sin(x["pos"])
+            cos, sin = cos_sin(x["pos"], again)
             if piece.q_heads:
                 q_out = rotate(x["q"], cos, sin, piece.q_heads)
                 if split.copies > 1:
@@ -335,7 +379,7 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
         ahead = fetch(0)
         for i in range(walk):
             current, ahead = ahead, fetch(i + 1) if i + 1 < walk else None
-            finish(current)
+            finish(current, walks or i > 0)
 
     def one_item(n, refs, item):
         # Item = token block * pieces + piece: a token's pieces are neighbours.
@@ -354,21 +398,16 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
             refs, n = operands, count
         one = functools.partial(one_item, n, refs)
         if count is not None:
-            item = jax.lax.axis_index("block")
-            if _WARPGROUPS > 1:
-                item = item * _WARPGROUPS + jax.lax.axis_index("warpgroup")
-                pl.when(item < items)(functools.partial(one, item))
-            else:
-                one(item)
+            one(jax.lax.axis_index("block"))
         else:
             mosaic_gpu.walk(jax.lax.div(n + (tokens - 1), tokens) * len(work), grid, one,
                             None if max_count is None else -(-max_count // tokens) * len(work))
 
     if count is not None:
-        items = -(-count // tokens) * len(work)
-        grid = -(-items // _WARPGROUPS)
+        grid = -(-count // tokens) * len(work)
+    scratch = (plgpu.SMEM((2, half), jnp.float32),) if sharing else ()
     return mosaic_gpu.kernel(body, grid, "jaxrope_rope_append_kv_mosaic", interpret,
-                             _WARPGROUPS if count is not None else 1)
+                             scratch=scratch)
 
 
 def cache_view(cache, rows: CacheRows, k_heads: int, interleave: bool):

@@ -78,10 +78,6 @@ _IN_FLIGHT = 2
 _MIN_BLOCKS = 264
 
 
-# Warpgroups a block, each with its own item (JAX calls).
-_WARPGROUPS = 1
-
-
 def unavailable() -> Optional[str]:
     """Why this JAX cannot build the kernel (it needs 0.11's Mosaic GPU API), or None."""
     try:
@@ -424,11 +420,7 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
 
         block = jax.lax.axis_index("block")
         if count is not None:
-            if _WARPGROUPS > 1:
-                item = block * _WARPGROUPS + jax.lax.axis_index("warpgroup")
-                pl.when(item < items)(functools.partial(one_item, item))
-            else:
-                one_item(block)
+            one_item(block)
             return
         # Whole blocks, or one (of single tokens) below a block.
         blocks = jnp.maximum(full_blocks, jnp.minimum(n, 1)) if single_tokens else full_blocks
@@ -436,10 +428,8 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
              None if max_count is None else -(-max_count // tpb) * splits)
 
     if count is not None:
-        items = max(count // tpb, 1) * splits
-        grid = -(-items // _WARPGROUPS)
-    return kernel(body, grid, "jaxrope_rope_mosaic", interpret,
-                  _WARPGROUPS if count is not None else 1)
+        grid = max(count // tpb, 1) * splits
+    return kernel(body, grid, "jaxrope_rope_mosaic", interpret)
 
 
 def walk(items, grid: int, one_item, most_items: Optional[int] = None) -> None:
@@ -463,14 +453,18 @@ def walk(items, grid: int, one_item, most_items: Optional[int] = None) -> None:
     jax.lax.fori_loop(0, turns, step, 0)
 
 
-def kernel(body, grid: int, name: str, interpret: bool, warpgroups: int = 1):
-    """The ``plgpu.kernel`` of a body over GMEM refs, with the compiler parameters every
-    kernel here uses; ``name`` is what profilers show. ``warpgroups`` > 1 runs that many
-    warpgroups a block, ``jax.lax.axis_index("warpgroup")`` telling them apart."""
+def kernel(body, grid: int, name: str, interpret: bool, warpgroups: int = 1,
+           scratch=()):
+    """The ``plgpu.kernel`` of a body over GMEM refs (then the ``scratch`` types' refs),
+    with the compiler parameters every kernel here uses; ``name`` is what profilers show.
+    ``warpgroups`` > 1 runs that many warpgroups a block, ``jax.lax.axis_index
+    ("warpgroup")`` telling them apart (on the H200 both kernels here ran slower so,
+    bench/RESULTS.md)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     threads = dict(num_threads=warpgroups, thread_name="warpgroup") if warpgroups > 1 else {}
     return plgpu.kernel(
-        body, out_type=(), grid=(grid,), grid_names=("block",), kernel_name=name, **threads,
+        body, out_type=(), scratch_types=scratch, grid=(grid,), grid_names=("block",),
+        kernel_name=name, **threads,
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane,
             # No thread reads what another writes: a barrier after every store buys nothing.
