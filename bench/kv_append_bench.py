@@ -189,13 +189,13 @@ def jax_runs(x: Inputs, fp8: bool, backend: str, label: str, rep_seconds: float,
     return out
 
 
-def bridge_runs(x: Inputs, rep_seconds: float, reps: int, on_gpu: bool) -> List[Dict[str, Any]]:
-    """``RopeManager.apply_qk_and_append_kv`` on torch tensors, bf16 and fp8 caches."""
+def bridge_step(x: Inputs, dev):
+    """A ``RopeManager`` planned for ``x``'s tokens and ``x`` as torch tensors on ``dev``:
+    ``(mgr, q, k, v, slots, cache shape)``."""
     import torch
 
     from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext
 
-    dev = torch.device("cuda" if on_gpu else "cpu")
     mgr = RopeManager(PositionConfig(rope=CFG), dev, max_seq_len=CFG.max_position)
     mgr.ingest_request("r")
     positions = torch.from_numpy(x.pos_ids).to(dev)
@@ -203,7 +203,15 @@ def bridge_runs(x: Inputs, rep_seconds: float, reps: int, on_gpu: bool) -> List[
              StepContext(("r",)))
     q, k, v = (flashinfer_kv.to_torch(np.ascontiguousarray(a), dev) for a in (x.q, x.k, x.v))
     slots = torch.from_numpy(x.batch.slots).to(dev)
-    shape = (x.pages, PAGE_SIZE, K_HEADS, HEAD_DIM)
+    return mgr, q, k, v, slots, (x.pages, PAGE_SIZE, K_HEADS, HEAD_DIM)
+
+
+def bridge_runs(x: Inputs, rep_seconds: float, reps: int, on_gpu: bool) -> List[Dict[str, Any]]:
+    """``RopeManager.apply_qk_and_append_kv`` on torch tensors, bf16 and fp8 caches."""
+    import torch
+
+    dev = torch.device("cuda" if on_gpu else "cpu")
+    mgr, q, k, v, slots, shape = bridge_step(x, dev)
     out = []
     for label, dtype, scales in (("bridge", torch.bfloat16, {}),
                                  ("bridge_fp8", torch.float8_e4m3fn,

@@ -4,7 +4,7 @@ byte ceiling, in one process.
 
     python -m bench.kv_mosaic_probe --out DIR [--points 4096:8 4096:4 4096:8:1:0 ...]
                                     [--tokens 16384 65536] [--reps 5]
-                                    [--pages random sequential] [--no-angle]
+                                    [--pages random sequential] [--no-angle] [--launch]
 
 A point is ``PIECE_BYTES:VECTOR_BYTES[:TOKENS[:SHARE]]`` (``kv_mosaic._PIECE_BYTES``: a
 token's q, k and v over that are split among blocks,
@@ -48,7 +48,7 @@ def in_order(x: kvb.Inputs) -> kvb.Inputs:
 
 def run(points: List[str], tokens: List[int], reps: int, rep_seconds: float,
         seed: int, page_orders: Sequence[str] = ("random",),
-        angles: Sequence[bool] = (True,)) -> List[Dict[str, Any]]:
+        angles: Sequence[bool] = (True,), launches: bool = False) -> List[Dict[str, Any]]:
     import torch
 
     from jaxrope.kernels import kv_mosaic
@@ -69,6 +69,15 @@ def run(points: List[str], tokens: List[int], reps: int, rep_seconds: float,
             return kvb.jax_runs(x, False, backend, backend, rep_seconds, reps, False,
                                 False)[0]["loop_us"]
 
+        def launch() -> float:
+            # apply_qk_and_append_kv through "auto"'s launch (Mosaic GPU's on Hopper), bf16,
+            # a fresh manager (and launcher: its compiles) for the point's kernel.
+            mgr, q, k, v, slots, shape = kvb.bridge_step(x, torch.device("cuda"))
+            caches = tuple(torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for _ in "kv")
+            return timing.time_cuda_graph(
+                lambda: mgr.apply_qk_and_append_kv(q, k, v, "text", caches, slots), reps=reps,
+                rep_seconds=rep_seconds, max_iters=20000).median_us
+
         triton = time("triton")
         for point, angle in [(p, a) for p in points for a in angles]:
             values = [int(v) for v in point.split(":")]
@@ -77,6 +86,7 @@ def run(points: List[str], tokens: List[int], reps: int, rep_seconds: float,
             try:
                 with contextlib.nullcontext() if angle else angle_removed(kv_mosaic):
                     us = time("mosaic")
+                    launch_us = launch() if launches else None
                 pieces = len(kv_mosaic.pieces(kvb.Q_HEADS, kvb.K_HEADS, kvb.HEAD_DIM,
                                               kvb.HEAD_DIM, 2))
             finally:
@@ -84,10 +94,13 @@ def run(points: List[str], tokens: List[int], reps: int, rep_seconds: float,
                     setattr(kv_mosaic, name, value)
             rows.append(dict(tokens=count, pages=order, angle=angle, point=point, mosaic_us=us,
                              triton_us=triton, ceiling_us=ceiling, pct_ceiling=100 * ceiling / us,
-                             default=tuple(values) == defaults[:len(values)], pieces=pieces))
+                             default=tuple(values) == defaults[:len(values)], pieces=pieces,
+                             launch_us=launch_us))
+            launched = (f", launch {launch_us:.1f} ({100 * ceiling / launch_us:.1f}%)"
+                        if launches else "")
             print(f"{count} {order} {point}{'' if angle else ' no angle'}: {us:.1f} us "
-                  f"({100 * ceiling / us:.1f}% of {ceiling:.1f}), Triton {triton:.1f} "
-                  f"({100 * ceiling / triton:.1f}%)", flush=True)
+                  f"({100 * ceiling / us:.1f}% of {ceiling:.1f}){launched}, Triton "
+                  f"{triton:.1f} ({100 * ceiling / triton:.1f}%)", flush=True)
     return rows
 
 
@@ -104,9 +117,11 @@ def main(argv=None) -> None:
                         default=["random"])
     parser.add_argument("--no-angle", action="store_true",
                         help="also time each point with the angle replaced by cos 1 / sin 0")
+    parser.add_argument("--launch", action="store_true",
+                        help="also time each point through the torch bridge's launch")
     args = parser.parse_args(argv)
     rows = run(args.points, args.tokens, args.reps, args.rep_seconds, args.seed, args.pages,
-               [True, False] if args.no_angle else [True])
+               [True, False] if args.no_angle else [True], args.launch)
     timing.write_json(args.out, "kv_mosaic_probe", {"points": args.points,
                                                     "pages": args.pages, "rows": rows})
 

@@ -242,8 +242,10 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
                                             width(rotary_dim), interleave))
     whole = row_layout(row_split(k_heads, width(head_dim), itemsize, 0, interleave))
     head_rows = k_heads * rows.head_stride
-    # A static T of whole blocks has no token past the last: no clamps, no guards.
-    whole_blocks = count is not None and count % tokens == 0
+    # A static T of whole blocks has no token past the last, and neither has a block of
+    # one token (every item a block runs or walks is below the count's): no clamps, no
+    # guards.
+    whole_blocks = tokens == 1 or (count is not None and count % tokens == 0)
 
     def broadcast(x, shape, dims, layout):
         return plgpu.layout_cast(jax.lax.broadcast_in_dim(x, shape, dims), as_pallas(layout))
