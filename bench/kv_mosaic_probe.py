@@ -86,7 +86,9 @@ def run(points: List[str], tokens: List[int], reps: int, rep_seconds: float,
             try:
                 with contextlib.nullcontext() if angle else angle_removed(kv_mosaic):
                     us = time("mosaic")
-                    launch_us = launch() if launches else None
+                    # The torch launch runs one token a block whatever the point says.
+                    launch_us = launch() if launches and kv_mosaic._TOKENS_PER_BLOCK == 1 \
+                        else None
                 pieces = len(kv_mosaic.pieces(kvb.Q_HEADS, kvb.K_HEADS, kvb.HEAD_DIM,
                                               kvb.HEAD_DIM, 2))
             finally:
@@ -97,7 +99,7 @@ def run(points: List[str], tokens: List[int], reps: int, rep_seconds: float,
                              default=tuple(values) == defaults[:len(values)], pieces=pieces,
                              launch_us=launch_us))
             launched = (f", launch {launch_us:.1f} ({100 * ceiling / launch_us:.1f}%)"
-                        if launches else "")
+                        if launch_us is not None else "")
             print(f"{count} {order} {point}{'' if angle else ' no angle'}: {us:.1f} us "
                   f"({100 * ceiling / us:.1f}% of {ceiling:.1f}){launched}, Triton "
                   f"{triton:.1f} ({100 * ceiling / triton:.1f}%)", flush=True)
@@ -118,7 +120,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-angle", action="store_true",
                         help="also time each point with the angle replaced by cos 1 / sin 0")
     parser.add_argument("--launch", action="store_true",
-                        help="also time each point through the torch bridge's launch")
+                        help="also time each point of one token a block through the torch "
+                             "bridge's launch (which runs one token a block)")
     args = parser.parse_args(argv)
     rows = run(args.points, args.tokens, args.reps, args.rep_seconds, args.seed, args.pages,
                [True, False] if args.no_angle else [True], args.launch)

@@ -188,6 +188,8 @@ def test_blocks_of_several_tokens_and_a_partial_last_block(name, count, tokens, 
 @pytest.mark.parametrize("name, n, tokens, grid, max_count", [
     ("llama3_nhd_p16", 13, 4, 2, None), ("llama3_nhd_p16", 0, 2, 3, None),
     ("llama3_nhd_p16", 1, 1, 1, None), ("qwen3_vl_interleaved_hnd_combined", 11, 2, 2, None),
+    # One token a block, a grid short of the items: blocks walk, with no clamp nor guard.
+    ("llama3_nhd_p16", 13, 1, 2, None),
     ("gptj_fp8_nhd_p1", 9, 4, 1, None),
     # A block a token block of max_count, no walk: the last block partial, then blocks
     # past the count idle; a grid short of max_count's blocks still walks. grid counts
@@ -268,6 +270,12 @@ def test_llama3_halves_and_v_fill_the_warpgroup_without_copies():
     assert halves.copies == 1
     whole = kv_mosaic.row_split(8, 128, 2, 0, False)
     assert (whole.vec, whole.width_lanes, whole.width_warps, whole.head_warps) == (4, 32, 1, 4)
+    # A q piece's 16 heads form each angle element on 8 threads; angle_split's on 2.
+    q_piece = kv_mosaic.row_split(16, 64, 2, 64, False)
+    assert 128 // (q_piece.width_lanes * q_piece.width_warps) == 8
+    own = kv_mosaic.angle_split(64)
+    assert 128 // (own.width_lanes * own.width_warps) == 2
+    assert kv_mosaic.shares_angle(q_piece, 64) and not kv_mosaic.shares_angle(own, 64)
     # GPT-J pairs take single elements; a head count of one leaves copies, never a split head.
     assert kv_mosaic.row_split(4, 32, 2, 32, True).vec == 1
     assert kv_mosaic.row_split(1, 40, 2, 40, False).head_tile == 1
@@ -275,18 +283,14 @@ def test_llama3_halves_and_v_fill_the_warpgroup_without_copies():
 
 @pytest.mark.parametrize("half", [16, 32, 40, 48, 64, 128, 256])
 def test_the_angle_is_formed_on_as_few_threads_an_element_as_its_size_allows(half):
-    # One element a thread over min(half, 128) threads' worth of lanes and warps that
-    # divide it: Llama 3's 64 slots on two warps (each element on 2 threads, against 8
-    # in a q piece's halves at 8-byte vectors).
+    # One element a thread over the most lanes and warps that divide it (at most 128
+    # threads): Llama 3's 64 slots on two warps.
     split = kv_mosaic.angle_split(half)
     assert split.vec == 1 and split.head_tile == 1
     threads = split.width_lanes * split.width_warps
     assert half % threads == 0 and threads <= 128
     assert threads == max(t for t in (1, 2, 4, 8, 16, 32, 64, 128)
                           if half % t == 0 and (t <= 32 or t % 32 == 0))
-    rotary = kv_mosaic.row_split(16, 64, 2, 64, False)
-    assert 128 // (rotary.width_lanes * rotary.width_warps) == 8
-    assert 128 // threads == 2 or half != 64
 
 
 @needs_mosaic

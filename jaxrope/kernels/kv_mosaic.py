@@ -19,9 +19,8 @@ broadcast to the heads for free; it is formed once per token and piece, one elem
 thread (:func:`angle_split`), and passed to that layout through SMEM when that layout
 would form each element on more threads. A token of one piece shares one layout between
 q's and k's halves (its head tile divides both head counts), so it forms the angle once
-for both. A block walks ``tokens`` tokens
-unrolled (one for JAX calls: ``_TOKENS_PER_BLOCK``), each token's loads issued before the
-previous token's stores.
+for both. A block walks ``tokens`` tokens unrolled (one for JAX calls and launches:
+``_TOKENS_PER_BLOCK``), each token's loads issued before the previous token's stores.
 
 Caches arrive as ``[rows // (Hk * hs), Hk, hs, D]`` views of the ``[rows, D]`` matrices
 (``hs`` = :attr:`CacheRows.head_stride`): every layout's head axis is one axis of
@@ -58,9 +57,9 @@ from jaxrope.kernels.mosaic_gpu import as_pallas, floor, load, store, tiled
 
 _THREADS = 128      # a warpgroup
 # The widest GMEM access a thread makes. On the H200 (bf16 Hq 32 / Hk 8 / D 128, NHD pages
-# of 16, pieces of 4 KB, the angle shared, bench/kv_mosaic_probe.py, bench/RESULTS.md)
-# vectors of up to 8 bytes ran at 96.0% / 96.3% of the byte ceiling at 16k / 64k tokens,
-# up to 4 bytes at 95.4% / 95.6%, up to 16 bytes at 95.1% / 95.3%.
+# of 16, pieces of 4 KB, the angle shared; bench/kv_mosaic_probe.py, 2026-12-04 02:03 UTC,
+# bench/RESULTS.md) vectors of up to 8 bytes ran at 95.9% / 96.2% of the byte ceiling at
+# 16k / 64k tokens, up to 4 bytes at 95.4% / 95.6%, up to 16 bytes at 95.1% / 95.3%.
 _VECTOR_BYTES = 8
 # Tokens one block walks unrolled (each token's loads issued before the previous token's
 # stores). One a block was the fastest of 1-16 on the H200 (bf16 Hq 32 / Hk 8 / D 128,
@@ -68,21 +67,22 @@ _VECTOR_BYTES = 8
 # 412; many small blocks hide the latency of each token's slot -> address -> store chain
 # better than a block walking several (measured before :func:`pieces`; with 4 KB pieces
 # two tokens a block were 0.1-0.6% slower than one, and smaller pieces over 2-4 tokens a
-# block, the rope kernel's shape, 0.3-17% slower). Launches outside JAX take any
-# (``build_append``).
+# block, the rope kernel's shape, 0.3-17% slower; all with 4-byte vectors, the angle
+# unshared). :func:`build_append` takes any; the torch launch takes one too.
 _TOKENS_PER_BLOCK = 1
 # Bytes of q, k and v one block loads for one token at most: a token whose q, k and v are
 # more is split among blocks (:func:`pieces`), q's heads in chunks and k with v in a
 # block of their own. 4 KB is 32 bytes a thread, where the rope kernel moved bytes
-# fastest; on the H200 (Llama 3 shape, 4-byte vectors) 4 KB pieces ran at 95.5% / 95.2%
-# of the byte ceiling at 16k / 64k tokens, 2 KB at 90%, 8 KB 94.3% / 94.4%, one piece a
-# token 93% (94.4% / 94.6% with vectors up to 16 bytes, the kernel before pieces).
+# fastest; on the H200 (Llama 3 shape, same run as ``_VECTOR_BYTES``'s) 4 KB pieces ran
+# at 95.9% / 96.2% of the byte ceiling at 16k / 64k tokens, 8 KB at 94.5% / 94.8% (with
+# 4-byte vectors and the angle unshared, 2026-12-03: 2 KB 90%, one piece a token 93%).
 _PIECE_BYTES = 4096
 # Whether a block forms its token's angle once, one element a thread, and hands it to the
 # rotation's layout through SMEM (:func:`angle_split`), when that layout would form each
 # element on more threads. At 8-byte vectors a q piece's layout forms each element on 8
-# threads; on the H200 (Llama 3 shape) the kernel ran at 94.8% / 95.2% of the byte
-# ceiling so, 96.0% / 96.3% shared, 96.1% / 96.4% with the angle replaced by cos 1 / sin 0.
+# threads; on the H200 (Llama 3 shape, same run as ``_VECTOR_BYTES``'s) the kernel ran at
+# 94.8% / 95.2% of the byte ceiling so and 95.9% / 96.2% shared (an earlier run with the
+# angle replaced by cos 1 / sin 0: 96.1% / 96.4%).
 _SHARE_ANGLE = True
 
 
@@ -262,9 +262,12 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
         return shares_angle(rotary_split(piece, k_heads, half, itemsize, interleave), half)
 
     sharing = any(shares(p) for p in work)
-    # A block that has formed an angle before waits for every thread's reads of it.
-    walks = count is None and (max_count is None
-                               or -(-max_count // tokens) * len(work) > grid)
+    most_items = None if max_count is None else -(-max_count // tokens) * len(work)
+    # A block that has formed an angle before waits for every thread's reads of it
+    # before it writes the next: within a walk of tokens, and in a launch whose blocks
+    # walk items (tests/gpu/test_mosaic_launch_gpu.py's one-block walk runs this on a
+    # GPU; the interpreter cannot show a race within a warpgroup).
+    walks = count is None and mosaic_gpu.walks(grid, most_items)
 
     def block(n, refs, first: int | jax.Array, walk: int, piece: Piece):
         pos_ref, slot_ref, tables_ref, rows_ref, scale_ref, q_ref, k_ref, v_ref, *cache_refs = refs
@@ -274,7 +277,8 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
         split = rotary_split(piece, k_heads, half, itemsize, interleave)
         rotary = row_layout(split)
         angle = rotary.reduce((0,))
-        formed = row_layout(angle_split(half)).reduce((0,)) if shares(piece) else angle
+        share = shares(piece)
+        formed = row_layout(angle_split(half)).reduce((0,)) if share else angle
         turns = [load(tables_ref.at[i], formed) for i in range(3)]
         slot_rows = load(rows_ref, formed) if mrope else None
         scales = (scale_ref.at[0][...], scale_ref.at[1][...]) if quantize and piece.kv else (
@@ -312,7 +316,7 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
             else:
                 position = wide[0]
             cos, sin = angle_cos_sin(position, *turns, attention_factor, floor=floor)
-            if formed is angle:
+            if not share:
                 return cos, sin
             if again:
                 plgpu.commit_smem()  # every thread has read the previous angle
@@ -403,7 +407,7 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
             one(jax.lax.axis_index("block"))
         else:
             mosaic_gpu.walk(jax.lax.div(n + (tokens - 1), tokens) * len(work), grid, one,
-                            None if max_count is None else -(-max_count // tokens) * len(work))
+                            most_items)
 
     if count is not None:
         grid = -(-count // tokens) * len(work)

@@ -216,7 +216,9 @@ def _data_layout(p: Plan, tokens: int, group: int, half: int):
 
 def load(ref, layout):
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    # "optimized" transfers plan SMEM bank conflicts; these read GMEM.
+    # "optimized" transfers plan SMEM bank conflicts; these read GMEM, or (the fused
+    # append's shared angle) a few hundred bytes of SMEM whose conflicts cost nothing
+    # measurable.
     return plgpu.load(ref, layout=as_pallas(layout), optimized=False)
 
 
@@ -432,6 +434,12 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
     return kernel(body, grid, "jaxrope_rope_mosaic", interpret)
 
 
+def walks(grid: int, most_items: Optional[int]) -> bool:
+    """Whether :func:`walk` loops a block over several items: unless ``most_items`` (the
+    most items a launch has) is known and the grid covers them."""
+    return most_items is None or most_items > grid
+
+
 def walk(items, grid: int, one_item, most_items: Optional[int] = None) -> None:
     """Inside a kernel of ``grid`` blocks: block ``b`` calls ``one_item`` on items ``b, b +
     grid, ...`` below ``items`` (a run-time count: one compiled grid for any count).
@@ -442,7 +450,7 @@ def walk(items, grid: int, one_item, most_items: Optional[int] = None) -> None:
     13-16% for the fused append at 8 blocks a SM (bench/RESULTS.md).
     """
     block = jax.lax.axis_index("block")
-    if most_items is not None and most_items <= grid:
+    if not walks(grid, most_items):
         pl.when(block < items)(functools.partial(one_item, block))
         return
     turns = jax.lax.div(items - block + (grid - 1), grid)
@@ -459,15 +467,20 @@ def kernel(body, grid: int, name: str, interpret: bool, warpgroups: int = 1,
     with the compiler parameters every kernel here uses; ``name`` is what profilers show.
     ``warpgroups`` > 1 runs that many warpgroups a block, ``jax.lax.axis_index
     ("warpgroup")`` telling them apart (on the H200 both kernels here ran slower so,
-    bench/RESULTS.md)."""
+    bench/RESULTS.md); not with ``scratch``, which the warpgroups would share while
+    ``commit_smem`` orders one warpgroup's threads only."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
+    if warpgroups > 1 and scratch:
+        raise ValueError(f"warpgroups={warpgroups} with scratch {scratch}: one warpgroup a "
+                         "block shares SMEM scratch safely, several do not")
     threads = dict(num_threads=warpgroups, thread_name="warpgroup") if warpgroups > 1 else {}
     return plgpu.kernel(
         body, out_type=(), scratch_types=scratch, grid=(grid,), grid_names=("block",),
         kernel_name=name, **threads,
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane,
-            # No thread reads what another writes: a barrier after every store buys nothing.
+            # The few reads of what another thread wrote (q's copies, the shared angle)
+            # place their own commit_smem: a barrier after every store buys nothing.
             unsafe_no_auto_barriers=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
 
