@@ -35,7 +35,7 @@ import numpy as np
 
 from bench import kv_append_bench as kvb
 from bench import timing
-from bench.mosaic_bench import angle_removed
+from bench.mosaic_bench import angle_removed, patched
 
 
 def in_order(x: kvb.Inputs) -> kvb.Inputs:
@@ -81,19 +81,13 @@ def run(points: List[str], tokens: List[int], reps: int, rep_seconds: float,
         triton = time("triton")
         for point, angle in [(p, a) for p in points for a in angles]:
             values = [int(v) for v in point.split(":")]
-            for name, value in zip(names, values + list(defaults[len(values):])):
-                setattr(kv_mosaic, name, value)
-            try:
-                with contextlib.nullcontext() if angle else angle_removed(kv_mosaic):
-                    us = time("mosaic")
-                    # The torch launch runs one token a block whatever the point says.
-                    launch_us = launch() if launches and kv_mosaic._TOKENS_PER_BLOCK == 1 \
-                        else None
+            with patched(kv_mosaic, **dict(zip(names, values))), (
+                    contextlib.nullcontext() if angle else angle_removed(kv_mosaic)):
+                us = time("mosaic")
+                # The torch launch runs one token a block whatever the point says.
+                launch_us = launch() if launches and kv_mosaic._TOKENS_PER_BLOCK == 1 else None
                 pieces = len(kv_mosaic.pieces(kvb.Q_HEADS, kvb.K_HEADS, kvb.HEAD_DIM,
                                               kvb.HEAD_DIM, 2))
-            finally:
-                for name, value in zip(names, defaults):
-                    setattr(kv_mosaic, name, value)
             rows.append(dict(tokens=count, pages=order, angle=angle, point=point, mosaic_us=us,
                              triton_us=triton, ceiling_us=ceiling, pct_ceiling=100 * ceiling / us,
                              default=tuple(values) == defaults[:len(values)], pieces=pieces,

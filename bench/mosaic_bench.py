@@ -79,22 +79,29 @@ def _tma_time(cfg, q, k, pos, iters: int, reps: int, tuning=None) -> timing.Timi
 
 
 @contextlib.contextmanager
+def patched(module, **values):
+    """``module``'s attributes set to ``values`` while the block runs (a kernel module's
+    tuning constants, read when a kernel is built), its own values back after it."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
 def angle_removed(module):
     """``module.angle_cos_sin`` (a Mosaic GPU kernel module's accurate angle) replaced by
     cos 1 / sin 0 in the position's layout while the block runs: the kernel keeps its loads
     of positions and tables, its rotation and its stores, without the angle's arithmetic.
     ``x * 0`` is not folded (it is not 0 for inf or NaN), so the multiplies stay."""
-    accurate = module.angle_cos_sin
-
     def unit(position, *_, **__):
         zero = position.astype(jnp.float32) * 0.0
         return zero + 1.0, zero
 
-    module.angle_cos_sin = unit
-    try:
-        yield
-    finally:
-        module.angle_cos_sin = accurate
+    return patched(module, angle_cos_sin=unit)
 
 
 def inputs(rng, tokens):

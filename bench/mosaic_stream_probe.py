@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import timing
-from bench.mosaic_bench import ONE_D, angle_removed, inputs, jax_time
+from bench.mosaic_bench import ONE_D, angle_removed, inputs, jax_time, patched
 
 # (elements a block, elements a thread vector): 16-byte vectors at three block sizes, and
 # 8-byte ones.
@@ -111,17 +111,11 @@ def plan_times(plan: str, q, k, pos, iters: int, reps: int) -> Dict[str, timing.
     ``mosaic_gpu._ANGLE_HEADS``), with its angle and without: rows ``mosaic_<plan>`` and
     ``mosaic_<plan>_no_angle``."""
     from jaxrope.kernels import mosaic_gpu
-    names = ("_VEC_BYTES", "_ANGLE_HEADS")
-    defaults = [getattr(mosaic_gpu, n) for n in names]
-    for name, value in zip(names, plan.split(":")):
-        setattr(mosaic_gpu, name, int(value))
-    try:
+    vec_bytes, angle_heads = (int(v) for v in plan.split(":"))
+    with patched(mosaic_gpu, _VEC_BYTES=vec_bytes, _ANGLE_HEADS=angle_heads):
         with_angle = jax_time("mosaic", ONE_D, q, k, pos, iters, reps)
         with angle_removed(mosaic_gpu):
             without = jax_time("mosaic", ONE_D, q, k, pos, iters, reps)
-    finally:
-        for name, value in zip(names, defaults):
-            setattr(mosaic_gpu, name, value)
     return {f"mosaic_{plan}": with_angle, f"mosaic_{plan}_no_angle": without}
 
 

@@ -277,7 +277,7 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
         split = rotary_split(piece, k_heads, half, itemsize, interleave)
         rotary = row_layout(split)
         angle = rotary.reduce((0,))
-        share = shares(piece)
+        share = shares_angle(split, half)
         formed = row_layout(angle_split(half)).reduce((0,)) if share else angle
         turns = [load(tables_ref.at[i], formed) for i in range(3)]
         slot_rows = load(rows_ref, formed) if mrope else None
