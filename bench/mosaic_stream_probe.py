@@ -119,19 +119,6 @@ def plan_times(plan: str, q, k, pos, iters: int, reps: int) -> Dict[str, timing.
     return {f"mosaic_{plan}": with_angle, f"mosaic_{plan}_no_angle": without}
 
 
-def piece_times(point: str, q, k, pos, iters: int, reps: int) -> Dict[str, timing.Timing]:
-    """EXPERIMENT: the rope op in the fused kernel's pieces (:func:`jaxrope.kernels.
-    kv_mosaic.build_rope`) at ``PIECE_BYTES:VEC_BYTES``."""
-    from jaxrope.kernels import kv_mosaic, mosaic_gpu
-    piece, vec = (int(v) for v in point.split(":"))
-    with patched(mosaic_gpu, build=kv_mosaic.build_rope), patched(
-            kv_mosaic, _PIECE_BYTES=piece, _VECTOR_BYTES=vec):
-        out = {f"pieces_{point}": jax_time("mosaic", ONE_D, q, k, pos, iters, reps)}
-        with angle_removed(kv_mosaic):
-            out[f"pieces_{point}_no_angle"] = jax_time("mosaic", ONE_D, q, k, pos, iters, reps)
-    return out
-
-
 def run(args) -> Dict[str, Any]:
     import torch
     from jaxrope.kernels import mosaic_gpu
@@ -150,8 +137,6 @@ def run(args) -> Dict[str, Any]:
             measured["mosaic_no_angle"] = jax_time("mosaic", ONE_D, q, k, pos, iters, args.reps)
         for plan in args.plans:
             measured.update(plan_times(plan, q, k, pos, iters, args.reps))
-        for point in args.pieces:
-            measured.update(piece_times(point, q, k, pos, iters, args.reps))
         measured["xla"] = timing.JaxLoop(lambda b: (-b,), (buf,),
                                          iters=iters, unroll=8).time(args.reps)
         kernels = {f"stream_{e}_v{v}": functools.partial(stream, elements=e, vec=v)
@@ -193,9 +178,6 @@ def main(argv=None) -> None:
     parser.add_argument("--plans", nargs="*", default=[],
                         help="also time the rope kernel at VEC_BYTES:ANGLE_HEADS, with "
                              "and without its angle (e.g. 16:1 8:4)")
-    parser.add_argument("--pieces", nargs="*", default=[],
-                        help="also time the rope op in the fused kernel's pieces at "
-                             "PIECE_BYTES:VEC_BYTES (e.g. 4096:8)")
     parser.add_argument("--warpgroups", nargs="*", type=int, default=[2, 4],
                         help="also time the 8-byte-vector stream with this many warpgroups "
                              "a block")

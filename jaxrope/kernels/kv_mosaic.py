@@ -91,11 +91,11 @@ class Piece(NamedTuple):
 
     q_first: int  # q's heads [q_first, q_first + q_heads) are rotated
     q_heads: int
-    kv: bool      # k is rotated and written to the cache with v (rope only: in place)
+    kv: bool      # k is rotated and written to the cache with v
 
 
 def pieces(q_heads: int, k_heads: int, head_dim: int, rotary_dim: int,
-           itemsize: int, append: bool = True) -> Tuple[Piece, ...]:
+           itemsize: int) -> Tuple[Piece, ...]:
     """A token's work, split among blocks.
 
     One piece when q's rotary dims, k and v fit ``_PIECE_BYTES``; else q's heads in
@@ -109,8 +109,7 @@ def pieces(q_heads: int, k_heads: int, head_dim: int, rotary_dim: int,
       >>> pieces(8, 1, 64, 64, 2)
       (Piece(q_first=0, q_heads=8, kv=True),)
     """
-    kv_dims = 2 * head_dim if append else rotary_dim  # rope only: k's rotary dims
-    if (q_heads * rotary_dim + k_heads * kv_dims) * itemsize <= _PIECE_BYTES:
+    if (q_heads * rotary_dim + 2 * k_heads * head_dim) * itemsize <= _PIECE_BYTES:
         return (Piece(0, q_heads, True),)
     chunk = max(c for c in range(1, q_heads + 1)
                 if q_heads % c == 0 and (c == 1 or c * rotary_dim * itemsize <= _PIECE_BYTES))
@@ -217,8 +216,7 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
                  mrope_section: Optional[Tuple[int, int, int]] = None,
                  mrope_interleaved: bool = False, count: Optional[int] = None,
                  tokens: int = _TOKENS_PER_BLOCK, grid: Optional[int] = None,
-                 max_count: Optional[int] = None, interpret: bool = False,
-                 append: bool = True):
+                 max_count: Optional[int] = None, interpret: bool = False):
     """The ``plgpu.kernel`` of the fused op for one head layout and cache geometry.
 
     Operands: ``(pos_ids, slots, tables, rows, scales, q, k, v, *caches)``: ``pos_ids``
@@ -238,12 +236,12 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
     half = rotary_dim // 2
     mrope = mrope_section is not None
     width = (lambda w: w // 2) if interleave else (lambda w: w)
-    work = pieces(q_heads, k_heads, head_dim, rotary_dim, itemsize, append)
+    work = pieces(q_heads, k_heads, head_dim, rotary_dim, itemsize)
     passing = head_dim - rotary_dim
     rest = passing and row_layout(row_split(k_heads, width(passing), itemsize,
                                             width(rotary_dim), interleave))
     whole = row_layout(row_split(k_heads, width(head_dim), itemsize, 0, interleave))
-    head_rows = k_heads * rows.head_stride if append else None
+    head_rows = k_heads * rows.head_stride
     # A static T of whole blocks has no token past the last, and neither has a block of
     # one token (every item a block runs or walks is below the count's): no clamps, no
     # guards.
@@ -272,15 +270,10 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
     walks = count is None and mosaic_gpu.walks(grid, most_items)
 
     def block(n, refs, first: int | jax.Array, walk: int, piece: Piece):
-        if append:
-            (pos_ref, slot_ref, tables_ref, rows_ref, scale_ref, q_ref, k_ref, v_ref,
-             *cache_refs) = refs
-        else:
-            pos_ref, tables_ref, rows_ref, q_ref, k_ref, *cache_refs = refs
+        pos_ref, slot_ref, tables_ref, rows_ref, scale_ref, q_ref, k_ref, v_ref, *cache_refs = refs
         if sharing:
             *cache_refs, angle_smem = cache_refs
-        if append:
-            k_cache, v_cache = cache_refs[0], cache_refs[rows.value_array]
+        k_cache, v_cache = cache_refs[0], cache_refs[rows.value_array]
         split = rotary_split(piece, k_heads, half, itemsize, interleave)
         rotary = row_layout(split)
         angle = rotary.reduce((0,))
@@ -305,9 +298,7 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
             pos = [pos_ref.at[t if r == 0 else r * n + t][...] for r in range(3 if mrope else 1)]
             x = dict(t=t, real=real, pos=pos,
                      q=[load(r, rotary) for r in halves(q_of(t))] if piece.q_heads else [])
-            if piece.kv and not append:
-                x.update(k=[load(r, rotary) for r in halves(k_ref.at[t])])
-            elif piece.kv:
+            if piece.kv:
                 x.update(
                     slot=slot_ref.at[t][...],
                     k=[load(r, rotary) for r in halves(k_ref.at[t])],
@@ -350,17 +341,12 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
         def finish(x, again: bool):
             t, real = x["t"], x["real"]
             cos, sin = cos_sin(x["pos"], again)
-            in_place = [(halves(q_of(t)), rotate(x["q"], cos, sin, piece.q_heads))
-                        ] if piece.q_heads else []
-            k_out = rotate(x["k"], cos, sin, k_heads) if piece.kv else None
-            if piece.kv and not append:
-                in_place.append((halves(k_ref.at[t]), k_out))
-            if in_place:
+            if piece.q_heads:
+                q_out = rotate(x["q"], cos, sin, piece.q_heads)
                 if split.copies > 1:
-                    # Several threads hold each element of q (and, rope only, of k), which
-                    # is rotated in place: without a barrier a warp ahead of the others
-                    # could store it rotated before another loads it, which would then
-                    # rotate it twice.
+                    # Several threads hold each element of q, which is rotated in place:
+                    # without a barrier a warp ahead of the others could store q rotated
+                    # before another loads it, which would then rotate it twice.
                     plgpu.commit_smem()
                 # q is rotated whatever the slot; only a clamped repeat of the last token
                 # skips it.
@@ -368,11 +354,11 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
 
                 @guard
                 def _():
-                    for refs, values in in_place:
-                        for ref, value in zip(refs, values):
-                            store(ref, value.astype(ref.dtype))
-            if not piece.kv or not append:
+                    for ref, value in zip(halves(q_of(t)), q_out):
+                        store(ref, value.astype(ref.dtype))
+            if not piece.kv:
                 return
+            k_out = rotate(x["k"], cos, sin, k_heads)
             slot = x["slot"]
             ok = (slot >= 0) & (slot < rows.num_slots)
             if real is not True:
@@ -430,26 +416,10 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
                              scratch=scratch)
 
 
-def build_rope(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_dim: int,
-               interleave: bool, attention_factor: float,
-               mrope_section: Optional[Tuple[int, int, int]] = None,
-               mrope_interleaved: bool = False, count: Optional[int] = None,
-               grid: Optional[int] = None, max_count: Optional[int] = None,
-               interpret: bool = False, **unused):
-    """EXPERIMENT: the rope kernel in this kernel's pieces (k rotated in place, no cache),
-    with :func:`jaxrope.kernels.mosaic_gpu.build`'s operands."""
-    return build_append(q_heads=q_heads, k_heads=k_heads, head_dim=head_dim,
-                        itemsize=itemsize, rotary_dim=rotary_dim, interleave=interleave,
-                        attention_factor=attention_factor, rows=None, quantize=False,
-                        mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
-                        count=count, grid=grid, max_count=max_count, interpret=interpret,
-                        append=False)
-
-
 def cache_view(cache, rows: CacheRows, k_heads: int, interleave: bool):
     """The ``[rows, D]`` matrix ``cache`` as the kernel's ``[rows // (Hk * hs), Hk, hs,
     D]`` (GPT-J: ``[..., D/2, 2]``)."""
-    head_rows = k_heads * rows.head_stride if append else None
+    head_rows = k_heads * rows.head_stride
     last = (cache.shape[-1] // 2, 2) if interleave else (cache.shape[-1],)
     return cache.reshape(cache.shape[0] // head_rows, k_heads, rows.head_stride, *last)
 
