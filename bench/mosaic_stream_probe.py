@@ -12,6 +12,8 @@ graph) and the Triton-lowered rope kernel:
 - ``mosaic_<B>:<H>`` and ``mosaic_<B>:<H>_no_angle``: the rope kernel planned with
   vectors of up to ``B`` bytes and angle groups of ``H`` heads (``--plans``);
 - ``stream_global_<C>``: :func:`stream_global`, the same with ``ld.global`` / ``st.global``;
+- ``stream_<C>_v<V>_pos``: the stream with each block's store waiting on a position it
+  reads, as a RoPE block's does;
 - ``xla``: XLA's fusion of the same negation;
 - ``mosaic``: the rope kernel; ``mosaic_no_angle``: the same kernel with the angle
   replaced by cos 1, sin 0 (its loads of positions and tables stay), which shows what the
@@ -43,26 +45,32 @@ from bench.mosaic_bench import ONE_D, angle_removed, inputs, jax_time, patched
 _STREAMS = ((2048, 8), (8192, 8), (32768, 8), (8192, 4))
 
 
-def stream(buf, elements: int, vec: int, warpgroups: int = 1):
+def stream(buf, elements: int, vec: int, warpgroups: int = 1, pos=None):
     """``-buf`` in place, a warpgroup per ``elements`` contiguous elements, ``warpgroups``
-    of them a block."""
+    of them a block. With ``pos`` (int32 ``[T]``), block ``b`` also reads ``pos[b % T]``
+    and adds it times 0 (not folded: it is not 0 for inf or NaN) before its store, the
+    dependence of a RoPE block's stores on its token's position."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental import pallas as pl
     from jaxrope.kernels import mosaic_gpu
 
     layout = plgpu.Layout.WG_STRIDED((elements,), vec_size=vec)
 
-    def body(ref):
-        part = jax.lax.axis_index("block")
+    def body(*refs):
+        ref = refs[-1]
+        block = part = jax.lax.axis_index("block")
         if warpgroups > 1:
             part = part * warpgroups + jax.lax.axis_index("warpgroup")
         part = ref.at[pl.ds(part * elements, elements)]
         x = plgpu.load(part, layout=layout, optimized=False)
+        if pos is not None:
+            p = refs[0].at[jax.lax.rem(block, pos.shape[0])][...]
+            x = x + (p.astype(jnp.float32) * 0.0).astype(x.dtype)
         mosaic_gpu.store(part, -x)
 
     ref = jax.new_ref(buf)
     mosaic_gpu.kernel(body, buf.size // (elements * warpgroups), "jaxrope_stream_probe", False,
-                      warpgroups)(ref)
+                      warpgroups)(*(() if pos is None else (pos,)), ref)
     return jax.freeze(ref)
 
 
@@ -146,6 +154,9 @@ def run(args) -> Dict[str, Any]:
                         for e, v in _STREAMS[-1:] for w in args.warpgroups})
         kernels.update({f"stream_global_{e}": functools.partial(stream_global, elements=e)
                         for e in (2048, 8192)})
+        kernels.update({f"stream_{e}_v{v}_pos": functools.partial(stream, elements=e, vec=v,
+                                                                 pos=pos)
+                        for e, v in _STREAMS[:1]})
         errors = {}
         for name, fn in kernels.items():
             try:
