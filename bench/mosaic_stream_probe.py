@@ -12,6 +12,7 @@ graph) and the Triton-lowered rope kernel:
 - ``mosaic_<B>:<H>`` and ``mosaic_<B>:<H>_no_angle``: the rope kernel planned with
   vectors of up to ``B`` bytes and angle groups of ``H`` heads (``--plans``);
 - ``stream_global_<C>``: :func:`stream_global`, the same with ``ld.global`` / ``st.global``;
+- ``stream_two_<C>_v<V>``: :func:`stream_two`, the stream over q and k as two buffers;
 - ``stream_<C>_v<V>_pos``: the stream with each block's store waiting on a position it
   reads, as a RoPE block's does;
 - ``xla``: XLA's fusion of the same negation;
@@ -40,9 +41,9 @@ import numpy as np
 from bench import timing
 from bench.mosaic_bench import ONE_D, angle_removed, inputs, jax_time, patched
 
-# (elements a block, elements a thread vector): 16-byte vectors at three block sizes, and
-# 8-byte ones.
-_STREAMS = ((2048, 8), (8192, 8), (32768, 8), (8192, 4))
+# (elements a block, elements a thread vector): 16-byte vectors at three block sizes, 8-byte
+# ones, and the rope kernel's 4-byte ones.
+_STREAMS = ((2048, 8), (2048, 2), (8192, 8), (32768, 8), (8192, 4))
 
 
 def stream(buf, elements: int, vec: int, warpgroups: int = 1, pos=None):
@@ -72,6 +73,33 @@ def stream(buf, elements: int, vec: int, warpgroups: int = 1, pos=None):
     mosaic_gpu.kernel(body, buf.size // (elements * warpgroups), "jaxrope_stream_probe", False,
                       warpgroups)(*(() if pos is None else (pos,)), ref)
     return jax.freeze(ref)
+
+
+def stream_two(q, k, elements: int, vec: int):
+    """:func:`stream` over q and k as the two buffers they are: blocks in groups of
+    ``q.size // k.size`` q parts and one k part of ``elements`` each, neighbours as a rope
+    block's head groups of q and k are."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental import pallas as pl
+    from jaxrope.kernels import mosaic_gpu
+
+    layout = plgpu.Layout.WG_STRIDED((elements,), vec_size=vec)
+    ratio = q.size // k.size
+
+    def negate(ref, part):
+        part = ref.at[pl.ds(part * elements, elements)]
+        mosaic_gpu.store(part, -plgpu.load(part, layout=layout, optimized=False))
+
+    def body(q_ref, k_ref):
+        block = jax.lax.axis_index("block")
+        group, j = jax.lax.div(block, ratio + 1), jax.lax.rem(block, ratio + 1)
+        pl.when(j < ratio)(lambda: negate(q_ref, group * ratio + j))
+        pl.when(j == ratio)(lambda: negate(k_ref, group))
+
+    refs = [jax.new_ref(x.reshape(-1)) for x in (q, k)]
+    mosaic_gpu.kernel(body, (q.size + k.size) // elements, "jaxrope_stream_two_probe",
+                      False)(*refs)
+    return tuple(jax.freeze(r).reshape(x.shape) for r, x in zip(refs, (q, k)))
 
 
 def stream_global(buf, elements: int):
@@ -162,6 +190,15 @@ def run(args) -> Dict[str, Any]:
             try:
                 measured[name] = timing.JaxLoop(lambda b, fn=fn: (fn(b),), (buf,),
                                                 iters=iters, unroll=8).time(args.reps)
+            except Exception as e:  # a probe: record what failed, time the rest
+                errors[name] = f"{type(e).__name__}: {e}"[:2000]
+                print(f"{name} failed: {errors[name][:300]}", flush=True)
+        for e, v in ((2048, 8), (2048, 2)):
+            name = f"stream_two_{e}_v{v}"
+            try:
+                measured[name] = timing.JaxLoop(
+                    lambda a, b, e=e, v=v: stream_two(a, b, e, v), (q, k), iters=iters,
+                    unroll=8).time(args.reps)
             except Exception as e:  # a probe: record what failed, time the rest
                 errors[name] = f"{type(e).__name__}: {e}"[:2000]
                 print(f"{name} failed: {errors[name][:300]}", flush=True)
