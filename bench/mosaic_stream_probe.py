@@ -46,7 +46,8 @@ from bench.mosaic_bench import ONE_D, angle_removed, inputs, jax_time, patched
 _STREAMS = ((2048, 8), (2048, 2), (8192, 8), (32768, 8), (8192, 4))
 
 
-def stream(buf, elements: int, vec: int, warpgroups: int = 1, pos=None):
+def stream(buf, elements: int, vec: int, warpgroups: int = 1, pos=None,
+           interpret: bool = False):
     """``-buf`` in place, a warpgroup per ``elements`` contiguous elements, ``warpgroups``
     of them a block. With ``pos`` (int32 ``[T]``), block ``b`` also reads ``pos[b % T]``
     and adds it times 0 (not folded: it is not 0 for inf or NaN) before its store, the
@@ -70,12 +71,12 @@ def stream(buf, elements: int, vec: int, warpgroups: int = 1, pos=None):
         mosaic_gpu.store(part, -x)
 
     ref = jax.new_ref(buf)
-    mosaic_gpu.kernel(body, buf.size // (elements * warpgroups), "jaxrope_stream_probe", False,
-                      warpgroups)(*(() if pos is None else (pos,)), ref)
+    mosaic_gpu.kernel(body, buf.size // (elements * warpgroups), "jaxrope_stream_probe",
+                      interpret, warpgroups)(*(() if pos is None else (pos,)), ref)
     return jax.freeze(ref)
 
 
-def stream_two(q, k, elements: int, vec: int):
+def stream_two(q, k, elements: int, vec: int, interpret: bool = False):
     """:func:`stream` over q and k as the two buffers they are: blocks in groups of
     ``q.size // k.size`` q parts and one k part of ``elements`` each, neighbours as a rope
     block's head groups of q and k are."""
@@ -98,7 +99,7 @@ def stream_two(q, k, elements: int, vec: int):
 
     refs = [jax.new_ref(x.reshape(-1)) for x in (q, k)]
     mosaic_gpu.kernel(body, (q.size + k.size) // elements, "jaxrope_stream_two_probe",
-                      False)(*refs)
+                      interpret)(*refs)
     return tuple(jax.freeze(r).reshape(x.shape) for r, x in zip(refs, (q, k)))
 
 
