@@ -10,12 +10,13 @@ Rows, per token count and page order (bf16 Hq 32 / Hk 8 / D 128, NHD pages of 16
 random, :func:`bench.kv_append_bench.make_inputs`; ``sequential``: the same requests on
 pages in order, :func:`bench.kv_mosaic_probe.in_order`):
 
-- ``move_<W>_w<N>``: :func:`move_kernel`, a Triton kernel written for this probe (Triton
-  itself, not Pallas): a token's q negated in place in programs of ``W`` elements, and one
-  program copying its k and v rows (negated) to the cache rows at its slot, ``N`` warps a
-  program: the fused op's loads and stores with no angle and no rotation;
-- ``stream_<W>_w<N>``: the same kernel on a flat buffer of q + k + v (every program in
-  place, no slots): the ceiling's pattern;
+- ``move_<W>_w<N>[_hints]``: :func:`move_kernel`, a Triton kernel written for this probe
+  (Triton itself, not Pallas): a token's q negated in place in programs of ``W``
+  elements, and one program copying its k and v rows (negated) to the cache rows at its
+  slot, ``N`` warps a program (``_hints``: with L2 cache hints): the fused op's loads and
+  stores with no angle and no rotation;
+- ``stream_<W>_w<N>[_hints]``: the same kernel on a flat buffer of q + k + v (every
+  program in place, no slots): the ceiling's pattern;
 - ``mosaic`` / ``mosaic_no_angle`` / ``triton_lowered``: ``apply_rope_and_append_kv``
   (Mosaic GPU; the same with cos 1 / sin 0, :func:`bench.mosaic_bench.angle_removed`;
   the Triton-lowered Pallas kernel) in jitted loops on donated q and caches;
@@ -43,8 +44,10 @@ from bench import timing
 from bench.kv_mosaic_probe import in_order
 from bench.mosaic_bench import angle_removed
 
-# (elements a q program, warps a program): 2048 is the Mosaic kernel's 4 KB piece.
-_MOVES = ((1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8))
+# (elements a q program, warps a program, cache hints): 2048 is the Mosaic kernel's 4 KB
+# piece.
+_MOVES = ((1024, 4, False), (2048, 4, False), (2048, 8, False), (4096, 4, False),
+          (4096, 8, False), (1024, 4, True), (2048, 4, True))
 
 
 def move_kernel():
@@ -55,29 +58,34 @@ def move_kernel():
     ``t``'s q row (``q_parts * W`` elements) negated in place; ``j == q_parts``, token
     ``t``'s k and v rows (``ROW`` elements each) negated into row ``slots[t]`` of the k
     and v caches. ``STREAM``: program ``i`` negates elements ``[i * W, (i + 1) * W)`` of
-    ``q`` in place, the ceiling's pattern. Negation, not a copy by 1.0: a store of the value just loaded from the
-    same address may be dropped by the compiler.
+    ``q`` in place, the ceiling's pattern. ``EVICT`` and ``STORE``: the loads' eviction
+    policy and the stores' cache modifier (``"evict_first"`` and ``".cs"``: the hints a
+    kernel can give the L2 for bytes it will not touch again; ``""``: none). Negation,
+    not a copy by 1.0: a store of the value just loaded from the same address may be
+    dropped by the compiler.
     """
     import triton
     import triton.language as tl
 
     @triton.jit
     def move(q, k, v, k_cache, v_cache, slots, Q_PARTS: tl.constexpr, W: tl.constexpr,
-             ROW: tl.constexpr, STREAM: tl.constexpr):
+             ROW: tl.constexpr, STREAM: tl.constexpr, EVICT: tl.constexpr = "",
+             STORE: tl.constexpr = ""):
         t = tl.program_id(0).to(tl.int64) // (Q_PARTS + 1)
         j = tl.program_id(0) % (Q_PARTS + 1)
         if STREAM:
             at = q + tl.program_id(0).to(tl.int64) * W + tl.arange(0, W)
-            tl.store(at, -tl.load(at))
+            tl.store(at, -tl.load(at, eviction_policy=EVICT), cache_modifier=STORE)
         elif j < Q_PARTS:
             at = q + t * (Q_PARTS * W) + j * W + tl.arange(0, W)
-            tl.store(at, -tl.load(at))
+            tl.store(at, -tl.load(at, eviction_policy=EVICT), cache_modifier=STORE)
         else:
             row = tl.arange(0, ROW)
             slot = tl.load(slots + t).to(tl.int64)
-            key, value = tl.load(k + t * ROW + row), tl.load(v + t * ROW + row)
-            tl.store(k_cache + slot * ROW + row, -key)
-            tl.store(v_cache + slot * ROW + row, -value)
+            key = tl.load(k + t * ROW + row, eviction_policy=EVICT)
+            value = tl.load(v + t * ROW + row, eviction_policy=EVICT)
+            tl.store(k_cache + slot * ROW + row, -key, cache_modifier=STORE)
+            tl.store(v_cache + slot * ROW + row, -value, cache_modifier=STORE)
 
     return move
 
@@ -119,17 +127,20 @@ def run(tokens: Sequence[int], reps: int, rep_seconds: float, seed: int,
         caches = [torch.zeros((x.pages * kvb.PAGE_SIZE, kv_row), dtype=torch.bfloat16,
                               device=dev) for _ in "kv"]
         flat = torch.ones(q.numel() + k.numel() + v.numel(), dtype=torch.bfloat16, device=dev)
-        for width, warps in _MOVES:
+        for width, warps, hints in _MOVES:
             parts = q_row // width
+            name = f"{width}_w{warps}{'_hints' if hints else ''}"
+            hinted = dict(EVICT="evict_first", STORE=".cs") if hints else {}
 
-            def fused(width=width, warps=warps, parts=parts):
+            def fused(width=width, warps=warps, parts=parts, hinted=hinted):
                 move[(count * (parts + 1),)](q, k, v, *caches, slots, Q_PARTS=parts, W=width,
-                                         ROW=kv_row, STREAM=False, num_warps=warps)
+                                             ROW=kv_row, STREAM=False, **hinted,
+                                             num_warps=warps)
 
-            def stream(width=width, warps=warps):
+            def stream(width=width, warps=warps, hinted=hinted):
                 move[(flat.numel() // width,)](flat, flat, flat, flat, flat, slots,
                                                Q_PARTS=1, W=width, ROW=kv_row, STREAM=True,
-                                               num_warps=warps)
+                                               **hinted, num_warps=warps)
 
             before = q.clone()
             fused()
@@ -137,8 +148,8 @@ def run(tokens: Sequence[int], reps: int, rep_seconds: float, seed: int,
             assert torch.equal(q, -before), (width, warps)
             for cache, src in zip(caches, (k, v)):
                 assert torch.equal(cache[slots], -src), (width, warps)
-            found[f"move_{width}_w{warps}"] = graph(fused)
-            found[f"stream_{width}_w{warps}"] = graph(stream)
+            found[f"move_{name}"] = graph(fused)
+            found[f"stream_{name}"] = graph(stream)
         ceiling, pair = found["ceiling"], found["flashinfer_pair"]
         for impl, us in found.items():
             rows.append(dict(tokens=count, pages=order, impl=impl, us=us,

@@ -29,12 +29,13 @@ def test_move_kernel_negates_q_in_place_and_writes_negated_k_and_v_to_their_slot
     q, k, v = (torch.from_numpy(rng.standard_normal((tokens, n)).astype(np.float32))
                for n in (q_row, kv_row, kv_row))
     slots = torch.from_numpy(rng.permutation(rows)[:tokens].astype(np.int64))
-    for width in (64, 128, 256):
+    hints = dict(EVICT="evict_first", STORE=".cs")
+    for width, hinted in ((64, {}), (128, hints), (256, {})):
         parts = q_row // width
         caches = [torch.zeros((rows, kv_row)) for _ in "kv"]
         before = q.clone()
         move[(tokens * (parts + 1),)](q, k, v, *caches, slots, Q_PARTS=parts, W=width,
-                                      ROW=kv_row, STREAM=False)
+                                      ROW=kv_row, STREAM=False, **hinted)
         assert torch.equal(q, -before), width
         for cache, src in zip(caches, (k, v)):
             assert torch.equal(cache[slots], -src), width
@@ -44,7 +45,7 @@ def test_move_kernel_negates_q_in_place_and_writes_negated_k_and_v_to_their_slot
         flat = torch.from_numpy(rng.standard_normal(4 * width).astype(np.float32))
         before = flat.clone()
         move[(4,)](flat, flat, flat, flat, flat, slots, Q_PARTS=1, W=width, ROW=kv_row,
-                   STREAM=True)
+                   STREAM=True, **hinted)
         assert torch.equal(flat, -before), width
 
 
