@@ -186,20 +186,15 @@ def run(args) -> Dict[str, Any]:
         kernels.update({f"stream_{e}_v{v}_pos": functools.partial(stream, elements=e, vec=v,
                                                                  pos=pos)
                         for e, v in _STREAMS[:1]})
+        # name -> (loop step, carry): the flat buffer's kernels, then q and k's.
+        steps = {name: (lambda b, fn=fn: (fn(b),), (buf,)) for name, fn in kernels.items()}
+        steps.update({f"stream_two_{e}_v{v}": (functools.partial(stream_two, elements=e, vec=v),
+                                               (q, k)) for e, v in ((2048, 8), (2048, 2))})
         errors = {}
-        for name, fn in kernels.items():
+        for name, (step, carry) in steps.items():
             try:
-                measured[name] = timing.JaxLoop(lambda b, fn=fn: (fn(b),), (buf,),
-                                                iters=iters, unroll=8).time(args.reps)
-            except Exception as e:  # a probe: record what failed, time the rest
-                errors[name] = f"{type(e).__name__}: {e}"[:2000]
-                print(f"{name} failed: {errors[name][:300]}", flush=True)
-        for e, v in ((2048, 8), (2048, 2)):
-            name = f"stream_two_{e}_v{v}"
-            try:
-                measured[name] = timing.JaxLoop(
-                    lambda a, b, e=e, v=v: stream_two(a, b, e, v), (q, k), iters=iters,
-                    unroll=8).time(args.reps)
+                measured[name] = timing.JaxLoop(step, carry, iters=iters,
+                                                unroll=8).time(args.reps)
             except Exception as e:  # a probe: record what failed, time the rest
                 errors[name] = f"{type(e).__name__}: {e}"[:2000]
                 print(f"{name} failed: {errors[name][:300]}", flush=True)
