@@ -24,8 +24,10 @@ pages in order, :func:`bench.kv_mosaic_probe.in_order`):
   ``apply_rope_pos_ids_inplace`` then ``append_paged_kv_cache``
   (:func:`bench.kv_append_bench.torch_runs`).
 
-Torch rows run in CUDA graphs (:func:`bench.timing.time_cuda_graph`). Each ``move`` kernel
-is checked once against torch before it is timed. ``pct_ceiling`` = ceiling / time;
+Torch rows and the ``move`` / ``stream`` kernels run in CUDA graphs
+(:func:`bench.timing.time_cuda_graph`); ours in jitted JAX loops. Each ``move`` and
+``stream`` kernel is checked once against torch before it is timed (the caches zeroed
+first). ``pct_ceiling`` = ceiling / time;
 ``vs_pair`` = time / the pair's. Writes ``DIR/kv_bound_probe.json``. GPU only.
 """
 
@@ -142,12 +144,17 @@ def run(tokens: Sequence[int], reps: int, rep_seconds: float, seed: int,
                                                Q_PARTS=1, W=width, ROW=kv_row, STREAM=True,
                                                **hinted, num_warps=warps)
 
-            before = q.clone()
+            # Zeroed first: the previous entry's timing left -k and -v at the slots.
+            for cache in caches:
+                cache.zero_()
+            before, flat_before = q.clone(), flat.clone()
             fused()
+            stream()
             torch.cuda.synchronize()
-            assert torch.equal(q, -before), (width, warps)
+            assert torch.equal(q, -before), (name, "q")
             for cache, src in zip(caches, (k, v)):
-                assert torch.equal(cache[slots], -src), (width, warps)
+                assert torch.equal(cache[slots], -src), (name, "cache")
+            assert torch.equal(flat, -flat_before), (name, "stream")
             found[f"move_{name}"] = graph(fused)
             found[f"stream_{name}"] = graph(stream)
         ceiling, pair = found["ceiling"], found["flashinfer_pair"]

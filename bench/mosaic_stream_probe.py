@@ -50,8 +50,8 @@ def stream(buf, elements: int, vec: int, warpgroups: int = 1, pos=None,
            interpret: bool = False):
     """``-buf`` in place, a warpgroup per ``elements`` contiguous elements, ``warpgroups``
     of them a block. With ``pos`` (int32 ``[T]``), block ``b`` also reads ``pos[b % T]``
-    and adds it times 0 (not folded: it is not 0 for inf or NaN) before its store, the
-    dependence of a RoPE block's stores on its token's position."""
+    and adds it times 0 before its store (not folded away: ``x + 0.0`` turns ``-0.0``
+    into ``+0.0``), the dependence of a RoPE block's stores on its token's position."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental import pallas as pl
     from jaxrope.kernels import mosaic_gpu
