@@ -1,10 +1,15 @@
 """torch <-> JAX through DLPack on CPU: zero-copy imports, in-place writes, staging copies."""
 
+import threading
+import time
+import weakref
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from torch_bridge.dlpack import InPlace, NotZeroCopyError, to_jax, to_torch  # noqa: E402
@@ -34,6 +39,37 @@ def test_bfloat16_round_trips_bit_exactly():
     back = to_torch(to_jax(t))
     assert back.dtype == torch.bfloat16
     assert torch.equal(back.view(torch.int16), t.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.int32])
+def test_to_jax_shares_memory_for_dtypes_numpy_lacks_too(dtype):
+    t = torch.randn(64, 3).to(dtype)
+    x = to_jax(t)
+    assert x.unsafe_buffer_pointer() == t.data_ptr()
+    assert x.dtype.name == str(dtype)[len("torch."):]
+    assert torch.equal(to_torch(x).view(torch.uint8), t.view(torch.uint8))
+
+
+def test_an_imported_tensor_is_released_on_a_python_thread_not_an_xla_worker():
+    # Released on XLA's worker thread (as a DLPack import is), torch's deleter takes the
+    # GIL there, which aborts the process when it happens while the interpreter exits.
+    @jax.jit
+    def slow(x):  # long enough that the worker, not this thread, ends the buffer's use
+        return jax.lax.fori_loop(0, 100, lambda i, y: jnp.sin(y) + 1.0, x)
+
+    released = []
+    for _ in range(3):
+        t = torch.randn(256, 1024)
+        weakref.finalize(t, lambda: released.append(threading.get_ident()))
+        out = slow(to_jax(t))
+        del t
+        out.block_until_ready()
+    for _ in range(100):  # JAX hands deferred releases back on its next calls
+        if len(released) == 3:
+            break
+        jnp.zeros(1).block_until_ready()
+        time.sleep(0.01)
+    assert released == [threading.main_thread().ident] * 3
 
 
 def test_to_jax_rejects_non_contiguous_tensors():

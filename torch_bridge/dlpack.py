@@ -2,7 +2,8 @@
 
 Three operations:
 
-- :func:`to_jax` imports a torch tensor as a JAX array over the same memory.
+- :func:`to_jax` imports a torch tensor as a JAX array over the same memory (through
+  DLPack on the GPU, through a numpy view on the CPU: see :func:`to_jax`).
 - :func:`to_torch` exports a JAX array as a torch tensor over the same memory.
 - :class:`InPlace` runs a jitted JAX function whose outputs replace the contents of
   torch tensors, with the inputs donated so that XLA can write the results into the
@@ -48,6 +49,7 @@ from typing import Callable, Dict, Sequence, Tuple
 
 import jax
 import jax.dlpack
+import jax.numpy as jnp
 import torch
 
 __all__ = ["InPlace", "MIN_BUCKET", "NotZeroCopyError", "jax_device", "pad_tokens",
@@ -104,7 +106,10 @@ def to_jax(tensor: torch.Tensor) -> jax.Array:
         alignment.
 
     Returns:
-      ``jax.Array`` of the same shape on :func:`jax_device` of ``tensor.device``.
+      ``jax.Array`` of the same shape on :func:`jax_device` of ``tensor.device``. A CPU
+      tensor is put on the device as a numpy view (no copy either), so that the buffer
+      is released on a thread that holds the GIL, never on XLA's worker (which can
+      abort an exiting interpreter).
 
     Raises:
       NotZeroCopyError: the tensor is non-contiguous or misaligned.
@@ -123,6 +128,8 @@ def to_jax(tensor: torch.Tensor) -> jax.Array:
         raise NotZeroCopyError(f"tensor with shape={tuple(tensor.shape)} and "
                                f"stride={tensor.stride()} is not contiguous; DLPack import needs "
                                "compact strides")
+    if tensor.device.type == "cpu":
+        return _host_import(tensor)
     try:
         return jax.dlpack.from_dlpack(tensor, copy=False)
     except ValueError as e:
@@ -130,6 +137,33 @@ def to_jax(tensor: torch.Tensor) -> jax.Array:
             raise NotZeroCopyError(f"tensor at data_ptr={tensor.data_ptr():#x} is not aligned "
                                    f"as XLA requires: {e}") from e
         raise
+
+
+def _host_import(tensor: torch.Tensor) -> jax.Array:
+    # Not DLPack on CPU: XLA's CPU runtime releases an imported buffer on its worker
+    # thread when the last computation using it ends, and torch's DLPack deleter then
+    # takes the GIL, which aborts the process ("terminate called without an active
+    # exception") when that happens while the interpreter finalizes. A numpy view put
+    # on the device is just as zero copy, and JAX defers its release to a thread that
+    # holds the GIL. numpy lacks bfloat16 and the float8 types: those go through an
+    # integer view of the same width and numpy's view as JAX's type of that name.
+    if tensor.dtype.is_floating_point and tensor.dtype not in _NUMPY_FLOATS:
+        bits = _SAME_WIDTH_INT[tensor.element_size()]
+        host = tensor.view(bits).numpy().view(getattr(jnp, str(tensor.dtype)[len("torch."):]))
+    else:
+        host = tensor.numpy()
+    array = jax.device_put(host, jax_device(tensor.device))
+    # device_put copies a buffer XLA cannot alias (misaligned) instead of refusing it;
+    # int64 becomes int32 (a copy) as DLPack's import does.
+    if (tensor.numel() and array.dtype.itemsize == tensor.element_size()
+            and array.unsafe_buffer_pointer() != tensor.data_ptr()):
+        raise NotZeroCopyError(f"tensor at data_ptr={tensor.data_ptr():#x} is not aligned as "
+                               "XLA requires (64 bytes on CPU)")
+    return array
+
+
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 def read_only(tensor: torch.Tensor, allow_copy: bool) -> jax.Array:
