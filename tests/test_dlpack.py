@@ -1,4 +1,5 @@
-"""torch <-> JAX through DLPack on CPU: zero-copy imports, in-place writes, staging copies."""
+"""torch <-> JAX on CPU (numpy views in, DLPack out): zero-copy imports, in-place writes,
+staging copies."""
 
 import threading
 import time

@@ -52,8 +52,8 @@ import jax.dlpack
 import jax.numpy as jnp
 import torch
 
-__all__ = ["InPlace", "MIN_BUCKET", "NotZeroCopyError", "jax_device", "pad_tokens",
-           "read_only", "to_jax", "to_torch", "token_bucket", "write_back"]
+__all__ = ["InPlace", "MIN_BUCKET", "NotZeroCopyError", "jax_device", "jax_dtype_name",
+           "pad_tokens", "read_only", "to_jax", "to_torch", "token_bucket", "write_back"]
 
 # The smallest token bucket: decode batches of 1..16 tokens share one compile (padding a
 # few tokens costs less than a compile, which takes seconds on CPU).
@@ -97,6 +97,17 @@ def jax_device(device: torch.device) -> jax.Device:
     return dev
 
 
+def jax_dtype_name(dtype: torch.dtype) -> str:
+    """The name JAX (and numpy, where it has the type) gives torch's ``dtype``: torch's
+    own name without its module.
+
+    Example:
+      >>> jax_dtype_name(torch.bfloat16), jax_dtype_name(torch.float8_e4m3fn)
+      ('bfloat16', 'float8_e4m3fn')
+    """
+    return str(dtype).removeprefix("torch.")
+
+
 def to_jax(tensor: torch.Tensor) -> jax.Array:
     """A JAX array over ``tensor``'s memory (no copy), ordered after torch's current stream.
 
@@ -126,8 +137,8 @@ def to_jax(tensor: torch.Tensor) -> jax.Array:
                          "tracks; run under torch.no_grad() or pass tensor.detach()")
     if not tensor.is_contiguous():
         raise NotZeroCopyError(f"tensor with shape={tuple(tensor.shape)} and "
-                               f"stride={tensor.stride()} is not contiguous; DLPack import needs "
-                               "compact strides")
+                               f"stride={tensor.stride()} is not contiguous; a zero-copy import "
+                               "needs compact strides")
     if tensor.device.type == "cpu":
         return _host_import(tensor)
     try:
@@ -149,7 +160,7 @@ def _host_import(tensor: torch.Tensor) -> jax.Array:
     # integer view of the same width and numpy's view as JAX's type of that name.
     if tensor.dtype.is_floating_point and tensor.dtype not in _NUMPY_FLOATS:
         bits = _SAME_WIDTH_INT[tensor.element_size()]
-        host = tensor.view(bits).numpy().view(getattr(jnp, str(tensor.dtype)[len("torch."):]))
+        host = tensor.view(bits).numpy().view(getattr(jnp, jax_dtype_name(tensor.dtype)))
     else:
         host = tensor.numpy()
     array = jax.device_put(host, jax_device(tensor.device))

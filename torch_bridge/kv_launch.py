@@ -39,6 +39,7 @@ import torch
 from jaxrope.apply import kernel_options
 from jaxrope.config import RopeConfig
 from jaxrope.kernels import kv_pallas, pallas_triton, triton_ir
+from torch_bridge.dlpack import jax_dtype_name
 from torch_bridge.kv_append import CacheGeometry, int32_slots
 from torch_bridge.triton_launch import mrope_block
 from torch_bridge.triton_runtime import (ALIGN, AngleTables, CountTable, KernelCache,
@@ -48,10 +49,6 @@ __all__ = ["KVAppendLauncher", "append_record", "append_operands", "bound_append
 
 # Launch records kept (one per distinct shape, cache, config, scales and device).
 _MAX_LAUNCHES = 4096
-
-
-def _jax_dtype(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class KVAppendLauncher:
@@ -93,8 +90,8 @@ class KVAppendLauncher:
         return self._kernels.get((q_heads, dtype, cfg, geometry, block), lambda: (
             triton_ir.export_append_kv(
                 q_heads=q_heads, k_heads=geometry.k_heads, head_dim=cfg.head_dim,
-                dtype=_jax_dtype(dtype), cache_shape=geometry.view_shape,
-                cache_dtype=_jax_dtype(geometry.dtype), layout=geometry.layout,
+                dtype=jax_dtype_name(dtype), cache_shape=geometry.view_shape,
+                cache_dtype=jax_dtype_name(geometry.dtype), layout=geometry.layout,
                 components=geometry.components, block=block, **kernel_options(cfg))))
 
     def rotate_and_append_kv_(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -32,6 +32,7 @@ from jaxrope.apply import kernel_options
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels import kv_layout, kv_mosaic, mosaic_export, mosaic_gpu
+from torch_bridge.dlpack import jax_dtype_name
 from torch_bridge.kv_append import CacheGeometry
 from torch_bridge.kv_launch import append_operands, append_record, bound_append
 from torch_bridge.triton_launch import mrope_block
@@ -172,7 +173,7 @@ class MosaicLauncher:
         groups = q_heads // p.q_group + k_heads // p.k_group
         shape = launch_shape(tokens, p.tokens_per_block, groups, p.block_groups)
         export_kwargs = dict(q_heads=q_heads, k_heads=k_heads, head_dim=cfg.head_dim,
-                             dtype=str(dtype).removeprefix("torch."), capacity=shape.capacity,
+                             dtype=jax_dtype_name(dtype), capacity=shape.capacity,
                              grid=grid or shape.grid, splits=shape.splits,
                              min_count=shape.min_count, max_count=shape.max_count,
                              **kernel_options(cfg))
@@ -298,8 +299,8 @@ class MosaicKVLauncher:
                                     geometry.view_shape[0] // geometry.components,
                                     geometry.page_size, geometry.k_heads)
         export_kwargs = dict(q_heads=q_heads, k_heads=geometry.k_heads, head_dim=cfg.head_dim,
-                             dtype=str(dtype).removeprefix("torch."),
-                             cache_dtype=str(geometry.dtype).removeprefix("torch."), rows=rows,
+                             dtype=jax_dtype_name(dtype),
+                             cache_dtype=jax_dtype_name(geometry.dtype), rows=rows,
                              components=1 if geometry.combined else 2, capacity=shape.capacity,
                              grid=grid or shape.grid, max_count=shape.max_count,
                              **kernel_options(cfg))

@@ -33,6 +33,7 @@ import torch
 from jaxrope.apply import kernel_options
 from jaxrope.config import RopeConfig
 from jaxrope.kernels import pallas_triton, triton_ir
+from torch_bridge.dlpack import jax_dtype_name
 from torch_bridge.triton_runtime import ALIGN as _ALIGN
 from torch_bridge.triton_runtime import (AngleTables, CountTable, KernelCache, KernelLaunch,
                                          LaunchRecords, check_launchable)
@@ -75,7 +76,7 @@ class TritonLauncher:
         block = block or pallas_triton.block_config(num_tokens, q_heads, k_heads, lanes)
         export_kwargs = dict(
             q_heads=q_heads, k_heads=k_heads, head_dim=head_dim,
-            dtype=str(dtype).removeprefix("torch."), block=block, **kernel_options(cfg))
+            dtype=jax_dtype_name(dtype), block=block, **kernel_options(cfg))
         # Keyed by everything the IR is exported from (the M-RoPE sections and their
         # interleaving included); the frequencies are a run-time table, keyed by cfg.
         compiled, exported = self._compiled(tuple(export_kwargs.items()), export_kwargs)
