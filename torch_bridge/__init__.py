@@ -38,6 +38,7 @@ from torch_bridge.launchers import KVLauncher, Launcher
 from torch_bridge.manager import PositionManager
 from torch_bridge.published import PublishedPositionInfo
 from torch_bridge.rope_manager import RopeManager
+from torch_bridge.rotary_layer import RotaryEmbedding
 
 __all__ = [
     "AdmitOutcome",
@@ -57,6 +58,7 @@ __all__ = [
     "Resource",
     "ResourceSpec",
     "RopeManager",
+    "RotaryEmbedding",
     "Segment",
     "StepContext",
     "dlpack",

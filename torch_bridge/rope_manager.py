@@ -16,7 +16,7 @@ from typing import Any, Dict, Hashable, Optional, Tuple
 import torch
 
 from jaxrope.config import RopeConfig
-from torch_bridge import kv_append
+from torch_bridge import custom_ops, kv_append
 from torch_bridge.config import PositionConfig
 from torch_bridge.dlpack import jax_device
 from torch_bridge.engine_types import EngineInfo
@@ -108,6 +108,7 @@ class RopeManager(PositionManager):
         self._backend = backend
         JaxRotation.check_backend(backend, self.device)
         self._jax: Optional[JaxRotation] = None  # built at first use: JAX's GPU client is costly
+        self._op_key = custom_ops.manager_key(self)  # how the custom ops name this manager
 
     @property
     def launcher(self) -> Any:
@@ -175,6 +176,9 @@ class RopeManager(PositionManager):
           RuntimeError: called under CUDA-graph capture without a launcher that
             accepts the call.
         """
+        if torch.compiler.is_compiling():  # what the graph records: see torch_bridge.custom_ops
+            return custom_ops.traced_apply_qk(self, q, k, label, (
+                rotary_dim, interleave, rope_scale, rope_theta, rope_dtype), llama31)
         # Peek: a staged plan becomes current (its pre-forks apply) only once the call is valid.
         plan = self._plans.peek()
         overrides = (rotary_dim, interleave, rope_scale, rope_theta, rope_dtype)
@@ -280,6 +284,9 @@ class RopeManager(PositionManager):
           (True, [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 64.0)
           >>> mgr.commit(step, ctx)
         """
+        if torch.compiler.is_compiling():  # what the graph records: see torch_bridge.custom_ops
+            return custom_ops.traced_apply_qk_and_append_kv(
+                self, q, k, v, label, kv_cache, slots, layout, k_quant_scale, v_quant_scale)
         plan = self._plans.peek()
         signature = lambda: kv_append.call_signature(  # noqa: E731
             label, q, k, v, kv_cache, slots, layout, k_quant_scale, v_quant_scale)
@@ -319,13 +326,7 @@ class RopeManager(PositionManager):
         if plan is None or label not in plan.tensors:
             self._check_plan_label(label)
             raise ValueError(f"no positions planned for label={label!r}: call plan() for this step")
-        q3, k3 = self._heads(q, "q"), self._heads(k, "k")
-        if q.dtype != k.dtype:
-            raise ValueError(f"k.dtype={k.dtype} must equal q.dtype={q.dtype}")
-        tokens = q3.shape[0]
-        if k3.shape[0] != tokens:
-            raise ValueError(f"k.shape[0]={k3.shape[0]} must equal q.shape[0]={tokens} (tokens)")
-        return q3, k3
+        return custom_ops.check_qk(q, k, self.head_dim, self.device)
 
     def _run_bound(self, path: FastPath, plan: Optional[Plan], label: Hashable,
                    q: torch.Tensor, signature, run) -> bool:
@@ -349,28 +350,7 @@ class RopeManager(PositionManager):
         return self._jax
 
     def _heads(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.device != self.device:
-            raise ValueError(f"{name} is on {x.device}, expected {self.device} (the manager's device)")
-        if x.dtype not in TORCH_DTYPES:
-            raise ValueError(f"{name}.dtype={x.dtype} must be one of {list(TORCH_DTYPES)}")
-        if x.requires_grad:
-            raise ValueError(f"{name}.requires_grad=True: apply_qk rotates in place; run under "
-                             "torch.no_grad() on tensors autograd does not track")
-        if x.ndim == 2:
-            if x.shape[1] % self.head_dim:
-                raise ValueError(f"{name}.shape={tuple(x.shape)}: {x.shape[1]} is not a multiple of "
-                                 f"head_dim={self.head_dim}")
-            try:
-                return x.view(x.shape[0], x.shape[1] // self.head_dim, self.head_dim)
-            except RuntimeError as e:
-                raise ValueError(f"{name}.shape={tuple(x.shape)} with stride={x.stride()} cannot be "
-                                 f"viewed as [T, H, {self.head_dim}]: {e}") from e
-        if x.ndim != 3 or x.shape[2] != self.head_dim:
-            raise ValueError(f"{name}.shape={tuple(x.shape)} must be [T, H, {self.head_dim}] or "
-                             f"[T, H * {self.head_dim}]")
-        return x
+        return custom_ops.check_heads(x, name, self.head_dim, self.device)
 
 
 def _call_signature(label: Hashable, q: torch.Tensor, k: torch.Tensor,
