@@ -32,6 +32,11 @@ ROPE = jr.RopeConfig(head_dim=D, theta=5e5)
 ATOL = 4 * 2.0 ** -23
 
 
+@pytest.fixture(autouse=True)
+def _seeded_torch(rng):
+    torch.manual_seed(int(rng.integers(2 ** 31)))  # the rng fixture reports the seed
+
+
 def _manager(rope=ROPE) -> RopeManager:
     mgr = RopeManager(PositionConfig(rope=rope), "cpu", max_seq_len=1024, launcher="jax")
     mgr.ingest_request("r0")
@@ -273,3 +278,55 @@ def test_rope_op_rotates_as_the_manager(rng):
     torch.ops.jaxrope.rope_(q2, k2, mgr.pos_ids("text").to(torch.int64),
                             custom_ops.config_key(ROPE))
     assert torch.equal(q, q2) and torch.equal(k, k2)
+
+
+# -- the fused append at explicit positions ------------------------------------------------
+
+
+def test_rope_append_kv_op_writes_what_the_manager_writes(rng):
+    mgr, _ = _planned_pair(5)
+    a = _append_args(q=torch.randn(5, HQ, D), k=torch.randn(5, HK, D), v=torch.randn(5, HK, D),
+                     slots=torch.tensor([3, 17, -1, 40, 2 ** 33]))
+    q2, cache2 = a["q"].clone(), a["cache"].clone()
+    mgr.apply_qk_and_append_kv(a["q"], a["k"], a["v"], "text", a["cache"], a["slots"])
+    torch.ops.jaxrope.rope_append_kv_(q2, a["k"], a["v"], mgr.pos_ids("text"), cache2, None,
+                                      a["slots"], custom_ops.config_key(ROPE), "NHD", None, None)
+    assert torch.equal(q2, a["q"]) and torch.equal(cache2, a["cache"])
+
+
+@pytest.mark.parametrize("case", sorted(BAD_APPEND))
+def test_rope_append_kv_op_refuses_as_the_method(case):
+    method_mgr, _ = _planned_pair()
+    a = _append_args(**BAD_APPEND[case])
+    tensors = (a["q"], a["k"], a["v"], a["cache"], a["slots"])
+    want = _refusal(lambda: method_mgr.apply_qk_and_append_kv(
+        a["q"], a["k"], a["v"], "text", a["cache"], a["slots"], layout=a["layout"],
+        k_quant_scale=a["k_quant_scale"]), tensors)
+    got = _refusal(lambda: torch.ops.jaxrope.rope_append_kv_(
+        a["q"], a["k"], a["v"], torch.arange(3), a["cache"], None, a["slots"],
+        custom_ops.config_key(ROPE), a["layout"], a["k_quant_scale"], None), tensors)
+    assert got == want
+
+
+def test_rope_append_kv_traces_whole_with_a_cache_pair(rng):
+    """Functionalization of the op's two mutated caches (aot_eager: no inductor compile)."""
+    key = custom_ops.config_key(ROPE)
+
+    def step(pos, q, k, v, k_cache, v_cache, slots):
+        q = q * 1
+        custom_ops.rope_append_kv_(q, k, v, pos, (k_cache, v_cache), slots, key)
+        return q + 0, k_cache.sum() + v_cache.sum()
+
+    def inputs(tokens):
+        return (torch.arange(tokens), torch.randn(tokens, HQ, D), torch.randn(tokens, HK, D),
+                torch.randn(tokens, HK, D), torch.zeros(4, 16, HK, D), torch.zeros(4, 16, HK, D),
+                torch.arange(tokens) * 2)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=True)
+    for tokens in (5, 9):
+        eager_args = inputs(tokens)
+        compiled_args = tuple(x.clone() for x in eager_args)
+        want, got = step(*eager_args), compiled(*compiled_args)
+        assert all(torch.equal(w, g) for w, g in zip(want, got))
+        assert torch.equal(eager_args[4], compiled_args[4]) and torch.equal(eager_args[5],
+                                                                            compiled_args[5])

@@ -1,11 +1,13 @@
 """torch_bridge: the PyTorch-facing RopeManager over the jaxrope core (the only torch importer).
 
 The public API is exactly what ``__all__`` lists: the classes an engine uses (the
-managers, their config, the engine types they take and return, the launchers) and
-two modules used as ``torch_bridge.<module>.<name>``: :mod:`torch_bridge.dlpack`
-(zero-copy tensors between torch and JAX) and :mod:`torch_bridge.handoff` (a
-request's record and KV between processes). Every other module is private:
-importable, its names may change without notice. A launcher declines a call by
+managers, their config, the engine types they take and return, the launchers, the
+vLLM-shaped rotary layer) and three modules used as ``torch_bridge.<module>.<name>``:
+:mod:`torch_bridge.dlpack` (zero-copy tensors between torch and JAX),
+:mod:`torch_bridge.handoff` (a request's record and KV between processes) and
+:mod:`torch_bridge.custom_ops` (the rotations as torch custom ops, for
+``torch.compile``). Every other module is private: importable, its names may change
+without notice. A launcher declines a call by
 raising :class:`jaxrope.BackendUnavailable`.
 
 Example:
@@ -29,7 +31,7 @@ except ModuleNotFoundError as e:
         "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
         name="torch") from e
 
-from torch_bridge import dlpack, handoff
+from torch_bridge import custom_ops, dlpack, handoff
 from torch_bridge.config import PositionConfig
 from torch_bridge.engine_types import (AdmitOutcome, EngineInfo, Fork, GraphBucket, GraphSlot,
                                        KVPlanOutput, KVView, PositionStep, PublishedInfo, Resource,
@@ -61,6 +63,7 @@ __all__ = [
     "RotaryEmbedding",
     "Segment",
     "StepContext",
+    "custom_ops",
     "dlpack",
     "handoff",
 ]

@@ -7,6 +7,8 @@ count ``T`` traces as a symbol:
 ==========================================  =============================================
 ``jaxrope::rope_(q!, k!, pos_ids, config)``  rotate at explicit positions (:func:`rope_`,
                                              the vLLM-shaped layer's op)
+``jaxrope::rope_append_kv_(...)``            the fused RoPE + paged KV append at explicit
+                                             positions (:func:`rope_append_kv_`)
 ``jaxrope::apply_qk(q!, k!, manager, ...)``  :meth:`RopeManager.apply_qk` at the planned
                                              positions of ``label``
 ``jaxrope::apply_qk_and_append_kv(...)``     :meth:`RopeManager.apply_qk_and_append_kv`
@@ -38,6 +40,14 @@ signature has run outside capture; q, k and v that a launcher cannot take as the
 (non-contiguous views of a fused qkv buffer, misaligned) are staged through
 contiguous copies on the stream and written back, which a capture records, where the
 JAX path (not capturable) would otherwise run.
+
+Example:
+  >>> import jaxrope as jr
+  >>> key = config_key(jr.RopeConfig(head_dim=8))
+  >>> q, k = torch.ones(2, 2, 8), torch.ones(2, 1, 8)
+  >>> torch.ops.jaxrope.rope_(q, k, torch.tensor([0, 5]), key)  # what a compiled graph calls
+  >>> bool((q[0] == 1).all()), bool((q[1] != 1).any())
+  (True, True)
 """
 
 from __future__ import annotations
@@ -56,7 +66,7 @@ from torch_bridge.launchers import FastPath, resolve_launchers
 from torch_bridge.rotate import LLAMA31_PARAMS, TORCH_DTYPES, JaxRotation
 
 __all__ = ["check_heads", "check_qk", "config_key", "config_of", "manager_key", "manager_of",
-           "rope_", "traced_apply_qk", "traced_apply_qk_and_append_kv"]
+           "rope_", "rope_append_kv_", "traced_apply_qk", "traced_apply_qk_and_append_kv"]
 
 # The launchers' alignment (torch_bridge.triton_runtime.ALIGN): a CUDA tensor is staged
 # when it is not contiguous or its address is not a multiple of this.
@@ -192,9 +202,11 @@ class _Runtime:
 
     def __init__(self, device: torch.device):
         self.device = device
-        rope, _ = resolve_launchers("auto", device)
+        rope, kv = resolve_launchers("auto", device)
         self.rope = FastPath("jaxrope::rope_", rope)
+        self.kv = FastPath("jaxrope::rope_append_kv_", kv)
         self._jax: Optional[JaxRotation] = None
+        self._kv_jax: Optional[kv_append.JaxAppend] = None
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor,
                cfg: RopeConfig) -> None:
@@ -205,6 +217,17 @@ class _Runtime:
         if self._jax is None:
             self._jax = JaxRotation(jax_device(self.device))
         self._jax(q, k, pos_ids, cfg)
+
+    def append(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: torch.Tensor,
+               caches: Tuple[torch.Tensor, ...], slots: torch.Tensor, cfg: RopeConfig,
+               geometry: kv_append.CacheGeometry, scales: Tuple[float, float]) -> None:
+        if self.kv.launch(lambda launcher: launcher.rotate_and_append_kv_(
+                q, k, v, pos_ids, caches, slots, cfg, geometry, scales), None, lambda: None):
+            return
+        self.kv.refuse_under_capture(self.device)
+        if self._kv_jax is None:
+            self._kv_jax = kv_append.JaxAppend(self.device)
+        self._kv_jax(q, k, v, caches, geometry, pos_ids, slots, cfg, scales)
 
 
 _RUNTIMES: Dict[torch.device, _Runtime] = {}
@@ -288,6 +311,74 @@ def rope_(q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor, config: str) 
         torch.ops.jaxrope.rope_(q, k, pos_ids, config)
     else:
         _rotate_explicit(q, k, pos_ids, config)
+
+
+def _append_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: Optional[torch.Tensor], slots: torch.Tensor,
+                     config: str, layout: str, k_quant_scale: Optional[float],
+                     v_quant_scale: Optional[float]) -> None:
+    cfg = config_of(config)
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    q3, k3 = check_qk(q, k, cfg.head_dim, q.device, "q's device")
+    v3 = check_heads(v, "v", cfg.head_dim, q.device, "q's device")
+    kv_cache = k_cache if v_cache is None else (k_cache, v_cache)
+    caches, geometry, scales = kv_append.check_call(k3, v3, kv_cache, slots, layout,
+                                                    k_quant_scale, v_quant_scale, q.device)
+    pos = _check_positions(pos_ids, q3.shape[0], cfg, q.device)
+    if q3.shape[0]:
+        runtime = _runtime(q.device)
+        _staged((q3, k3, v3), (True, False, False), lambda a, b, c: runtime.append(
+            a, b, c, pos, caches, slots, cfg, geometry, scales))
+
+
+@torch.library.custom_op("jaxrope::rope_append_kv_", mutates_args=("q", "k_cache", "v_cache"),
+                         device_types=("cpu", "cuda"))
+def _rope_append_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: Optional[torch.Tensor], slots: torch.Tensor,
+                    config: str, layout: str, k_quant_scale: Optional[float],
+                    v_quant_scale: Optional[float]) -> None:
+    _append_explicit(q, k, v, pos_ids, k_cache, v_cache, slots, config, layout, k_quant_scale,
+                     v_quant_scale)
+
+
+@_rope_append_op.register_fake
+def _(q, k, v, pos_ids, k_cache, v_cache, slots, config, layout, k_quant_scale, v_quant_scale):
+    return None
+
+
+def rope_append_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: torch.Tensor,
+                    kv_cache: Any, slots: torch.Tensor, config: str, *, layout: str = "NHD",
+                    k_quant_scale: Optional[float] = None,
+                    v_quant_scale: Optional[float] = None) -> None:
+    """Rotate ``q`` in place at ``pos_ids`` and write the rotated ``k`` and the ``v`` into
+    the paged ``kv_cache`` at ``slots``: :meth:`RopeManager.apply_qk_and_append_kv` with
+    explicit positions (as :func:`rope_`) and no manager.
+
+    ``kv_cache``, ``slots``, ``layout`` and the scales as the method takes them (a
+    ``(k_cache, v_cache)`` pair or one ``[pages, 2, ...]`` tensor; any integer slots,
+    -1 or any slot outside the cache skipping the token); ``pos_ids`` and ``config`` as
+    :func:`rope_`. Under ``torch.compile`` this is the ``jaxrope::rope_append_kv_`` op.
+
+    Raises:
+      TypeError, ValueError: as the method refuses each argument (devices: q's), and
+        ``pos_ids`` as :func:`rope_`.
+
+    Example:
+      >>> import jaxrope as jr
+      >>> key = config_key(jr.RopeConfig(head_dim=8))
+      >>> cache = torch.zeros(2, 2, 4, 1, 8)                  # 2 pages of 4, combined
+      >>> q, kv = torch.ones(1, 2, 8), torch.ones(1, 1, 8)
+      >>> rope_append_kv_(q, kv, kv, torch.tensor([0]), cache, torch.tensor([5]), key)
+      >>> cache[1, 0, 1, 0].tolist() == [1.0] * 8, cache[1, 1, 1, 0].tolist() == [1.0] * 8
+      (True, True)
+    """
+    if isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2:
+        k_cache, v_cache = kv_cache
+    else:
+        k_cache, v_cache = kv_cache, None
+    call = torch.ops.jaxrope.rope_append_kv_ if torch.compiler.is_compiling() else _append_explicit
+    call(q, k, v, pos_ids, k_cache, v_cache, slots, config, layout, k_quant_scale, v_quant_scale)
 
 
 # -- the manager's methods as ops ----------------------------------------------------------
