@@ -20,7 +20,9 @@ torch = pytest.importorskip("torch")
 import torch._dynamo.testing  # noqa: E402
 
 import jaxrope as jr  # noqa: E402
+from bad_input_harness import busy_manager, finish, raises_naming_it_and_changes_nothing  # noqa: E402
 from bench.compile_layers import FusedQKVAttention, ManagerRotary, PagedAttention  # noqa: E402
+from test_bad_inputs_manager import MANAGER_CASES  # noqa: E402
 from torch_bridge import (PositionConfig, PositionStep, RopeManager,  # noqa: E402
                           RotaryEmbedding, Segment, StepContext)
 from torch_bridge import custom_ops  # noqa: E402
@@ -202,18 +204,26 @@ BAD_APPEND = {
 }
 
 
+APPEND_OPS = {
+    "apply_qk_and_append_kv": lambda a, mgr: torch.ops.jaxrope.apply_qk_and_append_kv(
+        a["q"], a["k"], a["v"], a["cache"], None, a["slots"], mgr._op_key, "text", a["layout"],
+        a["k_quant_scale"], None),
+    "rope_append_kv_": lambda a, mgr: torch.ops.jaxrope.rope_append_kv_(
+        a["q"], a["k"], a["v"], torch.arange(3), a["cache"], None, a["slots"],
+        custom_ops.config_key(ROPE), a["layout"], a["k_quant_scale"], None),
+}
+
+
+@pytest.mark.parametrize("op", sorted(APPEND_OPS))
 @pytest.mark.parametrize("case", sorted(BAD_APPEND))
-def test_append_op_refuses_as_the_method(case):
+def test_append_ops_refuse_as_the_method(case, op):
     method_mgr, op_mgr = _planned_pair()
     a = _append_args(**BAD_APPEND[case])
     tensors = (a["q"], a["k"], a["v"], a["cache"], a["slots"])
     want = _refusal(lambda: method_mgr.apply_qk_and_append_kv(
         a["q"], a["k"], a["v"], "text", a["cache"], a["slots"], layout=a["layout"],
         k_quant_scale=a["k_quant_scale"]), tensors)
-    got = _refusal(lambda: torch.ops.jaxrope.apply_qk_and_append_kv(
-        a["q"], a["k"], a["v"], a["cache"], None, a["slots"], op_mgr._op_key, "text",
-        a["layout"], a["k_quant_scale"], None), tensors)
-    assert got == want
+    assert _refusal(lambda: APPEND_OPS[op](a, op_mgr), tensors) == want
 
 
 @pytest.mark.parametrize("case", sorted(BAD_QK))
@@ -294,20 +304,6 @@ def test_rope_append_kv_op_writes_what_the_manager_writes(rng):
     assert torch.equal(q2, a["q"]) and torch.equal(cache2, a["cache"])
 
 
-@pytest.mark.parametrize("case", sorted(BAD_APPEND))
-def test_rope_append_kv_op_refuses_as_the_method(case):
-    method_mgr, _ = _planned_pair()
-    a = _append_args(**BAD_APPEND[case])
-    tensors = (a["q"], a["k"], a["v"], a["cache"], a["slots"])
-    want = _refusal(lambda: method_mgr.apply_qk_and_append_kv(
-        a["q"], a["k"], a["v"], "text", a["cache"], a["slots"], layout=a["layout"],
-        k_quant_scale=a["k_quant_scale"]), tensors)
-    got = _refusal(lambda: torch.ops.jaxrope.rope_append_kv_(
-        a["q"], a["k"], a["v"], torch.arange(3), a["cache"], None, a["slots"],
-        custom_ops.config_key(ROPE), a["layout"], a["k_quant_scale"], None), tensors)
-    assert got == want
-
-
 def test_rope_append_kv_traces_whole_with_a_cache_pair(rng):
     """Functionalization of the op's two mutated caches (aot_eager: no inductor compile)."""
     key = custom_ops.config_key(ROPE)
@@ -330,3 +326,43 @@ def test_rope_append_kv_traces_whole_with_a_cache_pair(rng):
         assert all(torch.equal(w, g) for w, g in zip(want, got))
         assert torch.equal(eager_args[4], compiled_args[4]) and torch.equal(eager_args[5],
                                                                             compiled_args[5])
+
+
+# -- the manager catalogue's apply_qk cases, routed as torch.compile routes them ------------
+
+# Out of the op's domain: arguments whose type the op schema fixes (torch refuses them
+# before any implementation runs, as for every op) and a meta tensor (dispatched to the
+# fake implementation). Under torch.compile such arguments never reach the op as given.
+_SCHEMA_TYPED = {"apply_qk with q not a tensor", "apply_qk with interleave as a string",
+                 "apply_qk with rope_dtype as a string", "apply_qk with q on another device"}
+APPLY_CASES = [c for c in MANAGER_CASES
+               if c.name.startswith("apply_qk") and c.name not in _SCHEMA_TYPED]
+_COMPILING = {"now": False, "calls": 0}
+
+
+class _InsideOp:
+    """A manager as the op's implementation sees it: not compiling."""
+
+    def __init__(self, mgr):
+        self._mgr = mgr
+
+    def apply_qk(self, *args, **kwargs):
+        _COMPILING["calls"] += 1
+        _COMPILING["now"] = False
+        try:
+            return self._mgr.apply_qk(*args, **kwargs)
+        finally:
+            _COMPILING["now"] = True
+
+
+@pytest.mark.parametrize("case", APPLY_CASES, ids=lambda c: c.name)
+def test_catalogue_apply_qk_cases_through_the_op(case, monkeypatch):
+    """Each case calls ``apply_qk`` as a compiled graph would (``traced_apply_qk``, then the
+    op): the same error, the manager's state unchanged, then it ends as an untouched twin."""
+    manager_of = custom_ops.manager_of
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: _COMPILING["now"])
+    monkeypatch.setattr(custom_ops, "manager_of", lambda key: _InsideOp(manager_of(key)))
+    monkeypatch.setitem(_COMPILING, "now", True)
+    monkeypatch.setitem(_COMPILING, "calls", 0)
+    raises_naming_it_and_changes_nothing(case, busy_manager, finish)
+    assert _COMPILING["calls"] >= 2  # finish() on both managers went through the op
