@@ -64,6 +64,7 @@ def test_vllm_layer_under_cuda_graphs_replays_with_new_positions(device):
     graphed = torch.compile(rotated, mode="reduce-overhead", fullgraph=True)
     graphed_layer = torch.compile(twin, mode="reduce-overhead", fullgraph=True)
     for _ in range(6):  # warm-up, record, then replays
+        torch.compiler.cudagraph_mark_step_begin()
         positions = torch.randint(0, CFG.max_position, (64,), device=device, generator=_gen(device))
         x = _x(device, 64)
         with torch.no_grad():
@@ -124,6 +125,7 @@ def test_paged_layer_under_cuda_graphs_replays_positions_of_a_graph_slot(device)
     counters.clear()
     graphed = torch.compile(twin, mode="reduce-overhead", fullgraph=True)
     for step in range(6):
+        torch.compiler.cudagraph_mark_step_begin()
         x = _x(device, tokens)
         slots = torch.arange(step * tokens, (step + 1) * tokens, device=device)
         want = _run(eager_mgr, tokens, lambda: eager(x, slots, context), lease)
