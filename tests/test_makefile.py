@@ -39,4 +39,4 @@ def test_make_docs_installs_the_docs_extra_and_builds_with_warnings_as_errors():
     result = subprocess.run(["make", "-n", "-B", "docs"], cwd=ROOT, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert '-e ".[docs]"' in result.stdout and "sphinx -W" in result.stdout, result.stdout
+    assert '-e ".[docs]"' in result.stdout and "sphinx -E -W" in result.stdout, result.stdout
