@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 # Arguments of the demo, e.g. `make demo DEMO_ARGS="--model qwen2.5-vl"` (the M-RoPE trace).
 DEMO_ARGS ?=
 
-.PHONY: demo test test-core-jax011 test-core-jax012 bench gpu clean
+.PHONY: demo test test-core-jax011 test-core-jax012 docs bench gpu clean
 
 # What the demo needs (torch and jaxrope's own dependencies), then what the tests and
 # benchmarks add; `make demo` installs only the first, `make test` both. --no-compile:
@@ -31,7 +31,12 @@ $(VENV)/.demo-installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.demo-installed
-	$(VENV)/bin/pip install -q -e ".[test,bench,triton,hf]"
+	$(VENV)/bin/pip install -q -e ".[test,triton,hf]"
+	touch $@
+
+# Sphinx and MyST on top of the demo's environment: autodoc imports jaxrope and torch_bridge.
+$(VENV)/.docs-installed: $(VENV)/.demo-installed
+	$(VENV)/bin/pip install -q --no-compile -e ".[docs]"
 	touch $@
 
 $(VENV312)/.installed: pyproject.toml
@@ -64,8 +69,13 @@ test-core-jax011: $(VENV312)/.installed
 test-core-jax012: $(VENV012)/.installed
 	$(VENV012)/bin/python -m pytest -q -n $(WORKERS) $(PYTEST_ARGS)
 
+# The guides of docs/ and the API reference generated from the docstrings, warnings as
+# errors; the site lands in docs/_build/html.
+docs: $(VENV)/.docs-installed
+	JAX_PLATFORMS=cpu $(VENV)/bin/python -m sphinx -E -W --keep-going -q -b html docs docs/_build/html
+
 bench: $(VENV)/.installed
 	$(VENV)/bin/python -m bench.rope_bench --quick
 
 clean:
-	rm -rf $(VENV) $(VENV312) $(VENV012) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV312) $(VENV012) .pytest_cache .hypothesis docs/_build

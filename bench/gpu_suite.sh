@@ -39,6 +39,22 @@ if [ $# -lt 1 ]; then
     echo "usage: bash bench/gpu_suite.sh <logdir> [install|versions|flashinfer|tests|goldens|golden-check|demo|bench ...]" >&2
     exit 2
 fi
+# Every step needs the CUDA driver and a GPU: without them say so once, before any step.
+if ! python3 - <<'PY'
+import ctypes, sys
+try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+except OSError:
+    sys.exit(1)
+count = ctypes.c_int(0)
+sys.exit(0 if cuda.cuInit(0) == 0 and cuda.cuDeviceGetCount(ctypes.byref(count)) == 0
+         and count.value > 0 else 1)
+PY
+then
+    echo "bench/gpu_suite.sh needs a CUDA GPU (no CUDA driver or no device found here);" \
+         "run the CPU suite with 'make test'" >&2
+    exit 3
+fi
 LOGDIR=$(mkdir -p "$1" && cd "$1" && pwd) || { echo "cannot create $1" >&2; exit 2; }
 shift
 STEPS=${*:-install versions flashinfer tests goldens golden-check demo bench}

@@ -74,9 +74,8 @@ def parser(prog: str = "python -m jaxrope.demo") -> argparse.ArgumentParser:
 
 
 INSTALL_HINT = ("jaxrope.demo drives the PyTorch facade (torch_bridge) and needs torch: "
-                "pip install -e '.[torch]' from a clone (CPU-only: pip install torch "
-                "--index-url https://download.pytorch.org/whl/cpu), or run `make demo`, "
-                "which installs it; `python -m jaxrope.demo --jax` runs the JAX engine demo "
+                "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu "
+                "(the CPU build), or run `make demo`, which installs it; `python -m jaxrope.demo --jax` runs the JAX engine demo "
                 "without torch")
 
 
@@ -92,6 +91,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             argv.remove("--jax")
             return importlib.import_module("jaxrope.engine_demo").main(argv)
         command_line = parser()
+        command_line.add_argument("--jax", action="store_true",
+                                  help="run the JAX engine trace instead (no torch)")
         args = command_line.parse_args(argv)
         try:
             cli = importlib.import_module("torch_bridge.demo.cli")

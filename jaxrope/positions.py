@@ -413,7 +413,7 @@ def admit(table: PositionTable, rows: IntArray, positions: IntArray, deltas: Int
     decoded :class:`jaxrope.wire.StreamRecord` against the stream's own rewinds with
     :func:`jaxrope.wire.rewind_order` on the host first and admits none that answers
     ``"conflict"`` (the torch bridge does exactly that); only one writer per stream (its
-    owner, README "Who may roll a stream back") keeps this max safe without it.
+    owner, docs/handoff.md) keeps this max safe without it.
 
     Raises:
       ValueError: outside ``jit``, an epoch outside ``[0, 2**31 - 1]`` (int32, as the

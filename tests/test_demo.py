@@ -38,7 +38,12 @@ def test_without_torch_the_entry_names_the_install_command_and_exits_2():
     result = _python("import sys\nsys.modules['torch'] = None\n"
                      "from jaxrope.demo import main\nsys.exit(main([]))")
     assert result.returncode == 2, result.stderr
-    assert "pip install -e '.[torch]'" in result.stderr and "make demo" in result.stderr
+    assert "pip install torch==2.13.0" in result.stderr and "make demo" in result.stderr
+
+
+def test_help_lists_the_jax_engine_trace():
+    result = _python("from jaxrope.demo import main\nmain(['--help'])")
+    assert result.returncode == 0 and "--jax" in result.stdout, result.stdout + result.stderr
 
 
 try:

@@ -1,7 +1,7 @@
-"""README's "What is guaranteed on bad input", claim by claim, each exercised for real.
+"""docs/guarantees.md, "What is guaranteed on bad input", claim by claim, each exercised for real.
 
 ``CLAIMS`` quotes each claim of that section (a phrase that must stay in it) beside the
-test that exercises it, so a claim edited in the README without its test, or a test
+test that exercises it, so a claim edited in the guide without its test, or a test
 left without its claim, fails ``test_every_claim_is_in_the_readme_and_has_its_test``.
 
 - A bad argument to every public entry point raises the documented type, naming the
@@ -39,8 +39,8 @@ except ImportError:  # the core leg (Python 3.12, no torch) walks the core claim
 
 needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed (core-only leg)")
 
-README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-SECTION = README.split("## What is guaranteed on bad input")[1].split("\n## ")[0]
+GUIDE = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "guarantees.md").read_text()
+SECTION = GUIDE.split("# What is guaranteed on bad input")[1]
 HEAD_DIM = 16
 
 # (a phrase of the section, the test of this file that exercises it).

@@ -28,7 +28,7 @@ def test_import_torch_bridge_without_torch_names_the_install_commands():
     assert result.returncode == 0, result.stderr
     name, message = result.stdout.split("\n", 1)
     assert name == "torch", result.stdout
-    assert "pip install 'jaxrope[torch]'" in message, message
+    assert "jaxrope[torch]" not in message, message  # the extra alone pulls a CUDA build
     assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in message
 
 

@@ -30,4 +30,13 @@ def test_make_demo_installs_torch_and_jaxrope_without_extras():
 
 def test_make_test_installs_the_extras_the_suite_needs():
     installs = _recipe("test")
-    assert any('-e ".[test,bench,triton,hf]"' in line for line in installs), installs
+    assert any('-e ".[test,triton,hf]"' in line for line in installs), installs
+
+
+def test_make_docs_installs_the_docs_extra_and_builds_with_warnings_as_errors():
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    result = subprocess.run(["make", "-n", "-B", "docs"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert '-e ".[docs]"' in result.stdout and "sphinx -E -W" in result.stdout, result.stdout

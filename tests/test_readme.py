@@ -1,4 +1,4 @@
-"""Every code block of README.md is executed or checked, so the README cannot rot.
+"""Every code block of README.md and docs/*.md is executed or checked, so they cannot rot.
 
 - ``python`` blocks run as pasted: each in a fresh interpreter started in the checkout,
   without ``XLA_FLAGS`` (a block that needs a flag sets it itself, before importing jax),
@@ -9,7 +9,10 @@
   syntactically valid script (``bash -n S``), and the ``pip download`` line must name
   the wheels ``bench/gpu_suite.sh`` installs (it needs the network, so it only runs
   with ``JAXROPE_NETWORK_TESTS=1``).
-- the ``text`` layout block must name files that exist.
+- the README's ``text`` layout block must name files that exist.
+- ``{directive}`` blocks are MyST directives for Sphinx (``make docs`` builds them with
+  warnings as errors); any other language fails here, so no block is left unchecked
+  without saying so.
 """
 
 from __future__ import annotations
@@ -27,11 +30,31 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README, re.S)
+PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
+# (page, language, code) of every fenced block, in page order.
+BLOCKS = [(page, lang, code) for page in PAGES
+          for lang, code in re.findall(r"```(\{?[\w-]+\}?)\n(.*?)```", (ROOT / page).read_text(), re.S)]
+CHECKED = ("python", "bash", "text")
 
 
-def _blocks(lang):
-    return [code for block_lang, code in BLOCKS if block_lang == lang]
+def _blocks(lang, page=None):
+    return [code for block_page, block_lang, code in BLOCKS
+            if block_lang == lang and page in (None, block_page)]
+
+
+def _python_ids():
+    seen = {}
+    for page, lang, _ in BLOCKS:
+        if lang == "python":
+            seen[page] = seen.get(page, 0) + 1
+            yield f"{page}:{seen[page]}"
+
+
+def test_every_block_is_run_or_checked():
+    unchecked = [(page, lang) for page, lang, _ in BLOCKS
+                 if lang not in CHECKED and not lang.startswith("{")]
+    assert not unchecked, unchecked
+    assert len(_blocks("python")) >= 15 and set(PAGES) > {"README.md", "docs/guarantees.md"}
 
 
 def test_readme_names_the_extras_the_makefile_installs():
@@ -42,7 +65,7 @@ def test_readme_names_the_extras_the_makefile_installs():
 
 
 def test_readme_has_the_two_setup_commands_first():
-    first_bash = _blocks("bash")[0].split()
+    first_bash = _blocks("bash", "README.md")[0].split()
     assert first_bash == ["make", "demo", "make", "test"]
 
 
@@ -82,7 +105,7 @@ def _runnable(index) -> bool:
 _RUNS = _Runs(_blocks("python"))
 
 
-@pytest.mark.parametrize("index", range(len(_blocks("python"))))
+@pytest.mark.parametrize("index", range(len(_blocks("python"))), ids=list(_python_ids()))
 def test_python_block_runs_as_pasted_in_a_fresh_interpreter(index):
     if not _runnable(index):
         pytest.skip("the block needs torch")
@@ -122,28 +145,32 @@ def test_bash_line_is_valid(line, tmp_path):
         names = sorted(p.name for p in tmp_path.iterdir())
         assert any(n.startswith("flashinfer_python-0.5.3") for n in names), names
     else:
-        pytest.fail(f"README bash line not covered by this test: {line!r}")
+        pytest.fail(f"bash line not covered by this test: {line!r}")
 
 
-def test_layout_block_names_existing_files():
-    (layout,) = _blocks("text")
+def test_layout_block_names_existing_paths():
+    (layout,) = _blocks("text", "README.md")
+    top, paths = "", []
     for line in layout.splitlines():
-        top = line.split()[0] if line and not line.startswith(" ") else None
-        if top:
-            assert (ROOT / top).exists(), top
-    kernels = re.search(r"kernels/ \(([^)]*)\)", layout).group(1)
-    for name in kernels.replace("\n", " ").split(","):
-        assert (ROOT / "jaxrope" / "kernels" / f"{name.strip()}.py").is_file(), name
-    core = layout.split("functional core (no torch):")[1].split("kernels/")[0]
-    for name in re.findall(r"\b([a-z_]+)\b", core):
-        if name in ("apply", "backend", "config", "scaling", "frequencies", "positions"):
-            assert (ROOT / "jaxrope" / f"{name}.py").is_file(), name
+        name = line.split()[0] if line.split() else ""
+        if name and not line.startswith(" "):
+            top = name
+            paths.append(name)
+        elif "/" in name or name.endswith(".py"):
+            paths.append(top + name)
+    assert {"jaxrope/", "torch_bridge/", "examples/", "docs/", "bench/"} <= set(paths), paths
+    missing = [path for path in paths if not (ROOT / path).exists()]
+    # The one-folder-per-op map: jaxrope/ops/ and bench/experiments/ land with the
+    # restructuring branch; drop this allowance once they are merged.
+    pending = [path for path in missing if path.startswith(("jaxrope/ops/", "bench/experiments/"))]
+    assert missing == pending, missing
 
 
-def test_readme_lists_every_public_positions_function_with_its_arguments():
+def test_the_jax_guide_lists_every_public_positions_function_with_its_arguments():
     from jaxrope import positions
 
-    listed = README.split("`jaxrope.positions` (pure transitions")[1].split("```")[0]
+    guide = (ROOT / "docs" / "jax_engine.md").read_text()
+    listed = guide.split("`jaxrope.positions` (pure transitions")[1].split("```")[0]
     listed = " ".join(listed.split())  # the prose wraps lines inside a signature
     functions = {name: obj for name, obj in vars(positions).items()
                  if not name.startswith("_") and inspect.isfunction(obj)

@@ -26,9 +26,11 @@ except ModuleNotFoundError as e:
         raise
     # A ModuleNotFoundError still (name "torch"), so callers can tell what is missing.
     raise ModuleNotFoundError(
-        "torch_bridge needs PyTorch, which is not installed: pip install 'jaxrope[torch]' "
-        "(from a clone: pip install -e '.[torch]'); for the CPU-only build install torch first: "
-        "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
+        "torch_bridge needs PyTorch, which is not installed. The CPU build: "
+        "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu "
+        "(from a clone, `make demo` installs it); on a GPU, the torch build for your CUDA "
+        "version first. The `torch` extra only names the tested range: alone, pip takes "
+        "the default build from the index, a CUDA one of several GB on Linux.",
         name="torch") from e
 
 from torch_bridge import custom_ops, dlpack, handoff

@@ -59,7 +59,7 @@ class PositionManager(Resource):
       max_seq_len: positions must stay in ``[0, max_seq_len)``; a counter may reach
         ``max_seq_len`` (the stream is full).
       writer: this manager's writer id in ``[1, 2**32 - 1]``, counted in the rewinds of
-        its rollbacks (README, "Who may roll a stream back"); default a random one. A
+        its rollbacks (docs/handoff.md, "Who may roll a stream back"); default a random one. A
         process that takes over another's role (a restarted decode process resuming
         from its published records) passes the same id.
 

@@ -279,7 +279,7 @@ class PublishAdmit:
           named with it: positions ``[0, max_seq_len]``, deltas ``[-max_seq_len,
           max_seq_len]`` and M-RoPE only, epochs ``[0, 2**31 - 1]`` and the sum of their
           rewinds), ``conflict`` (two writers rolled the stream back independently:
-          README, "Who may roll a stream back"), ``planned`` (a newer epoch for a stream
+          docs/handoff.md, "Who may roll a stream back"), ``planned`` (a newer epoch for a stream
           that a plan numbers: :func:`rewind_blocked`), and for bytes every check of
           :mod:`jaxrope.wire` (``truncated``, ``checksum``, ``version``, ...).
 
@@ -344,7 +344,7 @@ class PublishAdmit:
         manager's ``writer`` in the stream's rewinds, so the rewind reaches a node that
         admitted this stream's earlier publication (its monotonic admit would keep the
         old, larger position otherwise). Rolling back to where the stream is, or past it,
-        changes nothing. Only the stream's owner rolls it back (README, "Who may roll a
+        changes nothing. Only the stream's owner rolls it back (docs/handoff.md, "Who may roll a
         stream back"); a rewind by another node is refused wherever the two meet.
 
         Raises:

@@ -150,9 +150,9 @@ class RopeManager(PositionManager):
             splitting the frequencies over them). ``T`` may be less than the planned
             tokens (the first ``T`` are used) or more (an engine's padded batch): tokens
             past the planned ones are left untouched.
-          rotary_dim, interleave, rope_scale, rope_theta, low_freq_factor,
-            high_freq_factor, old_context_len: per-call overrides with FlashInfer's
-            meaning (see :class:`torch_bridge.rotate.ConfigCache`).
+          rotary_dim: with ``interleave``, ``rope_scale``, ``rope_theta`` and the keywords
+            ``low_freq_factor``, ``high_freq_factor``, ``old_context_len``: per-call
+            overrides with FlashInfer's meaning (see :class:`torch_bridge.rotate.ConfigCache`).
           rope_dtype: accepted for the seed's signature; the math is float32 (from
             float64 frequencies) whatever it says, and q/k keep their dtype.
 
