@@ -274,7 +274,7 @@ def _qk(device: torch.device, tokens: int, q_heads: int, k_heads: int, dtype: to
 def bench_apply(device: torch.device, tokens: int, q_heads: int, k_heads: int,
                 dtype: torch.dtype, launcher: str) -> Dict[str, object]:
     if launcher == "triton":  # the Triton-lowered kernel's launcher, beside auto's choice
-        from torch_bridge.triton_launch import TritonLauncher
+        from torch_bridge.launch.triton import TritonLauncher
         mgr = _manager(device, TritonLauncher())
     else:
         mgr = _manager(device, launcher)

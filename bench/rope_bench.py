@@ -23,7 +23,7 @@ Sections (``--sections``; default all):
 Implementations: ``jaxrope`` / ``jaxrope_plain`` (``apply_rope(backend="pallas")`` under
 ``jax.jit``, q and k donated; the Pallas interpreter on a CPU), ``jaxrope_mosaic``
 (``backend="mosaic"``, GPU), ``xla`` (``backend="xla"``), ``jaxrope_torch`` (the same
-Pallas kernel launched from torch, ``torch_bridge.triton_launch``), ``flashinfer``
+Pallas kernel launched from torch, ``torch_bridge.launch.triton``), ``flashinfer``
 (``apply_rope_pos_ids_inplace``; for Llama 3 ``apply_llama31_rope_pos_ids_inplace``, for
 other scalings ``apply_rope_with_cos_sin_cache_inplace``), ``flashinfer_cache`` (the
 cache call on the plain config), ``torch_eager`` (HF's ``rotate_half`` formula, out of
@@ -190,7 +190,7 @@ def detect_env(want_flashinfer: bool, want_launcher: bool) -> Env:
             env.notes.append(f"flashinfer unavailable ({type(e).__name__}: {str(e)[:300]})")
     if env.on_gpu and want_launcher:
         try:
-            from torch_bridge.triton_launch import TritonLauncher
+            from torch_bridge.launch.triton import TritonLauncher
             env.launcher = TritonLauncher()
         except Exception as e:  # noqa: BLE001 - the torch launch is optional here
             env.notes.append(f"jaxrope_torch unavailable ({type(e).__name__}: {str(e)[:300]})")
@@ -278,7 +278,7 @@ def torch_call(task: Task, env: Env, inputs) -> Tuple[Callable[[], Any], str]:
         return _hf_rope(torch, q, k, pos, task.cfg), "HF rotate_half, out of place"
     if task.impl == "jaxrope_torch":
         launcher, cfg = env.launcher, task.cfg
-        return (lambda: launcher.rotate_(q, k, pos, cfg)), "torch_bridge.triton_launch"
+        return (lambda: launcher.rotate_(q, k, pos, cfg)), "torch_bridge.launch.triton"
     return flashinfer_call(torch, env.flashinfer, task.cfg, q, k, pos,
                            task.impl == "flashinfer_cache")
 

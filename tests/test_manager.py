@@ -813,7 +813,7 @@ def test_plan_and_commit_move_nothing_through_jax():
 @pytest.mark.requires_triton
 def test_the_triton_launcher_declines_once_for_a_failing_export_and_caches_it(monkeypatch):
     from jaxrope.kernels import triton_ir
-    from torch_bridge.triton_launch import TritonLauncher
+    from torch_bridge.launch.triton import TritonLauncher
 
     calls = []
 
@@ -831,7 +831,7 @@ def test_the_triton_launcher_declines_once_for_a_failing_export_and_caches_it(mo
 
 def test_the_triton_launcher_declines_tensors_off_cuda():
     pytest.importorskip("triton")
-    from torch_bridge.triton_launch import TritonLauncher
+    from torch_bridge.launch.triton import TritonLauncher
 
     q, k = qk(2)
     with pytest.raises(jr.BackendUnavailable, match="needs CUDA"):

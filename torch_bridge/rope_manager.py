@@ -1,11 +1,11 @@
 """``RopeManager``: :class:`PositionManager` plus ``apply_qk``, rotating torch tensors in place.
 
 ``apply_qk`` and ``apply_qk_and_append_kv`` first offer the call to a *launcher* (on
-CUDA the compiled kernel launched on torch's stream: :mod:`torch_bridge.launchers` says
+CUDA the compiled kernel launched on torch's stream: :mod:`torch_bridge.launch.dispatch` says
 which); a launcher that raises :class:`jaxrope.BackendUnavailable` declines and the JAX
 path runs (DLPack import and a donated jitted call, :class:`torch_bridge.rotate.JaxRotation`,
 :class:`torch_bridge.kv_append.JaxAppend`). Both methods dispatch through one
-:class:`torch_bridge.launchers.FastPath` each: a repeated call signature runs its bound
+:class:`torch_bridge.launch.dispatch.FastPath` each: a repeated call signature runs its bound
 launch without the Python-level checks.
 """
 
@@ -20,7 +20,7 @@ from torch_bridge import kv_append
 from torch_bridge.config import PositionConfig
 from torch_bridge.dlpack import jax_device
 from torch_bridge.engine_types import EngineInfo
-from torch_bridge.launchers import FastPath, resolve_launchers
+from torch_bridge.launch.dispatch import FastPath, resolve_launchers
 from torch_bridge.manager import PositionManager
 from torch_bridge.plans import Plan
 from torch_bridge.rotate import TORCH_DTYPES, ConfigCache, JaxRotation
@@ -41,12 +41,12 @@ class RopeManager(PositionManager):
         the seed's signature. q and k are rotated in their own dtype (the seed cast
         to this dtype; float32 inputs here stay float32).
       launcher: the fast paths ``apply_qk`` and ``apply_qk_and_append_kv`` try first:
-        "auto" (on CUDA: :func:`torch_bridge.launchers.auto_launcher_class`, the
+        "auto" (on CUDA: :func:`torch_bridge.launch.dispatch.auto_launcher_class`, the
         Mosaic GPU launches of both methods on Hopper), "jax" (always the JAX path), or
         an object with ``rotate_(q, k, pos_ids, cfg)`` (:class:`torch_bridge.Launcher`),
         which serves the fused call too if it has ``rotate_and_append_kv_``
         (:class:`torch_bridge.KVLauncher`); see
-        :func:`torch_bridge.launchers.resolve_launchers`.
+        :func:`torch_bridge.launch.dispatch.resolve_launchers`.
       backend: the jaxrope backend of the JAX path ("auto", "pallas", "xla", "interpret").
       allow_copy: let the JAX path stage q/k through copies (written back in place):
         padded to a token bucket, so it compiles once per bucket, and contiguous where
@@ -210,7 +210,7 @@ class RopeManager(PositionManager):
                                v_quant_scale: Optional[float] = None) -> Tuple[torch.Tensor, Any]:
         """``apply_qk`` fused with the paged KV-cache append: q rotated in place, k and v cached.
 
-        One launch on CUDA (:mod:`torch_bridge.kv_launch`) where an engine runs two
+        One launch on CUDA (:mod:`torch_bridge.launch`) where an engine runs two
         (RoPE in place, then its cache append, which reads k again):
         :func:`jaxrope.apply_rope_and_append_kv` on the engine's own tensors.
 

@@ -1,19 +1,20 @@
-"""What every launch of an exported Pallas kernel from torch shares.
+"""What every launch of an exported jaxrope kernel from torch shares, Mosaic GPU or Triton.
 
-:mod:`torch_bridge.triton_launch` (RoPE) and :mod:`torch_bridge.kv_launch` (RoPE fused
-with the paged KV append) both take a kernel's Triton IR from
-:mod:`jaxrope.kernels.triton_ir`, compile it once, and launch it with raw pointers on
-torch's current stream. The pieces they share live here:
+:mod:`torch_bridge.launch.mosaic` (the Mosaic GPU kernels, Hopper and newer) and
+:mod:`torch_bridge.launch.triton` (the Triton-lowered kernels) compile a kernel exported by
+the core once and launch it with raw pointers on torch's current stream. What they share
+lives here:
 
-- :class:`KernelCache`: IR exported and compiled once per key (a declined export is
-  remembered, so it is not retried on every call);
+- :func:`check_launchable`: what every compiled kernel assumes of its tensors;
 - :class:`CountTable`: a device pointer to any token count (the kernels read T from
   memory, so one compiled kernel serves every T);
 - :class:`AngleTables`: a config's angle tables on a device, padded to the kernel's lanes;
-- :class:`KernelLaunch`: one compiled kernel bound to a grid, launched through Triton's
-  C entry point on torch's current raw stream;
 - :class:`LaunchRecords`: the per-signature launch records, built once (under a lock,
-  in the device's context) and bounded.
+  in the device's context) and bounded;
+- :func:`mrope_block` and :func:`int32_slots`: positions and slots as the kernels read them;
+- :class:`ScaleTables`, :func:`launch_append`, :func:`bound_append` (over
+  :func:`append_operands` and :func:`append_record`): the fused RoPE + KV append's fp8
+  scales, its launch and its bound launch, shared by both backends.
 
 Nothing here allocates or compiles inside a launch: the first launch of a signature
 builds what it needs, later ones (and CUDA-graph captures of them) only launch.
@@ -21,10 +22,8 @@ builds what it needs, later ones (and CUDA-graph captures of them) only launch.
 
 from __future__ import annotations
 
-import os
-import tempfile
 import threading
-from typing import Any, Callable, Dict, Hashable, Tuple
+from typing import Any, Callable, Dict, Hashable, Sequence, Tuple
 
 import torch
 
@@ -32,24 +31,16 @@ from jaxrope.apply import kernel_constants
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 
-__all__ = ["ALIGN", "AngleTables", "CountTable", "KernelCache", "KernelLaunch", "LaunchRecords",
-           "check_launchable", "import_triton"]
+__all__ = ["ALIGN", "AngleTables", "CountTable", "LaunchRecords", "ScaleTables", "append_operands",
+           "append_record", "bound_append", "check_launchable", "int32_slots", "launch_append",
+           "mrope_block"]
+
+# torch implements no comparisons for these (2.13: '"ge_cpu" not implemented for
+# 'UInt16''): they are compared in a signed dtype that holds each of their values.
+_COMPARED_AS = {torch.uint16: torch.int32, torch.uint32: torch.int64}
 
 # Pallas marks every pointer of the exported kernels tt.divisibility = 32.
 ALIGN = 32
-
-
-def import_triton():
-    """The ``triton`` module.
-
-    Raises:
-      BackendUnavailable: Triton is not installed.
-    """
-    try:
-        import triton
-    except ImportError as e:
-        raise BackendUnavailable(f"Triton is not installed: {e}") from e
-    return triton
 
 
 def check_launchable(named) -> None:
@@ -111,52 +102,21 @@ class AngleTables:
         return tables
 
 
-class KernelCache:
-    """Kernels compiled from exported Triton IR, once per key.
+class ScaleTables:
+    """Per (k scale, v scale, device): the float32 ``[2]`` fp8 scales a fused-append kernel reads.
 
-    Args:
-      name: names the IR files (``<name>_<n>.ttir``, in a temporary directory removed after
-        each compile).
-      target: a ``triton.backends.compiler.GPUTarget`` to compile for; None (default)
-        compiles for the active device. Compiling for a target needs no GPU.
-
-    ``get(key, export)`` calls ``export()`` at most once per key; its result has
-    ``ttir``, ``num_warps`` and ``num_stages`` (Triton's default stages differ from
-    JAX's, so they are passed explicitly). A :class:`jaxrope.BackendUnavailable` from
-    ``export`` is cached and raised again for the key without exporting again.
-
-    Raises:
-      BackendUnavailable: Triton is not installed.
+    Never freed: a captured CUDA graph may hold their pointers.
     """
 
-    def __init__(self, name: str, target: Any = None):
-        self._triton = import_triton()
-        self._name = name
-        self._target = target
-        self._kernels: Dict[Hashable, Any] = {}
+    def __init__(self):
+        self._tables: Dict[Tuple[float, float, torch.device], torch.Tensor] = {}
 
-    def get(self, key: Hashable, export: Callable[[], Any]) -> Tuple[Any, Any]:
-        """``(compiled, exported)`` for ``key``, exporting and compiling on first use."""
-        kernel = self._kernels.get(key)
-        if isinstance(kernel, BackendUnavailable):
-            raise kernel  # declined before: do not export again on every call
-        if kernel is None:
-            try:
-                exported = export()
-            except BackendUnavailable as e:
-                self._kernels[key] = e
-                raise
-            # Triton compiles IR from a file; the compiled kernel needs it no longer, so the
-            # directory goes with the compile (one left per cache piled up in /tmp).
-            with tempfile.TemporaryDirectory(prefix=f"jaxrope_{self._name}_ttir_") as workdir:
-                path = os.path.join(workdir, f"{self._name}_{len(self._kernels)}.ttir")
-                with open(path, "w") as f:
-                    f.write(exported.ttir)
-                compiled = self._triton.compile(path, target=self._target,
-                                                options={"num_warps": exported.num_warps,
-                                                         "num_stages": exported.num_stages})
-            kernel = self._kernels[key] = (compiled, exported)
-        return kernel
+    def pointer(self, scales: Tuple[float, float], device: torch.device) -> int:
+        key = (*scales, device)
+        values = self._tables.get(key)
+        if values is None:
+            values = self._tables[key] = torch.tensor(scales, dtype=torch.float32, device=device)
+        return values.data_ptr()
 
 
 class LaunchRecords(dict):
@@ -182,39 +142,128 @@ class LaunchRecords(dict):
         return record
 
 
-class KernelLaunch:
-    """One compiled kernel bound to a grid: ``launch(*pointers)`` on torch's current stream.
+def mrope_block(pos_ids: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The contiguous ``[3, tokens]`` block an M-RoPE kernel of count ``tokens`` reads, from
+    ``pos_ids [3, N >= tokens]``: the tensor itself when ``N == tokens``, else a copy of
+    its first ``tokens`` columns (never the ``[3, N]`` buffer: its rows sit ``N`` apart)."""
+    if pos_ids.shape[-1] == tokens and pos_ids.is_contiguous():
+        return pos_ids
+    return pos_ids[:, :tokens].contiguous()
 
-    ``pointers`` are every operand of the kernel in its order (inputs, then outputs).
-    Calls Triton's C launcher directly (``CompiledKernel.run``) with torch's current
-    raw stream, skipping the per-call closure and metadata of ``compiled[grid](...)``;
-    a Triton without those attributes gets the public ``compiled[grid]`` runner.
+
+def int32_slots(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """``slots`` as the kernels read them: int32, -1 wherever a slot is outside ``[0, num_slots)``.
+
+    The range is decided at the slots' own width, on the device (torch ops on the current
+    stream, no host sync), before the cast: cast first, int64 ``2**32 + 7`` would be
+    slot 7. A bound the dtype cannot hold is left out (every uint8 is below 1000). int32
+    slots pass as they are: the kernels skip what is outside the cache. The core's twin
+    is ``jaxrope.kv_cache._in_cache``.
+
+    Example:
+      >>> int32_slots(torch.tensor([5, -1, 2 ** 32 + 7, -2 ** 32 + 7]), 64).tolist()
+      [5, -1, -1, -1]
     """
+    if slots.dtype == torch.int32:
+        return slots
+    if slots.dtype == torch.uint64:
+        # Read as int64: values >= 2**63 turn negative, outside the cache as they were.
+        slots = slots.view(torch.int64)
+    elif slots.dtype in _COMPARED_AS:
+        slots = slots.to(_COMPARED_AS[slots.dtype])
+    ok = slots >= 0
+    if num_slots <= torch.iinfo(slots.dtype).max:
+        ok &= slots < num_slots
+    return torch.where(ok, torch.where(ok, slots, 0).to(torch.int32), -1)
 
-    def __init__(self, compiled, grid: Tuple[int, int, int], device: torch.device):
-        self._runner = compiled[grid]  # also loads the module onto the device
-        self._grid = grid
-        self._device_index = device.index if device.index is not None else torch.cuda.current_device()
-        try:
-            self._run = compiled.run
-            self._function = compiled.function
-            self._packed = compiled.packed_metadata
-            self._raw_stream = torch._C._cuda_getCurrentRawStream
-        except AttributeError:
-            self._run = None
-        # torch's C entry point, as DeviceCounters uses: the public wrapper re-checks lazy
-        # initialisation on every call of this hot path (compiled[grid] above did it).
-        self._current_device = torch._C._cuda_getDevice
 
-    def __call__(self, *pointers: int) -> None:
-        if self._current_device() != self._device_index:
-            # The module lives in this device's context; launch from it.
-            with torch.cuda.device(self._device_index):
-                self(*pointers)
-            return
-        if self._run is None:
-            self._runner(*pointers)
-            return
-        gx, gy, gz = self._grid
-        self._run(gx, gy, gz, self._raw_stream(self._device_index), self._function, self._packed,
-                  None, None, None, *pointers)
+def append_operands(q, k, v, pos_ids, slots, caches, cfg: RopeConfig,
+                    geometry: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(pos_ids, slots)`` as a compiled fused-append kernel reads them (an M-RoPE
+    config's ``[3, T]`` block, int32 slots), after checking what it assumes of every
+    tensor; ``geometry`` is the call's :class:`torch_bridge.kv_append.CacheGeometry`.
+
+    Raises:
+      BackendUnavailable: a tensor off CUDA, not contiguous or not 32-byte aligned.
+    """
+    if cfg.mrope_section is not None:
+        pos_ids = mrope_block(pos_ids, q.shape[0])
+    check_launchable((("q", q), ("k", k), ("v", v), ("pos_ids", pos_ids), ("slots", slots),
+                   *zip(("kv_cache",) if geometry.combined else ("k_cache", "v_cache"), caches)))
+    return pos_ids, int32_slots(slots, geometry.num_slots)
+
+
+def append_record(records: LaunchRecords, prepare: Callable[..., Any], q: torch.Tensor,
+                  cfg: RopeConfig, geometry: Any, scales: Tuple[float, float],
+                  shape: Any) -> Any:
+    """A fused-append launcher's record for this call: ``records[key]``, built by
+    ``prepare(tokens, q_heads, dtype, device, cfg, geometry, scales, shape)`` on a miss;
+    everything but the per-call pointers is fixed by the key (``shape``: the launch-shape
+    override, or None)."""
+    tokens = q.shape[0]
+    q_heads = q.numel() // max(1, tokens * cfg.head_dim)
+    key = (tokens, q_heads, q.dtype, q.device, cfg, geometry, scales, shape)
+    record = records.get(key)
+    if record is None:
+        record = records.make(key, q.device, lambda: prepare(
+            tokens, q_heads, q.dtype, q.device, cfg, geometry, scales, shape))
+    return record
+
+
+def launch_append(records: LaunchRecords, prepare: Callable[..., Any], q: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor, pos_ids: torch.Tensor,
+                  caches: Sequence[torch.Tensor], slots: torch.Tensor, cfg: RopeConfig,
+                  geometry: Any, scales: Tuple[float, float], shape: Any) -> None:
+    """A fused-append launcher's ``rotate_and_append_kv_``: check the operands
+    (:func:`append_operands`), take the call's record (:func:`append_record`, whose
+    ``prepare`` returns ``launch(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cache_ptrs)``)
+    and launch it; no tokens, no launch.
+
+    Raises:
+      BackendUnavailable: as :func:`append_operands`, or from ``prepare``.
+    """
+    if q.shape[0] == 0:
+        return
+    pos_ids, slots = append_operands(q, k, v, pos_ids, slots, caches, cfg, geometry)
+    launch = append_record(records, prepare, q, cfg, geometry, scales, shape)
+    launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), pos_ids.data_ptr(), slots.data_ptr(),
+           tuple(c.data_ptr() for c in caches))
+
+
+def bound_append(launch: Callable[..., None], geometry: Any, cfg: RopeConfig,
+                 caches: Sequence[torch.Tensor]) -> Callable[..., bool]:
+    """The ``run(q, k, v, pos_ids, kv_cache, slots) -> bool`` of a fused-append launcher's
+    ``bind``: per call it narrows the slots, takes an M-RoPE config's ``[3, T]`` block,
+    checks contiguity, 32-byte alignment and that a pair's two tensors do not overlap,
+    then calls ``launch(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cache_ptrs)``; False
+    (launching nothing) when a check fails, so the caller takes its full path (which
+    refuses an overlapping pair)."""
+    combined, num_slots = geometry.combined, geometry.num_slots
+    mrope = cfg.mrope_section is not None
+    # Two contiguous tensors of this many bytes overlap exactly when their starts are
+    # closer than that.
+    cache_bytes = caches[0].numel() * caches[0].element_size()
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: torch.Tensor,
+            kv_cache: Any, slots: torch.Tensor) -> bool:
+        if combined:
+            cache_ptrs = (kv_cache.data_ptr(),)
+            contiguous = kv_cache.is_contiguous()
+        else:
+            k_cache, v_cache = kv_cache
+            cache_ptrs = (k_cache.data_ptr(), v_cache.data_ptr())
+            contiguous = (k_cache.is_contiguous() and v_cache.is_contiguous()
+                          and abs(cache_ptrs[0] - cache_ptrs[1]) >= cache_bytes)
+        slots = int32_slots(slots, num_slots)
+        if mrope:
+            pos_ids = mrope_block(pos_ids, q.shape[0])
+        q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        pos_ptr, slot_ptr = pos_ids.data_ptr(), slots.data_ptr()
+        if ((q_ptr | k_ptr | v_ptr | pos_ptr | slot_ptr | cache_ptrs[0] | cache_ptrs[-1]) % ALIGN
+                or not (contiguous and q.is_contiguous() and k.is_contiguous()
+                        and v.is_contiguous() and slots.is_contiguous())):
+            return False
+        launch(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cache_ptrs)
+        return True
+
+    return run
