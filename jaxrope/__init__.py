@@ -22,8 +22,9 @@ They are the implementation of the above (``apply``, ``backend``, ``config``,
 ``cos_sin_cache``, ``errors``, ``frequencies``, ``int_arrays``, ``kernels``,
 ``kv_cache``, ``numbers``, ``scaling``, ``sharding``, ``slot_map``; ``hf_source``,
 ``hf_layers``, ``hf_fields`` and ``hf_examples`` behind :mod:`jaxrope.hf` and
-:mod:`jaxrope.models`), the demo programs (``demo``, run as ``python -m jaxrope.demo``,
-``engine_demo``, its ``--jax`` trace, and ``demo_reference``, what both check against),
+:mod:`jaxrope.models`), ``layer_reference`` (the float64 layer the demos and the cache
+readers' tests check against), the JAX engine demo (``demo``, run as
+``python -m jaxrope.demo``, and ``engine_demo``, its trace),
 and support for the tests and benchmarks: ``cases`` (the table of named cases they
 share, imported as ``jaxrope.cases``) and ``testing`` (oracles and reference
 implementations). No module of jaxrope or torch_bridge outside these two imports them; tests/test_packaging.py

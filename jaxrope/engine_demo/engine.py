@@ -24,7 +24,7 @@ import numpy as np
 
 import jaxrope as jr
 from jaxrope import models, mrope, positions
-from jaxrope.demo_reference import relative_error
+from jaxrope.layer_reference import relative_error
 from jaxrope.engine_demo import model
 
 BUCKETS = (16, 64)            # token buckets: one compile of the step each

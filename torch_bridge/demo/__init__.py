@@ -1,11 +1,11 @@
-"""The jaxrope demo: ``RopeManager`` through a serving trace, checked at every step.
+"""The torch demo: ``RopeManager`` through a serving trace, checked at every step.
 
 Usage::
 
-  make demo                      # creates .venv on first use, then runs the line below
-  python -m jaxrope.demo [--model {llama3.1,qwen2.5-yarn,phi3-longrope,deepseek-v2,
-                                   qwen2-vl,qwen2.5-vl,qwen3-vl,glm-4.1v}]
-                         [--steps N] [--device {auto,cpu,cuda}] [--seed S] [--speculative]
+  make demo                      # creates .venv on first use, runs this and the JAX trace
+  python -m torch_bridge.demo [--model {llama3.1,qwen2.5-yarn,phi3-longrope,deepseek-v2,
+                                        qwen2-vl,qwen2.5-vl,qwen3-vl,glm-4.1v}]
+                              [--steps N] [--device {auto,cpu,cuda}] [--seed S] [--speculative]
 
   --model   the real RoPE config (default llama3.1: Llama-3.1-8B's llama3 scaling;
             qwen2.5-yarn, phi3-longrope (Phi-3-mini-128k), deepseek-v2 (V2-Lite, YaRN,
@@ -78,8 +78,8 @@ Example:
   >>> status, out.getvalue().splitlines()[-1].startswith("verdict: PASS")
   (0, True)
 """
-from torch_bridge.demo.cli import MODELS, VL_MODELS, main
-from torch_bridge.demo.model import TOLERANCE
+from torch_bridge.demo.cli import main
+from torch_bridge.demo.model import MODELS, TOLERANCE, VL_MODELS
 from torch_bridge.demo.speculative import MIN_ROUNDS
 from torch_bridge.demo.trace import MIN_STEPS, TRACE
 

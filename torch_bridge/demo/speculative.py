@@ -1,4 +1,4 @@
-"""The speculative-decoding trace (``python -m jaxrope.demo --speculative``).
+"""The speculative-decoding trace (``python -m torch_bridge.demo --speculative``).
 
 Two nodes serve requests with a draft model and a target model (two tiny attention
 layers with their own weights and KV caches, the model's real RoPE config), every
