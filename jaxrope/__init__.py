@@ -14,7 +14,7 @@ The public API is exactly what ``__all__`` lists, by one rule:
   :mod:`jaxrope.models` (the ``model_type`` table and the sample HF configs),
   :mod:`jaxrope.mrope` (M-RoPE prompt positions and config fields), :mod:`jaxrope.paging`
   (KV slots from vLLM block tables and FlashInfer page tables, a step's token -> view map),
-  :mod:`jaxrope.positions` (the position table's transitions), :mod:`jaxrope.speculative`
+  :mod:`jaxrope.positions` (the position table's transitions), :mod:`jaxrope.speculative_positions`
   (draft and verify positions) and :mod:`jaxrope.wire` (published records as bytes).
 
 Every other module is private: importable, but its names may change without notice.
@@ -40,7 +40,7 @@ Example:
   True
 """
 
-from jaxrope import hf, models, mrope, paging, positions, speculative, wire
+from jaxrope import hf, models, mrope, paging, positions, speculative_positions, wire
 from jaxrope.apply import apply_rope
 from jaxrope.backend import BACKENDS
 from jaxrope.config import RopeConfig
@@ -71,6 +71,6 @@ __all__ = [
     "mrope",
     "paging",
     "positions",
-    "speculative",
+    "speculative_positions",
     "wire",
 ]

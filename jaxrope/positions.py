@@ -279,7 +279,7 @@ def plan(table: PositionTable, rows: IntArray, counts: IntArray, out: IntArray, 
         on all three rows (text after the prompt advances every row together).
       depths: int ``[N]`` or None (default): token ``t`` at ``counter + depths[t]``
         instead of the scheme's numbering (a draft tree's tokens sit at the counter
-        plus their depth: :mod:`jaxrope.speculative`); entries past ``sum(counts)``
+        plus their depth: :mod:`jaxrope.speculative_positions`); entries past ``sum(counts)``
         are ignored.
 
     Returns:

@@ -20,7 +20,7 @@ the plan bookkeeping itself:
   prefix / ingest overrides: ``positions.raise_to``; ingest deltas:
   ``positions.set_deltas``; removal drops the request from plans made earlier; reset:
   ``positions.reset``;
-- speculative decoding (:mod:`jaxrope.speculative`): a verify step of chains or draft
+- speculative decoding (:mod:`jaxrope.speculative_positions`): a verify step of chains or draft
   trees (``plan_tree``), committed with accepted counts (``accept`` for the named
   streams, ``commit`` for the others; refused when a count passes the drafts, a tree
   is left out, or a staged plan numbered rejected drafts), draft steps
@@ -54,7 +54,7 @@ torch = pytest.importorskip("torch")
 
 import jaxrope as jr  # noqa: E402
 from jaxrope import positions as core  # noqa: E402
-from jaxrope import speculative  # noqa: E402
+from jaxrope import speculative_positions  # noqa: E402
 from jaxrope.positions import Scheme, SlotMap  # noqa: E402
 
 from jaxrope.testing import oracle  # noqa: E402
@@ -198,7 +198,7 @@ class Model:
         advanced = [self.slot(*stream) for stream in named]
         table = core.advance(table, _slots(advanced), _slots(list(named.values())))
         named = [self.slot(*stream) for stream in accepted]
-        table = speculative.accept(table, _slots(named), _slots(list(accepted.values())))
+        table = speculative_positions.accept(table, _slots(named), _slots(list(accepted.values())))
         live_forks = [f for f in plan.post_forks if f[0] not in plan.dropped]
         table = self.forked(table, live_forks)
         return table, spans + advanced + named + [self.slot(rid, dst) for rid, _, dst in live_forks]
@@ -217,7 +217,7 @@ class Model:
             shape = (3, sum(counts)) if self.mrope else (sum(counts),)
             out_buffer = jnp.zeros(shape, jnp.int32)
             if isinstance(depths, int):
-                got, mask = speculative.plan_draft(table, slots, _slots(counts), out_buffer,
+                got, mask = speculative_positions.plan_draft(table, slots, _slots(counts), out_buffer,
                                                    step=depths, max_seq_len=MAX_SEQ_LEN, offset=0)
                 out[plan_label], live[plan_label] = got.tolist(), mask.tolist()
                 continue
@@ -225,11 +225,11 @@ class Model:
                 per_token = [d for rid, label, n in records
                              for d in depths.get((rid, label), range(n))]
                 # The bound is on the sequence index, counter + depth (a 1-D plan).
-                index = speculative.plan_tree(table, slots, _slots(counts), _slots(per_token),
+                index = speculative_positions.plan_tree(table, slots, _slots(counts), _slots(per_token),
                                               jnp.zeros(shape[-1:], jnp.int32)).tolist()
                 if index and max(index) >= MAX_SEQ_LEN:
                     return None, {}
-                out[plan_label] = speculative.plan_tree(table, slots, _slots(counts),
+                out[plan_label] = speculative_positions.plan_tree(table, slots, _slots(counts),
                                                         _slots(per_token), out_buffer).tolist()
                 continue
             # The bound is on the sequence index (the counter); M-RoPE's rotary start

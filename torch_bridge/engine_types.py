@@ -196,7 +196,7 @@ class PositionStep:
         int for every stream of the step, or ``{(request_id, label): amount}`` for the
         named streams (each must have a segment in the step; the others advance by
         the scheme). Amounts are ``>= 0`` and apply once per stream.
-      draft_depth: an EAGLE *draft step* (:mod:`torch_bridge.speculative`; SEQUENTIAL
+      draft_depth: an EAGLE *draft step* (:mod:`torch_bridge.speculative_steps`; SEQUENTIAL
         scheme): every token of the step at ``counter + draft_depth`` (draft step ``j``
         is ``draft_depth=j - 1`` in vLLM's numbering, ``j`` in SGLang's), a token past
         ``max_seq_len`` planned at 0 and reported by ``live``; its commit moves no
@@ -207,7 +207,7 @@ class PositionStep:
         array ``[len(segments), k]`` (row ``s``: the depths of segment ``s``'s stream,
         every segment a tree of ``k`` tokens), or ``{(request_id, label): depths}``
         for some of the streams. Each row must be a tree, root first
-        (:func:`torch_bridge.speculative.check_trees`). Default None.
+        (:func:`torch_bridge.speculative_steps.check_trees`). Default None.
 
     A chain of ``k`` drafts needs neither field: its view of ``k + 1`` tokens is
     numbered as any other.

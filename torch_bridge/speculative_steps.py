@@ -1,6 +1,6 @@
 """Speculative decoding through the engine records: draft trees, draft steps, accepted counts.
 
-The rules are the core's (:mod:`jaxrope.speculative`), executed by their numpy twins in
+The rules are the core's (:mod:`jaxrope.speculative_positions`), executed by their numpy twins in
 :mod:`torch_bridge.streams` and here; this module reads and checks what an engine says
 about a speculative step and turns it into slot arrays. An ordinary step (neither field
 set, no ``accepted``) never reaches it. An engine's loop:

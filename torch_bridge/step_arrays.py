@@ -61,7 +61,7 @@ class StepArrays(NamedTuple):
       pre_forks, post_forks: the fork records; ``pre_src``/``pre_dst`` the pre-forks' slots.
       commit: the commit's arrays (segments, explicit advances, post-forks).
       explicit: ``{plan_label: int32 tensor}`` of explicit positions, checked.
-      speculation: the step's depth numbering (:class:`torch_bridge.speculative.Speculation`),
+      speculation: the step's depth numbering (:class:`torch_bridge.speculative_steps.Speculation`),
         or None.
     """
 

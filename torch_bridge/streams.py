@@ -167,13 +167,13 @@ def rollback(columns: Columns, slots: np.ndarray, positions: np.ndarray) -> None
 
 
 def accept(columns: Columns, slots: np.ndarray, accepted: np.ndarray) -> None:
-    """``counter += accepted + 1`` after a verify step (twin of ``speculative.accept``)."""
+    """``counter += accepted + 1`` after a verify step (twin of ``speculative_positions.accept``)."""
     advance(columns, slots, accepted + 1)
 
 
 def tree_depths(parents: np.ndarray) -> np.ndarray:
     """int64 depth of each token from its parent index (-1: a root), by pointer doubling
-    (twin of ``speculative.tree_depths``)."""
+    (twin of ``speculative_positions.tree_depths``)."""
     root = parents < 0
     ancestor = np.where(root, np.arange(len(parents)), parents)
     depth = (~root).astype(np.int64)
@@ -186,7 +186,7 @@ def tree_depths(parents: np.ndarray) -> np.ndarray:
 def plan_draft(columns: Columns, slots: np.ndarray, counts: np.ndarray, step: int, offset: int,
                max_seq_len: int, mrope: bool = False, num_tokens: Optional[int] = None,
                out: Optional[np.ndarray] = None) -> Tuple[np.ndarray, Optional[np.ndarray]]:
-    """``(positions, live)`` of EAGLE draft step ``step`` (twin of ``speculative.plan_draft``):
+    """``(positions, live)`` of EAGLE draft step ``step`` (twin of ``speculative_positions.plan_draft``):
     every token at sequence index ``counter + offset + step`` (plus the delta on each
     M-RoPE row); a token whose index is outside ``[0, max_seq_len)`` is at 0 and not live.
     ``live`` is None when every token is (the usual case, no mask built). ``num_tokens``:

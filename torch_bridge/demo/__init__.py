@@ -21,7 +21,7 @@ Usage::
             models: the decode node admits the handoff without its delta; with
             ``--speculative``: the rollback is published without its epoch), so the run
             must FAIL
-  --speculative  the speculative-decoding trace instead (:mod:`~torch_bridge.demo.speculative`:
+  --speculative  the speculative-decoding trace instead (:mod:`~torch_bridge.demo.speculative_trace`:
             draft steps in a CUDA-graph bucket, verify with random acceptance, rollbacks, a
             handoff after a rollback); ``--steps`` counts its rounds (>= 5); 1-D models only
 
@@ -64,7 +64,7 @@ Modules: :mod:`~torch_bridge.demo.model` (the attention layer and its float64
 recompute), :mod:`~torch_bridge.demo.node` (a serving node and the prefix cache),
 :mod:`~torch_bridge.demo.trace` (the scripted trace),
 :mod:`~torch_bridge.demo.multimodal` (the M-RoPE trace and its nodes),
-:mod:`~torch_bridge.demo.speculative` (the speculative trace),
+:mod:`~torch_bridge.demo.speculative_trace` (the speculative trace),
 :mod:`~torch_bridge.demo.cli` (arguments and the report). Prefill and decode as two
 processes, the decode one killed and restarted: :mod:`~torch_bridge.demo.disagg` (the
 nodes, the resume, the checks) and :mod:`~torch_bridge.demo.disagg_processes`
@@ -80,7 +80,7 @@ Example:
 """
 from torch_bridge.demo.cli import main
 from torch_bridge.demo.model import MODELS, TOLERANCE, VL_MODELS
-from torch_bridge.demo.speculative import MIN_ROUNDS
+from torch_bridge.demo.speculative_trace import MIN_ROUNDS
 from torch_bridge.demo.trace import MIN_STEPS, TRACE
 
 __all__ = ["MIN_ROUNDS", "MIN_STEPS", "MODELS", "TOLERANCE", "TRACE", "VL_MODELS", "main"]

@@ -16,7 +16,7 @@ from jaxrope.models import HF_CONFIGS
 from torch_bridge.demo import multimodal
 from torch_bridge.demo.model import KV_HEADS, MODELS, Q_HEADS, TOLERANCE, VL_MODELS
 from torch_bridge.demo.node import GRAPH_BUCKET, StepRow
-from torch_bridge.demo.speculative import DRAFT_BUCKET, MIN_ROUNDS, SpeculativeTrace, print_row
+from torch_bridge.demo.speculative_trace import DRAFT_BUCKET, MIN_ROUNDS, SpeculativeTrace, print_row
 from torch_bridge.demo.trace import BUDGET, MIN_STEPS, Trace
 
 __all__ = ["main", "parser", "run"]
