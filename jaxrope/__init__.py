@@ -8,7 +8,7 @@ The public API is exactly what ``__all__`` lists, by one rule:
   (:class:`Linear`, :class:`DynamicNTK`, :class:`Yarn`, :class:`LongRope`,
   :class:`Llama3`, :class:`Proportional`), the backends (:data:`BACKENDS`,
   :class:`BackendUnavailable`), and the position state's types (:class:`PositionTable`,
-  :class:`Scheme`, :class:`SlotMap`, also reachable through :mod:`jaxrope.positions`);
+  :class:`Scheme`, :class:`RowMap`, also reachable through :mod:`jaxrope.positions`);
 - every other public name belongs to a subject and is reached through its module, each
   with its own ``__all__``: :mod:`jaxrope.hf` (``from_hf``, ``nope_layers``),
   :mod:`jaxrope.models` (the ``model_type`` table and the sample HF configs),
@@ -20,7 +20,7 @@ The public API is exactly what ``__all__`` lists, by one rule:
 Every other module is private: importable, but its names may change without notice.
 They are the implementation of the above (``apply``, ``backend``, ``config``,
 ``cos_sin_cache``, ``errors``, ``frequencies``, ``int_arrays``, ``kernels``,
-``kv_cache``, ``numbers``, ``scaling``, ``sharding``, ``slot_map``; ``hf_source``,
+``kv_cache``, ``numbers``, ``row_map``, ``scaling``, ``sharding``; ``hf_source``,
 ``hf_layers``, ``hf_fields`` and ``hf_examples`` behind :mod:`jaxrope.hf` and
 :mod:`jaxrope.models`), ``layer_reference`` (the float64 layer the demos and the cache
 readers' tests check against), the JAX engine demo (``demo``, run as
@@ -46,7 +46,7 @@ from jaxrope.backend import BACKENDS
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 from jaxrope.kv_cache import apply_rope_and_append_kv
-from jaxrope.positions import PositionTable, Scheme, SlotMap
+from jaxrope.positions import PositionTable, RowMap, Scheme
 from jaxrope.scaling import DynamicNTK, Linear, Llama3, LongRope, Proportional, Yarn
 
 __version__ = "0.1.0"
@@ -61,8 +61,8 @@ __all__ = [
     "PositionTable",
     "Proportional",
     "RopeConfig",
+    "RowMap",
     "Scheme",
-    "SlotMap",
     "Yarn",
     "apply_rope",
     "apply_rope_and_append_kv",

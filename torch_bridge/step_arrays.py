@@ -123,7 +123,7 @@ class StepReader:
         """The slot of stream ``(rid, label)``; ValueError for an unknown request or label."""
         check_hashable(rid, "rid")
         check_hashable(label, "label")
-        slot = self._streams.slot_map.find(rid, label)
+        slot = self._streams.row_map.find(rid, label)
         if slot is None:
             self.request_slots(rid)
             raise ValueError(f"label={label!r} is not one of the configured labels "

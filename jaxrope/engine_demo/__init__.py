@@ -5,7 +5,7 @@ Usage::
   python -m jaxrope.demo [--steps N] [--seed S] [--inject-fault]
 
 Nine requests join and leave over about ``N`` steps (default 200) through
-:class:`jaxrope.SlotMap`: chunked prefill, batched decode, a prefix-cache hit (a prompt
+:class:`jaxrope.RowMap`: chunked prefill, batched decode, a prefix-cache hit (a prompt
 starting with another's first pages shares them) and an M-RoPE request (an image in the
 prompt, :func:`jaxrope.mrope.rope_index`) on Qwen2-VL's rotation. Each step is one
 jitted function per token bucket (:mod:`jaxrope.engine_demo.model`): positions from the
