@@ -448,20 +448,17 @@ class EngineInfo:
     Attributes:
       device: the torch device the step runs on.
       head_dim: the attention head size ``D``, or None to take it from the config.
-      dtype: the activation dtype.
       max_seq_len: the longest sequence the engine serves, or None for the
         resource's default.
 
     Example:
-      >>> import torch
       >>> from torch_bridge import PositionConfig, ResourceSpec, RopeManager
-      >>> info = EngineInfo("cpu", head_dim=64, dtype=torch.float16, max_seq_len=256)
+      >>> info = EngineInfo("cpu", head_dim=64, max_seq_len=256)
       >>> mgr = RopeManager.build(ResourceSpec("rope", PositionConfig()), info)
-      >>> mgr.rope.head_dim, mgr.dtype, mgr.max_seq_len
-      (64, torch.float16, 256)
+      >>> mgr.rope.head_dim, mgr.max_seq_len
+      (64, 256)
     """
 
     device: Union[str, torch.device]
     head_dim: Optional[int] = None
-    dtype: torch.dtype = torch.bfloat16
     max_seq_len: Optional[int] = None

@@ -37,9 +37,6 @@ class RopeManager(PositionManager):
       device: the torch device of q, k and the position ids.
       max_seq_len: positions stay below it; at most ``config.rope.max_position``.
       head_dim: ``D``; must equal ``config.rope.head_dim`` when both are given.
-      dtype: the engine's activation dtype (float32, float16 or bfloat16), kept for
-        the seed's signature. q and k are rotated in their own dtype (the seed cast
-        to this dtype; float32 inputs here stay float32).
       launcher: the fast paths ``apply_qk`` and ``apply_qk_and_append_kv`` try first:
         "auto" (on CUDA: :func:`torch_bridge.launch.dispatch.auto_launcher_class`, the
         Mosaic GPU launches of both methods on Hopper), "jax" (always the JAX path), or
@@ -78,9 +75,8 @@ class RopeManager(PositionManager):
     """
 
     def __init__(self, config: PositionConfig, device: Any, max_seq_len: int = 32768,
-                 head_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16, *,
-                 launcher: Any = "auto", backend: str = "auto", allow_copy: bool = True,
-                 writer: Optional[int] = None):
+                 head_dim: Optional[int] = None, *, launcher: Any = "auto", backend: str = "auto",
+                 allow_copy: bool = True, writer: Optional[int] = None):
         super().__init__(config, device, max_seq_len, writer=writer)
         rope = config.rope
         if rope is None:
@@ -92,13 +88,10 @@ class RopeManager(PositionManager):
         if self.max_seq_len > rope.max_position:
             raise ValueError(f"max_seq_len={self.max_seq_len} must be <= "
                              f"config.rope.max_position={rope.max_position}")
-        if dtype not in TORCH_DTYPES:
-            raise ValueError(f"{dtype=} must be one of {list(TORCH_DTYPES)}")
         if not isinstance(allow_copy, bool):
             raise TypeError(f"{allow_copy=} must be a bool")
         self.rope = rope
         self.head_dim = rope.head_dim
-        self.dtype = dtype
         self.allow_copy = allow_copy
         rope_launcher, kv_launcher = resolve_launchers(launcher, self.device)
         self._rope_path = FastPath("apply_qk", rope_launcher)
@@ -129,7 +122,7 @@ class RopeManager(PositionManager):
 
     @classmethod
     def _build_kwargs(cls, info: EngineInfo) -> Dict[str, Any]:
-        return {**super()._build_kwargs(info), "head_dim": info.head_dim, "dtype": info.dtype}
+        return {**super()._build_kwargs(info), "head_dim": info.head_dim}
 
     def _fingerprint_payload(self) -> bytes:
         return super()._fingerprint_payload() + b"|" + self.rope.fingerprint()
@@ -137,7 +130,6 @@ class RopeManager(PositionManager):
     def apply_qk(self, q: torch.Tensor, k: torch.Tensor, label: str,
                  rotary_dim: Optional[int] = None, interleave: Optional[bool] = None,
                  rope_scale: Optional[float] = None, rope_theta: Optional[float] = None,
-                 rope_dtype: Optional[torch.dtype] = None,
                  **llama31: Any) -> Tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q`` and ``k`` in place at the planned positions of plan label ``label``.
 
@@ -152,8 +144,6 @@ class RopeManager(PositionManager):
           rotary_dim, interleave, rope_scale, rope_theta, low_freq_factor,
             high_freq_factor, old_context_len: per-call overrides with FlashInfer's
             meaning (see :class:`torch_bridge.rotate.ConfigCache`).
-          rope_dtype: accepted for the seed's signature; the math is float32 (from
-            float64 frequencies) whatever it says, and q/k keep their dtype.
 
         Returns:
           ``(q, k)``: the same tensors, rotated. Dims ``[rotary_dim, D)`` are untouched.
@@ -177,7 +167,7 @@ class RopeManager(PositionManager):
         """
         # Peek: a staged plan becomes current (its pre-forks apply) only once the call is valid.
         plan = self._plans.peek()
-        overrides = (rotary_dim, interleave, rope_scale, rope_theta, rope_dtype)
+        overrides = (rotary_dim, interleave, rope_scale, rope_theta)
         signature = lambda: _call_signature(label, q, k, overrides)  # noqa: E731
         if not llama31 and self._run_bound(self._rope_path, plan, label, q, signature,
                                            lambda run, pos: run(q, k, pos)):
@@ -187,8 +177,6 @@ class RopeManager(PositionManager):
         if padded:
             q3, k3 = q3[:plan.limits[label]], k3[:plan.limits[label]]
         tokens = q3.shape[0]
-        if rope_dtype is not None and not isinstance(rope_dtype, torch.dtype):
-            raise ValueError(f"{rope_dtype=} must be a torch.dtype or None")
         cfg = self._configs.get(rotary_dim, interleave, rope_scale, rope_theta, **llama31)
         self._plans.promote()
         if tokens == 0:

@@ -124,8 +124,7 @@ def new_node(spec: DisaggSpec, name: str) -> Node:
     """A node with its own RopeManager and the spec's attention layer (weights from its seed)."""
     rope = spec.rope()
     layer = Layer(rope, torch.device("cpu"), np.random.default_rng(spec.seed))
-    mgr = RopeManager(PositionConfig(rope=rope, labels=LABELS), "cpu", max_seq_len=MAX_SEQ_LEN,
-                      dtype=torch.float32)
+    mgr = RopeManager(PositionConfig(rope=rope, labels=LABELS), "cpu", max_seq_len=MAX_SEQ_LEN)
     return Node(name, mgr, layer)
 
 

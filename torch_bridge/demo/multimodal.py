@@ -104,8 +104,8 @@ class MultimodalTrace(TwoNodeTrace):
         self.rng = np.random.default_rng(seed)
         self.layer = Layer(self.rope, device, self.rng)
         position_config = PositionConfig(rope=self.rope, labels=(LABEL,))
-        self.nodes = {name: _VLNode(name, RopeManager(position_config, device, max_seq_len=4096,
-                                                      dtype=torch.float32), self.layer)
+        self.nodes = {name: _VLNode(name, RopeManager(position_config, device,
+                                                      max_seq_len=4096), self.layer)
                       for name in ("main", "prefill")}
         self.inject_fault = inject_fault
         self.requests: Dict[str, Request] = {}
