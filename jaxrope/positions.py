@@ -403,7 +403,7 @@ def admit(table: PositionTable, rows: IntArray, positions: IntArray, deltas: Int
 
     A newer epoch wins even with a lower position (the publisher rolled back: drafts it
     had published were rejected); within an epoch the larger position wins, so a stale
-    echo of this node's own publication never rewinds (the seed's monotonic admit); an
+    echo of this node's own publication never rewinds (admit is monotonic in an epoch); an
     older epoch changes nothing. The delta comes with the position that wins. ``rows``
     must be distinct.
 

@@ -1,4 +1,4 @@
-"""``PositionManager``: the seed engine's position resource, a facade over seven parts.
+"""``PositionManager``: an engine's position resource, a facade over seven parts.
 
 Where each concern lives (one module each):
 

@@ -8,8 +8,7 @@ A *launcher* works on torch tensors itself, on torch's current stream: ``rotate_
 :func:`resolve_launchers` maps ``RopeManager(launcher=...)`` to both. :class:`FastPath`
 is one method's launcher with its bound launches: after a launch succeeded, the call's
 signature is bound to ``launcher.bind(...)``'s run, so a repeated call skips the
-Python-level checks (on the H200's host each costs about a microsecond against a
-few-microsecond launch).
+Python-level checks (host time of the order of the launch itself).
 """
 
 from __future__ import annotations
