@@ -51,8 +51,8 @@ $(VENV012)/.installed: pyproject.toml
 
 # The JAX engine trace first (no torch), then the torch bridge's.
 demo: $(VENV)/.demo-installed
-	$(VENV)/bin/python -m jaxrope.demo --jax
-	$(VENV)/bin/python -m jaxrope.demo $(DEMO_ARGS)
+	$(VENV)/bin/python -m jaxrope.demo
+	$(VENV)/bin/python -m torch_bridge.demo $(DEMO_ARGS)
 
 # The full CPU suite: core + torch bridge (its Triton kernel through Triton's interpreter)
 # + the parity suite against transformers, on the default JAX of this Python. The

@@ -15,10 +15,10 @@ ends with one non-blocking copy on torch's stream). The cases run in blocks of 1
 that alternate between them; each block starts from reset counters and a drained
 device, outside the timed spans; the step records are built before timing (the
 engine's cost, not the manager's). Before each block a fixed pure-Python loop reads the
-host's own speed: on the H200's VM it moves by 2x within a run, for seconds at a time,
-so the report gives, beside the medians of all steps, the median over the blocks run at
-full speed (their reading within 1.25x of the run's fastest). Targets on the H200's
-host: plan + commit <= 50 us median for decode, <= 60 us for prefill.
+host's own speed: on a VM it can move by a large factor within a run, for seconds at a
+time, so the report gives, beside the medians of all steps, the median over the blocks
+run at full speed (their reading within 1.25x of the run's fastest). Targets: plan +
+commit <= 50 us median for decode, <= 60 us for prefill.
 
 Speculative steps (``--quick``: 32 requests instead of 256), eager, each in blocks
 alternating with a plain decode step of the same token count (issue 16's target: plan
@@ -170,8 +170,8 @@ def _alternating(cases: Dict[str, tuple], iters: int, warmup: int,
                  device: torch.device) -> Dict[str, Dict[str, dict]]:
     """Time ``{name: (manager, steps, accepted, preplan)}``: ``warmup`` untimed steps of
     each, then ``iters // BLOCK`` blocks of every case in turn, so that a case and its
-    neighbours see the same host (its speed moves by 2x within a run on the H200's VM,
-    at times for seconds, at times within one case's share of a round). Before each block
+    neighbours see the same host (a VM's speed can move within a run, at times for
+    seconds, at times within one case's share of a round). Before each block
     a fixed pure-Python loop reads the host's own speed (:func:`host_reference_us`)."""
     blocks = {name: timed_blocks(mgr, steps, preplan, device, accepted)
               for name, (mgr, steps, accepted, preplan) in cases.items()}
@@ -201,10 +201,9 @@ def _alternating(cases: Dict[str, tuple], iters: int, warmup: int,
 
 
 def host_reference_us() -> float:
-    """Median us of a fixed pure-Python loop: the host's own speed at that moment. On the
-    H200's VM it reads about 6 us at full speed and 11-22 us when the host runs slow
-    (2026-12-01, bench/RESULTS.md); plan + commit then slows by less, its numpy and
-    driver calls less than this bytecode."""
+    """Median us of a fixed pure-Python loop: the host's own speed at that moment. When the
+    host runs slow, plan + commit slows by less than this reading: its numpy and driver
+    calls less than this bytecode."""
     spans = []
     for _ in range(16):
         t0 = time.perf_counter()
@@ -274,7 +273,7 @@ def _qk(device: torch.device, tokens: int, q_heads: int, k_heads: int, dtype: to
 def bench_apply(device: torch.device, tokens: int, q_heads: int, k_heads: int,
                 dtype: torch.dtype, launcher: str) -> Dict[str, object]:
     if launcher == "triton":  # the Triton-lowered kernel's launcher, beside auto's choice
-        from torch_bridge.triton_launch import TritonLauncher
+        from torch_bridge.launch.triton import TritonLauncher
         mgr = _manager(device, TritonLauncher())
     else:
         mgr = _manager(device, launcher)

@@ -146,9 +146,9 @@ run_step flashinfer 180 flashinfer_build
 run_step tests 400 gpu_tests
 run_step goldens 120 record_goldens
 run_step golden-check 120 golden_check
-run_step demo 60 python3 -m jaxrope.demo --device cuda
-run_step demo:vl 60 python3 -m jaxrope.demo --device cuda --model qwen2.5-vl
-run_step demo:spec 90 python3 -m jaxrope.demo --device cuda --speculative
+run_step demo 60 python3 -m torch_bridge.demo --device cuda
+run_step demo:vl 60 python3 -m torch_bridge.demo --device cuda --model qwen2.5-vl
+run_step demo:spec 90 python3 -m torch_bridge.demo --device cuda --speculative
 for entry in "${BENCHES[@]}"; do
     # shellcheck disable=SC2086
     run_step "bench:${entry%% *}" 540 python3 -m bench.$entry --out "$LOGDIR"

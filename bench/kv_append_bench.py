@@ -14,9 +14,9 @@ inputs:
   ``fori_loop``; ``jaxrope_mosaic``: the same with ``backend="mosaic"`` (the Mosaic GPU
   kernel, what "auto" runs on Hopper), on the GPU only;
 - ``bridge``: ``RopeManager.apply_qk_and_append_kv`` on torch tensors (the fused kernel
-  "auto" launches on torch's stream: ``torch_bridge.mosaic_launch.MosaicKVLauncher`` on
+  "auto" launches on torch's stream: ``torch_bridge.launch.mosaic.MosaicKVLauncher`` on
   Hopper), what a torch engine calls; ``bridge_triton`` (GPU): the same through the
-  Triton-lowered kernel's launcher, ``torch_bridge.kv_launch.KVAppendLauncher``;
+  Triton-lowered kernel's launcher, ``torch_bridge.launch.triton.TritonKVLauncher``;
 - ``flashinfer_pair``: ``apply_rope_pos_ids_inplace`` then ``append_paged_kv_cache``,
   what an engine runs today;
 - ``jaxrope_fp8`` / ``bridge_fp8`` / ``flashinfer_fp8``: the same with an fp8 e4m3 cache,
@@ -226,9 +226,9 @@ def bridge_runs(x: Inputs, rep_seconds: float, reps: int, on_gpu: bool) -> List[
     if on_gpu:
         # The Triton-lowered kernel's launch beside "auto"'s (Mosaic GPU's on Hopper), bf16.
         from jaxrope.errors import BackendUnavailable
-        from torch_bridge.kv_launch import KVAppendLauncher
+        from torch_bridge.launch.triton import TritonKVLauncher
         try:
-            mgr.kv_launcher = KVAppendLauncher()
+            mgr.kv_launcher = TritonKVLauncher()
         except BackendUnavailable as e:
             print(f"bridge_triton: {e}", flush=True)
             return out

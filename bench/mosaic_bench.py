@@ -17,8 +17,8 @@ the noise) of:
   (:func:`jaxrope.kernels.mosaic_tma.rope_mosaic_tma`, default :class:`TmaTuning`), called
   directly (it is no ``backend=``) in the same loop;
 - ``mosaic_launch`` / ``triton_launch`` (``*_mrope``): the same kernels launched from
-  torch by the bridge's launchers (``torch_bridge.mosaic_launch``,
-  ``torch_bridge.triton_launch``); ``mosaic_launch_gridN``: at ``--launch-grids`` N;
+  torch by the bridge's launchers (``torch_bridge.launch.mosaic``,
+  ``torch_bridge.launch.triton``); ``mosaic_launch_gridN``: at ``--launch-grids`` N;
 - ``flashinfer``: ``apply_rope_pos_ids_inplace``; ``liger``: liger-kernel's
   ``qwen2vl_mrope_forward`` (in place, HF's bf16 cos/sin); ``ceiling``: torch ``mul_(1.0)``
   on one buffer of q's and k's bytes; each a CUDA graph of calls, replayed between events.
@@ -167,8 +167,8 @@ def sweep(args) -> List[Dict[str, Any]]:
 def run(args) -> Dict[str, Any]:
     import torch
     import flashinfer.rope as fi
-    from torch_bridge.mosaic_launch import MosaicLauncher
-    from torch_bridge.triton_launch import TritonLauncher
+    from torch_bridge.launch.mosaic import MosaicLauncher
+    from torch_bridge.launch.triton import TritonLauncher
     liger = load_liger(args.liger)
     launchers = {"mosaic": MosaicLauncher(), "triton": TritonLauncher()}
     rng = np.random.default_rng(args.seed)

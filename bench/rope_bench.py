@@ -23,7 +23,7 @@ Sections (``--sections``; default all):
 Implementations: ``jaxrope`` / ``jaxrope_plain`` (``apply_rope(backend="pallas")`` under
 ``jax.jit``, q and k donated; the Pallas interpreter on a CPU), ``jaxrope_mosaic``
 (``backend="mosaic"``, GPU), ``xla`` (``backend="xla"``), ``jaxrope_torch`` (the same
-Pallas kernel launched from torch, ``torch_bridge.triton_launch``), ``flashinfer``
+Pallas kernel launched from torch, ``torch_bridge.launch.triton``), ``flashinfer``
 (``apply_rope_pos_ids_inplace``; for Llama 3 ``apply_llama31_rope_pos_ids_inplace``, for
 other scalings ``apply_rope_with_cos_sin_cache_inplace``), ``flashinfer_cache`` (the
 cache call on the plain config), ``torch_eager`` (HF's ``rotate_half`` formula, out of
@@ -63,16 +63,15 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from bench import timing  # noqa: E402
+from bench.rope_torch_calls import flashinfer_call, hf_rope, warm_flashinfer  # noqa: E402
 from bench.rope_report import (BENCH_DIR, NAME, PLOT_IMPLS, TARGET, render_markdown,  # noqa: E402
                                write_outputs)
 from jaxrope import RopeConfig, apply_rope  # noqa: E402
 from jaxrope.apply import kernel_constants  # noqa: E402
 from jaxrope.cases import BY_NAME, CASES, Case  # noqa: E402
 from jaxrope.kernels import mosaic_gpu  # noqa: E402
-from jaxrope.scaling import Llama3  # noqa: E402
 
 POSITION_RANGE = 65536
 # In-place variants with an attention factor != 1 scale q and k at every application;
@@ -184,29 +183,17 @@ def detect_env(want_flashinfer: bool, want_launcher: bool) -> Env:
     if env.on_gpu and want_flashinfer:
         try:
             import flashinfer.rope
-            _warm_flashinfer(torch, flashinfer.rope)
+            warm_flashinfer(torch, flashinfer.rope)
             env.flashinfer = flashinfer.rope
         except Exception as e:  # noqa: BLE001 - any failure means: measure without it
             env.notes.append(f"flashinfer unavailable ({type(e).__name__}: {str(e)[:300]})")
     if env.on_gpu and want_launcher:
         try:
-            from torch_bridge.triton_launch import TritonLauncher
+            from torch_bridge.launch.triton import TritonLauncher
             env.launcher = TritonLauncher()
         except Exception as e:  # noqa: BLE001 - the torch launch is optional here
             env.notes.append(f"jaxrope_torch unavailable ({type(e).__name__}: {str(e)[:300]})")
     return env
-
-
-def _warm_flashinfer(torch, fi) -> None:
-    """First calls of the three APIs: FlashInfer JIT-builds its rope module here (~1 min)."""
-    q = torch.randn(4, 2, 64, dtype=torch.bfloat16, device="cuda")
-    k = torch.randn(4, 1, 64, dtype=torch.bfloat16, device="cuda")
-    pos = torch.arange(4, dtype=torch.int32, device="cuda")
-    fi.apply_rope_pos_ids_inplace(q, k, pos)
-    fi.apply_llama31_rope_pos_ids_inplace(q, k, pos)
-    cache = torch.rand(16, 64, dtype=torch.float32, device="cuda")
-    fi.apply_rope_with_cos_sin_cache_inplace(pos, q.view(4, -1), k.view(4, -1), 64, cache, True)
-    torch.cuda.synchronize()
 
 
 # --------------------------------------------------------------------------- implementations
@@ -224,47 +211,6 @@ def jax_step(impl: str, cfg: RopeConfig, on_gpu: bool, looped: bool) -> Callable
     return lambda q, k, pos: apply_rope(q, k, pos, cfg, backend=backend)
 
 
-def _hf_rope(torch, q, k, pos, cfg: RopeConfig) -> Callable[[], Any]:
-    """HF's formula: cos/sin of ``cat(freqs, freqs)`` in float32, ``x*cos + rotate_half(x)*sin``."""
-    inv_freq = torch.tensor(cfg.serving_frequencies()[0], dtype=torch.float32, device=q.device)
-    half = cfg.head_dim // 2
-
-    def rotate_half(x):
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-    def run():
-        freqs = pos[:, None].float() * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(q.dtype)[:, None], emb.sin().to(q.dtype)[:, None]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-    return run
-
-
-def _cos_sin_cache(torch, cfg: RopeConfig, device):
-    """FlashInfer's cache ``[POSITION_RANGE, rotary_dim]`` float32, cos then sin, from float64."""
-    inv_freq, attention = cfg.serving_frequencies()
-    angle = np.arange(POSITION_RANGE, dtype=np.float64)[:, None] * inv_freq[None, :]
-    table = np.concatenate([np.cos(angle), np.sin(angle)], axis=1) * attention
-    return torch.from_numpy(table.astype(np.float32)).to(device)
-
-
-def flashinfer_call(torch, fi, cfg: RopeConfig, q, k, pos, use_cache: bool) -> Tuple[Callable, str]:
-    """FlashInfer's in-place call for ``cfg`` on torch tensors, and its API's name."""
-    tokens, _, head_dim = q.shape
-    if use_cache or (cfg.scaling is not None and not isinstance(cfg.scaling, Llama3)):
-        cache, q2, k2 = _cos_sin_cache(torch, cfg, q.device), q.view(tokens, -1), k.view(tokens, -1)
-        return (lambda: fi.apply_rope_with_cos_sin_cache_inplace(
-            pos, q2, k2, head_dim, cache, not cfg.interleave)), "apply_rope_with_cos_sin_cache_inplace"
-    common = dict(rotary_dim=cfg.rotary_dim, interleave=cfg.interleave, rope_theta=cfg.theta)
-    if isinstance(cfg.scaling, Llama3):
-        s = cfg.scaling
-        return (lambda: fi.apply_llama31_rope_pos_ids_inplace(
-            q, k, pos, rope_scale=s.factor, low_freq_factor=s.low_freq_factor,
-            high_freq_factor=s.high_freq_factor, old_context_len=s.original_max_position,
-            **common)), "apply_llama31_rope_pos_ids_inplace"
-    return (lambda: fi.apply_rope_pos_ids_inplace(q, k, pos, **common)), "apply_rope_pos_ids_inplace"
-
-
 def torch_call(task: Task, env: Env, inputs) -> Tuple[Callable[[], Any], str]:
     """The torch callable of ``task`` on fresh copies of the inputs, and what it calls."""
     torch = env.torch
@@ -275,12 +221,12 @@ def torch_call(task: Task, env: Env, inputs) -> Tuple[Callable[[], Any], str]:
     if task.impl == "ceiling_2pass":
         return (lambda: (q.mul_(1.0), k.mul_(1.0))), "torch mul_ on q, then on k"
     if task.impl == "torch_eager":
-        return _hf_rope(torch, q, k, pos, task.cfg), "HF rotate_half, out of place"
+        return hf_rope(torch, q, k, pos, task.cfg), "HF rotate_half, out of place"
     if task.impl == "jaxrope_torch":
         launcher, cfg = env.launcher, task.cfg
-        return (lambda: launcher.rotate_(q, k, pos, cfg)), "torch_bridge.triton_launch"
+        return (lambda: launcher.rotate_(q, k, pos, cfg)), "torch_bridge.launch.triton"
     return flashinfer_call(torch, env.flashinfer, task.cfg, q, k, pos,
-                           task.impl == "flashinfer_cache")
+                           task.impl == "flashinfer_cache", POSITION_RANGE)
 
 
 # --------------------------------------------------------------------------- measuring

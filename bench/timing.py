@@ -7,10 +7,9 @@ caches) always come first and are never timed.
 
 - :func:`time_jax_loop` -- device time of one application of a JAX step, dispatch left
   out: a jitted ``fori_loop`` of ``iters`` applications on donated buffers, compiled
-  once. A call's wall time carries a fixed cost (dispatch and the final sync, ~0.6 ms on
-  the H200 host) that a 10 ms repeat does not amortise (it made 320 us kernels read
-  344 us), so a repeat times one call and three chained calls and keeps half the
-  difference. A repeat too short for that difference to stand out of the host's jitter
+  once. A call's wall time carries a fixed cost (dispatch and the final sync) that a
+  short repeat does not amortise, so a repeat times one call and three chained calls
+  and keeps half the difference. A repeat too short for that difference to stand out of the host's jitter
   (under a quarter of a call's wall time: tiny loops on a CPU) falls back to a call's
   wall time, and ``method`` says how many did. :class:`JaxLoop` is the loop itself, for
   benchmarks that also profile it.

@@ -8,22 +8,23 @@ The public API is exactly what ``__all__`` lists, by one rule:
   (:class:`Linear`, :class:`DynamicNTK`, :class:`Yarn`, :class:`LongRope`,
   :class:`Llama3`, :class:`Proportional`), the backends (:data:`BACKENDS`,
   :class:`BackendUnavailable`), and the position state's types (:class:`PositionTable`,
-  :class:`Scheme`, :class:`SlotMap`, also reachable through :mod:`jaxrope.positions`);
+  :class:`Scheme`, :class:`RowMap`, also reachable through :mod:`jaxrope.positions`);
 - every other public name belongs to a subject and is reached through its module, each
   with its own ``__all__``: :mod:`jaxrope.hf` (``from_hf``, ``nope_layers``),
   :mod:`jaxrope.models` (the ``model_type`` table and the sample HF configs),
   :mod:`jaxrope.mrope` (M-RoPE prompt positions and config fields), :mod:`jaxrope.paging`
   (KV slots from vLLM block tables and FlashInfer page tables, a step's token -> view map),
-  :mod:`jaxrope.positions` (the position table's transitions), :mod:`jaxrope.speculative`
+  :mod:`jaxrope.positions` (the position table's transitions), :mod:`jaxrope.speculative_positions`
   (draft and verify positions) and :mod:`jaxrope.wire` (published records as bytes).
 
 Every other module is private: importable, but its names may change without notice.
 They are the implementation of the above (``apply``, ``backend``, ``config``,
 ``cos_sin_cache``, ``errors``, ``frequencies``, ``int_arrays``, ``kernels``,
-``kv_cache``, ``numbers``, ``scaling``, ``sharding``, ``slot_map``; ``hf_source``,
+``kv_cache``, ``numbers``, ``row_map``, ``scaling``, ``sharding``; ``hf_source``,
 ``hf_layers``, ``hf_fields`` and ``hf_examples`` behind :mod:`jaxrope.hf` and
-:mod:`jaxrope.models`), the demo programs (``demo``, run as ``python -m jaxrope.demo``,
-``engine_demo``, its ``--jax`` trace, and ``demo_reference``, what both check against),
+:mod:`jaxrope.models`), ``layer_reference`` (the float64 layer the demos and the cache
+readers' tests check against), the JAX engine demo (``demo``, run as
+``python -m jaxrope.demo``, and ``engine_demo``, its trace),
 and support for the tests and benchmarks: ``cases`` (the table of named cases they
 share, imported as ``jaxrope.cases``) and ``testing`` (oracles and reference
 implementations). No module of jaxrope or torch_bridge outside these two imports them; tests/test_packaging.py
@@ -39,13 +40,13 @@ Example:
   True
 """
 
-from jaxrope import hf, models, mrope, paging, positions, speculative, wire
+from jaxrope import hf, models, mrope, paging, positions, speculative_positions, wire
 from jaxrope.apply import apply_rope
 from jaxrope.backend import BACKENDS
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 from jaxrope.kv_cache import apply_rope_and_append_kv
-from jaxrope.positions import PositionTable, Scheme, SlotMap
+from jaxrope.positions import PositionTable, RowMap, Scheme
 from jaxrope.scaling import DynamicNTK, Linear, Llama3, LongRope, Proportional, Yarn
 
 __version__ = "0.1.0"
@@ -60,8 +61,8 @@ __all__ = [
     "PositionTable",
     "Proportional",
     "RopeConfig",
+    "RowMap",
     "Scheme",
-    "SlotMap",
     "Yarn",
     "apply_rope",
     "apply_rope_and_append_kv",
@@ -70,6 +71,6 @@ __all__ = [
     "mrope",
     "paging",
     "positions",
-    "speculative",
+    "speculative_positions",
     "wire",
 ]

@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxrope import cos_sin_cache as _cos_sin
 from jaxrope import frequencies as _frequencies
+from jaxrope import hf as _hf
 from jaxrope.numbers import as_float, as_int
 from jaxrope.scaling import SCALING_TYPES, DynamicNTK, LongRope, Scaling
 
@@ -225,7 +226,7 @@ class RopeConfig:
                 longrope_factors: str = "auto") -> "RopeConfig":
         """Build the rotation of a HF transformers model from its config.
 
-        See :func:`jaxrope.hf.from_hf` for what is read from each model family, the
+        See :mod:`jaxrope.hf` for what is read from each model family, the
         sub-config used (a nested ``text_config`` when present), per-layer-type
         configs and what is refused.
 
@@ -253,10 +254,8 @@ class RopeConfig:
           >>> cfg.head_dim, cfg.interleave, cfg.theta
           (128, True, 8000000.0)
         """
-        from jaxrope import hf  # hf builds RopeConfigs, so it imports this module
-
-        return hf.from_hf(config, layer_type=layer_type, max_position=max_position,
-                          interleave=interleave, longrope_factors=longrope_factors)
+        return _hf.config_from_hf(cls, config, layer_type=layer_type, max_position=max_position,
+                                  interleave=interleave, longrope_factors=longrope_factors)
 
 
 def _canonical(value: Any) -> Any:

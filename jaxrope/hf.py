@@ -57,14 +57,13 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from jaxrope.config import RopeConfig
 from jaxrope.hf_fields import IGNORED_KEYS, build
 from jaxrope.hf_layers import layer_types, nope, rope_parameters
 from jaxrope.hf_source import ROPE_FIELDS, Source, load_config, read
 from jaxrope.numbers import as_int
 from jaxrope.scaling import LONGROPE_FACTORS
 
-__all__ = ["IGNORED_KEYS", "ROPE_FIELDS", "from_hf", "load_config", "nope_layers"]
+__all__ = ["IGNORED_KEYS", "ROPE_FIELDS", "config_from_hf", "load_config", "nope_layers"]
 
 
 def nope_layers(config: Any) -> Tuple[int, ...]:
@@ -73,7 +72,7 @@ def nope_layers(config: Any) -> Tuple[int, ...]:
     Llama 4 (``no_rope_layers``: 1 = RoPE, 0 = NoPE; empty means every
     ``no_rope_layer_interval``-th layer, default 4, is NoPE), SmolLM 3 (the same
     fields) and Cohere 2 (its ``full_attention`` layers). Every other family rotates
-    in every layer: ``()``. :func:`from_hf` returns the rotation of the other layers.
+    in every layer: ``()``. ``RopeConfig.from_hf`` returns the rotation of the other layers.
     Llama 4 scales the queries of its NoPE layers (``attn_temperature_tuning``); that
     is attention, not rotation, and not read here.
 
@@ -141,14 +140,19 @@ def _rotating_types(source: Source, types: Optional[Tuple[str, ...]],
     return rotating
 
 
-def _summary(cfg: RopeConfig) -> str:
+def _summary(cfg: Any) -> str:
     scaling = type(cfg.scaling).__name__ if cfg.scaling is not None else "default"
     return f"head_dim={cfg.head_dim} rotary_dim={cfg.rotary_dim} theta={cfg.theta:g} {scaling}"
 
 
-def from_hf(config: Any, *, layer_type: Optional[str] = None, max_position: Optional[int] = None,
-            interleave: Optional[bool] = None, longrope_factors: str = "auto") -> RopeConfig:
-    """The :class:`RopeConfig` of a HF model's attention layers (see the module docstring).
+def config_from_hf(config_type: type, config: Any, *, layer_type: Optional[str] = None,
+                   max_position: Optional[int] = None, interleave: Optional[bool] = None,
+                   longrope_factors: str = "auto") -> Any:
+    """The ``config_type`` (:class:`jaxrope.RopeConfig`, or a subclass) of a HF model's
+    attention layers: what ``RopeConfig.from_hf`` returns (see the module docstring).
+
+    The class is an argument, not an import, so that :mod:`jaxrope.config` can call this
+    module without the two importing each other.
 
     Reads ``text_config`` when the config has one, else the top level. An M-RoPE
     model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE), GLM-4.1V) gives a config with
@@ -186,8 +190,9 @@ def from_hf(config: Any, *, layer_type: Optional[str] = None, max_position: Opti
             raise ValueError(f"the rope parameters have no entry for layer type {kind!r} "
                              f"(they have {sorted(k for k in per_type if k)})")
         where, params = per_type[key]
-        configs[kind] = build(source, kind, where, params, max_position=max_position,
-                              interleave=interleave, longrope_factors=longrope_factors)
+        configs[kind] = build(config_type, source, kind, where, params,
+                              max_position=max_position, interleave=interleave,
+                              longrope_factors=longrope_factors)
     if len(set(configs.values())) > 1:
         listing = "; ".join(f"{kind}: {_summary(cfg)}" for kind, cfg in configs.items())
         raise ValueError(f"this {source.model_type!r} model's layer types rotate differently "

@@ -14,10 +14,11 @@
 - the base ``rope_theta`` and the M-RoPE sections.
 
 Example:
+  >>> from jaxrope.config import RopeConfig
   >>> from jaxrope.hf_source import read
   >>> from jaxrope.models import HF_CONFIGS
   >>> source = read(HF_CONFIGS["EleutherAI/gpt-neox-20b"], interleave=None)
-  >>> cfg = build(source, None, "rope_parameters", {"rope_theta": 10000.0},
+  >>> cfg = build(RopeConfig, source, None, "rope_parameters", {"rope_theta": 10000.0},
   ...             max_position=None, interleave=False, longrope_factors="auto")
   >>> cfg.head_dim, cfg.rotary_dim, cfg.max_position
   (96, 24, 2048)
@@ -29,7 +30,6 @@ import warnings
 from typing import Any, Mapping, Optional
 
 from jaxrope import frequencies as _frequencies
-from jaxrope.config import RopeConfig
 from jaxrope.hf_source import Source
 from jaxrope.models import ModelRow
 from jaxrope.numbers import as_float, as_int
@@ -80,7 +80,7 @@ def rope_type(params: Mapping[str, Any], where: str, row: ModelRow) -> str:
         if key in _COMMON_KEYS or key in _TYPE_KEYS[kind] or value is None:
             continue
         if key in IGNORED_KEYS:
-            # stacklevel: rope_type, build, from_hf, then from_hf's caller.
+            # stacklevel: rope_type, build, config_from_hf, then RopeConfig.from_hf.
             warnings.warn(f"{where}.{key}={value!r} ignored: {IGNORED_KEYS[key]}", stacklevel=4)
             continue
         raise ValueError(f"{where}.{key}={value!r} is not read for rope_type={kind!r} "
@@ -229,9 +229,11 @@ def _scaling(kind: str, params: Mapping[str, Any], where: str, trained: int,
                         partial_rotary_factor=1.0 if partial is None else partial)
 
 
-def build(source: Source, layer_type: Optional[str], where: str, params: Mapping[str, Any], *,
-          max_position: Optional[int], interleave: bool, longrope_factors: str) -> RopeConfig:
-    """The :class:`RopeConfig` of ``source``'s layers of ``layer_type`` (None: all layers).
+def build(config_type: type, source: Source, layer_type: Optional[str], where: str,
+          params: Mapping[str, Any], *, max_position: Optional[int], interleave: bool,
+          longrope_factors: str) -> Any:
+    """The ``config_type`` (:class:`jaxrope.RopeConfig`) of ``source``'s layers of
+    ``layer_type`` (None: all layers).
 
     ``where`` and ``params``: the layer type's entry of
     :func:`jaxrope.hf_layers.rope_parameters`; the keywords are ``from_hf``'s, checked.
@@ -248,6 +250,6 @@ def build(source: Source, layer_type: Optional[str], where: str, params: Mapping
     mrope = source.mrope
     sections = {} if mrope is None else {"mrope_section": mrope["mrope_section"],
                                          "mrope_interleaved": mrope["mrope_interleaved"]}
-    return RopeConfig(head_dim=head_dim, rotary_dim=rotary_dim, theta=theta,
-                      interleave=interleave, max_position=max_position, scaling=scaling,
-                      **sections)
+    return config_type(head_dim=head_dim, rotary_dim=rotary_dim, theta=theta,
+                       interleave=interleave, max_position=max_position, scaling=scaling,
+                       **sections)

@@ -158,7 +158,7 @@ def read(config: Any, interleave: Optional[bool]) -> Source:
     silence the unknown-``model_type`` warning when given.
 
     Raises:
-      TypeError, ValueError: as :func:`jaxrope.hf.from_hf` lists for the fields.
+      TypeError, ValueError: as :meth:`jaxrope.RopeConfig.from_hf` lists for the fields.
       NotImplementedError: an M-RoPE layout the model table does not know.
     """
     raw = load_config(config)

@@ -6,7 +6,7 @@ has static shapes and runs under ``jax.jit``.
 
 The step arrays, one name each:
 
-- ``rows``: int ``[V]``, table rows, the stream each entry is about (:class:`SlotMap`
+- ``rows``: int ``[V]``, table rows, the stream each entry is about (:class:`RowMap`
   hands them out). A KV-cache address is a *slot* (vLLM's ``slot_mapping``,
   ``slots`` of :func:`jaxrope.apply_rope_and_append_kv`), never a row.
 - ``counts``: int ``[V]``, each view's tokens: what :func:`plan` numbers and what
@@ -37,10 +37,10 @@ back, a counter carried past ``2**31 - 1`` wraps, and for a row repeated in
 :func:`admit` or :func:`rollback` one unspecified entry wins.
 
 The map from (request_id, label) to row is host-side state and lives in
-:class:`SlotMap`, outside the pytree. It doubles its capacity when a new stream finds no
+:class:`RowMap`, outside the pytree. It doubles its capacity when a new stream finds no
 free row; the table follows with :func:`grow` (a no-op while the capacities agree; a
 jitted step compiles once per capacity), and :func:`reset` takes what
-:meth:`SlotMap.release` returns.
+:meth:`RowMap.release` returns.
 
 Example:
   >>> import jax.numpy as jnp
@@ -58,12 +58,12 @@ Example:
   True
   >>> positions.read(table, padded).tolist()
   [3, 2, 0, 0]
-  >>> slot_map = positions.SlotMap(capacity=4)
-  >>> [slot_map.acquire(rid, "text") for rid in "abcde"]
+  >>> row_map = positions.RowMap(capacity=4)
+  >>> [row_map.acquire(rid, "text") for rid in "abcde"]
   [0, 1, 2, 3, 4]
-  >>> table = positions.grow(table, slot_map.capacity)  # the map doubled: 8 rows
+  >>> table = positions.grow(table, row_map.capacity)  # the map doubled: 8 rows
   >>> table = positions.commit(table, [4], [7])
-  >>> table = positions.reset(table, slot_map.release("c"))  # c's row 2 starts afresh
+  >>> table = positions.reset(table, row_map.release("c"))  # c's row 2 starts afresh
   >>> table.counters.tolist()
   [2, 0, 0, 0, 7, 0, 0, 0]
 """
@@ -89,7 +89,7 @@ from jaxrope.int_arrays import in_range as _in_range
 from jaxrope.int_arrays import ints as _ints
 from jaxrope.int_arrays import values as _values
 from jaxrope.numbers import as_int
-from jaxrope.slot_map import SlotMap
+from jaxrope.row_map import RowMap
 
 # The padding row: out of range for every table, however far it grows.
 PAD = int(_INT32.max)
@@ -183,7 +183,7 @@ def _rows(name: str, rows, table: PositionTable, *, distinct: bool = False) -> j
         bad = np.flatnonzero(((values < 0) | (values >= table.capacity)) & (values != PAD))
         if bad.size:
             row = values[bad[0]]
-            grown = ("; after SlotMap grew, positions.grow(table, slot_map.capacity)"
+            grown = ("; after RowMap grew, positions.grow(table, row_map.capacity)"
                      if row >= table.capacity else "")
             raise ValueError(f"{name}[{bad[0]}]={row} is no row of the table (rows "
                              f"[0, {table.capacity}), or PAD={PAD} for padding){grown}")
@@ -222,7 +222,7 @@ def grow(table: PositionTable, capacity: int) -> PositionTable:
     """The same records in a table of ``capacity`` rows; new rows start at 0.
 
     ``table`` itself when it already has ``capacity`` rows, so a serving loop calls
-    ``grow(table, slot_map.capacity)`` after each :meth:`SlotMap.acquire` and the table
+    ``grow(table, row_map.capacity)`` after each :meth:`RowMap.acquire` and the table
     changes shape (a jitted step compiles anew) only when the map doubled.
     """
     _table(table)
@@ -279,7 +279,7 @@ def plan(table: PositionTable, rows: IntArray, counts: IntArray, out: IntArray, 
         on all three rows (text after the prompt advances every row together).
       depths: int ``[N]`` or None (default): token ``t`` at ``counter + depths[t]``
         instead of the scheme's numbering (a draft tree's tokens sit at the counter
-        plus their depth: :mod:`jaxrope.speculative`); entries past ``sum(counts)``
+        plus their depth: :mod:`jaxrope.speculative_positions`); entries past ``sum(counts)``
         are ignored.
 
     Returns:
@@ -403,7 +403,7 @@ def admit(table: PositionTable, rows: IntArray, positions: IntArray, deltas: Int
 
     A newer epoch wins even with a lower position (the publisher rolled back: drafts it
     had published were rejected); within an epoch the larger position wins, so a stale
-    echo of this node's own publication never rewinds (the seed's monotonic admit); an
+    echo of this node's own publication never rewinds (admit is monotonic in an epoch); an
     older epoch changes nothing. The delta comes with the position that wins. ``rows``
     must be distinct.
 
@@ -479,7 +479,7 @@ def rollback(table: PositionTable, rows: IntArray, positions: IntArray) -> Posit
 def reset(table: PositionTable, rows: IntArray) -> PositionTable:
     """Every column at ``rows`` to 0: a freed or reset stream starts afresh.
 
-    ``rows`` may be what :meth:`SlotMap.release` returns (a list, possibly empty).
+    ``rows`` may be what :meth:`RowMap.release` returns (a list, possibly empty).
     """
     _table(table)
     rows = _rows("rows", rows, table)

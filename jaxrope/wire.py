@@ -168,10 +168,10 @@ def rewind_order(mine: Rewinds, theirs: Rewinds) -> str:
     position includes). ``"newer"``: the record includes every rewind of ``mine`` and
     more, so it was written after them and wins even with a lower position;
     ``"older"``: the reverse (a stale echo); ``"same"``: the same rewinds, where the
-    larger position wins (the seed's monotonic max); ``"conflict"``: each side holds a
+    larger position wins (admit's monotonic max); ``"conflict"``: each side holds a
     rewind the other has not seen, two writers rolled the stream back independently,
     and no position is right for both. A stream never rolled back (``()``) is older
-    than any rewound one, so within epoch 0 the order is exactly the seed's max.
+    than any rewound one, so within epoch 0 the order is exactly a max over positions.
 
     Example:
       >>> from jaxrope.wire import rewind_order

@@ -34,7 +34,7 @@ import pytest
 
 import jaxrope as jr
 from jaxrope import positions
-from jaxrope.positions import SlotMap
+from jaxrope.positions import RowMap
 
 try:
     import torch
@@ -80,14 +80,14 @@ class CoreEnv:
         self.pos_ids = jnp.asarray(rng.integers(0, 1024, 5), jnp.int32)
         self.table = positions.raise_to(positions.init(8), jnp.arange(3, dtype=jnp.int32),
                                         jnp.asarray(rng.integers(1, 100, 3), jnp.int32))
-        self.slot_map = SlotMap(4)
+        self.row_map = RowMap(4)
         for rid in ("a", "b"):
-            self.slot_map.acquire(rid, "text")
+            self.row_map.acquire(rid, "text")
 
     def state(self):
-        sm = self.slot_map
+        sm = self.row_map
         return ([np.asarray(x).tolist() for x in (self.q, self.k, self.pos_ids, self.table.counters)],
-                (sm.capacity, sm.peak, len(sm), sm.free_slots(),
+                (sm.capacity, sm.peak, len(sm), sm.free_rows(),
                  {r: sm.labels(r) for r in sm.requests()}),
                 self.cfg)
 
@@ -168,7 +168,7 @@ def finish(mgr):
         return repr(e), mgr.state_snapshot()["counters"]
     state = mgr.state_snapshot()
     assert state["current"] is None and state["staged"] is None
-    return {key: state[key] for key in ("counters", "slots", "requests", "slot_map",
+    return {key: state[key] for key in ("counters", "slots", "requests", "row_map",
                                         "graph_buffers", "plan_labels")}
 
 

@@ -42,17 +42,17 @@ def test_bridge_auto_launchers_follow_the_cores_rule_for_both_ops(monkeypatch, c
     # Each op's launcher is the one for the kernel the core's "auto" picks: Mosaic GPU's
     # on Hopper or newer with a JAX that lowers it, the Triton-lowered kernel's elsewhere.
     from jaxrope.kernels import mosaic_gpu
-    from torch_bridge.kv_launch import KVAppendLauncher
-    from torch_bridge.launchers import auto_launcher_class
-    from torch_bridge.mosaic_launch import MosaicKVLauncher, MosaicLauncher
-    from torch_bridge.triton_launch import TritonLauncher
+    from torch_bridge.launch.triton import TritonKVLauncher
+    from torch_bridge.launch.dispatch import auto_launcher_class
+    from torch_bridge.launch.mosaic import MosaicKVLauncher, MosaicLauncher
+    from torch_bridge.launch.triton import TritonLauncher
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(mosaic_gpu, "lowering_unavailable",
                         lambda: None if lowers else "refused by the test")
     cuda = torch.device("cuda")
     want = {"rope": (MosaicLauncher, TritonLauncher),
-            "rope_append_kv": (MosaicKVLauncher, KVAppendLauncher)}
+            "rope_append_kv": (MosaicKVLauncher, TritonKVLauncher)}
     for op, (mosaic, triton) in want.items():
         core = backend_module.backend_name("auto", "cuda", op, "{}.{}".format(*capability))
         assert core == ("mosaic" if lowers and capability >= (9, 0) else "triton"), op

@@ -1,4 +1,4 @@
-"""Bad input to apply_rope and the position tables it reads (positions, SlotMap): each
+"""Bad input to apply_rope and the position tables it reads (positions, RowMap): each
 refused naming the argument, nothing changed (:mod:`bad_input_harness`)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 import jaxrope as jr
 from jaxrope import positions
-from jaxrope.positions import SlotMap
+from jaxrope.positions import RowMap
 
 from bad_input_harness import Bad, core_raises_naming_it_and_changes_nothing
 
@@ -50,7 +50,7 @@ APPLY_ROPE_CASES = [
     Bad("positions.init zero capacity", lambda e: positions.init(0), ValueError, "capacity=0"),
     Bad("positions.grow to a smaller capacity", lambda e: positions.grow(e.table, 4), ValueError,
         "capacity=4"),
-    Bad("SlotMap zero capacity", lambda e: SlotMap(0), ValueError, "capacity=0"),
+    Bad("RowMap zero capacity", lambda e: RowMap(0), ValueError, "capacity=0"),
     Bad("pad_rows past its bucket", lambda e: positions.pad_rows([1, 2, 3], 2), ValueError,
         "bucket of size=2"),
 ]

@@ -51,8 +51,8 @@ def _manager_cases():
             "max_seq_len=1099511627776"),
         Bad("manager head_dim differs from rope.head_dim", lambda m: rope_manager(head_dim=32),
             ValueError, "head_dim=32"),
-        Bad("manager integer dtype", lambda m: rope_manager(dtype=torch.int8),
-            ValueError, "dtype=torch.int8"),
+        Bad("manager dtype (not an argument: q and k keep theirs)",
+            lambda m: rope_manager(dtype=torch.float32), TypeError, "dtype"),
         Bad("manager unknown device", lambda m: rope_manager(device="banana"),
             ValueError, "device='banana'"),
         Bad("manager CUDA device that does not exist", lambda m: rope_manager(device="cuda:99"),
@@ -254,9 +254,8 @@ def _manager_cases():
         Bad("apply_qk with interleave as a string", lambda m: apply(m, interleave="yes"),
             TypeError,  # RopeConfig's rule: a wrong type is a TypeError (README)
             "interleave='yes'"),
-        Bad("apply_qk with rope_dtype as a string", lambda m: apply(m, rope_dtype="f32"),
-            ValueError,
-            "rope_dtype='f32'"),
+        Bad("apply_qk with rope_dtype (not an argument)", lambda m: apply(m, rope_dtype="f32"),
+            TypeError, "rope_dtype"),
         Bad("pos_ids of an unknown label", lambda m: m.pos_ids("nope"), ValueError, "label='nope'"),
     ]
 

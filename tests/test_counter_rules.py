@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxrope import positions as core
-from jaxrope import speculative
+from jaxrope import speculative_positions
 from jaxrope.positions import Scheme
 
 
@@ -87,17 +87,17 @@ def test_numpy_rules_match_the_core_transitions(start, ops, block_step):
                 want = core.plan(table, _j(slots), _j(counts), out, scheme=scheme)
                 got = rules.plan(columns, slots, counts, scheme, mrope=mrope)
             elif op == "plan_chain":  # a chain of k drafts is a SEQUENTIAL view of k + 1
-                want = speculative.plan_chain(table, _j(slots), _j(counts), jnp.zeros(
+                want = speculative_positions.plan_chain(table, _j(slots), _j(counts), jnp.zeros(
                     shape(int(counts.sum()) + len(counts)), jnp.int32))
                 got = rules.plan(columns, slots, counts + 1, Scheme.SEQUENTIAL, mrope=mrope)
             elif op == "plan_tree":
                 depths = np.concatenate([np.zeros(0, np.int64)] + [
                     np.minimum(np.arange(c), e + 1) for c, e in zip(counts, epochs)])
-                want = speculative.plan_tree(table, _j(slots), _j(counts), _j(depths), out)
+                want = speculative_positions.plan_tree(table, _j(slots), _j(counts), _j(depths), out)
                 got = rules.plan(columns, slots, counts, scheme, mrope=mrope, depths=depths)
             else:  # the EAGLE drafter's step 1..4, vLLM's or SGLang's numbering
                 step, offset = int(epochs.sum() % 4) + 1, -int(block_step % 2)
-                want, want_live = speculative.plan_draft(
+                want, want_live = speculative_positions.plan_draft(
                     table, _j(slots), _j(counts), out, step=step, max_seq_len=MAX_SEQ_LEN,
                     offset=offset)
                 got, live = rules.plan_draft(columns, slots, counts, step, offset, MAX_SEQ_LEN,
@@ -108,7 +108,7 @@ def test_numpy_rules_match_the_core_transitions(start, ops, block_step):
             assert got.dtype == np.int32 and got.tolist() == want.tolist(), (op, slots, counts)
             continue
         if op == "accept":
-            table = speculative.accept(table, _j(slots), _j(values))
+            table = speculative_positions.accept(table, _j(slots), _j(values))
             rules.accept(columns, slots, values)
         elif op == "commit":
             table = core.commit(table, _j(slots), _j(values), scheme=scheme, block_step=block_step)
@@ -192,4 +192,4 @@ def test_tree_depths_of_both_executors_agree_with_a_walk_to_the_root(sizes, data
             t, depth = parents[t], depth + 1
         walk.append(depth)
     assert rules.tree_depths(parents).tolist() == walk
-    assert speculative.tree_depths(_j(parents)).tolist() == walk
+    assert speculative_positions.tree_depths(_j(parents)).tolist() == walk

@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 import jaxrope as jr
-from jaxrope import positions, speculative, wire
-from jaxrope.positions import PAD, PositionTable, SlotMap
+from jaxrope import positions, speculative_positions, wire
+from jaxrope.positions import PAD, PositionTable, RowMap
 
 from bad_input_harness import raises_naming_it_and_leaves_the_table
 
@@ -154,17 +154,17 @@ CORE_CALLS = [
      "rows must be an integer array or a list of ints, not set"),
     ("positions.pad_rows", lambda: positions.pad_rows([0, 1, 2], 2), ValueError,
      "3 entries do not fit the bucket of size=2"),
-    ("positions.SlotMap", lambda: SlotMap(0), ValueError, "capacity=0"),
-    ("speculative.plan_chain", lambda: speculative.plan_chain(TABLE, jnp.array([4], jnp.int32),
+    ("positions.RowMap", lambda: RowMap(0), ValueError, "capacity=0"),
+    ("speculative_positions.plan_chain", lambda: speculative_positions.plan_chain(TABLE, jnp.array([4], jnp.int32),
                                                               jnp.array([1], jnp.int32), OUT),
      ValueError, "rows[0]=4 is no row"),
-    ("speculative.plan_tree", lambda: speculative.plan_tree(
+    ("speculative_positions.plan_tree", lambda: speculative_positions.plan_tree(
         TABLE, ROWS, TWO, np.array([0, 2**32, 0, 0], np.int64), OUT), ValueError,
      "depths has values in [0, 4294967296]"),
-    ("speculative.plan_draft", lambda: speculative.plan_draft(
+    ("speculative_positions.plan_draft", lambda: speculative_positions.plan_draft(
         TABLE, ROWS, jnp.array([3, 3], jnp.int32), OUT, step=1, max_seq_len=64), ValueError,
      "plan 6 tokens, more than out's 4"),
-    ("speculative.accept", lambda: speculative.accept(TABLE, jnp.array([-1], jnp.int32),
+    ("speculative_positions.accept", lambda: speculative_positions.accept(TABLE, jnp.array([-1], jnp.int32),
                                                       jnp.array([0], jnp.int32)),
      ValueError, "rows[0]=-1 is no row"),
     ("wire.encode", lambda: wire.encode(bytes(31), []), wire.WireFormatError,
@@ -182,10 +182,10 @@ def test_a_bad_core_call_raises_naming_its_argument(case):
 def test_every_entry_point_has_a_bad_call():
     named = {entry for entry, *_ in CORE_CALLS}
     functions = [name for name, obj in vars(positions).items()
-                 if not name.startswith("_") and (inspect.isfunction(obj) or obj is SlotMap)
-                 and obj.__module__ in (positions.__name__, SlotMap.__module__)]
+                 if not name.startswith("_") and (inspect.isfunction(obj) or obj is RowMap)
+                 and obj.__module__ in (positions.__name__, RowMap.__module__)]
     checked = ("plan_chain", "plan_tree", "plan_draft", "accept")  # the section's list
-    wanted = ({f"positions.{name}" for name in functions} | {f"speculative.{n}" for n in checked}
+    wanted = ({f"positions.{name}" for name in functions} | {f"speculative_positions.{n}" for n in checked}
               | {"apply_rope", "apply_rope_and_append_kv", "RopeConfig", "RopeConfig.from_hf",
                  "wire.encode", "wire.decode"})
     assert wanted <= named, sorted(wanted - named)

@@ -1,4 +1,4 @@
-"""``python -m jaxrope.demo --jax``: the JAX engine demo passes without torch and can fail.
+"""``python -m jaxrope.demo``: the JAX engine demo passes without torch and can fail.
 
 Each run is a fresh process on the CPU at the smallest ``--steps`` (the whole trace, its
 requests scaled down): the PASS run must not import torch, join and leave every stream,
@@ -15,12 +15,14 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _demo(*args: str) -> subprocess.CompletedProcess:
     code = ("import sys\nfrom jaxrope.demo import main\n"
-            f"status = main(['--jax', {', '.join(map(repr, args))}])\n"
+            f"status = main([{', '.join(map(repr, args))}])\n"
             "print('torch imported:', 'torch' in sys.modules)\nsys.exit(status)")
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
@@ -47,5 +49,7 @@ def test_an_injected_fault_fails_naming_the_first_mismatch():
 
 def test_too_few_steps_are_refused_with_the_reason(capsys):
     from jaxrope import demo
-    assert demo.main(["--jax", "--steps", "5"]) == 2
+    with pytest.raises(SystemExit) as exit_:
+        demo.main(["--steps", "5"])
+    assert exit_.value.code == 2
     assert "--steps=5 must be >= 40" in capsys.readouterr().err

@@ -35,6 +35,7 @@ from jaxrope.testing.lowering import cuda_target  # noqa: E402
 from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext  # noqa: E402
 from torch_bridge import kv_append  # noqa: E402
 from torch_bridge.dlpack import NotZeroCopyError  # noqa: E402
+from torch_bridge.launch import runtime  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TOLERANCE = oracle.RELATIVE_TOLERANCE
@@ -402,11 +403,11 @@ def _geometry(case: AppendCase, dtype=torch.bfloat16) -> kv_append.CacheGeometry
                                   "qwen2_vl_nhd_p16"])
 def test_the_kv_launcher_exports_and_compiles_its_kernel_for_sm90_once(name):
     from triton.backends.compiler import GPUTarget
-    from torch_bridge.kv_launch import KVAppendLauncher
+    from torch_bridge.launch.triton import TritonKVLauncher
 
     case = APPEND_BY_NAME[name]
     c = case.case
-    launcher = KVAppendLauncher(target=GPUTarget("cuda", 90, 32))
+    launcher = TritonKVLauncher(target=GPUTarget("cuda", 90, 32))
     block = kv_pallas.block_config(64, c.q_heads, c.k_heads, c.cfg.rotary_dim // 2)
     with cuda_target():
         compiled, exported = launcher.kernel(c.q_heads, torch.bfloat16, c.cfg, _geometry(case),
@@ -424,12 +425,12 @@ def test_the_kv_launcher_exports_and_compiles_its_kernel_for_sm90_once(name):
 def test_compiling_a_kernel_leaves_no_ir_directory_behind(monkeypatch, tmp_path):
     import tempfile
     from triton.backends.compiler import GPUTarget
-    from torch_bridge.kv_launch import KVAppendLauncher
+    from torch_bridge.launch.triton import TritonKVLauncher
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     case = APPEND_BY_NAME["llama3_nhd_p16"]
     c = case.case
-    launcher = KVAppendLauncher(target=GPUTarget("cuda", 90, 32))
+    launcher = TritonKVLauncher(target=GPUTarget("cuda", 90, 32))
     block = kv_pallas.block_config(64, c.q_heads, c.k_heads, c.cfg.rotary_dim // 2)
     with cuda_target():
         compiled, _ = launcher.kernel(c.q_heads, torch.bfloat16, c.cfg, _geometry(case), block)
@@ -439,7 +440,7 @@ def test_compiling_a_kernel_leaves_no_ir_directory_behind(monkeypatch, tmp_path)
 
 @pytest.mark.requires_triton
 def test_a_failing_kv_export_declines_once_and_is_remembered(monkeypatch):
-    from torch_bridge.kv_launch import KVAppendLauncher
+    from torch_bridge.launch.triton import TritonKVLauncher
 
     calls = []
 
@@ -450,7 +451,7 @@ def test_a_failing_kv_export_declines_once_and_is_remembered(monkeypatch):
     monkeypatch.setattr(triton_ir, "export_append_kv", failing_export)
     case = APPEND_BY_NAME["llama3_hnd_p16"]
     c = case.case
-    launcher = KVAppendLauncher()
+    launcher = TritonKVLauncher()
     block = kv_pallas.block_config(17, c.q_heads, c.k_heads, 64)
     for _ in range(2):
         with pytest.raises(jr.BackendUnavailable, match="forced to fail"):
@@ -460,12 +461,12 @@ def test_a_failing_kv_export_declines_once_and_is_remembered(monkeypatch):
 
 @pytest.mark.requires_triton
 def test_the_kv_launcher_declines_cpu_tensors_and_the_manager_takes_the_jax_path(rng):
-    from torch_bridge.kv_launch import KVAppendLauncher
+    from torch_bridge.launch.triton import TritonKVLauncher
 
     case = APPEND_BY_NAME["llama3_nhd_p1_combined"]
     x = make_call(rng, case, "bfloat16")
     want = _reference_call(case, x)
-    launcher = KVAppendLauncher()
+    launcher = TritonKVLauncher()
     with pytest.raises(jr.BackendUnavailable, match="q is on cpu: the launcher needs CUDA"):
         launcher.rotate_and_append_kv_(x.q, x.k, x.v, torch.from_numpy(x.pos), (x.kv_cache,),
                                        x.slots, case.case.cfg, _geometry(case), (1.0, 1.0))
@@ -503,7 +504,7 @@ def test_the_launchers_int32_slots_decide_the_range_at_the_slots_own_width(name)
     candidates = [0, 5, 299, 300, -1, info.min, info.max, 2 ** 32 + 5, -2 ** 32 + 5,
                   2 ** 64 - 2 ** 32 + 5, 2 ** 31 + 5]
     values = [v for v in candidates if info.min <= v <= info.max]
-    got = kv_append.int32_slots(torch.tensor(values, dtype=dtype), 300)
+    got = runtime.int32_slots(torch.tensor(values, dtype=dtype), 300)
     assert got.dtype == torch.int32
     inside = [v if 0 <= v < 300 else -1 for v in values]
     if dtype == torch.int32:   # passed as is: the kernels skip what is outside the cache

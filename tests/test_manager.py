@@ -543,8 +543,8 @@ def test_fingerprint_is_stable_and_changes_with_every_input():
 def test_build_from_spec_and_engine_info():
     spec = ResourceSpec("position", PositionConfig(labels=("cond", "uncond")),
                         options={"launcher": "jax"})
-    mgr = RopeManager.build(spec, EngineInfo("cpu", head_dim=32, dtype=torch.float16, max_seq_len=512))
-    assert mgr.name == "position" and mgr.head_dim == 32 and mgr.dtype == torch.float16
+    mgr = RopeManager.build(spec, EngineInfo("cpu", head_dim=32, max_seq_len=512))
+    assert mgr.name == "position" and mgr.head_dim == 32
     assert mgr.max_seq_len == 512 and mgr.labels == ("cond", "uncond")
     plain = PositionManager.build(ResourceSpec("pos", PositionConfig()), EngineInfo("cpu"))
     assert type(plain) is PositionManager and plain.max_seq_len == 32768
@@ -558,8 +558,8 @@ def test_constructor_rejects_inconsistent_arguments():
         RopeManager(PositionConfig(rope=rope), "cpu", max_seq_len=2048)
     with pytest.raises(ValueError, match="head_dim is required"):
         RopeManager(PositionConfig(), "cpu")
-    with pytest.raises(ValueError, match="dtype"):
-        RopeManager(PositionConfig(rope=rope), "cpu", max_seq_len=512, dtype=torch.int8)
+    with pytest.raises(TypeError, match="dtype"):   # q and k keep their dtype: no such argument
+        RopeManager(PositionConfig(rope=rope), "cpu", max_seq_len=512, dtype=torch.float32)
     with pytest.raises(ValueError, match="launcher"):
         RopeManager(PositionConfig(rope=rope), "cpu", max_seq_len=512, launcher="fast")
     with pytest.raises(ValueError, match="labels"):
@@ -628,7 +628,7 @@ def test_apply_qk_overrides_map_onto_rope_configs():
     for overrides, cfg in cases:
         q, k = qk(5)
         want = expected_rotation(q, pos, cfg)
-        mgr.apply_qk(q, k, "text", rope_dtype=torch.float32, **overrides)
+        mgr.apply_qk(q, k, "text", **overrides)
         np.testing.assert_allclose(q.numpy(), want, rtol=0, atol=2e-5, err_msg=str(overrides))
 
 
@@ -813,7 +813,7 @@ def test_plan_and_commit_move_nothing_through_jax():
 @pytest.mark.requires_triton
 def test_the_triton_launcher_declines_once_for_a_failing_export_and_caches_it(monkeypatch):
     from jaxrope.kernels import triton_ir
-    from torch_bridge.triton_launch import TritonLauncher
+    from torch_bridge.launch.triton import TritonLauncher
 
     calls = []
 
@@ -831,7 +831,7 @@ def test_the_triton_launcher_declines_once_for_a_failing_export_and_caches_it(mo
 
 def test_the_triton_launcher_declines_tensors_off_cuda():
     pytest.importorskip("triton")
-    from torch_bridge.triton_launch import TritonLauncher
+    from torch_bridge.launch.triton import TritonLauncher
 
     q, k = qk(2)
     with pytest.raises(jr.BackendUnavailable, match="needs CUDA"):

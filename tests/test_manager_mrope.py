@@ -276,7 +276,7 @@ def test_apply_qk_after_a_handoff_rotates_the_decode_token_at_counter_minus_182(
 
 
 def test_the_kernel_block_is_the_tensor_itself_or_a_contiguous_copy_of_its_first_columns():
-    from torch_bridge.triton_launch import mrope_block
+    from torch_bridge.launch.runtime import mrope_block
 
     buffer = torch.arange(24, dtype=torch.int32).view(3, 8)  # a graph slot's [3, N] buffer
     assert mrope_block(buffer, 8) is buffer  # a replay over the whole bucket
@@ -290,7 +290,7 @@ def test_the_kernel_block_is_the_tensor_itself_or_a_contiguous_copy_of_its_first
 @pytest.mark.requires_triton
 def test_the_launcher_exports_each_mrope_layout_as_its_own_kernel(monkeypatch):
     from jaxrope.kernels import triton_ir
-    from torch_bridge.triton_launch import TritonLauncher
+    from torch_bridge.launch.triton import TritonLauncher
 
     calls = []
 

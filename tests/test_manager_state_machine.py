@@ -7,7 +7,7 @@ apply_qk, plus deliberately bad calls, over four requests and two labels, with a
 two executors of the counter rules: the manager (host counters, the numpy rules of
 :mod:`torch_bridge.streams`) on one side; on the other a model whose every counter and
 position comes from the core's pure transitions (:mod:`jaxrope.positions` on a
-:class:`jaxrope.PositionTable`, its own :class:`jaxrope.SlotMap`). The model keeps only
+:class:`jaxrope.PositionTable`, its own :class:`jaxrope.RowMap`). The model keeps only
 the plan bookkeeping itself:
 
 - plan: pre-forks first (applied to the counters now, or when a staged plan becomes
@@ -20,7 +20,7 @@ the plan bookkeeping itself:
   prefix / ingest overrides: ``positions.raise_to``; ingest deltas:
   ``positions.set_deltas``; removal drops the request from plans made earlier; reset:
   ``positions.reset``;
-- speculative decoding (:mod:`jaxrope.speculative`): a verify step of chains or draft
+- speculative decoding (:mod:`jaxrope.speculative_positions`): a verify step of chains or draft
   trees (``plan_tree``), committed with accepted counts (``accept`` for the named
   streams, ``commit`` for the others; refused when a count passes the drafts, a tree
   is left out, or a staged plan numbered rejected drafts), draft steps
@@ -54,8 +54,8 @@ torch = pytest.importorskip("torch")
 
 import jaxrope as jr  # noqa: E402
 from jaxrope import positions as core  # noqa: E402
-from jaxrope import speculative  # noqa: E402
-from jaxrope.positions import Scheme, SlotMap  # noqa: E402
+from jaxrope import speculative_positions  # noqa: E402
+from jaxrope.positions import Scheme, RowMap  # noqa: E402
 
 from jaxrope.testing import oracle  # noqa: E402
 from torch_bridge import (Fork, KVPlanOutput, KVView, PositionConfig, PositionStep,  # noqa: E402
@@ -113,7 +113,7 @@ class Model:
 
     def __init__(self, scheme: Scheme, block_step: int, mrope: bool = False):
         self.scheme, self.block_step, self.mrope = scheme, block_step, mrope
-        self.slot_map = SlotMap(4)
+        self.row_map = RowMap(4)
         self.table = core.init(4)
         self.current: Optional[ModelPlan] = None
         self.staged: Optional[ModelPlan] = None
@@ -122,10 +122,10 @@ class Model:
 
     @property
     def requests(self) -> List[str]:
-        return self.slot_map.requests()
+        return self.row_map.requests()
 
     def slot(self, rid: str, label: str) -> int:
-        return self.slot_map.find(rid, label)
+        return self.row_map.find(rid, label)
 
     def counters(self, table: Optional[core.PositionTable] = None,
                  column: str = "counters") -> Dict[str, Dict[str, int]]:
@@ -139,12 +139,12 @@ class Model:
 
     def ingest(self, rid: str) -> None:
         for label in LABELS:
-            self.slot_map.acquire(rid, label)
-        if self.slot_map.capacity > self.table.capacity:
-            self.table = core.grow(self.table, self.slot_map.capacity)
+            self.row_map.acquire(rid, label)
+        if self.row_map.capacity > self.table.capacity:
+            self.table = core.grow(self.table, self.row_map.capacity)
 
     def forget(self, rid: str) -> None:
-        self.table = core.reset(self.table, _slots(self.slot_map.release(rid)))
+        self.table = core.reset(self.table, _slots(self.row_map.release(rid)))
 
     def admit(self, rid: str, positions: Dict[str, int], epochs: Dict[str, int],
               deltas: Dict[str, int]) -> None:
@@ -198,7 +198,7 @@ class Model:
         advanced = [self.slot(*stream) for stream in named]
         table = core.advance(table, _slots(advanced), _slots(list(named.values())))
         named = [self.slot(*stream) for stream in accepted]
-        table = speculative.accept(table, _slots(named), _slots(list(accepted.values())))
+        table = speculative_positions.accept(table, _slots(named), _slots(list(accepted.values())))
         live_forks = [f for f in plan.post_forks if f[0] not in plan.dropped]
         table = self.forked(table, live_forks)
         return table, spans + advanced + named + [self.slot(rid, dst) for rid, _, dst in live_forks]
@@ -217,7 +217,7 @@ class Model:
             shape = (3, sum(counts)) if self.mrope else (sum(counts),)
             out_buffer = jnp.zeros(shape, jnp.int32)
             if isinstance(depths, int):
-                got, mask = speculative.plan_draft(table, slots, _slots(counts), out_buffer,
+                got, mask = speculative_positions.plan_draft(table, slots, _slots(counts), out_buffer,
                                                    step=depths, max_seq_len=MAX_SEQ_LEN, offset=0)
                 out[plan_label], live[plan_label] = got.tolist(), mask.tolist()
                 continue
@@ -225,11 +225,11 @@ class Model:
                 per_token = [d for rid, label, n in records
                              for d in depths.get((rid, label), range(n))]
                 # The bound is on the sequence index, counter + depth (a 1-D plan).
-                index = speculative.plan_tree(table, slots, _slots(counts), _slots(per_token),
+                index = speculative_positions.plan_tree(table, slots, _slots(counts), _slots(per_token),
                                               jnp.zeros(shape[-1:], jnp.int32)).tolist()
                 if index and max(index) >= MAX_SEQ_LEN:
                     return None, {}
-                out[plan_label] = speculative.plan_tree(table, slots, _slots(counts),
+                out[plan_label] = speculative_positions.plan_tree(table, slots, _slots(counts),
                                                         _slots(per_token), out_buffer).tolist()
                 continue
             # The bound is on the sequence index (the counter); M-RoPE's rotary start
@@ -745,7 +745,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for column in ("slots", "deltas", "epochs"):
             assert all(v == 0 for slot, v in enumerate(state[column]) if slot not in live_slots)
         assert max(state["slots"]) <= MAX_SEQ_LEN
-        assert state["slot_map"]["live"] == len(LABELS) * len(model_counters)
+        assert state["row_map"]["live"] == len(LABELS) * len(model_counters)
         for name in ("current", "staged"):
             plan, got = getattr(model, name), state[name]
             assert (plan is None) == (got is None), name

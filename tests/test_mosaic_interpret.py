@@ -297,7 +297,7 @@ def check_count_run(cfg, q, k, pos, count, out):
                     reason=str(mosaic_gpu.lowering_unavailable()))
 @pytest.mark.parametrize("name", ["llama3_8b", "gptj_interleave", "qwen2_vl_7b"])
 def test_mosaic_export_is_one_module_over_the_launch_operands(name):
-    # What torch_bridge.mosaic_launch compiles: MLIR bytecode of one kernel whose operands
+    # What torch_bridge.launch.mosaic compiles: MLIR bytecode of one kernel whose operands
     # are the launch's pointers in order, q and k aliased to the two results.
     from jaxrope.kernels import mosaic_export
     case = BY_NAME[name]
@@ -314,7 +314,7 @@ def test_mosaic_export_is_one_module_over_the_launch_operands(name):
                     reason=str(mosaic_gpu.lowering_unavailable()))
 @pytest.mark.parametrize("layout, combined", [("NHD", False), ("HND", True)])
 def test_mosaic_append_export_is_one_module_over_the_launch_operands(layout, combined):
-    # What torch_bridge.mosaic_launch.MosaicKVLauncher compiles: q and every cache array
+    # What torch_bridge.launch.mosaic.MosaicKVLauncher compiles: q and every cache array
     # aliased to the results, in operand order.
     from jaxrope.kernels import kv_layout, mosaic_export
     cfg = BY_NAME["llama3_8b"].cfg

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from torch_bridge.mosaic_launch import launch_shape  # noqa: E402
+from torch_bridge.launch.mosaic import launch_shape  # noqa: E402
 
 
 @pytest.mark.parametrize("tokens_per_block, groups, block_groups", [

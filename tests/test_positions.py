@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxrope import positions
-from jaxrope.positions import PositionTable, Scheme, SlotMap
+from jaxrope.positions import PositionTable, Scheme, RowMap
 
 from bad_input_harness import raises_naming_it_and_leaves_the_table
 
@@ -304,7 +304,7 @@ def test_new_values_in_a_bucket_never_retrace(rng):
     assert TRACES["commit"] == before["commit"] + 1
 
 
-# -- SlotMap ----------------------------------------------------------------------
+# -- RowMap ----------------------------------------------------------------------
 
 RIDS = ["r0", "r1", "r2", "r3", "r4"]
 LABELS = ["cond", "uncond", "draft"]
@@ -317,68 +317,68 @@ operations = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(ops=operations, capacity=st.integers(1, 4))
 def test_slot_map_against_a_dict_model(ops, capacity):
-    slot_map = SlotMap(capacity)
+    row_map = RowMap(capacity)
     model = {}
     peak = 0
     for op, rid, label in ops:
         if op == "acquire":
-            before_capacity, before_live = slot_map.capacity, len(slot_map)
-            row = slot_map.acquire(rid, label)
+            before_capacity, before_live = row_map.capacity, len(row_map)
+            row = row_map.acquire(rid, label)
             if (rid, label) in model:
                 assert row == model[(rid, label)]
-                assert slot_map.capacity == before_capacity
+                assert row_map.capacity == before_capacity
                 continue
             # A new stream: a row nobody holds; growth only when every row is taken.
             assert row not in model.values()
             if before_live < before_capacity:
-                assert slot_map.capacity == before_capacity
+                assert row_map.capacity == before_capacity
             else:
-                assert slot_map.capacity == 2 * before_capacity
-            assert 0 <= row < slot_map.capacity
+                assert row_map.capacity == 2 * before_capacity
+            assert 0 <= row < row_map.capacity
             model[(rid, label)] = row
         else:
-            freed = slot_map.release(rid)
+            freed = row_map.release(rid)
             mine = {key: s for key, s in model.items() if key[0] == rid}
             assert sorted(freed) == sorted(mine.values())
             for key in mine:
                 del model[key]
         peak = max(peak, len(model))
-        assert len(slot_map) == len(model)
-        assert slot_map.peak == peak
+        assert len(row_map) == len(model)
+        assert row_map.peak == peak
         for r in RIDS:
-            assert slot_map.labels(r) == {l: s for (rr, l), s in model.items() if rr == r}
+            assert row_map.labels(r) == {l: s for (rr, l), s in model.items() if rr == r}
             for label_ in LABELS:
-                assert slot_map.find(r, label_) == model.get((r, label_))
-        assert set(slot_map.requests()) == {rid for rid, _ in model}
+                assert row_map.find(r, label_) == model.get((r, label_))
+        assert set(row_map.requests()) == {rid for rid, _ in model}
 
 
 def test_slot_map_reuses_released_slots_before_growing():
-    slot_map = SlotMap(2)
-    a, b = slot_map.acquire("r0", "x"), slot_map.acquire("r1", "x")
-    assert {a, b} == {0, 1} and slot_map.capacity == 2
-    assert slot_map.release("r0") == [a]
-    assert slot_map.acquire("r2", "x") == a and slot_map.capacity == 2
-    c = slot_map.acquire("r3", "x")
-    assert slot_map.capacity == 4 and c in (2, 3)
-    assert slot_map.peak == 3 and len(slot_map) == 3
-    assert slot_map.release("unknown") == []
+    row_map = RowMap(2)
+    a, b = row_map.acquire("r0", "x"), row_map.acquire("r1", "x")
+    assert {a, b} == {0, 1} and row_map.capacity == 2
+    assert row_map.release("r0") == [a]
+    assert row_map.acquire("r2", "x") == a and row_map.capacity == 2
+    c = row_map.acquire("r3", "x")
+    assert row_map.capacity == 4 and c in (2, 3)
+    assert row_map.peak == 3 and len(row_map) == 3
+    assert row_map.release("unknown") == []
 
 
 def test_labels_is_a_copy_and_find_creates_nothing():
-    slot_map = SlotMap(4)
-    slot_map.acquire("r0", "a")
-    labels = slot_map.labels("r0")
+    row_map = RowMap(4)
+    row_map.acquire("r0", "a")
+    labels = row_map.labels("r0")
     labels["b"] = 3
-    assert slot_map.find("r0", "b") is None and slot_map.find("r9", "a") is None
-    assert "r9" not in slot_map.requests() and len(slot_map) == 1
+    assert row_map.find("r0", "b") is None and row_map.find("r9", "a") is None
+    assert "r9" not in row_map.requests() and len(row_map) == 1
 
 
 def test_slot_map_rejects_bad_capacity():
     for bad in (0, -3):
         with pytest.raises(ValueError, match=f"capacity={bad}"):
-            SlotMap(bad)
+            RowMap(bad)
     with pytest.raises(TypeError, match="capacity=1.5"):
-        SlotMap(1.5)
+        RowMap(1.5)
 
 
 @settings(max_examples=25, deadline=None)
@@ -386,22 +386,22 @@ def test_slot_map_rejects_bad_capacity():
 def test_a_growing_slot_map_and_its_table_stay_in_step(ops):
     # The serving pattern: acquire, grow the table to the map's capacity (a no-op unless
     # it doubled), count, reset what release returns.
-    slot_map = SlotMap(2)
-    table = positions.init(slot_map.capacity)
+    row_map = RowMap(2)
+    table = positions.init(row_map.capacity)
     model = {}
     for op, rid, label in ops:
         if op == "acquire":
-            row = slot_map.acquire(rid, label)
-            table = positions.grow(table, slot_map.capacity)
+            row = row_map.acquire(rid, label)
+            table = positions.grow(table, row_map.capacity)
             table = jit["advance"](table, jnp.asarray([row], jnp.int32), jnp.asarray([1], jnp.int32))
             model[(rid, label)] = model.get((rid, label), 0) + 1
         else:
-            table = positions.reset(table, slot_map.release(rid))
+            table = positions.reset(table, row_map.release(rid))
             model = {key: v for key, v in model.items() if key[0] != rid}
     for (rid, label), count in model.items():
-        row = slot_map.find(rid, label)
+        row = row_map.find(rid, label)
         assert int(jit["read"](table, jnp.asarray([row], jnp.int32))[0]) == count
-    held = {slot_map.find(rid, label) for rid, label in model}
+    held = {row_map.find(rid, label) for rid, label in model}
     free = [i for i in range(table.capacity) if i not in held]
     assert not np.asarray(table.counters)[free].any()
 
@@ -438,16 +438,16 @@ def test_plan_refuses_counts_past_its_buffer_outside_jit_and_truncates_under_jit
 
 
 def test_a_row_past_a_table_that_was_not_grown_is_refused_outside_jit_and_dropped_under_jit():
-    slot_map = SlotMap(2)
-    table = positions.init(slot_map.capacity)
-    rows = [slot_map.acquire(rid, "text") for rid in "abc"]  # the map doubled to 4
-    assert rows == [0, 1, 2] and slot_map.capacity == 4
+    row_map = RowMap(2)
+    table = positions.init(row_map.capacity)
+    rows = [row_map.acquire(rid, "text") for rid in "abc"]  # the map doubled to 4
+    assert rows == [0, 1, 2] and row_map.capacity == 4
     with pytest.raises(ValueError, match=r"rows\[2\]=2 is no row of the table .*positions\.grow"):
         positions.commit(table, rows, [1, 1, 1])
     # Under jit nothing can look at the values: the write to row 2 is lost.
     assert jax.jit(positions.commit)(table, jnp.asarray(rows), jnp.ones(3, jnp.int32)
                                      ).counters.tolist() == [1, 1]
-    table = positions.commit(positions.grow(table, slot_map.capacity), rows, [1, 1, 1])
+    table = positions.commit(positions.grow(table, row_map.capacity), rows, [1, 1, 1])
     assert table.counters.tolist() == [1, 1, 1, 0]
 
 
@@ -474,15 +474,15 @@ def test_python_lists_give_what_int32_arrays_give():
 
 
 def test_reset_takes_what_slot_map_release_returns():
-    slot_map = SlotMap(4)
-    table = positions.init(slot_map.capacity)
-    rows = [slot_map.acquire("a", label) for label in ("text", "image")]
-    rows.append(slot_map.acquire("b", "text"))
+    row_map = RowMap(4)
+    table = positions.init(row_map.capacity)
+    rows = [row_map.acquire("a", label) for label in ("text", "image")]
+    rows.append(row_map.acquire("b", "text"))
     table = positions.admit(table, rows, [5, 6, 7], [0, -3, 0], [1, 1, 1])
-    table = positions.reset(table, slot_map.release("a"))  # a list of a's two rows
+    table = positions.reset(table, row_map.release("a"))  # a list of a's two rows
     assert [c.tolist() for c in jax.tree.leaves(table)] == [[0, 0, 7, 0], [0] * 4, [0, 0, 1, 0]]
-    assert positions.reset(table, slot_map.release("gone")) is not None  # [] frees nothing
-    assert positions.reset(table, slot_map.release("gone")).counters.tolist() == [0, 0, 7, 0]
+    assert positions.reset(table, row_map.release("gone")) is not None  # [] frees nothing
+    assert positions.reset(table, row_map.release("gone")).counters.tolist() == [0, 0, 7, 0]
 
 
 def test_growing_with_the_slot_map_compiles_a_step_once_per_capacity(rng):
@@ -494,28 +494,28 @@ def test_growing_with_the_slot_map_compiles_a_step_once_per_capacity(rng):
         out = positions.plan(table, rows, counts, jnp.zeros((8,), jnp.int32))
         return positions.commit(table, rows, counts), out
 
-    slot_map = SlotMap(2)
-    table = positions.init(slot_map.capacity)
+    row_map = RowMap(2)
+    table = positions.init(row_map.capacity)
     live = {}
     for i in range(40):
         rid = f"r{i}"
-        slot_map.acquire(rid, "text")
+        row_map.acquire(rid, "text")
         live[rid] = 0
         if rng.random() < 0.3:
             gone = str(rng.choice(sorted(live)))
-            table = positions.reset(table, slot_map.release(gone))
+            table = positions.reset(table, row_map.release(gone))
             del live[gone]
-        table = positions.grow(table, slot_map.capacity)
+        table = positions.grow(table, row_map.capacity)
         batch = sorted(live)[:4]
         counts = [int(n) for n in rng.integers(0, 3, len(batch))]
-        rows = positions.pad_rows(slot_map.lookup(batch, ["text"] * len(batch)), 4)
+        rows = positions.pad_rows(row_map.lookup(batch, ["text"] * len(batch)), 4)
         table, _ = step(table, jnp.asarray(rows), jnp.asarray(counts + [0] * (4 - len(batch)),
                                                                jnp.int32))
         for rid, n in zip(batch, counts):
             live[rid] += n
     assert set(traces) == {2, 4, 8, 16, 32} and set(traces.values()) == {1}
     for rid, count in live.items():
-        assert int(positions.read(table, [slot_map.find(rid, "text")])[0]) == count
+        assert int(positions.read(table, [row_map.find(rid, "text")])[0]) == count
 
 
 def test_grow_to_the_same_capacity_is_the_table_itself():

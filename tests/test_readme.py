@@ -180,5 +180,5 @@ def test_the_jax_guide_lists_every_public_positions_function_with_its_arguments(
         arguments = [p.name for p in inspect.signature(function).parameters.values()
                      if p.default is inspect.Parameter.empty]
         assert f"`{name}({', '.join(arguments)}" in listed, name
-    for name in ("PAD", "Scheme", "PositionTable", "SlotMap"):
+    for name in ("PAD", "Scheme", "PositionTable", "RowMap"):
         assert f"`{name}`" in listed, name

@@ -180,8 +180,8 @@ def soak(total: int, seed: int) -> Dict[str, object]:
     state = mgr.state_snapshot()
     return {"requests": ingested, "steps": steps, "pipelined": pipelined, "published": published,
             "cancelled": cancelled, "seconds": elapsed, "peak_live": peak, "rss": rss,
-            "state": state, "slot_peak": state["slot_map"]["peak"],
-            "capacity": state["slot_map"]["capacity"]}
+            "state": state, "slot_peak": state["row_map"]["peak"],
+            "capacity": state["row_map"]["capacity"]}
 
 
 def smallest_capacity(peak_streams: int) -> int:
@@ -214,8 +214,8 @@ def check(result: Dict[str, object], total: int) -> None:
     assert state["requests"] == {} and state["counters"] == {}
     assert state["current"] is None and state["staged"] is None
     assert set(state["slots"]) == {0}
-    slot_map = state["slot_map"]
-    assert slot_map["live"] == 0 and sorted(slot_map["free"]) == list(range(slot_map["capacity"]))
+    row_map = state["row_map"]
+    assert row_map["live"] == 0 and sorted(row_map["free"]) == list(range(row_map["capacity"]))
     # The table never grew past what the peak live set needed.
     assert result["slot_peak"] == result["peak_live"] > manager_module._INITIAL_SLOTS
     assert result["capacity"] == len(state["slots"]) == smallest_capacity(result["peak_live"])

@@ -1,4 +1,4 @@
-"""Speculative decoding through the torch bridge (torch_bridge.speculative): verify, accept,
+"""Speculative decoding through the torch bridge (torch_bridge.speculative_steps): verify, accept,
 draft steps, rollbacks and the publish epochs; the tree rule and the range of depths and
 counts; the array forms against the mapping forms. The core's rules: tests/test_speculative.py."""
 
@@ -423,10 +423,10 @@ def test_a_tree_array_numbers_its_streams_views_in_any_kv_plan_order():
 
 
 def test_an_ordinary_step_never_calls_into_the_speculative_module(monkeypatch):
-    from torch_bridge import speculative as bridge_speculative
+    from torch_bridge import speculative_steps as bridge_speculative
 
     def refuse(*args, **kwargs):
-        raise AssertionError("an ordinary step called torch_bridge.speculative")
+        raise AssertionError("an ordinary step called torch_bridge.speculative_steps")
 
     for name in bridge_speculative.__all__:
         if callable(getattr(bridge_speculative, name)) and name != "Speculation":

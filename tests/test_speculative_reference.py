@@ -7,7 +7,7 @@ counter must agree, with zero mismatches:
 
 - **vLLM** (chain drafts, ``k`` in 1..8 per phase, trimmed near ``max_model_len``):
   scheduler positions and M-RoPE rows vs ``mgr.plan`` of the verify step and
-  ``jaxrope.speculative.plan_chain``; ``num_computed_tokens -= num_rejected`` vs
+  ``jaxrope.speculative_positions.plan_chain``; ``num_computed_tokens -= num_rejected`` vs
   ``commit(accepted=...)`` (or, for one stream in ten, committing every token and then
   ``rollback``, vLLM's own order); the EAGLE drafter's step-0 ids vs ``eagle_input_ids``
   and its later steps (clamped to 0 with a padding slot past the end) vs the manager's
@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 
 import jaxrope as jr
-from jaxrope import speculative
+from jaxrope import speculative_positions
 from jaxrope.positions import PAD
 from jaxrope.testing import speculative_reference as ref
 
@@ -140,19 +140,19 @@ def _ctx(streams):
 
 @jax.jit
 def _core_chain(table, slots, drafts):
-    return speculative.plan_chain(table, slots, drafts, jnp.zeros((3, slots.shape[0] * 9), jnp.int32))
+    return speculative_positions.plan_chain(table, slots, drafts, jnp.zeros((3, slots.shape[0] * 9), jnp.int32))
 
 
 @jax.jit
 def _core_tree(table, slots, counts, depths):
-    return speculative.plan_tree(table, slots, counts, depths, jnp.zeros((3, depths.shape[0]), jnp.int32))
+    return speculative_positions.plan_tree(table, slots, counts, depths, jnp.zeros((3, depths.shape[0]), jnp.int32))
 
 
 @jax.jit
 def _core_drafts(table, slots, counts, offset):
     """Draft steps 1 .. MAX_DRAFT_STEPS - 1 at once, M-RoPE rows and live masks."""
     out = jnp.zeros((3, slots.shape[0] * 4), jnp.int32)
-    return jax.vmap(lambda j: speculative.plan_draft(table, slots, counts, out, step=j,
+    return jax.vmap(lambda j: speculative_positions.plan_draft(table, slots, counts, out, step=j,
                                                      max_seq_len=MAX_LEN, offset=offset)
                     )(jnp.arange(1, MAX_DRAFT_STEPS))
 
@@ -218,7 +218,7 @@ def run_vllm(cluster: Cluster, steps: int, batch: int) -> None:
                 cluster.hand_off(s)
 
 
-_eagle_input_ids = jax.jit(speculative.eagle_input_ids)
+_eagle_input_ids = jax.jit(speculative_positions.eagle_input_ids)
 
 
 def _check_step0_ids(rng, positions, scheduled, accepted, batch):
@@ -414,7 +414,7 @@ def test_both_executors_accept_exactly_the_depth_lists_that_have_parents_before_
 
     lists = _depth_lists(rng, 600)
     counts = np.array([len(d) for d in lists], np.int32)
-    core = np.asarray(speculative.valid_trees(jnp.asarray(counts),
+    core = np.asarray(speculative_positions.valid_trees(jnp.asarray(counts),
                                               jnp.asarray(np.concatenate(lists), jnp.int32)))
     width = int(counts.max())
     rows = np.zeros((len(lists), width), np.int64)
@@ -438,7 +438,7 @@ def test_both_executors_accept_exactly_the_depth_lists_that_have_parents_before_
         start += len(lists[i])
     want = [d for i in valid_rows for d in lists[i]]
     assert rules.tree_depths(np.asarray(flat)).tolist() == want
-    assert speculative.tree_depths(jnp.asarray(flat, jnp.int32)).tolist() == want
+    assert speculative_positions.tree_depths(jnp.asarray(flat, jnp.int32)).tolist() == want
     # The valid lists at once, padded rows, and their deepest depths.
     checked, deepest = check_trees(rows[valid_rows], counts[valid_rows].astype(np.int64), str)
     assert deepest.tolist() == [max(lists[i]) for i in valid_rows]

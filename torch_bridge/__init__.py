@@ -38,7 +38,7 @@ from torch_bridge.config import PositionConfig
 from torch_bridge.engine_types import (AdmitOutcome, EngineInfo, Fork, GraphBucket, GraphSlot,
                                        KVPlanOutput, KVView, PositionStep, PublishedInfo, Resource,
                                        ResourceSpec, Segment, StepContext)
-from torch_bridge.launchers import KVLauncher, Launcher
+from torch_bridge.launch.dispatch import KVLauncher, Launcher
 from torch_bridge.manager import PositionManager
 from torch_bridge.published import PublishedPositionInfo
 from torch_bridge.rope_manager import RopeManager

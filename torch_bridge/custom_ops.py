@@ -389,18 +389,18 @@ def rope_append_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: 
 def _apply_qk_op(q: torch.Tensor, k: torch.Tensor, manager: str, label: str,
                  rotary_dim: Optional[int], interleave: Optional[bool],
                  rope_scale: Optional[float], rope_theta: Optional[float],
-                 rope_dtype: Optional[torch.dtype], low_freq_factor: Optional[float],
+                 low_freq_factor: Optional[float],
                  high_freq_factor: Optional[float], old_context_len: Optional[int]) -> None:
     llama31 = {name: value for name, value in zip(
         LLAMA31_PARAMS, (low_freq_factor, high_freq_factor, old_context_len)) if value is not None}
     mgr = manager_of(manager)
     _staged((q, k), (True, True), lambda a, b: mgr.apply_qk(
-        a, b, label, rotary_dim, interleave, rope_scale, rope_theta, rope_dtype, **llama31))
+        a, b, label, rotary_dim, interleave, rope_scale, rope_theta, **llama31))
 
 
 @_apply_qk_op.register_fake
-def _(q, k, manager, label, rotary_dim, interleave, rope_scale, rope_theta, rope_dtype,
-      low_freq_factor, high_freq_factor, old_context_len):
+def _(q, k, manager, label, rotary_dim, interleave, rope_scale, rope_theta, low_freq_factor,
+      high_freq_factor, old_context_len):
     return None
 
 
@@ -434,7 +434,7 @@ def traced_apply_qk(manager: Any, q: torch.Tensor, k: torch.Tensor, label: Hasha
                     llama31: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
     """``manager.apply_qk`` as ``torch.compile`` records it: the ``jaxrope::apply_qk`` op.
 
-    ``overrides``: ``(rotary_dim, interleave, rope_scale, rope_theta, rope_dtype)``.
+    ``overrides``: ``(rotary_dim, interleave, rope_scale, rope_theta)``.
 
     Raises:
       TypeError: ``label`` is not a str, or an unknown keyword argument (as the method).

@@ -73,7 +73,7 @@ def check_trees(rows: np.ndarray, lengths: Optional[np.ndarray],
         and ignored), or None when every row has ``W``.
       where: names row ``s`` in a message (``"step.tree[('r0', 'text')]"``).
 
-    The rule (the twin of :func:`jaxrope.speculative.valid_trees`): a row's token 0 is
+    The rule (the twin of :func:`jaxrope.speculative_positions.valid_trees`): a row's token 0 is
     its root, at depth 0, and no other token is; every other token's depth is at most
     one more than a depth earlier in its row, so a token at depth ``d > 0`` has a
     possible parent at ``d - 1`` before it. That is how both engines that verify trees

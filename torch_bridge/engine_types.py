@@ -196,7 +196,7 @@ class PositionStep:
         int for every stream of the step, or ``{(request_id, label): amount}`` for the
         named streams (each must have a segment in the step; the others advance by
         the scheme). Amounts are ``>= 0`` and apply once per stream.
-      draft_depth: an EAGLE *draft step* (:mod:`torch_bridge.speculative`; SEQUENTIAL
+      draft_depth: an EAGLE *draft step* (:mod:`torch_bridge.speculative_steps`; SEQUENTIAL
         scheme): every token of the step at ``counter + draft_depth`` (draft step ``j``
         is ``draft_depth=j - 1`` in vLLM's numbering, ``j`` in SGLang's), a token past
         ``max_seq_len`` planned at 0 and reported by ``live``; its commit moves no
@@ -207,7 +207,7 @@ class PositionStep:
         array ``[len(segments), k]`` (row ``s``: the depths of segment ``s``'s stream,
         every segment a tree of ``k`` tokens), or ``{(request_id, label): depths}``
         for some of the streams. Each row must be a tree, root first
-        (:func:`torch_bridge.speculative.check_trees`). Default None.
+        (:func:`torch_bridge.speculative_steps.check_trees`). Default None.
 
     A chain of ``k`` drafts needs neither field: its view of ``k + 1`` tokens is
     numbered as any other.
@@ -448,20 +448,17 @@ class EngineInfo:
     Attributes:
       device: the torch device the step runs on.
       head_dim: the attention head size ``D``, or None to take it from the config.
-      dtype: the activation dtype.
       max_seq_len: the longest sequence the engine serves, or None for the
         resource's default.
 
     Example:
-      >>> import torch
       >>> from torch_bridge import PositionConfig, ResourceSpec, RopeManager
-      >>> info = EngineInfo("cpu", head_dim=64, dtype=torch.float16, max_seq_len=256)
+      >>> info = EngineInfo("cpu", head_dim=64, max_seq_len=256)
       >>> mgr = RopeManager.build(ResourceSpec("rope", PositionConfig()), info)
-      >>> mgr.rope.head_dim, mgr.dtype, mgr.max_seq_len
-      (64, torch.float16, 256)
+      >>> mgr.rope.head_dim, mgr.max_seq_len
+      (64, 256)
     """
 
     device: Union[str, torch.device]
     head_dim: Optional[int] = None
-    dtype: torch.dtype = torch.bfloat16
     max_seq_len: Optional[int] = None

@@ -9,8 +9,8 @@ what the method needs beyond ``apply_qk``'s checks of q and k:
   ...]`` tensor, its layout, heads, head size, dtype and device), the slots and the fp8
   scales, checked from their static properties once per call signature; it returns the
   :class:`CacheGeometry` both paths address the cache by;
-- :func:`int32_slots`: slots as the kernels read them, the range decided at their own
-  width on the device;
+- slots as the kernels read them, the range decided at their own width on the device,
+  come from :func:`torch_bridge.launch.runtime.int32_slots` (shared with the launchers);
 - :class:`JaxAppend`: the JAX path, the core op on DLPack imports with q and the cache
   rewritten in place (:class:`torch_bridge.dlpack.InPlace`);
 - :func:`call_signature`: what the checks depend on, the key of a bound launch.
@@ -36,17 +36,14 @@ from jaxrope import backend as _backend
 from jaxrope.config import RopeConfig
 from jaxrope.kv_cache import LAYOUTS, apply_rope_and_append_kv
 from torch_bridge.dlpack import InPlace, pad_tokens, read_only, token_bucket, write_back
+from torch_bridge.launch.runtime import int32_slots
 from torch_bridge.rotate import torch_capability
 
-__all__ = ["CacheGeometry", "JaxAppend", "call_signature", "check_call", "int32_slots",
-           "share_memory"]
+__all__ = ["CacheGeometry", "JaxAppend", "call_signature", "check_call", "share_memory"]
 
 FP8 = torch.float8_e4m3fn
 SLOT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16,
                torch.uint32, torch.uint64)
-# torch implements no comparisons for these (2.13: '"ge_cpu" not implemented for
-# 'UInt16''): they are compared in a signed dtype that holds each of their values.
-_COMPARED_AS = {torch.uint16: torch.int32, torch.uint32: torch.int64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,32 +213,6 @@ def check_call(k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slots: Any, layo
     scales = (_scale("k_quant_scale", k_quant_scale, geometry.quantized),
               _scale("v_quant_scale", v_quant_scale, geometry.quantized))
     return caches, geometry, scales
-
-
-def int32_slots(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """``slots`` as the kernels read them: int32, -1 wherever a slot is outside ``[0, num_slots)``.
-
-    The range is decided at the slots' own width, on the device (torch ops on the current
-    stream, no host sync), before the cast: cast first, int64 ``2**32 + 7`` would be
-    slot 7. A bound the dtype cannot hold is left out (every uint8 is below 1000). int32
-    slots pass as they are: the kernels skip what is outside the cache. The core's twin
-    is ``jaxrope.kv_cache._in_cache``.
-
-    Example:
-      >>> int32_slots(torch.tensor([5, -1, 2 ** 32 + 7, -2 ** 32 + 7]), 64).tolist()
-      [5, -1, -1, -1]
-    """
-    if slots.dtype == torch.int32:
-        return slots
-    if slots.dtype == torch.uint64:
-        # Read as int64: values >= 2**63 turn negative, outside the cache as they were.
-        slots = slots.view(torch.int64)
-    elif slots.dtype in _COMPARED_AS:
-        slots = slots.to(_COMPARED_AS[slots.dtype])
-    ok = slots >= 0
-    if num_slots <= torch.iinfo(slots.dtype).max:
-        ok &= slots < num_slots
-    return torch.where(ok, torch.where(ok, slots, 0).to(torch.int32), -1)
 
 
 def _span(t: torch.Tensor) -> Tuple[int, int]:

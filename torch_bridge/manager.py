@@ -1,4 +1,4 @@
-"""``PositionManager``: the seed engine's position resource, a facade over seven parts.
+"""``PositionManager``: an engine's position resource, a facade over seven parts.
 
 Where each concern lives (one module each):
 
@@ -38,7 +38,7 @@ from torch_bridge.publish_admit import PublishAdmit, RecordArgs, Snapshot, write
 from torch_bridge.published import PublishedPositionInfo
 from torch_bridge.request_lifecycle import RequestLifecycle
 from torch_bridge.step_arrays import StepReader, check_hashable
-from torch_bridge import speculative
+from torch_bridge import speculative_steps
 from torch_bridge.streams import StreamTable
 from torch_bridge.upload import PositionUpload
 
@@ -261,7 +261,7 @@ class PositionManager(Resource):
         arrays = self._reader.read(step, ctx, device=self.device, max_seq_len=self.max_seq_len)
         self._batch.check(ctx, step.segments)
         if step.draft_depth is not None or step.tree is not None:
-            arrays = speculative.attach(self._reader, step, arrays, self.config.scheme,
+            arrays = speculative_steps.attach(self._reader, step, arrays, self.config.scheme,
                                         self.max_seq_len)
         graph = ctx.graph_slot
         if graph is not None and not isinstance(graph, GraphSlot):
@@ -285,7 +285,7 @@ class PositionManager(Resource):
         ``accepted={(rid, label): a}`` (speculative decoding, after a verify step), or an
         int array ``[len(step.segments)]`` of one count per segment, advances each named
         stream by ``a + 1`` instead: its root and ``a`` accepted drafts
-        (:mod:`torch_bridge.speculative`).
+        (:mod:`torch_bridge.speculative_steps`).
         ``step`` must carry the segments (and advance) of the current plan (a staged
         plan becomes current when there is none). A staged plan becomes current
         after the commit.
@@ -295,7 +295,7 @@ class PositionManager(Resource):
           ValueError: no plan to commit, segments or advance differing from the
             plan's (the message names the first difference), a counter that would
             pass ``max_seq_len``, or ``accepted`` refused (see
-            :func:`torch_bridge.speculative.accepted_commit`).
+            :func:`torch_bridge.speculative_steps.accepted_commit`).
         """
         if not isinstance(step, PositionStep):
             raise TypeError(f"step must be a PositionStep, got {type(step).__name__}")
@@ -304,7 +304,7 @@ class PositionManager(Resource):
         if accepted is None and not self._plans.next_commit_is_speculative():
             self._plans.commit(step)
             return
-        self._plans.commit(step, lambda plan, staged: speculative.accepted_commit(
+        self._plans.commit(step, lambda plan, staged: speculative_steps.accepted_commit(
             self._reader, plan, accepted, staged))
 
     def clear_preplan(self) -> None:

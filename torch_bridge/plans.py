@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from jaxrope.positions import Scheme
-from torch_bridge import speculative
+from torch_bridge import speculative_steps
 from torch_bridge import streams as rules
 from torch_bridge.engine_types import PositionStep
 from torch_bridge.step_arrays import StepArrays
@@ -182,7 +182,7 @@ class StepPlans:
             if self._mrope:
                 dest = dest.reshape(3, label.num_tokens)
             out[plan_label] = dest
-            if arrays.speculation is not None and speculative.positions(
+            if arrays.speculation is not None and speculative_steps.positions(
                     base, arrays, plan_label, self.max_seq_len, self._mrope, dest) is not None:
                 continue
             if peak + label.num_tokens > self.max_seq_len or low < 0:
@@ -231,7 +231,7 @@ class StepPlans:
         """Commit the current plan (a staged plan first becomes current when there is none).
 
         ``resolve(plan, staged)``, when given, returns the commit to apply instead of the
-        plan's own (accepted drafts: :func:`torch_bridge.speculative.accepted_commit`);
+        plan's own (accepted drafts: :func:`torch_bridge.speculative_steps.accepted_commit`);
         the caller passes one only for a speculative step.
 
         Raises:
@@ -319,6 +319,6 @@ def _check_same_step(step: PositionStep, planned: PositionStep) -> None:
         raise ValueError(f"commit's step.draft_depth={step.draft_depth!r} differs from the planned "
                          f"{planned.draft_depth!r}; commit the step that was planned")
     # Both None on an ordinary step: the speculative module is not called.
-    if step.tree is not planned.tree and not speculative.same_tree(step.tree, planned.tree):
+    if step.tree is not planned.tree and not speculative_steps.same_tree(step.tree, planned.tree):
         raise ValueError(f"commit's step.tree={step.tree!r} differs from the planned "
                          f"{planned.tree!r}; commit the step that was planned")

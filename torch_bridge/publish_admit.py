@@ -263,7 +263,7 @@ class PublishAdmit:
         A record whose rewinds include every rollback this stream holds and more wins even
         with a lower position (the publisher rolled back); with the same rewinds
         ``counter = max(counter, published)``, so a stale echo of this node's own
-        publication never rewinds a stream (the seed's monotonic admit: a publisher that
+        publication never rewinds a stream (admit is monotonic: a publisher that
         never rolls back stays in epoch 0); an older record changes nothing. The M-RoPE
         delta comes with the position that wins. ``node_name`` and ``graph_walk`` do not
         change positions (a stream is ``(rid, label)``). ``published`` may be the

@@ -10,12 +10,12 @@ The order of records (admit and :meth:`PublishedPositionInfo.update` alike) is
 a lower position; with the same rewinds the larger position wins; a record missing some
 is stale and loses; and two records each holding a rollback the other lacks (two writers
 rolled the stream back without seeing each other's) are a conflict, refused with a
-reason, never merged. Why: the seed's admit is a max-merge, so a stale echo of a node's
+reason, never merged. Why: within an epoch admit is a max-merge, so a stale echo of a node's
 own publication never rewinds it; but once a node has published positions that include
 draft tokens, a rollback of those drafts could then never reach the node that admitted
 them, and a max over two writers' rewinds keeps one node's drafts on top of the other's
-KV. A user who never rolls back stays in epoch 0, where the order is exactly the seed's
-max. The publish epoch of a stream is the number of its rewinds (the sum).
+KV. A user who never rolls back stays in epoch 0, where the order is exactly a max over
+positions. The publish epoch of a stream is the number of its rewinds (the sum).
 
 Between processes the record travels as bytes (:meth:`PublishedPositionInfo.to_bytes`,
 :meth:`PublishedPositionInfo.from_bytes`) in the layout of :mod:`jaxrope.wire`: per
@@ -40,7 +40,7 @@ class PublishedPositionInfo(PublishedInfo):
     """Where each of a request's streams has reached.
 
     Attributes:
-      counters: ``{label: next position}`` (the seed's field).
+      counters: ``{label: next position}``.
       deltas: ``{label: M-RoPE delta}``; a label left out has delta 0.
       epochs: ``{label: publish epoch}`` (the number of the stream's rollbacks); a label
         left out is in epoch 0.

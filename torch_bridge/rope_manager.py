@@ -1,11 +1,11 @@
 """``RopeManager``: :class:`PositionManager` plus ``apply_qk``, rotating torch tensors in place.
 
 ``apply_qk`` and ``apply_qk_and_append_kv`` first offer the call to a *launcher* (on
-CUDA the compiled kernel launched on torch's stream: :mod:`torch_bridge.launchers` says
+CUDA the compiled kernel launched on torch's stream: :mod:`torch_bridge.launch.dispatch` says
 which); a launcher that raises :class:`jaxrope.BackendUnavailable` declines and the JAX
 path runs (DLPack import and a donated jitted call, :class:`torch_bridge.rotate.JaxRotation`,
 :class:`torch_bridge.kv_append.JaxAppend`). Both methods dispatch through one
-:class:`torch_bridge.launchers.FastPath` each: a repeated call signature runs its bound
+:class:`torch_bridge.launch.dispatch.FastPath` each: a repeated call signature runs its bound
 launch without the Python-level checks.
 """
 
@@ -20,7 +20,7 @@ from torch_bridge import custom_ops, kv_append
 from torch_bridge.config import PositionConfig
 from torch_bridge.dlpack import jax_device
 from torch_bridge.engine_types import EngineInfo
-from torch_bridge.launchers import FastPath, resolve_launchers
+from torch_bridge.launch.dispatch import FastPath, resolve_launchers
 from torch_bridge.manager import PositionManager
 from torch_bridge.plans import Plan
 from torch_bridge.rotate import TORCH_DTYPES, ConfigCache, JaxRotation
@@ -37,16 +37,13 @@ class RopeManager(PositionManager):
       device: the torch device of q, k and the position ids.
       max_seq_len: positions stay below it; at most ``config.rope.max_position``.
       head_dim: ``D``; must equal ``config.rope.head_dim`` when both are given.
-      dtype: the engine's activation dtype (float32, float16 or bfloat16), kept for
-        the seed's signature. q and k are rotated in their own dtype (the seed cast
-        to this dtype; float32 inputs here stay float32).
       launcher: the fast paths ``apply_qk`` and ``apply_qk_and_append_kv`` try first:
-        "auto" (on CUDA: :func:`torch_bridge.launchers.auto_launcher_class`, the
+        "auto" (on CUDA: :func:`torch_bridge.launch.dispatch.auto_launcher_class`, the
         Mosaic GPU launches of both methods on Hopper), "jax" (always the JAX path), or
         an object with ``rotate_(q, k, pos_ids, cfg)`` (:class:`torch_bridge.Launcher`),
         which serves the fused call too if it has ``rotate_and_append_kv_``
         (:class:`torch_bridge.KVLauncher`); see
-        :func:`torch_bridge.launchers.resolve_launchers`.
+        :func:`torch_bridge.launch.dispatch.resolve_launchers`.
       backend: the jaxrope backend of the JAX path ("auto", "pallas", "xla", "interpret").
       allow_copy: let the JAX path stage q/k through copies (written back in place):
         padded to a token bucket, so it compiles once per bucket, and contiguous where
@@ -78,9 +75,8 @@ class RopeManager(PositionManager):
     """
 
     def __init__(self, config: PositionConfig, device: Any, max_seq_len: int = 32768,
-                 head_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16, *,
-                 launcher: Any = "auto", backend: str = "auto", allow_copy: bool = True,
-                 writer: Optional[int] = None):
+                 head_dim: Optional[int] = None, *, launcher: Any = "auto", backend: str = "auto",
+                 allow_copy: bool = True, writer: Optional[int] = None):
         super().__init__(config, device, max_seq_len, writer=writer)
         rope = config.rope
         if rope is None:
@@ -92,13 +88,10 @@ class RopeManager(PositionManager):
         if self.max_seq_len > rope.max_position:
             raise ValueError(f"max_seq_len={self.max_seq_len} must be <= "
                              f"config.rope.max_position={rope.max_position}")
-        if dtype not in TORCH_DTYPES:
-            raise ValueError(f"{dtype=} must be one of {list(TORCH_DTYPES)}")
         if not isinstance(allow_copy, bool):
             raise TypeError(f"{allow_copy=} must be a bool")
         self.rope = rope
         self.head_dim = rope.head_dim
-        self.dtype = dtype
         self.allow_copy = allow_copy
         rope_launcher, kv_launcher = resolve_launchers(launcher, self.device)
         self._rope_path = FastPath("apply_qk", rope_launcher)
@@ -130,7 +123,7 @@ class RopeManager(PositionManager):
 
     @classmethod
     def _build_kwargs(cls, info: EngineInfo) -> Dict[str, Any]:
-        return {**super()._build_kwargs(info), "head_dim": info.head_dim, "dtype": info.dtype}
+        return {**super()._build_kwargs(info), "head_dim": info.head_dim}
 
     def _fingerprint_payload(self) -> bytes:
         return super()._fingerprint_payload() + b"|" + self.rope.fingerprint()
@@ -138,7 +131,6 @@ class RopeManager(PositionManager):
     def apply_qk(self, q: torch.Tensor, k: torch.Tensor, label: str,
                  rotary_dim: Optional[int] = None, interleave: Optional[bool] = None,
                  rope_scale: Optional[float] = None, rope_theta: Optional[float] = None,
-                 rope_dtype: Optional[torch.dtype] = None,
                  **llama31: Any) -> Tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q`` and ``k`` in place at the planned positions of plan label ``label``.
 
@@ -150,11 +142,9 @@ class RopeManager(PositionManager):
             splitting the frequencies over them). ``T`` may be less than the planned
             tokens (the first ``T`` are used) or more (an engine's padded batch): tokens
             past the planned ones are left untouched.
-          rotary_dim: with ``interleave``, ``rope_scale``, ``rope_theta`` and the keywords
-            ``low_freq_factor``, ``high_freq_factor``, ``old_context_len``: per-call
-            overrides with FlashInfer's meaning (see :class:`torch_bridge.rotate.ConfigCache`).
-          rope_dtype: accepted for the seed's signature; the math is float32 (from
-            float64 frequencies) whatever it says, and q/k keep their dtype.
+          rotary_dim, interleave, rope_scale, rope_theta, low_freq_factor,
+            high_freq_factor, old_context_len: per-call overrides with FlashInfer's
+            meaning (see :class:`torch_bridge.rotate.ConfigCache`).
 
         Returns:
           ``(q, k)``: the same tensors, rotated. Dims ``[rotary_dim, D)`` are untouched.
@@ -178,10 +168,10 @@ class RopeManager(PositionManager):
         """
         if torch.compiler.is_compiling():  # what the graph records: see torch_bridge.custom_ops
             return custom_ops.traced_apply_qk(self, q, k, label, (
-                rotary_dim, interleave, rope_scale, rope_theta, rope_dtype), llama31)
+                rotary_dim, interleave, rope_scale, rope_theta), llama31)
         # Peek: a staged plan becomes current (its pre-forks apply) only once the call is valid.
         plan = self._plans.peek()
-        overrides = (rotary_dim, interleave, rope_scale, rope_theta, rope_dtype)
+        overrides = (rotary_dim, interleave, rope_scale, rope_theta)
         signature = lambda: _call_signature(label, q, k, overrides)  # noqa: E731
         if not llama31 and self._run_bound(self._rope_path, plan, label, q, signature,
                                            lambda run, pos: run(q, k, pos)):
@@ -191,8 +181,6 @@ class RopeManager(PositionManager):
         if padded:
             q3, k3 = q3[:plan.limits[label]], k3[:plan.limits[label]]
         tokens = q3.shape[0]
-        if rope_dtype is not None and not isinstance(rope_dtype, torch.dtype):
-            raise ValueError(f"{rope_dtype=} must be a torch.dtype or None")
         cfg = self._configs.get(rotary_dim, interleave, rope_scale, rope_theta, **llama31)
         self._plans.promote()
         if tokens == 0:
@@ -214,7 +202,7 @@ class RopeManager(PositionManager):
                                v_quant_scale: Optional[float] = None) -> Tuple[torch.Tensor, Any]:
         """``apply_qk`` fused with the paged KV-cache append: q rotated in place, k and v cached.
 
-        One launch on CUDA (:mod:`torch_bridge.kv_launch`) where an engine runs two
+        One launch on CUDA (:mod:`torch_bridge.launch`) where an engine runs two
         (RoPE in place, then its cache append, which reads k again):
         :func:`jaxrope.apply_rope_and_append_kv` on the engine's own tensors.
 

@@ -1,9 +1,9 @@
 """How ``RopeManager.apply_qk`` rotates torch tensors: per-call configs, a fast launcher, JAX.
 
-``apply_qk`` takes the seed's per-call overrides (FlashInfer's parameters); :class:`ConfigCache`
+``apply_qk`` takes FlashInfer's per-call overrides (its parameters' names); :class:`ConfigCache`
 maps them onto a :class:`jaxrope.RopeConfig`. The rotation itself first asks an optional
-*launcher* (:class:`torch_bridge.launchers.Launcher`, e.g.
-:class:`torch_bridge.mosaic_launch.MosaicLauncher`) and, when there is
+*launcher* (:class:`torch_bridge.launch.dispatch.Launcher`, e.g.
+:class:`torch_bridge.launch.mosaic.MosaicLauncher`) and, when there is
 none or it declines by raising :class:`jaxrope.BackendUnavailable`, runs
 :class:`JaxRotation`: the jaxrope kernel through DLPack (see :mod:`torch_bridge.dlpack`).
 """

@@ -61,7 +61,7 @@ class StepArrays(NamedTuple):
       pre_forks, post_forks: the fork records; ``pre_src``/``pre_dst`` the pre-forks' slots.
       commit: the commit's arrays (segments, explicit advances, post-forks).
       explicit: ``{plan_label: int32 tensor}`` of explicit positions, checked.
-      speculation: the step's depth numbering (:class:`torch_bridge.speculative.Speculation`),
+      speculation: the step's depth numbering (:class:`torch_bridge.speculative_steps.Speculation`),
         or None.
     """
 
@@ -123,7 +123,7 @@ class StepReader:
         """The slot of stream ``(rid, label)``; ValueError for an unknown request or label."""
         check_hashable(rid, "rid")
         check_hashable(label, "label")
-        slot = self._streams.slot_map.find(rid, label)
+        slot = self._streams.row_map.find(rid, label)
         if slot is None:
             self.request_slots(rid)
             raise ValueError(f"label={label!r} is not one of the configured labels "

@@ -32,7 +32,7 @@ from typing import Any, Dict, Hashable, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from jaxrope.positions import Scheme, SlotMap
+from jaxrope.positions import RowMap, Scheme
 from jaxrope.wire import Rewinds, rewound
 
 __all__ = ["Columns", "CommitArrays", "StreamTable", "accept", "admit", "advance", "apply_commit",
@@ -167,13 +167,13 @@ def rollback(columns: Columns, slots: np.ndarray, positions: np.ndarray) -> None
 
 
 def accept(columns: Columns, slots: np.ndarray, accepted: np.ndarray) -> None:
-    """``counter += accepted + 1`` after a verify step (twin of ``speculative.accept``)."""
+    """``counter += accepted + 1`` after a verify step (twin of ``speculative_positions.accept``)."""
     advance(columns, slots, accepted + 1)
 
 
 def tree_depths(parents: np.ndarray) -> np.ndarray:
     """int64 depth of each token from its parent index (-1: a root), by pointer doubling
-    (twin of ``speculative.tree_depths``)."""
+    (twin of ``speculative_positions.tree_depths``)."""
     root = parents < 0
     ancestor = np.where(root, np.arange(len(parents)), parents)
     depth = (~root).astype(np.int64)
@@ -186,7 +186,7 @@ def tree_depths(parents: np.ndarray) -> np.ndarray:
 def plan_draft(columns: Columns, slots: np.ndarray, counts: np.ndarray, step: int, offset: int,
                max_seq_len: int, mrope: bool = False, num_tokens: Optional[int] = None,
                out: Optional[np.ndarray] = None) -> Tuple[np.ndarray, Optional[np.ndarray]]:
-    """``(positions, live)`` of EAGLE draft step ``step`` (twin of ``speculative.plan_draft``):
+    """``(positions, live)`` of EAGLE draft step ``step`` (twin of ``speculative_positions.plan_draft``):
     every token at sequence index ``counter + offset + step`` (plus the delta on each
     M-RoPE row); a token whose index is outside ``[0, max_seq_len)`` is at 0 and not live.
     ``live`` is None when every token is (the usual case, no mask built). ``num_tokens``:
@@ -287,7 +287,7 @@ class StreamTable:
       columns: every slot's record (free slots all 0); ``counters`` is ``columns.counters``.
       rewinds: ``{slot: ((writer, rollbacks), ...)}`` of the slots rolled back (their
         epoch is the sum; :func:`jaxrope.wire.rewind_order`); a slot left out has none.
-      slot_map: the :class:`jaxrope.SlotMap` ``(request_id, label) -> slot``.
+      row_map: the :class:`jaxrope.RowMap` ``(request_id, label) -> row``.
       slot_version: changes whenever a stream's slot may have (ingest, remove), so cached
         slot arrays can tell they are stale.
 
@@ -301,7 +301,7 @@ class StreamTable:
 
     def __init__(self, labels: Tuple[str, ...], capacity: int = 256):
         self.labels = labels
-        self.slot_map = SlotMap(capacity)
+        self.row_map = RowMap(capacity)
         self.columns = Columns.zeros(capacity)
         self.rewinds: Dict[int, Rewinds] = {}
         self.slot_version = 0
@@ -328,9 +328,9 @@ class StreamTable:
         """Give a new request a slot per label; False (nothing changes) if it has them."""
         if rid in self._requests:
             return False
-        self._requests[rid] = tuple(self.slot_map.acquire(rid, label) for label in self.labels)
-        if self.slot_map.capacity > len(self.columns.counters):
-            self.columns = self.columns.grown(self.slot_map.capacity)
+        self._requests[rid] = tuple(self.row_map.acquire(rid, label) for label in self.labels)
+        if self.row_map.capacity > len(self.columns.counters):
+            self.columns = self.columns.grown(self.row_map.capacity)
         self._removed.pop(rid, None)
         self.slot_version += 1
         return True
@@ -338,7 +338,7 @@ class StreamTable:
     def release(self, rid: Hashable) -> Tuple[int, ...]:
         """Free the request's slots (their records back to 0); returns them."""
         slots = self._requests.pop(rid)
-        self.slot_map.release(rid)
+        self.row_map.release(rid)
         self.reset(slots)
         self._removed[rid] = None
         if len(self._removed) > _REMEMBERED_REMOVALS:
@@ -349,9 +349,9 @@ class StreamTable:
     def snapshot(self) -> Dict[str, Any]:
         """Copies of the records and the slot map (``PositionManager.state_snapshot``'s
         ``counters``, ``slots``, ``deltas``, ``epochs``, ``rewinds``, ``requests`` and
-        ``slot_map``)."""
+        ``row_map``)."""
         requests = {rid: slots for rid, slots in self._requests.items()}
-        counters, slot_map = self.counters, self.slot_map
+        counters, row_map = self.counters, self.row_map
         return {
             "counters": {(rid, label): int(counters[slot]) for rid, slots in requests.items()
                          for label, slot in zip(self.labels, slots)},
@@ -360,8 +360,8 @@ class StreamTable:
             "epochs": tuple(self.columns.epochs.tolist()),
             "rewinds": dict(self.rewinds),
             "requests": requests,
-            "slot_map": {"capacity": slot_map.capacity, "live": len(slot_map),
-                         "peak": slot_map.peak, "free": slot_map.free_slots()},
+            "row_map": {"capacity": row_map.capacity, "live": len(row_map),
+                         "peak": row_map.peak, "free": row_map.free_rows()},
         }
 
     def was_removed(self, rid: Hashable) -> bool:
@@ -415,4 +415,4 @@ class StreamTable:
         Raises:
           KeyError: a stream is unknown (the caller names it).
         """
-        return self.slot_map.lookup(rids, labels)
+        return self.row_map.lookup(rids, labels)

@@ -22,9 +22,8 @@ holds). The copy is one ``cuMemcpyHtoDAsync`` through the CUDA driver on torch's
 current raw stream; where that entry point is missing or refuses (no driver library,
 another device current on the thread) it is torch's non-blocking ``copy_``, with the
 same ordering. Staging in the pinned span and copying into a chunk saves a step an
-allocation and a host copy: on the H200's host, alternating in one process, a decode
-step's 256 positions upload in 10.9 us this way against 14.4 us through a separate
-ring write, ``torch.empty`` and torch's ``copy_``.
+allocation and a host copy against a separate ring write, ``torch.empty`` and torch's
+``copy_`` (bench/bridge_bench.py times both).
 
 CUDA-graph buffers (static per (graph slot, plan label), ``[bucket.num_tokens]``, or
 ``[3, bucket.num_tokens]`` for an M-RoPE manager) are written by the same copy; tokens

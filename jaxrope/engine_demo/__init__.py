@@ -1,12 +1,11 @@
-"""``python -m jaxrope.demo --jax``: a continuous-batching engine loop entirely in JAX (no torch).
+"""``python -m jaxrope.demo``: a continuous-batching engine loop entirely in JAX (no torch).
 
 Usage::
 
-  python -m jaxrope.demo --jax [--steps N] [--seed S] [--inject-fault]
-  python -m jaxrope.engine_demo [--steps N] [--seed S] [--inject-fault]
+  python -m jaxrope.demo [--steps N] [--seed S] [--inject-fault]
 
 Nine requests join and leave over about ``N`` steps (default 200) through
-:class:`jaxrope.SlotMap`: chunked prefill, batched decode, a prefix-cache hit (a prompt
+:class:`jaxrope.RowMap`: chunked prefill, batched decode, a prefix-cache hit (a prompt
 starting with another's first pages shares them) and an M-RoPE request (an image in the
 prompt, :func:`jaxrope.mrope.rope_index`) on Qwen2-VL's rotation. Each step is one
 jitted function per token bucket (:mod:`jaxrope.engine_demo.model`): positions from the
@@ -34,11 +33,14 @@ MIN_STEPS = 40   # below this the scaled trace's requests no longer overlap as d
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m jaxrope.demo --jax",
-                                     description=__doc__.split("\n")[0].split(": ", 1)[1])
+    parser = argparse.ArgumentParser(prog="python -m jaxrope.demo",
+                                     description=__doc__.split("\n")[0].split(": ", 1)[1],
+                                     epilog="The torch traces (RopeManager over the same core): "
+                                            "python -m torch_bridge.demo --help")
     parser.add_argument("--steps", type=int, default=200,
                         help="about how many steps the trace takes (default 200)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the weights and the requests' token ids (default 0)")
     parser.add_argument("--inject-fault", action="store_true",
                         help="advance one stream's counter twice at a third of the run")
     return parser

@@ -5,7 +5,7 @@ token budget to prefill chunks (a long prompt takes several steps); pads the ste
 smallest token bucket; allocates pages and writes the block table; runs the step; then
 checks it against a float64 recompute of every sequence: each token's position and
 attention output, and every live sequence's cached k and v rows read back from the pages.
-Streams join and leave through :class:`jaxrope.SlotMap` (a freed stream's counters reset
+Streams join and leave through :class:`jaxrope.RowMap` (a freed stream's counters reset
 with :func:`jaxrope.positions.reset`); a prompt whose first pages another prompt already
 filled shares them (a prefix-cache hit: :func:`jaxrope.positions.raise_to` moves the
 counter past them, and only the rest is prefilled); the M-RoPE request's prompt takes
@@ -24,7 +24,7 @@ import numpy as np
 
 import jaxrope as jr
 from jaxrope import models, mrope, positions
-from jaxrope.demo_reference import relative_error
+from jaxrope.layer_reference import relative_error
 from jaxrope.engine_demo import model
 
 BUCKETS = (16, 64)            # token buckets: one compile of the step each
@@ -96,7 +96,7 @@ class Engine:
         self.projected = model.projections(self.weights, self.cfg.head_dim)
         self.traces: Dict[int, int] = {}
         self.step_fn = model.make_step(self.cfg, interpret, self.traces)
-        self.smap = jr.SlotMap(CAPACITY)
+        self.smap = jr.RowMap(CAPACITY)
         self.device_weights = model.device_weights(self.weights)
         self.table = positions.init(CAPACITY)
         self.cache = model.empty_cache()

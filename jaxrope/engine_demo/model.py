@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental.pallas import fuser  # noqa: F401
 
 import jaxrope as jr
-from jaxrope import demo_reference as reference
+from jaxrope import layer_reference as reference
 from jaxrope import paging, positions
 from jaxrope.models import HF_VL_CONFIGS
 
@@ -127,7 +127,7 @@ def projections(weights: Weights, head_dim: int) -> Dict[str, np.ndarray]:
 def recompute(cfg: jr.RopeConfig, projected: Dict[str, np.ndarray], ids: List[int],
               pos: np.ndarray) -> Dict[str, np.ndarray]:
     """float64 ``q, k, v [L, H, D]`` of a whole sequence from its token ids and the
-    positions ``pos [3, L]`` its model gives (rotated by :func:`jaxrope.demo_reference.rotate`);
+    positions ``pos [3, L]`` its model gives (rotated by :func:`jaxrope.layer_reference.rotate`);
     ``projected`` from :func:`projections`."""
     ids = np.asarray(ids)
     return dict(q=reference.rotate(cfg, projected["q"][ids], pos),

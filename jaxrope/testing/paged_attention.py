@@ -4,7 +4,7 @@ The layouts ``"paged_attention"`` and ``"ragged_paged_attention"`` of
 :func:`jaxrope.apply_rope_and_append_kv` are checked by running the op that reads them
 (tests and the JAX engine demo):
 
-- :func:`gpu_paged_attention` (from :mod:`jaxrope.demo_reference`): ``jax.experimental.pallas.ops.gpu.paged_attention.
+- :func:`gpu_paged_attention` (from :mod:`jaxrope.layer_reference`): ``jax.experimental.pallas.ops.gpu.paged_attention.
   paged_attention(q [B, Hq, D], k_pages, v_pages [Hk, pages, page_size, D], block_tables
   [B, pages_per_sequence], lengths [B])``, one query per sequence over its first
   ``lengths[b]`` keys; a Pallas kernel (Triton lowering) that runs on CPU in the Pallas
@@ -16,7 +16,7 @@ The layouts ``"paged_attention"`` and ``"ragged_paged_attention"`` of
   its last ``cu_q_lens[i + 1] - cu_q_lens[i]`` tokens, causal over its ``kv_lens[i]`` keys.
   It loops over sequences in Python and slices by their lengths, so it traces only with
   those as host values (:func:`ragged_attention` closes over them);
-- :func:`causal_attention` (from :mod:`jaxrope.demo_reference`): the float64 attention
+- :func:`causal_attention` (from :mod:`jaxrope.layer_reference`): the float64 attention
   both must match, and
   :func:`append_sequences` / :func:`expected_attention`: sequences written into a cache
   of either layout by the fused op (the CPU and GPU tests' inputs).
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxrope as jr
-from jaxrope.demo_reference import causal_attention, gpu_paged_attention
+from jaxrope.layer_reference import causal_attention, gpu_paged_attention
 from jaxrope.testing import oracle
 
 

@@ -2,7 +2,7 @@
 
 Written from what their code does (read in vLLM v1 and SGLang's EAGLE worker; each
 function names the file and function it follows), for the differential test of
-:mod:`jaxrope.speculative` and :mod:`torch_bridge.speculative`
+:mod:`jaxrope.speculative_positions` and :mod:`torch_bridge.speculative_steps`
 (tests/test_speculative_reference.py). Nothing here is their code: the loops and
 vectorisation are ours, the rules theirs.
 

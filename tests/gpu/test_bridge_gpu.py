@@ -256,8 +256,8 @@ def test_a_failing_kernel_export_falls_back_to_the_jax_path(device, monkeypatch,
     # Each launcher, given explicitly ("auto" picks one of them per GPU), whose kernel
     # export fails: the call still rotates, on the JAX path.
     from jaxrope.kernels import mosaic_export, triton_ir
-    from torch_bridge.mosaic_launch import MosaicLauncher
-    from torch_bridge.triton_launch import TritonLauncher
+    from torch_bridge.launch.mosaic import MosaicLauncher
+    from torch_bridge.launch.triton import TritonLauncher
 
     def failing_export(**kwargs):
         raise jr.BackendUnavailable("export forced to fail by the test")

@@ -62,7 +62,7 @@ def test_gpu_kernels_rotate_every_case_in_place_like_the_oracle(jax_gpu, rng, ca
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_torch_launch_rotates_every_case_in_place_like_the_oracle(device, rng, case):
     import torch
-    from torch_bridge.triton_launch import TritonLauncher
+    from torch_bridge.launch.triton import TritonLauncher
 
     cfg, launcher = case.cfg, TritonLauncher()
     for tokens in (1, 64, 333):

@@ -377,7 +377,7 @@ def test_an_fp8_cache_of_3_gib_is_written_right_by_either_launcher(device):
     # The Pallas Triton lowering would address it with wrapping int32 offsets: its
     # launcher declines and the JAX path's "auto" takes XLA (kv_pallas.unsupported). The
     # Mosaic GPU kernel addresses memory with 64-bit indices: its launcher runs it.
-    from torch_bridge.mosaic_launch import MosaicKVLauncher
+    from torch_bridge.launch.mosaic import MosaicKVLauncher
     e = Engine(device, "auto", tokens=64)
     if e.mgr.kv_launcher is None:
         pytest.skip("no fast launcher here (\"auto\" built none)")

@@ -32,7 +32,7 @@ TOKENS = 1001  # divides no token block or loop above
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "bt{}-hp{}-w{}-g{}-loop{}-hm{:d}".format(*s))
 @pytest.mark.parametrize("name", ["llama3_8b", "gptj_interleave"])
 def test_launch_shape_matches_the_default_bit_for_bit(device, name, shape):
-    from torch_bridge.triton_launch import TritonLauncher
+    from torch_bridge.launch.triton import TritonLauncher
 
     cfg = BY_NAME[name].cfg
     gen = torch.Generator(device=device).manual_seed(len(name) + sum(map(int, shape)))

@@ -1,4 +1,4 @@
-"""The Mosaic GPU kernel launched from torch (torch_bridge.mosaic_launch): the float64
+"""The Mosaic GPU kernel launched from torch (torch_bridge.launch.mosaic): the float64
 oracle's answer on every named case, one compile per launch shape with T read at run
 time, torch's current stream, CUDA-graph capture, and the bridge's default path with
 Pallas's Triton backend turned into an error.
@@ -25,7 +25,7 @@ BOUND = {torch.bfloat16: 2.5e-3, torch.float16: 2.5e-3, torch.float32: 1e-5}
 
 @pytest.fixture(scope="module")
 def launcher(hopper, device):
-    from torch_bridge.mosaic_launch import MosaicLauncher
+    from torch_bridge.launch.mosaic import MosaicLauncher
     return MosaicLauncher()
 
 
@@ -75,7 +75,7 @@ def test_mosaic_launch_covers_any_token_count_and_grid(launcher, device, name, t
 
 
 def test_one_compile_serves_every_token_count_of_a_launch_shape(hopper, device):
-    from torch_bridge.mosaic_launch import MosaicLauncher
+    from torch_bridge.launch.mosaic import MosaicLauncher
     launcher = MosaicLauncher()
     case = BY_NAME["llama3_8b"]
     for tokens in range(33, 65):  # 3 or 4 blocks of 16 tokens: one grid of 4
@@ -123,7 +123,7 @@ def test_bridge_default_is_the_mosaic_launch_with_pallas_triton_an_error(hopper,
 
     import jaxrope as jr
     from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext
-    from torch_bridge.mosaic_launch import MosaicKVLauncher, MosaicLauncher
+    from torch_bridge.launch.mosaic import MosaicKVLauncher, MosaicLauncher
     cfg = jr.RopeConfig(head_dim=128, theta=5e5, max_position=LARGE)
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
@@ -202,8 +202,8 @@ def test_mosaic_kv_launch_writes_what_the_triton_launch_writes(hopper, device, l
                                                                 tokens, fp8):
     import jaxrope as jr
     from torch_bridge.kv_append import check_call
-    from torch_bridge.kv_launch import KVAppendLauncher
-    from torch_bridge.mosaic_launch import MosaicKVLauncher
+    from torch_bridge.launch.triton import TritonKVLauncher
+    from torch_bridge.launch.mosaic import MosaicKVLauncher
     cfg = jr.RopeConfig(head_dim=128, theta=5e5, max_position=LARGE)
     if tokens == 17:  # M-RoPE once per form
         cfg = jr.RopeConfig(head_dim=128, theta=1e6, max_position=LARGE,
@@ -212,7 +212,7 @@ def test_mosaic_kv_launch_writes_what_the_triton_launch_writes(hopper, device, l
                                                 seed=tokens + 2 * combined + fp8)
     scale = 0.5 if fp8 else None
     outs = []
-    for launcher in (MosaicKVLauncher(), KVAppendLauncher()):
+    for launcher in (MosaicKVLauncher(), TritonKVLauncher()):
         q2 = q.clone()
         cache2 = kv_cache.clone() if combined else tuple(c.clone() for c in kv_cache)
         caches, geometry, scales = check_call(k, v, cache2, slots, layout, scale, scale, device)
@@ -232,13 +232,13 @@ def test_mosaic_kv_launch_walking_one_block_rotates_q_once(hopper, device, q_hea
     # warp's load would rotate q twice. Against the Triton launch on the same inputs.
     import jaxrope as jr
     from torch_bridge.kv_append import check_call
-    from torch_bridge.kv_launch import KVAppendLauncher
-    from torch_bridge.mosaic_launch import MosaicKVLauncher
+    from torch_bridge.launch.triton import TritonKVLauncher
+    from torch_bridge.launch.mosaic import MosaicKVLauncher
     cfg = jr.RopeConfig(head_dim=64, theta=5e5, max_position=LARGE)
     q, k, v, kv_cache, slots, pos = _kv_inputs(device, cfg, "NHD", False, 999, False, seed=5,
                                                 q_heads=q_heads, k_heads=k_heads)
     outs = []
-    for launcher, grid in ((MosaicKVLauncher(), 1), (KVAppendLauncher(), None)):
+    for launcher, grid in ((MosaicKVLauncher(), 1), (TritonKVLauncher(), None)):
         q2, cache2 = q.clone(), tuple(c.clone() for c in kv_cache)
         caches, geometry, scales = check_call(k, v, cache2, slots, "NHD", None, None, device)
         extra = {} if grid is None else dict(grid=grid)

@@ -1,11 +1,11 @@
-"""The jaxrope demo: ``RopeManager`` through a serving trace, checked at every step.
+"""The torch demo: ``RopeManager`` through a serving trace, checked at every step.
 
 Usage::
 
-  make demo                      # creates .venv on first use, then runs the line below
-  python -m jaxrope.demo [--model {llama3.1,qwen2.5-yarn,phi3-longrope,deepseek-v2,
-                                   qwen2-vl,qwen2.5-vl,qwen3-vl,glm-4.1v}]
-                         [--steps N] [--device {auto,cpu,cuda}] [--seed S] [--speculative]
+  make demo                      # creates .venv on first use, runs this and the JAX trace
+  python -m torch_bridge.demo [--model {llama3.1,qwen2.5-yarn,phi3-longrope,deepseek-v2,
+                                        qwen2-vl,qwen2.5-vl,qwen3-vl,glm-4.1v}]
+                              [--steps N] [--device {auto,cpu,cuda}] [--seed S] [--speculative]
 
   --model   the real RoPE config (default llama3.1: Llama-3.1-8B's llama3 scaling;
             qwen2.5-yarn, phi3-longrope (Phi-3-mini-128k), deepseek-v2 (V2-Lite, YaRN,
@@ -21,7 +21,7 @@ Usage::
             models: the decode node admits the handoff without its delta; with
             ``--speculative``: the rollback is published without its epoch), so the run
             must FAIL
-  --speculative  the speculative-decoding trace instead (:mod:`~torch_bridge.demo.speculative`:
+  --speculative  the speculative-decoding trace instead (:mod:`~torch_bridge.demo.speculative_trace`:
             draft steps in a CUDA-graph bucket, verify with random acceptance, rollbacks, a
             handoff after a rollback); ``--steps`` counts its rounds (>= 5); 1-D models only
 
@@ -64,7 +64,7 @@ Modules: :mod:`~torch_bridge.demo.model` (the attention layer and its float64
 recompute), :mod:`~torch_bridge.demo.node` (a serving node and the prefix cache),
 :mod:`~torch_bridge.demo.trace` (the scripted trace),
 :mod:`~torch_bridge.demo.multimodal` (the M-RoPE trace and its nodes),
-:mod:`~torch_bridge.demo.speculative` (the speculative trace),
+:mod:`~torch_bridge.demo.speculative_trace` (the speculative trace),
 :mod:`~torch_bridge.demo.cli` (arguments and the report). Prefill and decode as two
 processes, the decode one killed and restarted: :mod:`~torch_bridge.demo.disagg` (the
 nodes, the resume, the checks) and :mod:`~torch_bridge.demo.disagg_processes`
@@ -78,9 +78,9 @@ Example:
   >>> status, out.getvalue().splitlines()[-1].startswith("verdict: PASS")
   (0, True)
 """
-from torch_bridge.demo.cli import MODELS, VL_MODELS, main
-from torch_bridge.demo.model import TOLERANCE
-from torch_bridge.demo.speculative import MIN_ROUNDS
+from torch_bridge.demo.cli import main
+from torch_bridge.demo.model import MODELS, TOLERANCE, VL_MODELS
+from torch_bridge.demo.speculative_trace import MIN_ROUNDS
 from torch_bridge.demo.trace import MIN_STEPS, TRACE
 
 __all__ = ["MIN_ROUNDS", "MIN_STEPS", "MODELS", "TOLERANCE", "TRACE", "VL_MODELS", "main"]

@@ -1,4 +1,4 @@
-"""``python -m torch_bridge.demo``: the same as ``python -m jaxrope.demo``."""
+"""``python -m torch_bridge.demo``: the torch traces (see :mod:`torch_bridge.demo`)."""
 
 import sys
 

@@ -1,24 +1,57 @@
-"""The demo's command line: arguments, device choice, the step report and the verdict."""
+"""``python -m torch_bridge.demo``'s command line: arguments, device choice, the step report and
+the verdict."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from jaxrope.config import RopeConfig
-from jaxrope.demo import MODELS, VL_MODELS, parser
 from jaxrope.models import HF_CONFIGS
 from torch_bridge.demo import multimodal
-from torch_bridge.demo.model import KV_HEADS, Q_HEADS, TOLERANCE
+from torch_bridge.demo.model import KV_HEADS, MODELS, Q_HEADS, TOLERANCE, VL_MODELS
 from torch_bridge.demo.node import GRAPH_BUCKET, StepRow
-from torch_bridge.demo.speculative import DRAFT_BUCKET, MIN_ROUNDS, SpeculativeTrace, print_row
+from torch_bridge.demo.speculative_trace import DRAFT_BUCKET, MIN_ROUNDS, SpeculativeTrace, print_row
 from torch_bridge.demo.trace import BUDGET, MIN_STEPS, Trace
 
-__all__ = ["MODELS", "VL_MODELS", "main", "run"]
+__all__ = ["main", "parser", "run"]
+
+
+def parser(prog: str = "python -m torch_bridge.demo") -> argparse.ArgumentParser:
+    """The torch demo's command line, named ``prog`` in its usage line.
+
+    Example:
+      >>> parser().format_usage().split()[:5]
+      ['usage:', 'python', '-m', 'torch_bridge.demo', '[-h]']
+    """
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Drive torch_bridge.RopeManager through a multi-request serving trace and "
+                    "check a tiny attention layer against a float64 recompute at every step.",
+        epilog="The JAX engine trace (no torch): python -m jaxrope.demo --help")
+    p.add_argument("--model", choices=sorted(MODELS) + sorted(VL_MODELS), default="llama3.1",
+                   help="real RoPE config to use (default: llama3.1); the M-RoPE models "
+                        f"{', '.join(sorted(VL_MODELS))} run the image + video trace")
+    p.add_argument("--steps", type=int, default=14,
+                   help="main-node steps to run, at least the scripted trace's (default: 14)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: CUDA when torch and JAX both see a GPU, else CPU")
+    p.add_argument("--seed", type=int, default=0, help="weights and token ids (default: 0)")
+    p.add_argument("--inject-fault", action="store_true",
+                   help="for tests: the prefix-cache probe claims one token too many (M-RoPE "
+                        "models: the decode node admits the handoff without its delta; with "
+                        "--speculative: a rollback is published without its epoch), so "
+                        "a request's positions are off and the run must FAIL")
+    p.add_argument("--speculative", action="store_true",
+                   help="the speculative-decoding trace instead: draft steps, verify with "
+                        "random acceptance, rollbacks, a handoff after a rollback; --steps "
+                        "counts its rounds (1-D models only)")
+    return p
 
 
 def _pick_device(choice: str) -> Tuple[torch.device, Optional[str]]:
@@ -37,19 +70,27 @@ def _pick_device(choice: str) -> Tuple[torch.device, Optional[str]]:
     return torch.device("cpu"), None
 
 
-def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m torch_bridge.demo") -> int:
-    """Run the demo with ``argv`` (default: the command line); returns the exit status (0
-    pass, 1 mismatch).
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the demo with ``argv`` (default: the command line); returns the exit status.
 
-    Raises:
-      SystemExit: ``--help`` (status 0) or invalid arguments (status 2).
+    0: every check passed (or ``--help``); 1: a mismatch; 2: the arguments are invalid or
+    the device asked for is not there (the reason goes to stderr).
     """
-    command_line = parser(prog)
-    return run(command_line, command_line.parse_args(argv))
+    command_line = parser()
+    try:
+        return run(command_line, command_line.parse_args(argv))
+    except SystemExit as e:
+        # argparse has printed its message and exits with a number; a SystemExit that
+        # carries the message itself (e.g. "--device cuda: JAX has no GPU backend") is
+        # the only word the user gets, so print it.
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 2
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """Run the demo for ``args`` parsed by ``parser`` (:func:`jaxrope.demo.parser`), which
+    """Run the demo for ``args`` parsed by ``parser`` (:func:`parser`), which
     reports the checks argparse cannot make; returns the exit status (0 pass, 1 mismatch).
 
     Raises:

@@ -48,8 +48,7 @@ from jaxrope.config import RopeConfig
 from jaxrope.models import HF_CONFIGS
 from jaxrope.wire import WireFormatError
 from torch_bridge.config import PositionConfig
-from torch_bridge.demo.cli import MODELS
-from torch_bridge.demo.model import TOLERANCE, VOCAB, Layer, Stream
+from torch_bridge.demo.model import MODELS, TOLERANCE, VOCAB, Layer, Stream
 from torch_bridge.demo.node import LABELS, Node, StepRow
 from torch_bridge.handoff import Handoff, RecordStore
 from torch_bridge.published import PublishedPositionInfo
@@ -70,7 +69,7 @@ class DisaggSpec:
     """What a run does: the model, the requests, where the first decode node dies.
 
     Attributes:
-      model: a key of :data:`torch_bridge.demo.cli.MODELS` (the real RoPE config).
+      model: a key of :data:`torch_bridge.demo.model.MODELS` (the real RoPE config).
       seed: weights, prompts and the scripted decode tokens.
       requests: ``(prompt tokens, tokens to decode)`` per request, ids ``r0, r1, ...``;
         the decode node takes one new request a step.
@@ -125,8 +124,7 @@ def new_node(spec: DisaggSpec, name: str) -> Node:
     """A node with its own RopeManager and the spec's attention layer (weights from its seed)."""
     rope = spec.rope()
     layer = Layer(rope, torch.device("cpu"), np.random.default_rng(spec.seed))
-    mgr = RopeManager(PositionConfig(rope=rope, labels=LABELS), "cpu", max_seq_len=MAX_SEQ_LEN,
-                      dtype=torch.float32)
+    mgr = RopeManager(PositionConfig(rope=rope, labels=LABELS), "cpu", max_seq_len=MAX_SEQ_LEN)
     return Node(name, mgr, layer)
 
 

@@ -46,9 +46,8 @@ import torch
 import torch.distributed as dist
 
 import torch_bridge
-from torch_bridge.demo.cli import MODELS
 from torch_bridge.demo.disagg import DecodeNode, DisaggReport, DisaggSpec, new_node, prefill, verify
-from torch_bridge.demo.model import TOLERANCE
+from torch_bridge.demo.model import MODELS, TOLERANCE
 from torch_bridge.handoff import RecordStore, join_session, recv_handoff, send_handoff
 
 __all__ = ["LOOPBACK", "main", "report_lines", "run"]

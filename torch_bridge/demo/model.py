@@ -10,9 +10,25 @@ import numpy as np
 import torch
 
 from jaxrope.config import RopeConfig
-from jaxrope import demo_reference
+from jaxrope import layer_reference
 
-__all__ = ["HIDDEN", "KV_HEADS", "Layer", "Q_HEADS", "Stream", "TOLERANCE", "VOCAB"]
+__all__ = ["HIDDEN", "KV_HEADS", "Layer", "MODELS", "Q_HEADS", "Stream", "TOLERANCE", "VL_MODELS",
+           "VOCAB"]
+
+# --model: the real RoPE configs of jaxrope.models.HF_CONFIGS the 1-D traces run ...
+MODELS = {
+    "llama3.1": "meta-llama/Llama-3.1-8B",
+    "qwen2.5-yarn": "Qwen/Qwen2.5-7B-Instruct+yarn",
+    "phi3-longrope": "microsoft/Phi-3-mini-128k-instruct",
+    "deepseek-v2": "deepseek-ai/DeepSeek-V2-Lite",
+}
+# ... and the M-RoPE ones (jaxrope.models.HF_VL_CONFIGS) of the multimodal trace.
+VL_MODELS = {
+    "qwen2-vl": "Qwen/Qwen2-VL-7B-Instruct",
+    "qwen2.5-vl": "Qwen/Qwen2.5-VL-7B-Instruct",
+    "qwen3-vl": "Qwen/Qwen3-VL-4B-Instruct",
+    "glm-4.1v": "zai-org/GLM-4.1V-9B-Thinking",
+}
 
 # q/k/v and attention run in float32 with the float32 RoPE kernel; outputs are O(1).
 # Rounding of the projections, the rotation (angles reduced in more than float32) and
@@ -110,4 +126,4 @@ class Layer:
         return (weights @ v.transpose(1, 0, 2)).transpose(1, 0, 2)
 
     def _rotate(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        return demo_reference.rotate(self.rope, x, pos)
+        return layer_reference.rotate(self.rope, x, pos)

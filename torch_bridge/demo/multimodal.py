@@ -1,6 +1,6 @@
 """The demo's multimodal trace: M-RoPE prompts with an image and a video over two nodes.
 
-``python -m jaxrope.demo --model qwen2.5-vl`` (or ``qwen2-vl``, ``qwen3-vl``, ``glm-4.1v``)
+``python -m torch_bridge.demo --model qwen2.5-vl`` (or ``qwen2-vl``, ``qwen3-vl``, ``glm-4.1v``)
 runs this instead of the text trace, with the model's real RoPE config
 (``RopeConfig.from_hf`` of :data:`jaxrope.models.HF_VL_CONFIGS`: sections, pair layout,
 rotated fraction) and its :func:`jaxrope.mrope.rope_index` family:
@@ -43,9 +43,8 @@ import torch
 
 from jaxrope import models, mrope
 from jaxrope.config import RopeConfig
-from jaxrope.demo import VL_MODELS
 from torch_bridge.config import PositionConfig
-from torch_bridge.demo.model import KV_HEADS, TOLERANCE, VOCAB, Layer, Stream
+from torch_bridge.demo.model import KV_HEADS, TOLERANCE, VL_MODELS, VOCAB, Layer, Stream
 from torch_bridge.demo.node import GRAPH_BUCKET, STALE_ADMIT_STEP, StepRow, TwoNodeTrace
 from torch_bridge.engine_types import (GraphSlot, KVPlanOutput, KVView, PositionStep, Segment,
                                        StepContext)
@@ -105,8 +104,8 @@ class MultimodalTrace(TwoNodeTrace):
         self.rng = np.random.default_rng(seed)
         self.layer = Layer(self.rope, device, self.rng)
         position_config = PositionConfig(rope=self.rope, labels=(LABEL,))
-        self.nodes = {name: _VLNode(name, RopeManager(position_config, device, max_seq_len=4096,
-                                                      dtype=torch.float32), self.layer)
+        self.nodes = {name: _VLNode(name, RopeManager(position_config, device,
+                                                      max_seq_len=4096), self.layer)
                       for name in ("main", "prefill")}
         self.inject_fault = inject_fault
         self.requests: Dict[str, Request] = {}

@@ -67,8 +67,8 @@ class Trace(TwoNodeTrace):
         self.rng = np.random.default_rng(seed)
         self.layer = Layer(rope, device, self.rng)
         config = PositionConfig(rope=rope, labels=LABELS)
-        self.nodes = {name: Node(name, RopeManager(config, device, max_seq_len=4096,
-                                                   dtype=torch.float32), self.layer)
+        self.nodes = {name: Node(name, RopeManager(config, device, max_seq_len=4096),
+                                 self.layer)
                       for name in ("main", "prefill")}
         self.inject_fault = inject_fault
         self.cache = PrefixCache()

@@ -8,8 +8,7 @@ A *launcher* works on torch tensors itself, on torch's current stream: ``rotate_
 :func:`resolve_launchers` maps ``RopeManager(launcher=...)`` to both. :class:`FastPath`
 is one method's launcher with its bound launches: after a launch succeeded, the call's
 signature is bound to ``launcher.bind(...)``'s run, so a repeated call skips the
-Python-level checks (on the H200's host each costs about a microsecond against a
-few-microsecond launch).
+Python-level checks (host time of the order of the launch itself).
 """
 
 from __future__ import annotations
@@ -138,22 +137,22 @@ def auto_launcher_class(device: torch.device, op: str = "rope") -> type:
     """The launcher of the kernel ``backend="auto"`` runs for ``op`` ("rope" or
     "rope_append_kv") on CUDA ``device`` (:func:`jaxrope.backend.backend_name`, the one
     rule): the Mosaic GPU kernel's on Hopper or newer with a JAX that lowers it
-    (:class:`~torch_bridge.mosaic_launch.MosaicLauncher`,
-    :class:`~torch_bridge.mosaic_launch.MosaicKVLauncher`), else the Triton-lowered
-    kernel's (:class:`~torch_bridge.triton_launch.TritonLauncher`,
-    :class:`~torch_bridge.kv_launch.KVAppendLauncher`)."""
+    (:class:`~torch_bridge.launch.mosaic.MosaicLauncher`,
+    :class:`~torch_bridge.launch.mosaic.MosaicKVLauncher`), else the Triton-lowered
+    kernel's (:class:`~torch_bridge.launch.triton.TritonLauncher`,
+    :class:`~torch_bridge.launch.triton.TritonKVLauncher`)."""
     major, minor = torch.cuda.get_device_capability(device)
     mosaic = _backend.backend_name("auto", "cuda", op, f"{major}.{minor}") == "mosaic"
     if op == "rope_append_kv":
         if mosaic:
-            from torch_bridge.mosaic_launch import MosaicKVLauncher
+            from torch_bridge.launch.mosaic import MosaicKVLauncher
             return MosaicKVLauncher
-        from torch_bridge.kv_launch import KVAppendLauncher
-        return KVAppendLauncher
+        from torch_bridge.launch.triton import TritonKVLauncher
+        return TritonKVLauncher
     if mosaic:
-        from torch_bridge.mosaic_launch import MosaicLauncher
+        from torch_bridge.launch.mosaic import MosaicLauncher
         return MosaicLauncher
-    from torch_bridge.triton_launch import TritonLauncher
+    from torch_bridge.launch.triton import TritonLauncher
     return TritonLauncher
 
 

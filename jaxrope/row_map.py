@@ -1,4 +1,4 @@
-"""The host-side map from streams to table rows: :class:`SlotMap`.
+"""The host-side map from streams to table rows: :class:`RowMap`.
 
 A stream, one (request_id, label) pair, owns one row of a
 :class:`jaxrope.PositionTable` while it lives; the map hands rows out, takes them back
@@ -14,16 +14,16 @@ import numpy as np
 
 from jaxrope.numbers import as_int
 
-__all__ = ["SlotMap"]
+__all__ = ["RowMap"]
 
 
-class SlotMap:
+class RowMap:
     """Host-side map ``(request_id, label) -> row`` of a :class:`jaxrope.PositionTable`, with a
-    free list. Its slots are table rows, the ``rows`` the transitions take.
+    free list: the ``rows`` the transitions take (a KV-cache address is a *slot*, never a row).
 
     Rows are reused after :meth:`release`, whose list :func:`jaxrope.positions.reset` takes; when none is
     free the capacity doubles, and the table follows with
-    ``table = positions.grow(table, slot_map.capacity)`` (a no-op unless the map grew). The one
+    ``table = positions.grow(table, row_map.capacity)`` (a no-op unless the map grew). The one
     map a host keeps: :meth:`lookup` turns a step's streams into a row array in one pass.
 
     Args:
@@ -37,21 +37,21 @@ class SlotMap:
       ValueError: ``capacity`` is not a positive int.
 
     Example:
-      >>> slots = SlotMap(capacity=2)
-      >>> slots.acquire("r0", "text"), slots.acquire("r0", "image"), slots.acquire("r1", "text")
+      >>> rows = RowMap(capacity=2)
+      >>> rows.acquire("r0", "text"), rows.acquire("r0", "image"), rows.acquire("r1", "text")
       (0, 1, 2)
-      >>> slots.capacity, slots.find("r1", "text"), slots.requests()
+      >>> rows.capacity, rows.find("r1", "text"), rows.requests()
       (4, 2, ['r0', 'r1'])
-      >>> slots.lookup(["r1", "r0"], ["text", "image"]).tolist()
+      >>> rows.lookup(["r1", "r0"], ["text", "image"]).tolist()
       [2, 1]
-      >>> slots.release("r0"), len(slots), slots.peak
+      >>> rows.release("r0"), len(rows), rows.peak
       ([0, 1], 1, 3)
     """
 
     def __init__(self, capacity: int = 64):
         if as_int(capacity, "capacity") <= 0:
             raise ValueError(f"capacity={capacity!r} must be a positive int")
-        self._slot_of: Dict[Tuple[Hashable, Hashable], int] = {}
+        self._row_of: Dict[Tuple[Hashable, Hashable], int] = {}
         self._by_rid: Dict[Hashable, Dict[Hashable, int]] = {}
         self._free: List[int] = list(range(capacity - 1, -1, -1))
         self.capacity = capacity
@@ -59,7 +59,7 @@ class SlotMap:
 
     def __len__(self) -> int:
         """Rows in use."""
-        return len(self._slot_of)
+        return len(self._row_of)
 
     def __contains__(self, rid: Hashable) -> bool:
         """Whether ``rid`` holds a row."""
@@ -67,7 +67,7 @@ class SlotMap:
 
     def find(self, rid: Hashable, label: Hashable) -> Optional[int]:
         """The stream's row, or None."""
-        return self._slot_of.get((rid, label))
+        return self._row_of.get((rid, label))
 
     def lookup(self, rids: Sequence[Hashable], labels: Sequence[Hashable]) -> np.ndarray:
         """int64 rows of the streams ``zip(rids, labels)``.
@@ -75,22 +75,22 @@ class SlotMap:
         Raises:
           KeyError: a stream holds no row (the caller names it).
         """
-        return np.fromiter(map(self._slot_of.__getitem__, zip(rids, labels)), np.int64,
+        return np.fromiter(map(self._row_of.__getitem__, zip(rids, labels)), np.int64,
                            len(rids))
 
     def acquire(self, rid: Hashable, label: Hashable) -> int:
         """The stream's row, taking a free one (doubling the capacity if none is) for a
         new stream."""
-        slot = self._slot_of.get((rid, label))
-        if slot is not None:
-            return slot
+        row = self._row_of.get((rid, label))
+        if row is not None:
+            return row
         if not self._free:
             self._free = list(range(2 * self.capacity - 1, self.capacity - 1, -1))
             self.capacity *= 2
-        slot = self._slot_of[rid, label] = self._free.pop()
-        self._by_rid.setdefault(rid, {})[label] = slot
-        self.peak = max(self.peak, len(self._slot_of))
-        return slot
+        row = self._row_of[rid, label] = self._free.pop()
+        self._by_rid.setdefault(rid, {})[label] = row
+        self.peak = max(self.peak, len(self._row_of))
+        return row
 
     def labels(self, rid: Hashable) -> Dict[Hashable, int]:
         """``{label: row}`` of one request (a copy)."""
@@ -100,7 +100,7 @@ class SlotMap:
         """Request ids holding at least one row, in order of their first :meth:`acquire`."""
         return list(self._by_rid)
 
-    def free_slots(self) -> Tuple[int, ...]:
+    def free_rows(self) -> Tuple[int, ...]:
         """The free list, next row to be taken last."""
         return tuple(self._free)
 
@@ -108,7 +108,7 @@ class SlotMap:
         """Free every row of ``rid``; returns them, for :func:`jaxrope.positions.reset` (``[]`` if none)."""
         labels = self._by_rid.pop(rid, {})
         for label in labels:
-            del self._slot_of[rid, label]
+            del self._row_of[rid, label]
         freed = list(labels.values())
         self._free.extend(sorted(freed, reverse=True))
         return freed

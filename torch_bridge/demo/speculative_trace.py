@@ -1,4 +1,4 @@
-"""The speculative-decoding trace (``python -m jaxrope.demo --speculative``).
+"""The speculative-decoding trace (``python -m torch_bridge.demo --speculative``).
 
 Two nodes serve requests with a draft model and a target model (two tiny attention
 layers with their own weights and KV caches, the model's real RoPE config), every
@@ -80,7 +80,7 @@ class SpeculativeTrace:
         self.drafter = Layer(rope, device, self.rng)
         self.device, self.inject_fault = device, inject_fault
         config = PositionConfig(rope=rope, labels=(LABEL,))
-        self.mgrs = {name: RopeManager(config, device, max_seq_len=4096, dtype=torch.float32)
+        self.mgrs = {name: RopeManager(config, device, max_seq_len=4096)
                      for name in "AB"}
         # {(node, rid): stream} of each layer's KV cache
         self.caches: Dict[str, Dict[Tuple[str, str], Stream]] = {"target": {}, "drafter": {}}

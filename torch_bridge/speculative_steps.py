@@ -1,6 +1,6 @@
 """Speculative decoding through the engine records: draft trees, draft steps, accepted counts.
 
-The rules are the core's (:mod:`jaxrope.speculative`), executed by their numpy twins in
+The rules are the core's (:mod:`jaxrope.speculative_positions`), executed by their numpy twins in
 :mod:`torch_bridge.streams` and here; this module reads and checks what an engine says
 about a speculative step and turns it into slot arrays. An ordinary step (neither field
 set, no ``accepted``) never reaches it. An engine's loop:
@@ -72,7 +72,6 @@ from torch_bridge.engine_types import PositionStep
 from torch_bridge.streams import EMPTY, Columns, CommitArrays
 
 if TYPE_CHECKING:
-    from torch_bridge.plans import Plan
     from torch_bridge.step_arrays import StepArrays, StepReader
 
 __all__ = ["Speculation", "accepted_commit", "attach", "positions", "same_tree"]
@@ -190,10 +189,13 @@ def same_tree(a: Any, b: Any) -> bool:
 # ---------------------------------------------------------------------------- commit
 
 
-def accepted_commit(reader: "StepReader", plan: "Plan", accepted: Any,
-                    staged: Optional["Plan"]) -> CommitArrays:
+def accepted_commit(reader: "StepReader", plan: Any, accepted: Any,
+                    staged: Optional[Any]) -> CommitArrays:
     """The commit of a speculative ``plan``, or of one given ``accepted`` counts: each
     named stream advances by ``a + 1`` (its accepted path: the root and ``a`` drafts).
+
+    ``plan`` and ``staged`` are :class:`torch_bridge.plans.Plan` records (not imported
+    here: plans imports this module to number a step's drafts).
 
     ``accepted``: None, ``{(rid, label): a}``, or an int array ``[len(step.segments)]``
     (one count per segment, in their order). ``staged``: the plan staged behind it
@@ -271,7 +273,7 @@ def accepted_commit(reader: "StepReader", plan: "Plan", accepted: Any,
 _COUNT_BOUND = int(np.iinfo(np.int64).max)
 
 
-def _accepted_array(plan: "Plan", accepted: np.ndarray):
+def _accepted_array(plan: Any, accepted: np.ndarray):
     """``(entry, stream, slots, int64 counts)`` of the ``[len(segments)]`` form (``entry(i)``
     and ``stream(i)`` name count ``i``), without the segments of requests removed since
     the plan."""
@@ -298,7 +300,7 @@ def _accepted_array(plan: "Plan", accepted: np.ndarray):
     return entry, stream, slots, accepted.astype(np.int64)
 
 
-def _accepted_mapping(reader: "StepReader", plan: "Plan", accepted: Mapping):
+def _accepted_mapping(reader: "StepReader", plan: Any, accepted: Mapping):
     """``(entry, stream, slots, int64 counts)`` of the mapping form, checked, without the
     entries of requests removed since the plan."""
     named, counts = list(accepted), list(accepted.values())
@@ -344,7 +346,7 @@ def _tree_depths_into(deepest: np.ndarray, slots: np.ndarray, spec: Speculation)
     deepest[tree] = spec.tree_depths[order][at[tree]]
 
 
-def _spans(plan: "Plan", stream: Callable[[int], Any], slots: np.ndarray) -> np.ndarray:
+def _spans(plan: Any, stream: Callable[[int], Any], slots: np.ndarray) -> np.ndarray:
     """Each named stream's span in the plan's commit (its segments added up)."""
     commit = plan.commit
     present = np.isin(slots, commit.slots)
@@ -358,14 +360,14 @@ def _spans(plan: "Plan", stream: Callable[[int], Any], slots: np.ndarray) -> np.
     return totals[np.searchsorted(unique, slots)]
 
 
-def _dropped(plan: "Plan", rid: Any) -> bool:
+def _dropped(plan: Any, rid: Any) -> bool:
     try:
         return rid in plan.dropped
     except TypeError:  # unhashable: the lookup names it
         return False
 
 
-def _stream_of(plan: "Plan", slot: int) -> Any:
+def _stream_of(plan: Any, slot: int) -> Any:
     for plan_label, views in plan.arrays.groups.items():
         for view, s in zip(views, plan.arrays.labels[plan_label].slots.tolist()):
             if s == slot:

@@ -1,11 +1,12 @@
-"""What the demos check against: a float64 rotation from a config's own frequencies, a
-float64 causal attention, the relative error between the two sides, and JAX's own
-``paged_attention`` op (the reader of the ``"paged_attention"`` cache layout).
+"""A float64 reference of one attention layer over a paged cache: the rotation from a
+config's own frequencies, causal attention, the relative error between two sides, and JAX's
+own ``paged_attention`` op (the reader of the ``"paged_attention"`` cache layout).
 
-Shipped with the demos (``python -m jaxrope.demo``, with and without ``--jax``), so no
-demo imports the tests' support code; the tests' independent float64 oracle
-(:mod:`jaxrope.testing.oracle`) recomputes the frequencies from the variants' formulas,
-while this module takes them from :meth:`jaxrope.RopeConfig.serving_frequencies`.
+What the demos (``python -m jaxrope.demo``, ``python -m torch_bridge.demo``) and the tests'
+cache readers (:mod:`jaxrope.testing.paged_attention`) check against; it imports neither.
+The tests' independent float64 oracle (:mod:`jaxrope.testing.oracle`) recomputes the
+frequencies from the variants' formulas, while this module takes them from
+:meth:`jaxrope.RopeConfig.serving_frequencies`.
 
 Example:
   >>> import numpy as np, jaxrope as jr

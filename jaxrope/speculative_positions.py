@@ -48,15 +48,16 @@ count arguments and raise ``ValueError`` / ``TypeError``; under jit they are unc
 
 Example (one stream at 7, a tree of depths ``[0, 1, 1, 2]``; one draft accepted):
   >>> import jax.numpy as jnp
-  >>> from jaxrope import positions, speculative
+  >>> from jaxrope import positions, speculative_positions
   >>> table = positions.PositionTable(jnp.array([7], jnp.int32))
   >>> slots, counts = jnp.array([0], jnp.int32), jnp.array([4], jnp.int32)
-  >>> depths = speculative.tree_depths(jnp.array([-1, 0, 0, 1], jnp.int32))
+  >>> depths = speculative_positions.tree_depths(jnp.array([-1, 0, 0, 1], jnp.int32))
   >>> depths.tolist()
   [0, 1, 1, 2]
-  >>> speculative.plan_tree(table, slots, counts, depths, jnp.zeros(4, jnp.int32)).tolist()
+  >>> out = jnp.zeros(4, jnp.int32)
+  >>> speculative_positions.plan_tree(table, slots, counts, depths, out).tolist()
   [7, 8, 8, 9]
-  >>> table = speculative.accept(table, slots, jnp.array([1], jnp.int32))
+  >>> table = speculative_positions.accept(table, slots, jnp.array([1], jnp.int32))
   >>> table.counters.tolist(), table.epochs.tolist()
   ([9], [0])
 """
@@ -159,7 +160,7 @@ def valid_trees(counts: jax.Array, depths: jax.Array) -> jax.Array:
       depths: int32 ``[N]``, the views' depths one after another; entries past
         ``sum(counts)`` are ignored.
 
-    The rule (the twin of :func:`torch_bridge.speculative.check_trees`, whose docstring
+    The rule (the twin of :func:`torch_bridge.draft_trees.check_trees`, whose docstring
     cites vLLM's tree attention and SGLang's ``build_tree_efficient``): a view's token 0
     is its root at depth 0 and no other token is; every other depth is at most one more
     than a depth earlier in the view (a token at ``d > 0`` has a possible parent at

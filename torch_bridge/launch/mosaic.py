@@ -1,4 +1,4 @@
-"""Fast path on Hopper: launch the Mosaic GPU RoPE kernel directly on torch's current stream.
+"""The Mosaic GPU kernels launched from torch on Hopper: RoPE, and RoPE fused with the KV append.
 
 The Mosaic GPU kernel (:mod:`jaxrope.kernels.mosaic_gpu`) is exported as a Mosaic module
 (:mod:`jaxrope.kernels.mosaic_export`: lowered for CUDA, no JAX dispatch), compiled
@@ -8,7 +8,7 @@ function that returns, with torch's current raw stream and raw pointers: stream-
 with the surrounding torch work, no host sync, capturable in a ``torch.cuda.CUDAGraph``.
 
 The kernel reads the token count from device memory (a
-:class:`~torch_bridge.triton_runtime.CountTable` pointer) and its fixed grid covers the
+:class:`~torch_bridge.launch.runtime.CountTable` pointer) and its fixed grid covers the
 launch shape's largest count, so one compiled kernel serves every T of its launch shape:
 token blocks up to a power of two, each split among blocks by head group, one block a
 split (blocks past the count exit), ``capacity`` the tokens its refs are declared with
@@ -17,7 +17,7 @@ split among blocks by piece (:func:`jaxrope.kernels.kv_mosaic.pieces`).
 
 Launch before capturing a CUDA graph at least once per shape: compiling inside a
 capture is not supported. M-RoPE positions are one contiguous ``[3, T]`` block, as for
-the Triton launcher (:func:`torch_bridge.triton_launch.mrope_block`).
+the Triton launcher (:func:`torch_bridge.launch.runtime.mrope_block`).
 """
 
 from __future__ import annotations
@@ -34,10 +34,9 @@ from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels import kv_layout, kv_mosaic, mosaic_export, mosaic_gpu
 from torch_bridge.dlpack import jax_dtype_name
 from torch_bridge.kv_append import CacheGeometry
-from torch_bridge.kv_launch import append_operands, append_record, bound_append
-from torch_bridge.triton_launch import mrope_block
-from torch_bridge.triton_runtime import ALIGN as _ALIGN
-from torch_bridge.triton_runtime import AngleTables, CountTable, LaunchRecords, check_launchable
+from torch_bridge.launch.runtime import (ALIGN, AngleTables, CountTable, LaunchRecords,
+                                         ScaleTables, append_record, bound_append,
+                                         check_launchable, launch_append, mrope_block)
 
 __all__ = ["LaunchShape", "MosaicKVLauncher", "MosaicLauncher", "launch_shape"]
 
@@ -124,9 +123,8 @@ class CompiledModule:
 class MosaicLauncher:
     """Compiles and launches the Mosaic GPU RoPE kernel on torch's current CUDA stream.
 
-    Same protocol as :class:`torch_bridge.triton_launch.TritonLauncher` (``rotate_`` and
-    ``bind``). Declines (raises :class:`jaxrope.BackendUnavailable`, so the manager runs
-    the JAX path) off CUDA, before Hopper, with a JAX whose Mosaic GPU cannot build or
+    A :class:`torch_bridge.launch.dispatch.Launcher` (``rotate_`` and ``bind``). Declines
+    (raises :class:`jaxrope.BackendUnavailable`, so the manager runs the JAX path) off CUDA, before Hopper, with a JAX whose Mosaic GPU cannot build or
     lower the kernel, and for tensors that are not contiguous and 32-byte aligned.
 
     Example:
@@ -227,9 +225,9 @@ class MosaicLauncher:
     def bind(self, q: torch.Tensor, k: torch.Tensor, cfg: RopeConfig) -> Callable[..., bool]:
         """A launch for every later call with q and k shaped as these: ``run(q, k, pos_ids) -> bool``.
 
-        As :meth:`torch_bridge.triton_launch.TritonLauncher.bind`: per call ``run``
-        checks only contiguity and 32-byte alignment and returns False (launching
-        nothing) when they fail.
+        ``q``/``k`` may be ``[T, H, D]`` or ``[T, H * D]``; per call ``run`` checks only
+        contiguity and 32-byte alignment and returns False (launching nothing) when they
+        fail.
         """
         record = self._launch_for(q, k, cfg, None)
         mrope = cfg.mrope_section is not None
@@ -237,7 +235,7 @@ class MosaicLauncher:
         def run(q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor) -> bool:
             if mrope:
                 pos_ids = mrope_block(pos_ids, q.shape[0])
-            if ((q.data_ptr() | k.data_ptr() | pos_ids.data_ptr()) % _ALIGN
+            if ((q.data_ptr() | k.data_ptr() | pos_ids.data_ptr()) % ALIGN
                     or not (q.is_contiguous() and k.is_contiguous())):
                 return False
             self._run(record, q, k, pos_ids)
@@ -269,8 +267,8 @@ class MosaicKVLauncher:
     """Compiles and launches the Mosaic GPU fused RoPE + paged KV append
     (:mod:`jaxrope.kernels.kv_mosaic`) on torch's current CUDA stream.
 
-    Same protocol as :class:`torch_bridge.kv_launch.KVAppendLauncher`
-    (``rotate_and_append_kv_`` and ``bind``): one compile per (head layout, cache
+    A :class:`torch_bridge.launch.dispatch.KVLauncher` (``rotate_and_append_kv_`` and
+    ``bind``): one compile per (head layout, cache
     geometry, config, dtype, launch shape), the token count read at run time, slots
     narrowed to int32 on torch's stream. Declines as :class:`MosaicLauncher` does, and
     for tensors off CUDA, not contiguous or not 32-byte aligned.
@@ -282,7 +280,8 @@ class MosaicKVLauncher:
             raise BackendUnavailable(reason)
         # A rope launcher of its own: its compile cache, angle tables and count table.
         self._rope = MosaicLauncher()
-        self._scales: Dict[Tuple[float, float, torch.device], torch.Tensor] = {}
+        self._scales = ScaleTables()
+        # signature -> launch(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cache_ptrs)
         self._launches = LaunchRecords(_MAX_LAUNCHES)
 
     def _prepare(self, tokens: int, q_heads: int, dtype: torch.dtype, device: torch.device,
@@ -306,47 +305,36 @@ class MosaicKVLauncher:
                              **kernel_options(cfg))
         module = rope.compiled(("append", capability, *export_kwargs.items()),
                                lambda: mosaic_export.export_append(**export_kwargs))
-        scale_values = self._scales.get((*scales, device))
-        if scale_values is None:
-            # Kept for good: a captured graph may hold the pointer.
-            scale_values = self._scales[(*scales, device)] = torch.tensor(
-                scales, dtype=torch.float32, device=device)
         index = device.index if device.index is not None else torch.cuda.current_device()
         stream = rope._raw_stream
         count_ptr = rope.count_pointer(device, tokens)
         tables_ptr, rows_ptr = rope.table_pointers(cfg, device)
-        scales_ptr = scale_values.data_ptr()
+        scales_ptr = self._scales.pointer(scales, device)
 
         def launch(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cache_ptrs):
             module(stream(index), count_ptr, pos_ptr, slot_ptr, tables_ptr, rows_ptr, scales_ptr,
                    q_ptr, k_ptr, v_ptr, *cache_ptrs, q_ptr, *cache_ptrs)
         return launch
 
-    def _launch_for(self, q: torch.Tensor, cfg: RopeConfig, geometry: CacheGeometry,
-                    scales: Tuple[float, float], grid: Optional[int]):
-        return append_record(self._launches, self._prepare, q, cfg, geometry, scales, grid)
-
     def rotate_and_append_kv_(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               pos_ids: torch.Tensor, caches: Sequence[torch.Tensor],
                               slots: torch.Tensor, cfg: RopeConfig, geometry: CacheGeometry,
                               scales: Tuple[float, float], grid: Optional[int] = None) -> None:
-        """As :meth:`torch_bridge.kv_launch.KVAppendLauncher.rotate_and_append_kv_`;
+        """:class:`torch_bridge.launch.dispatch.KVLauncher`'s method, launching this kernel;
         ``grid`` overrides the launch's block count (benchmarks sweep it).
 
         Raises:
           BackendUnavailable: a tensor off CUDA or breaking the kernel's layout
             assumptions, a GPU before Hopper, or a kernel this JAX cannot export.
         """
-        if q.shape[0] == 0:
-            return
-        pos_ids, slots = append_operands(q, k, v, pos_ids, slots, caches, cfg, geometry)
-        launch = self._launch_for(q, cfg, geometry, scales, grid)
-        launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), pos_ids.data_ptr(), slots.data_ptr(),
-               tuple(c.data_ptr() for c in caches))
+        launch_append(self._launches, self._prepare, q, k, v, pos_ids, caches, slots, cfg,
+                      geometry, scales, grid)
 
     def bind(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              caches: Sequence[torch.Tensor], slots: torch.Tensor, cfg: RopeConfig,
              geometry: CacheGeometry, scales: Tuple[float, float]) -> Callable[..., bool]:
-        """As :meth:`torch_bridge.kv_launch.KVAppendLauncher.bind`."""
-        return bound_append(self._launch_for(q, cfg, geometry, scales, None), geometry, cfg,
-                            caches)
+        """:class:`torch_bridge.launch.dispatch.KVLauncher`'s ``bind``: per call ``run`` checks
+        only contiguity, 32-byte alignment and that a pair's two tensors do not overlap
+        (:func:`torch_bridge.launch.runtime.bound_append`)."""
+        return bound_append(append_record(self._launches, self._prepare, q, cfg, geometry,
+                                          scales, None), geometry, cfg, caches)
