@@ -1,6 +1,6 @@
 """A continuous-batching engine loop in JAX, one jitted step per token bucket:
 
-  SlotMap rows -> each token's row (``rows.at[views].get(mode="fill", ...)``) -> its
+  RowMap rows -> each token's row (``rows.at[views].get(mode="fill", ...)``) -> its
   KV slot from the block table -> RoPE fused with the paged KV append -> attention
   over each token's pages (JAX's own ``paged_attention_reference`` as the consumer).
 
@@ -57,8 +57,8 @@ def main() -> float:
     lengths = {"a": 11, "b": 6, "c": 9}            # c arrives at step 3, on the row b left
     qkv = {rid: [rng.standard_normal((n, h, CFG.head_dim)).astype(np.float32) for h in (HQ, HK, HK)]
            for rid, n in lengths.items()}
-    slot_map = positions.SlotMap(capacity=2)
-    table = positions.init(slot_map.capacity)
+    row_map = positions.RowMap(capacity=2)
+    table = positions.init(row_map.capacity)
     cache = tuple(jnp.zeros((HK, PAGES, PAGE_SIZE, CFG.head_dim), jnp.float32) for _ in "kv")
     block_table = np.zeros((8, PAGES_PER_SEQ), np.int32)   # by table row: the row's pages
     free_pages, done, worst = list(range(PAGES)), {}, 0.0
@@ -70,8 +70,8 @@ def main() -> float:
         else:
             arrivals = []
         for rid in arrivals:
-            row = slot_map.acquire(rid, "text")
-            table = positions.grow(table, slot_map.capacity)
+            row = row_map.acquire(rid, "text")
+            table = positions.grow(table, row_map.capacity)
             block_table[row] = [free_pages.pop(0) for _ in range(PAGES_PER_SEQ)]
             done[rid] = 0
         live = [rid for rid in done if done[rid] < lengths[rid]]
@@ -79,7 +79,7 @@ def main() -> float:
             break
         # Up to 4 tokens a request (a prefill chunk; 1 once the "prompt" is half done: decode).
         counts = [min(lengths[r] - done[r], 4 if done[r] < lengths[r] // 2 else 1) for r in live]
-        rows = positions.pad_rows(slot_map.lookup(live, ["text"] * len(live)), 4)
+        rows = positions.pad_rows(row_map.lookup(live, ["text"] * len(live)), 4)
         batch = [np.zeros((TOKENS, h, CFG.head_dim), np.float32) for h in (HQ, HK, HK)]
         at = 0
         for rid, n in zip(live, counts):
@@ -97,7 +97,7 @@ def main() -> float:
             at += n
             done[rid] += n
             if done[rid] == lengths[rid]:                # the request leaves: row and pages freed
-                (row,) = slot_map.release(rid)
+                (row,) = row_map.release(rid)
                 table = positions.reset(table, [row])
                 free_pages += block_table[row].tolist()
         print(f"step {step_index}: {dict(zip(live, counts))}, worst |out - float64| {worst:.2e}")

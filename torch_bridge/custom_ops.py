@@ -62,13 +62,13 @@ from jaxrope.apply import _check_pos_shape
 from jaxrope.config import RopeConfig
 from torch_bridge import kv_append
 from torch_bridge.dlpack import jax_device
-from torch_bridge.launchers import FastPath, resolve_launchers
+from torch_bridge.launch.dispatch import FastPath, resolve_launchers
 from torch_bridge.rotate import LLAMA31_PARAMS, TORCH_DTYPES, JaxRotation
 
 __all__ = ["check_heads", "check_qk", "config_key", "config_of", "manager_key", "manager_of",
            "rope_", "rope_append_kv_", "traced_apply_qk", "traced_apply_qk_and_append_kv"]
 
-# The launchers' alignment (torch_bridge.triton_runtime.ALIGN): a CUDA tensor is staged
+# The launchers' alignment (torch_bridge.launch.runtime.ALIGN): a CUDA tensor is staged
 # when it is not contiguous or its address is not a multiple of this.
 _ALIGN = 32
 
