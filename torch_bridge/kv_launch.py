@@ -1,9 +1,9 @@
 """Fast path of ``apply_qk_and_append_kv``: the fused kernel launched on torch's current stream.
 
-The kernel of :func:`jaxrope.apply_rope_and_append_kv` (:mod:`jaxrope.kernels.kv_pallas`)
+The kernel of :func:`jaxrope.apply_rope_and_append_kv` (:mod:`jaxrope.ops.rope_append_kv.triton`)
 rotates q in place and writes the rotated k and the v into the paged cache in one
 launch. As :mod:`torch_bridge.triton_launch` does for RoPE alone, this module takes its
-Triton IR (:func:`jaxrope.kernels.triton_ir.export_append_kv`), compiles it once per
+Triton IR (:func:`jaxrope.ops.rope_append_kv.triton_export.export_append_kv`), compiles it once per
 (head layout, cache geometry, config, dtype, launch shape) with the installed Triton and
 launches it with raw pointers on torch's current stream (:mod:`torch_bridge.triton_runtime`):
 ordered with the surrounding torch work, no host sync, in place on the engine's own
@@ -36,9 +36,11 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from jaxrope.apply import kernel_options
+from jaxrope.ops.constants import kernel_options
 from jaxrope.config import RopeConfig
-from jaxrope.kernels import kv_pallas, pallas_triton, triton_ir
+from jaxrope.ops.rope_append_kv import triton_export
+from jaxrope.ops.rope_append_kv.tuning import AppendTritonTuning, append_triton_tuning
+from jaxrope.ops.triton_common import lanes_for
 from torch_bridge.dlpack import jax_dtype_name
 from torch_bridge.kv_append import CacheGeometry, int32_slots
 from torch_bridge.triton_launch import mrope_block
@@ -81,14 +83,14 @@ class KVAppendLauncher:
         self._launches = LaunchRecords(_MAX_LAUNCHES)
 
     def kernel(self, q_heads: int, dtype: torch.dtype, cfg: RopeConfig, geometry: CacheGeometry,
-               block: kv_pallas.AppendBlockConfig) -> Tuple[Any, triton_ir.AppendKernel]:
+               block: AppendTritonTuning) -> Tuple[Any, triton_export.AppendKernel]:
         """``(compiled, exported)``: the kernel for this layout, exported and compiled once.
 
         Raises:
           BackendUnavailable: the export failed (for this key it is not tried again).
         """
         return self._kernels.get((q_heads, dtype, cfg, geometry, block), lambda: (
-            triton_ir.export_append_kv(
+            triton_export.export_append_kv(
                 q_heads=q_heads, k_heads=geometry.k_heads, head_dim=cfg.head_dim,
                 dtype=jax_dtype_name(dtype), cache_shape=geometry.view_shape,
                 cache_dtype=jax_dtype_name(geometry.dtype), layout=geometry.layout,
@@ -98,7 +100,7 @@ class KVAppendLauncher:
                               pos_ids: torch.Tensor, caches: Sequence[torch.Tensor],
                               slots: torch.Tensor, cfg: RopeConfig, geometry: CacheGeometry,
                               scales: Tuple[float, float],
-                              block: Optional[kv_pallas.AppendBlockConfig] = None) -> None:
+                              block: Optional[AppendTritonTuning] = None) -> None:
         """Rotate ``q [T, Hq, D]`` in place at ``pos_ids[:T]``; write k, v into ``caches`` at ``slots``.
 
         ``k, v [T, Hk, D]``, ``pos_ids`` int32 ``[>= T]`` (M-RoPE: ``[3, N >= T]``, its
@@ -147,14 +149,14 @@ class KVAppendLauncher:
 
     def _launch_for(self, q: torch.Tensor, cfg: RopeConfig, geometry: CacheGeometry,
                     scales: Tuple[float, float],
-                    block: Optional[kv_pallas.AppendBlockConfig]) -> Tuple[KernelLaunch, int, int, int]:
+                    block: Optional[AppendTritonTuning]) -> Tuple[KernelLaunch, int, int, int]:
         return append_record(self._launches, self._prepare, q, cfg, geometry, scales, block)
 
     def _prepare(self, tokens: int, q_heads: int, dtype: torch.dtype, device: torch.device,
                  cfg: RopeConfig, geometry: CacheGeometry, scales: Tuple[float, float],
-                 block: Optional[kv_pallas.AppendBlockConfig]) -> Tuple[KernelLaunch, int, int, int]:
-        lanes = pallas_triton.lanes_for(cfg.rotary_dim)
-        block = block or kv_pallas.block_config(tokens, q_heads, geometry.k_heads, lanes)
+                 block: Optional[AppendTritonTuning]) -> Tuple[KernelLaunch, int, int, int]:
+        lanes = lanes_for(cfg.rotary_dim)
+        block = block or append_triton_tuning(tokens, q_heads, geometry.k_heads, lanes)
         compiled, exported = self.kernel(q_heads, dtype, cfg, geometry, block)
         counts = self._counts.get(device)
         if counts is None:

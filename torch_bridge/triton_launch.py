@@ -2,7 +2,7 @@
 
 Going through JAX for each layer costs a DLPack import and a jitted dispatch (together
 ~130 us on the H200 against a ~10 us kernel). The kernel is a Triton kernel, so this
-module takes its Triton IR (:mod:`jaxrope.kernels.triton_ir`), compiles it with the
+module takes its Triton IR (:mod:`jaxrope.ops.rope.triton_export`), compiles it with the
 installed Triton once per (head layout, config, dtype, launch shape) and launches it
 with raw pointers on torch's current stream: stream-ordered with the surrounding torch
 work, no host sync, capturable in a ``torch.cuda.CUDAGraph``.
@@ -30,9 +30,11 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from jaxrope.apply import kernel_options
+from jaxrope.ops.constants import kernel_options
 from jaxrope.config import RopeConfig
-from jaxrope.kernels import pallas_triton, triton_ir
+from jaxrope.ops.rope import triton_export
+from jaxrope.ops.rope.tuning import TritonTuning, triton_tuning
+from jaxrope.ops.triton_common import lanes_for
 from torch_bridge.dlpack import jax_dtype_name
 from torch_bridge.triton_runtime import ALIGN as _ALIGN
 from torch_bridge.triton_runtime import (AngleTables, CountTable, KernelCache, KernelLaunch,
@@ -66,14 +68,14 @@ class TritonLauncher:
         self._launches = LaunchRecords(_MAX_LAUNCHES)
 
     def _compiled(self, key: Tuple, export_kwargs: dict):
-        return self._kernels.get(key, lambda: triton_ir.export(**export_kwargs))
+        return self._kernels.get(key, lambda: triton_export.export(**export_kwargs))
 
     def _prepare(self, q_shape: Tuple[int, int, int], k_heads: int, dtype: torch.dtype,
                  device: torch.device, cfg: RopeConfig,
-                 block: Optional[pallas_triton.BlockConfig]) -> Tuple[KernelLaunch, int, int]:
+                 block: Optional[TritonTuning]) -> Tuple[KernelLaunch, int, int]:
         num_tokens, q_heads, head_dim = q_shape
-        lanes = pallas_triton.lanes_for(cfg.rotary_dim)
-        block = block or pallas_triton.block_config(num_tokens, q_heads, k_heads, lanes)
+        lanes = lanes_for(cfg.rotary_dim)
+        block = block or triton_tuning(num_tokens, q_heads, k_heads, lanes)
         export_kwargs = dict(
             q_heads=q_heads, k_heads=k_heads, head_dim=head_dim,
             dtype=jax_dtype_name(dtype), block=block, **kernel_options(cfg))
@@ -113,7 +115,7 @@ class TritonLauncher:
         return run_mrope
 
     def rotate_(self, q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor,
-                cfg: RopeConfig, block: Optional[pallas_triton.BlockConfig] = None) -> None:
+                cfg: RopeConfig, block: Optional[TritonTuning] = None) -> None:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place at ``pos_ids[:T]``.
 
         The caller has validated shapes, dtypes and devices; this checks only what the
@@ -134,7 +136,7 @@ class TritonLauncher:
         launch(count_ptr, pos_ids.data_ptr(), tables_ptr, q_ptr, k_ptr, q_ptr, k_ptr)
 
     def _launch_for(self, q: torch.Tensor, k: torch.Tensor, cfg: RopeConfig,
-                    block: Optional[pallas_triton.BlockConfig]) -> Tuple[KernelLaunch, int, int]:
+                    block: Optional[TritonTuning]) -> Tuple[KernelLaunch, int, int]:
         head_dim = cfg.head_dim
         q_shape = (q.shape[0], q.numel() // max(1, q.shape[0] * head_dim), head_dim)
         k_heads = k.numel() // max(1, k.shape[0] * head_dim)

@@ -2,7 +2,7 @@
 
 :mod:`torch_bridge.triton_launch` (RoPE) and :mod:`torch_bridge.kv_launch` (RoPE fused
 with the paged KV append) both take a kernel's Triton IR from
-:mod:`jaxrope.kernels.triton_ir`, compile it once, and launch it with raw pointers on
+:mod:`jaxrope.ops.rope.triton_export`, compile it once, and launch it with raw pointers on
 torch's current stream. The pieces they share live here:
 
 - :class:`KernelCache`: IR exported and compiled once per key (a declined export is
@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Hashable, Tuple
 
 import torch
 
-from jaxrope.apply import kernel_constants
+from jaxrope.ops.constants import kernel_constants
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 
@@ -92,7 +92,7 @@ class CountTable:
 class AngleTables:
     """Per (config, device): the float32 angle tables ``[3, lanes]`` the kernels read.
 
-    :func:`jaxrope.apply.kernel_constants`' tables, zero-padded to ``lanes`` columns (the
+    :func:`jaxrope.ops.constants.kernel_constants`' tables, zero-padded to ``lanes`` columns (the
     exported kernels load whole lane blocks). Never freed: a captured CUDA graph may
     hold their pointers.
     """
