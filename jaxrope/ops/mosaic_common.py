@@ -38,10 +38,10 @@ def unavailable() -> Optional[str]:
     return None
 
 
-# The newest JAX minor version whose Mosaic GPU is known to lower every layout of this
-# kernel (tests/test_mosaic_interpret.py lowers every case on the CI's JAX versions; the
-# compiled kernel has run on the H200 with 0.11.2, not yet with 0.12). A newer minor may
-# refuse layouts, as 0.12 refused the stores of many until :func:`store`.
+# The newest JAX minor version whose Mosaic GPU is known to lower every layout of the
+# kernels here (tests/test_mosaic_interpret.py lowers every case on the CI's JAX
+# versions). A newer minor may refuse layouts, as 0.12 refused the stores of many until
+# :func:`store`.
 LOWERS_UP_TO = (0, 12)
 
 

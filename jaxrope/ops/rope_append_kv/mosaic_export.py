@@ -37,22 +37,21 @@ def export_append(*, q_heads: int, k_heads: int, head_dim: int, dtype, cache_dty
     block walks).
 
     Operands (:data:`APPEND_OPERANDS`): ``count`` int32 ``[1]``, ``pos_ids`` as
-    :func:`jaxrope.ops.rope.mosaic_export.export`'s, ``slots`` int32 ``[capacity]``, ``tables``, ``rows``
-    (:func:`jaxrope.ops.mosaic_common.slot_row_table`), ``scales`` float32 ``[2]``, q,
-    k, v contiguous ``[capacity, H, D]``, then each cache array (contiguous, any shape
+    :func:`jaxrope.ops.rope.mosaic_export.export`'s, ``slots`` int32 ``[capacity]``,
+    ``tables``, ``rows`` (:func:`jaxrope.ops.mosaic_common.slot_row_table`), ``scales``
+    float32 ``[2]``, q, k, v contiguous ``[capacity, H, D]``, then each cache array (contiguous, any shape
     holding ``rows``' rows of ``D``).
 
     Raises:
-      BackendUnavailable: as :func:`export`.
+      BackendUnavailable: a JAX without the Mosaic GPU API, or whose lowered form this
+        does not recognise.
     """
-    from jaxrope.ops.rope_append_kv.reference import FP8
-    kernel = _built(kv_mosaic.build_append, q_heads=q_heads, k_heads=k_heads,
-                    head_dim=head_dim, itemsize=jnp.dtype(dtype).itemsize,
-                    rotary_dim=rotary_dim, interleave=interleave,
-                    attention_factor=attention_factor, rows=rows,
-                    quantize=jnp.dtype(cache_dtype) == FP8, mrope_section=mrope_section,
-                    mrope_interleaved=mrope_interleaved, grid=grid, max_count=max_count,
-                    tuning=tuning)
+    kernel = built_for_launch(
+        mosaic.build_append, q_heads=q_heads, k_heads=k_heads, head_dim=head_dim,
+        itemsize=jnp.dtype(dtype).itemsize, rotary_dim=rotary_dim, interleave=interleave,
+        attention_factor=attention_factor, rows=rows, quantize=jnp.dtype(cache_dtype) == FP8,
+        mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, grid=grid,
+        max_count=max_count, tuning=tuning)
     view = (head_dim // 2, 2) if interleave else (head_dim,)
     cache_rows = rows.num_slots * k_heads * (2 if components == 1 else 1)
     head_rows = k_heads * rows.head_stride
