@@ -16,16 +16,17 @@ import numpy as np
 import pytest
 
 import jaxrope as jr
-from jaxrope.ops import mosaic_common
 from jaxrope.ops import backends as backend_module
-from jaxrope.ops.rope import mosaic as mosaic_rope
-from jaxrope.ops.rope import tuning as rope_tuning
-from jaxrope.ops.rope import mosaic_export
-from jaxrope.ops.rope_append_kv import mosaic as mosaic_append
-from jaxrope.ops.rope_append_kv import tuning as append_tuning
-from jaxrope.ops.rope_append_kv import cache_layout
-from jaxrope.ops.rope_append_kv import mosaic_export as append_mosaic_export
+from jaxrope.ops import mosaic_common
 from jaxrope.ops.constants import kernel_constants, kernel_options
+from jaxrope.ops.rope import mosaic as mosaic_rope
+from jaxrope.ops.rope import mosaic_export
+from jaxrope.ops.rope import triton as triton_rope
+from jaxrope.ops.rope import tuning as rope_tuning
+from jaxrope.ops.rope_append_kv import cache_layout
+from jaxrope.ops.rope_append_kv import mosaic as mosaic_append
+from jaxrope.ops.rope_append_kv import mosaic_export as append_mosaic_export
+from jaxrope.ops.rope_append_kv import tuning as append_tuning
 from jaxrope.cases import BY_NAME, CASES, MROPE_CASES
 from jaxrope.testing import oracle
 
@@ -35,12 +36,10 @@ LARGE = 1 << 20
 BOUND = {jnp.bfloat16: 2.5e-3, jnp.float16: 2.5e-3, jnp.float32: 1e-5}
 
 
-def _mosaic(cfg, q, k, pos, interpret=True):
-    tables, attention = kernel_constants(cfg)
+def _mosaic(cfg, q, k, pos, interpret=True, tuning=None):
+    tables, _ = kernel_constants(cfg)
     return mosaic_rope.rope_mosaic(q, k, jnp.asarray(pos), jnp.asarray(tables),
-                                  rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
-                                  attention_factor=attention, mrope_section=cfg.mrope_section,
-                                  mrope_interleaved=cfg.mrope_interleaved, interpret=interpret)
+                                   interpret=interpret, tuning=tuning, **kernel_options(cfg))
 
 
 def _draw(rng, cfg, tokens, q_heads, k_heads, dtype):
@@ -136,7 +135,7 @@ def test_mosaic_kernel_computes_the_angle_once_per_block(name):
     # blocks, each split's blocks with their own angle.
     case = BY_NAME[name]
     p = rope_tuning.mosaic_tuning(case.q_heads, case.k_heads, case.cfg.rotary_dim // 2,
-                        case.cfg.head_dim, 2, case.cfg.interleave)
+                                  case.cfg.head_dim, 2, case.cfg.interleave)
     groups = case.q_heads // p.q_group + case.k_heads // p.k_group
     half = case.cfg.rotary_dim // 2
     for tokens, shape, per_split in ((p.tokens_per_block + 1, p.tokens_per_block, 2),
@@ -197,6 +196,24 @@ def test_mosaic_tuning_of_known_layouts():
     qwen2 = rope_tuning.mosaic_tuning(14, 2, 64, 128, 2, False)
     assert (qwen2.q_group, qwen2.k_group) == (7, 2)
     assert rope_tuning.mosaic_tuning(17, 1, 64, 128, 2, False).q_group == 1
+
+
+@needs_mosaic
+@pytest.mark.parametrize("name", ["llama3_8b", "qwen2_vl_7b"])
+def test_a_tuning_passed_to_the_kernel_changes_the_split_not_the_rotation(name, rng):
+    # A sweep's tuning (wider groups and vectors, more groups a block, fewer blocks) is a
+    # value the kernel takes: another split of the same work, the same bits out.
+    case = BY_NAME[name]
+    cfg = case.cfg
+    q, k, pos = _draw(rng, cfg, 37, case.q_heads, case.k_heads, jnp.bfloat16)
+    default = rope_tuning.mosaic_tuning(case.q_heads, case.k_heads, cfg.rotary_dim // 2,
+                                        cfg.head_dim, 2, cfg.interleave)
+    wide = rope_tuning.mosaic_tuning(case.q_heads, case.k_heads, cfg.rotary_dim // 2,
+                                     cfg.head_dim, 2, cfg.interleave, group_bytes=128,
+                                     vec_bytes=16, block_bytes=256, in_flight=3, min_blocks=1)
+    assert wide != default
+    for a, b in zip(_mosaic(cfg, q, k, pos), _mosaic(cfg, q, k, pos, tuning=wide)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
 
 
 def test_mosaic_floor_is_a_floor_for_either_sign(rng):

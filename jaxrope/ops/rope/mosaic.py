@@ -14,8 +14,9 @@ and of k broadcasts for free: the angle is computed once per (token, pair) and s
 ``Hq + Hk`` heads, for any head count. Head groups are loaded ahead of the group
 being rotated (``MosaicTuning.in_flight``), so a group's stores overlap later groups' loads,
 and a token block's head groups are split among neighbouring blocks
-(:func:`jaxrope.ops.rope.tuning.head_splits`: one group each by default, with a few bytes a thread): many short
-blocks kept more bytes moving than few blocks walking many heads.
+(:func:`jaxrope.ops.rope.tuning.head_splits`: one group each by default, with a few
+bytes a thread): many short blocks keep more bytes moving than few blocks walking many
+heads.
 
 Layouts: NeoX halves are dims ``[0, R/2)`` and ``[R/2, R)`` of a head; GPT-J pairs are
 the even and odd elements of ``[0, R)``, read through a ``[T, H, D/2, 2]`` view of the

@@ -11,8 +11,9 @@ Example:
   >>> t = mosaic_tuning(32, 8, 64, 128, 2, False)   # Llama 3, bf16
   >>> (t.vec, t.lanes_pairs, t.tokens_per_block, t.q_group, t.k_group, t.block_groups)
   (2, 32, 4, 4, 4, 1)
-  >>> triton_tuning(16384, 32, 8, 64)
-  TritonTuning(block_tokens=1, heads_per_program=2, num_warps=1, num_stages=1, groups_per_program=4, token_loop=1, heads_major=True)
+  >>> t = triton_tuning(16384, 32, 8, 64)
+  >>> (t.heads_per_program, t.groups_per_program, t.token_loop, t.heads_major)
+  (2, 4, 1, True)
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ def export_append(*, q_heads: int, k_heads: int, head_dim: int, dtype, cache_dty
     Operands (:data:`APPEND_OPERANDS`): ``count`` int32 ``[1]``, ``pos_ids`` as
     :func:`jaxrope.ops.rope.mosaic_export.export`'s, ``slots`` int32 ``[capacity]``,
     ``tables``, ``rows`` (:func:`jaxrope.ops.mosaic_common.slot_row_table`), ``scales``
-    float32 ``[2]``, q, k, v contiguous ``[capacity, H, D]``, then each cache array (contiguous, any shape
-    holding ``rows``' rows of ``D``).
+    float32 ``[2]``, q, k, v contiguous ``[capacity, H, D]``, then each cache array
+    (contiguous, any shape holding ``rows``' rows of ``D``).
 
     Raises:
       BackendUnavailable: a JAX without the Mosaic GPU API, or whose lowered form this

@@ -12,8 +12,8 @@ The slot rule: token ``t`` with ``slot = slots[t]`` in ``[0, pages * page_size)`
 page ``slot // page_size``, entry ``slot % page_size``, i.e. head ``h`` of k to row
 ``rows.row(page, entry, h)`` of the first array and of v to ``rows.value_offset`` rows
 further in array ``rows.value_array``; any other slot (negative: padding) writes nothing.
-The rotation is :func:`jaxrope.ops.rope.reference.rope_reference` itself, so a cache in k's dtype holds exactly what ``apply_rope`` returns for k. An
-``float8_e4m3fn`` cache stores ``e4m3(clip(x * scale, -448, 448))`` with ``x`` the float32
+The rotation is :func:`jaxrope.ops.rope.reference.rope_reference` itself, so a cache in
+k's dtype holds exactly what ``apply_rope`` returns for k. An ``float8_e4m3fn`` cache stores ``e4m3(clip(x * scale, -448, 448))`` with ``x`` the float32
 rotated k (or v) and ``scale`` from ``scales = [k_scale, v_scale]``, rounded to nearest
 even: FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache`` (multiply, then a
 saturating ``__NV_SATFINITE`` conversion).

@@ -20,13 +20,14 @@ cos/sin once (q and k programs, through the shared angle of
 - v programs: dims ``[0, D)`` copied to the cache.
 
 Caches arrive as ``[rows, D]`` views of the layout's arrays, addressed by one stride
-rule for every layout (:class:`jaxrope.ops.rope_append_kv.cache_layout.CacheRows`): a token's heads go
-to rows ``rows.row(slot // page_size, slot % page_size, head)`` (values in
-``rows.value_array``, ``rows.value_offset`` rows further), a program's head group one
+rule for every layout (:class:`jaxrope.ops.rope_append_kv.cache_layout.CacheRows`): a
+token's heads go to rows ``rows.row(slot // page_size, slot % page_size, head)`` (values
+in ``rows.value_array``, ``rows.value_offset`` rows further), a program's head group one
 block ``[heads_per_program, lanes]`` of those rows. Slots outside ``[0, pages *
 page_size)`` (negative: padding) mask the token's cache stores off. An fp8 cache stores
-``e4m3(clip(x * scale, -448, 448))`` (:func:`jaxrope.ops.rope_append_kv.reference.to_cache_dtype`,
-the same function as the XLA backend), scales read from the ``scales`` operand.
+``e4m3(clip(x * scale, -448, 448))``
+(:func:`jaxrope.ops.rope_append_kv.reference.to_cache_dtype`, the same function as the
+XLA backend), scales read from the ``scales`` operand.
 
 M-RoPE (``mrope_section``): positions ``[3, T]`` enter flattened as in the rope kernel
 (:mod:`jaxrope.ops.rope.triton`), row ``r`` of token ``t`` at ``r * count + t``,

@@ -87,5 +87,5 @@ def export_append_kv(*, q_heads: int, k_heads: int, head_dim: int, rotary_dim: i
     specs = (sds((tokens, q_heads, head_dim), dtype), rows, rows, sds(pos_shape, jnp.int32),
              sds((tokens,), jnp.int32), sds((3, rotary_dim // 2), jnp.float32),
              sds((2,), jnp.float32), *(cache,) * num_caches)
-    return AppendKernel(ttir=capture_one(kernel_call, *specs), block=block, q_heads=q_heads, k_heads=k_heads,
-                        num_caches=num_caches)
+    return AppendKernel(ttir=capture_one(kernel_call, *specs), block=block, q_heads=q_heads,
+                        k_heads=k_heads, num_caches=num_caches)
