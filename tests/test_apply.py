@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -312,3 +313,23 @@ def test_every_launch_shape_gives_the_same_rotation(name, block):
     expected = oracle.rope_oracle(np.asarray(q), np.asarray(pos, np.int64),
                                   *oracle.serving_frequencies(cfg), cfg.rotary_dim, cfg.interleave)
     np.testing.assert_allclose(want_q, expected, rtol=0, atol=1e-4)
+
+
+def test_auto_falls_through_to_xla_when_its_kernel_declines(monkeypatch, rng):
+    # "auto" on a GPU takes its kernel first and XLA when that declines; a backend named
+    # explicitly raises the kernel's refusal.
+    q, k = _qk(rng, 5, 4, 2, 64, jnp.float32)
+    pos, cfg = jnp.arange(5, dtype=jnp.int32), jr.RopeConfig(head_dim=64)
+    want = jr.apply_rope(q, k, pos, cfg, backend="xla")
+
+    def declining(*args, **kwargs):
+        raise jr.BackendUnavailable("declined by the test")
+
+    gpu = types.SimpleNamespace(platform="gpu", compute_capability="8.0")
+    monkeypatch.setattr(backend_module, "device_of", lambda x: gpu)
+    monkeypatch.setitem(backend_module.IMPLEMENTATIONS["rope"], "triton", declining)
+    assert backend_module.candidates("auto", "gpu", "rope", "8.0") == ("triton", "xla")
+    for a, b in zip(jr.apply_rope(q, k, pos, cfg), want):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    with pytest.raises(jr.BackendUnavailable, match="declined by the test"):
+        jr.apply_rope(q, k, pos, cfg, backend="triton")

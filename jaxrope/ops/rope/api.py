@@ -101,7 +101,7 @@ def apply_rope(q, k, pos_ids, cfg: RopeConfig, backend: str = "auto"):
         communication (head_dim split, q and k tokens split differently, an uneven split:
         :func:`jaxrope.sharding.local_specs`).
       BackendUnavailable: ``backend="triton"`` off GPU, ``backend="mosaic"`` off
-        CUDA, or a kernel on Auto mesh axes.
+        CUDA or on Auto mesh axes (where "auto" falls through to XLA).
       NotImplementedError: q is on a mesh mixing Auto and Explicit axes.
 
     Example:
