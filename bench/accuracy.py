@@ -1,6 +1,6 @@
 """bf16 accuracy per named case at ~4k, ~128k and ~1M positions, against float64.
 
-    python -m bench.accuracy [--backend auto|xla|interpret|pallas] [--tokens 512] [--out DIR]
+    python -m bench.accuracy [--backend auto|mosaic|triton|xla|interpret] [--tokens 512] [--out DIR]
 
 For every case of :mod:`jaxrope.cases` (``max_position`` raised to 2**21), random bf16
 ``q [T, 4, D]`` at positions drawn from the 4096 positions below 2**12, 2**17 and 2**20:

@@ -370,9 +370,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     # Off the GPU the XLA path stands in (the interpreter takes seconds per application).
     backend = "triton" if on_gpu else "xla"
     # The Mosaic GPU kernel beside it where it runs (compute capability 9.0+, JAX 0.11).
-    mosaic = on_gpu and jr.backend.backend_name(
+    mosaic = on_gpu and jr.ops.backends.backend_name(
         "auto", "gpu", "rope_append_kv",
-        jr.backend.device_capability(jax.devices()[0])) == "mosaic"
+        jr.ops.backends.device_capability(jax.devices()[0])) == "mosaic"
     notes = [] if on_gpu else ["no GPU: backend='xla', no FlashInfer, the bridge on its JAX "
                                "path; numbers check the plumbing only"]
     has_torch = importlib.util.find_spec("torch") is not None

@@ -3,7 +3,7 @@ one run.
 
     python -m bench.mosaic_bench --out DIR [--tokens 16384 65536] [--rounds 2]
                                  [--liger .whl/liger_kernel-0.8.5-py3-none-any.whl]
-                                 [--sweep BYTES:IN_FLIGHT ... [--use-best]]
+                                 [--sweep BYTES:IN_FLIGHT ...]
                                  [--tma-sweep TB:STAGES ...]
 
 bf16 q ``[T, 32, 128]``, k ``[T, 8, 128]`` (Llama-3-8B's heads), positions uniform in
@@ -14,7 +14,7 @@ the noise) of:
   (:class:`bench.timing.JaxLoop`); ``*_mrope``: the same on Qwen2-VL's M-RoPE sections
   (16, 24, 24), positions ``[3, T]``;
 - ``mosaic_tma`` (``_mrope``): the experimental TMA-pipelined variant
-  (:func:`jaxrope.kernels.mosaic_tma.rope_mosaic_tma`, default :class:`TmaTuning`), called
+  (:func:`bench.experiments.mosaic_tma.rope_mosaic_tma`, default :class:`TmaTuning`), called
   directly (it is no ``backend=``) in the same loop;
 - ``mosaic_launch`` / ``triton_launch`` (``*_mrope``): the same kernels launched from
   torch by the bridge's launchers (``torch_bridge.launch.mosaic``,
@@ -24,9 +24,9 @@ the noise) of:
   on one buffer of q's and k's bytes; each a CUDA graph of calls, replayed between events.
 
 ``%ceil`` = ceiling time / time (the bytes of the rotation are the ceiling's, plus
-positions). ``--sweep`` first times the Mosaic kernel at other split knobs
-(``mosaic_gpu._GROUP_BYTES``, ``_IN_FLIGHT``); ``--use-best`` runs the table at the
-fastest. ``--tma-sweep`` first times the TMA variant at other tuning points (tokens per
+positions). ``--sweep`` first times the Mosaic kernel at other split sizes (the
+``group_bytes`` and ``in_flight`` of :func:`jaxrope.ops.rope.tuning.mosaic_tuning`, each
+point a tuning passed to the kernel); the table runs the default tuning. ``--tma-sweep`` first times the TMA variant at other tuning points (tokens per
 block, SMEM stages), 1-D. Writes ``mosaic_bench.json`` and prints a table. GPU only (FlashInfer and torch
 CUDA needed).
 """
@@ -34,7 +34,6 @@ CUDA needed).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -62,46 +61,23 @@ def jax_time(backend: str, cfg, q, k, pos, iters: int, reps: int) -> timing.Timi
     return timing.JaxLoop(step, (q, k), (pos,), iters=iters, unroll=8).time(reps)
 
 
-def _tma_time(cfg, q, k, pos, iters: int, reps: int, tuning=None) -> timing.Timing:
-    # The TMA variant has no backend name: its wrapper, called as apply_rope calls a kernel.
-    from jaxrope.apply import kernel_constants
-    from jaxrope.kernels import mosaic_tma
-    tables, attention = kernel_constants(cfg)
-    tables = jnp.asarray(tables)
+def kernel_time(kernel, cfg, q, k, pos, iters: int, reps: int, **tuning) -> timing.Timing:
+    """A rope kernel's JAX wrapper (``kernel(q, k, pos_ids, tables, ...)``, as
+    ``apply_rope`` calls it) at a tuning of its own (``tuning``: the wrapper's keyword), in
+    the same loop as :func:`jax_time`."""
+    from jaxrope.ops.constants import kernel_constants, kernel_options
+    tables = jnp.asarray(kernel_constants(cfg)[0])
 
     def step(a, b, p):
-        return mosaic_tma.rope_mosaic_tma(
-            a, b, p, tables, rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
-            attention_factor=attention, mrope_section=cfg.mrope_section,
-            mrope_interleaved=cfg.mrope_interleaved,
-            tuning=tuning or mosaic_tma.DEFAULT_TUNING)
+        return kernel(a, b, p, tables, **kernel_options(cfg), **tuning)
     return timing.JaxLoop(step, (q, k), (pos,), iters=iters, unroll=8).time(reps)
 
 
-@contextlib.contextmanager
-def patched(module, **values):
-    """``module``'s attributes set to ``values`` while the block runs (a kernel module's
-    tuning constants, read when a kernel is built), its own values back after it."""
-    saved = {name: getattr(module, name) for name in values}
-    for name, value in values.items():
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
-
-
-def angle_removed(module):
-    """``module.angle_cos_sin`` (a Mosaic GPU kernel module's accurate angle) replaced by
-    cos 1 / sin 0 in the position's layout while the block runs: the kernel keeps its loads
-    of positions and tables, its rotation and its stores, without the angle's arithmetic.
-    ``x * 0`` is not folded (it is not 0 for inf or NaN), so the multiplies stay."""
-    def unit(position, *_, **__):
-        zero = position.astype(jnp.float32) * 0.0
-        return zero + 1.0, zero
-
-    return patched(module, angle_cos_sin=unit)
+def _tma_time(cfg, q, k, pos, iters: int, reps: int, tuning=None) -> timing.Timing:
+    # The TMA variant has no backend name: its wrapper, called as apply_rope calls a kernel.
+    from bench.experiments import mosaic_tma
+    return kernel_time(mosaic_tma.rope_mosaic_tma, cfg, q, k, pos, iters, reps,
+                       tuning=tuning or mosaic_tma.DEFAULT_TUNING)
 
 
 def inputs(rng, tokens):
@@ -115,7 +91,7 @@ def inputs(rng, tokens):
 
 def tma_sweep(args) -> List[Dict[str, Any]]:
     """The TMA variant at each ``--tma-sweep`` point (tokens per block, stages), 1-D."""
-    from jaxrope.kernels import mosaic_tma
+    from bench.experiments import mosaic_tma
     rng = np.random.default_rng(args.seed)
     rows = []
     for tokens in args.tokens:
@@ -134,33 +110,30 @@ def tma_sweep(args) -> List[Dict[str, Any]]:
     return rows
 
 
+def sweep_tuning(group_bytes: int, in_flight: int):
+    """The Mosaic kernel's tuning for the 1-D table's layout at a sweep point."""
+    from jaxrope.ops.rope.tuning import mosaic_tuning
+    return mosaic_tuning(Q_HEADS, K_HEADS, HEAD_DIM // 2, HEAD_DIM, 2, False,
+                         group_bytes=group_bytes, in_flight=in_flight)
+
+
 def sweep(args) -> List[Dict[str, Any]]:
-    """The Mosaic kernel's split knobs (bytes a thread rotates at once, groups in flight),
-    1-D; with ``--use-best`` the fastest (summed over token counts) times the table."""
-    from jaxrope.kernels import mosaic_gpu
+    """The Mosaic kernel at other split sizes (bytes a thread rotates at once, groups in
+    flight), 1-D: each point a :class:`jaxrope.ops.rope.tuning.MosaicTuning` passed to the
+    kernel's wrapper."""
+    from jaxrope.ops.rope.mosaic import rope_mosaic
     rng = np.random.default_rng(args.seed)
     rows = []
-    saved = mosaic_gpu._GROUP_BYTES, mosaic_gpu._IN_FLIGHT
     for tokens in args.tokens:
         q, k, pos, iters = inputs(rng, tokens)
         for group_bytes, in_flight in args.sweep:
-            mosaic_gpu._GROUP_BYTES, mosaic_gpu._IN_FLIGHT = group_bytes, in_flight
-            try:
-                t = jax_time("mosaic", ONE_D, q, k, pos, iters, args.reps)
-            finally:
-                mosaic_gpu._GROUP_BYTES, mosaic_gpu._IN_FLIGHT = saved
+            tuning = sweep_tuning(group_bytes, in_flight)
+            t = kernel_time(rope_mosaic, ONE_D, q, k, pos, iters, args.reps, tuning=tuning)
             rows.append(dict(tokens=tokens, group_bytes=group_bytes, in_flight=in_flight,
+                             tuning=dataclasses.asdict(tuning),
                              us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us))
             print(f"sweep tokens {tokens} group_bytes {group_bytes} in_flight {in_flight}: "
                   f"{t.median_us:.1f} us", flush=True)
-    if args.use_best and rows:
-        total = {}
-        for r in rows:
-            key = (r["group_bytes"], r["in_flight"])
-            total[key] = total.get(key, 0.0) + r["us"] / r["tokens"]
-        best = min(total, key=total.get)
-        mosaic_gpu._GROUP_BYTES, mosaic_gpu._IN_FLIGHT = best
-        print(f"table with group_bytes {best[0]} in_flight {best[1]}", flush=True)
     return rows
 
 
@@ -257,8 +230,6 @@ def main(argv=None) -> None:
                         help="first time the Mosaic kernel at these split knobs")
     parser.add_argument("--launch-grids", nargs="*", type=int, default=[],
                         help="also time the Mosaic torch launch at these grid sizes")
-    parser.add_argument("--use-best", action="store_true",
-                        help="time the table at the sweep's fastest knobs")
     parser.add_argument("--tma-sweep", nargs="*", default=[], metavar="TB:STAGES",
                         help="first time the TMA variant at these tokens per block and stages")
     parser.add_argument("--no-tma", action="store_true",
@@ -271,10 +242,11 @@ def main(argv=None) -> None:
     swept = sweep(args) if args.sweep else []
     tma_swept = tma_sweep(args) if args.tma_sweep else []
     report = dict(rows=[]) if args.sweeps_only else run(args)
-    from jaxrope.kernels import mosaic_gpu, mosaic_tma
+    from bench.experiments import mosaic_tma
+    from jaxrope.ops.rope.tuning import mosaic_tuning
     plan = mosaic_tma.plan_tma(Q_HEADS, K_HEADS, HEAD_DIM // 2, HEAD_DIM, 2, False)
-    report.update(sweep=swept, mosaic_knobs=dict(group_bytes=mosaic_gpu._GROUP_BYTES,
-                                                 in_flight=mosaic_gpu._IN_FLIGHT),
+    default = mosaic_tuning(Q_HEADS, K_HEADS, HEAD_DIM // 2, HEAD_DIM, 2, False)
+    report.update(sweep=swept, mosaic_tuning=dataclasses.asdict(default),
                   tma_sweep=tma_swept, tma_plan=dataclasses.asdict(plan))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ Sections of ``DIR/results.json`` (also printed as tables):
   move, 2 (q + k) plus what it reads of positions or of liger's cos/sin, over the time), for each M-RoPE layout of
   :data:`jaxrope.cases.MROPE_CASES` timed here (Qwen2-VL sectioned, Qwen3-VL interleaved,
   GLM-4.1V partial GPT-J pairs; head_dim 128) and its 1-D twin (the same config without
-  ``mrope_section``, positions ``[T]``), ``apply_rope(..., backend="pallas")`` jitted with
+  ``mrope_section``, positions ``[T]``), ``apply_rope(..., backend="triton")`` jitted with
   q and k donated; and liger's ``qwen2vl_mrope_forward`` on the Qwen2-VL layout, in place
   on q and k laid out ``[1, T, H, D]`` (the transposed views HF passes it), with cos/sin
   ``[3, 1, T, D]`` bf16 precomputed HF-style outside the timing (its kernel reads them;
@@ -233,7 +233,7 @@ def kernel_section(args, backend: str, liger: Liger, rng) -> List[Dict[str, Any]
                                            ("jaxrope_mrope", cfg, pos)):
                 def apply(q, k, p, c=use_cfg):
                     return jr.apply_rope(q, k, p, c, backend=backend)
-                if backend == "pallas":
+                if backend == "triton":
                     seconds, n = time_jax(apply, jnp.array(q), jnp.array(k), jnp.asarray(use_pos),
                                           args.reps, args.rep_ms)
                 else:
@@ -395,7 +395,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     if args.quick:
         args.tokens, args.reps, args.accuracy_tokens = [8], 2, 8
     on_gpu = jax.default_backend() == "gpu"
-    backend = "pallas" if on_gpu else "interpret"
+    backend = "triton" if on_gpu else "interpret"
     liger = load_liger(args.liger)
     rng = np.random.default_rng(args.seed)
     started = time.time()

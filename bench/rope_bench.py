@@ -20,7 +20,7 @@ Sections (``--sections``; default all):
   applications (``GROWTH_LIMIT``), too few for a wall clock; loops elsewhere;
 - ``wall``: wall time per call from Python, dispatch included, at 1 to 512 tokens.
 
-Implementations: ``jaxrope`` / ``jaxrope_plain`` (``apply_rope(backend="pallas")`` under
+Implementations: ``jaxrope`` / ``jaxrope_plain`` (``apply_rope(backend="triton")`` under
 ``jax.jit``, q and k donated; the Pallas interpreter on a CPU), ``jaxrope_mosaic``
 (``backend="mosaic"``, GPU), ``xla`` (``backend="xla"``), ``jaxrope_torch`` (the same
 Pallas kernel launched from torch, ``torch_bridge.launch.triton``), ``flashinfer``
@@ -69,9 +69,10 @@ from bench.rope_torch_calls import flashinfer_call, hf_rope, warm_flashinfer  # 
 from bench.rope_report import (BENCH_DIR, NAME, PLOT_IMPLS, TARGET, render_markdown,  # noqa: E402
                                write_outputs)
 from jaxrope import RopeConfig, apply_rope  # noqa: E402
-from jaxrope.apply import kernel_constants  # noqa: E402
+from jaxrope.ops.constants import kernel_constants  # noqa: E402
 from jaxrope.cases import BY_NAME, CASES, Case  # noqa: E402
-from jaxrope.kernels import mosaic_gpu  # noqa: E402
+from jaxrope.ops import mosaic_common  # noqa: E402
+from jaxrope.scaling import Llama3  # noqa: E402
 
 POSITION_RANGE = 65536
 # In-place variants with an attention factor != 1 scale q and k at every application;
@@ -156,7 +157,7 @@ class Env:
             # each run n / unroll times like the loop counter: not countable per application.
             return False
         if impl == "jaxrope_mosaic":
-            return self.on_gpu and mosaic_gpu.unavailable() is None
+            return self.on_gpu and mosaic_common.unavailable() is None
         if impl in JAX_IMPLS:
             return True
         if impl.startswith("flashinfer"):
@@ -207,7 +208,7 @@ def jax_step(impl: str, cfg: RopeConfig, on_gpu: bool, looped: bool) -> Callable
             # positions that change with the iteration keep that work in the timed body.
             return lambda q, k, pos, i: apply_rope(q, k, pos ^ (i & 1), cfg, backend="xla")
         return lambda q, k, pos: apply_rope(q, k, pos, cfg, backend="xla")
-    backend = ("mosaic" if impl == "jaxrope_mosaic" else "pallas") if on_gpu else "interpret"
+    backend = ("mosaic" if impl == "jaxrope_mosaic" else "triton") if on_gpu else "interpret"
     return lambda q, k, pos: apply_rope(q, k, pos, cfg, backend=backend)
 
 
@@ -293,7 +294,7 @@ def _measure_jax(task: Task, env: Env, inputs, args, n: int) -> Dict[str, Any]:
         indexed = task.impl == "xla" and task.method != "wall"
         step, carry, consts = jax_step(task.impl, task.cfg, env.on_gpu, indexed), (q, k), (pos,)
         backend = "xla" if task.impl == "xla" else "mosaic" if task.impl == "jaxrope_mosaic" else (
-            "pallas" if env.on_gpu else "interpret")
+            "triton" if env.on_gpu else "interpret")
         api = f"apply_rope backend={backend}"
     if task.method == "wall":
         fn = jax.jit(step, donate_argnums=(0, 1))

@@ -18,9 +18,10 @@ The public API is exactly what ``__all__`` lists, by one rule:
   (draft and verify positions) and :mod:`jaxrope.wire` (published records as bytes).
 
 Every other module is private: importable, but its names may change without notice.
-They are the implementation of the above (``apply``, ``backend``, ``config``,
-``cos_sin_cache``, ``errors``, ``frequencies``, ``int_arrays``, ``kernels``,
-``kv_cache``, ``numbers``, ``row_map``, ``scaling``, ``sharding``; ``hf_source``,
+They are the implementation of the above (``ops``, one folder per op with its public
+function, reference, kernels, tunings and exports; ``config``, ``cos_sin_cache``,
+``errors``, ``frequencies``, ``int_arrays``, ``numbers``, ``row_map``, ``scaling``,
+``sharding``; ``hf_source``,
 ``hf_layers``, ``hf_fields`` and ``hf_examples`` behind :mod:`jaxrope.hf` and
 :mod:`jaxrope.models`), ``layer_reference`` (the float64 layer the demos and the cache
 readers' tests check against), the JAX engine demo (``demo``, run as
@@ -41,11 +42,11 @@ Example:
 """
 
 from jaxrope import hf, models, mrope, paging, positions, speculative_positions, wire
-from jaxrope.apply import apply_rope
-from jaxrope.backend import BACKENDS
+from jaxrope.ops.backends import BACKENDS
+from jaxrope.ops.rope.api import apply_rope
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
-from jaxrope.kv_cache import apply_rope_and_append_kv
+from jaxrope.ops.rope_append_kv.api import apply_rope_and_append_kv
 from jaxrope.positions import PositionTable, RowMap, Scheme
 from jaxrope.scaling import DynamicNTK, Linear, Llama3, LongRope, Proportional, Yarn
 

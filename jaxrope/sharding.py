@@ -4,7 +4,7 @@ A Pallas call has no partitioning rule. Under ``jit`` with q and k sharded over 
 mesh, XLA either gathers them around it or refuses, and the in-place aliasing of the
 kernel is lost. RoPE needs nothing from other devices: a token's rotation reads only
 its own position, and heads are independent. So :func:`per_shard` wraps whichever
-implementation :func:`jaxrope.backend.resolve` picked (the backend table stays as it
+implementation :func:`jaxrope.ops.backends.resolve` picked (the backend table stays as it
 is) so that each device rotates its own block of q and k, in place when donated.
 
 What may be sharded (:func:`local_specs` checks it once, for both mechanisms below):
@@ -201,7 +201,7 @@ def per_shard(impl: Callable, q, k, pos_ids) -> Callable:
 
     Args:
       impl: a kernel with the signature of
-        :func:`jaxrope.kernels.reference.rope_reference`.
+        :func:`jaxrope.ops.rope.reference.rope_reference`.
       q, k, pos_ids: the call's arrays (concrete or traced); their types (and, outside
         ``jit``, their shardings) are read, not their values.
 

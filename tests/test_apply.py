@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +16,11 @@ import numpy as np
 import pytest
 
 import jaxrope as jr
-from jaxrope import backend as backend_module
+from jaxrope.ops import backends as backend_module
+from jaxrope.ops.rope import triton as triton_rope
+from jaxrope.ops.rope import tuning as rope_tuning
 from jaxrope.cases import BY_NAME, CASES
-from jaxrope.kernels.reference import rope_reference
+from jaxrope.ops.rope.reference import rope_reference
 
 from jaxrope.testing import kv_oracle, oracle
 
@@ -184,9 +187,17 @@ def test_auto_picks_xla_on_cpu(rng):
         np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
-def test_pallas_on_cpu_raises_not_implemented(rng):
+def test_triton_on_cpu_raises_not_implemented(rng):
     q, k = _qk(rng, 2, 1, 1, 64, jnp.float32)
-    with pytest.raises(NotImplementedError, match="pallas"):
+    with pytest.raises(NotImplementedError, match="backend='triton' needs a GPU"):
+        jr.apply_rope(q, k, jnp.arange(2, dtype=jnp.int32), jr.RopeConfig(head_dim=64),
+                      backend="triton")
+
+
+def test_pallas_is_no_backend_name_and_the_refusal_names_the_two_pallas_kernels(rng):
+    q, k = _qk(rng, 2, 1, 1, 64, jnp.float32)
+    with pytest.raises(ValueError, match="backend='pallas' must be one of .*'triton' and "
+                                         "'mosaic'"):
         jr.apply_rope(q, k, jnp.arange(2, dtype=jnp.int32), jr.RopeConfig(head_dim=64),
                       backend="pallas")
 
@@ -278,8 +289,9 @@ def test_every_launch_shape_gives_the_same_rotation(name, block):
     # one-group shape's results, to a rounding of the products (kv_oracle.row_ulps: the
     # interpreter's XLA program changes with the block shape; on the GPU,
     # tests/gpu/test_launch_shapes_gpu.py holds the kernel to bits).
-    from jaxrope.apply import kernel_constants
-    from jaxrope.kernels import pallas_triton
+    from jaxrope.ops.constants import kernel_constants
+    from jaxrope.ops.rope import triton as triton_rope
+    from jaxrope.ops.rope import tuning as rope_tuning
     cfg = BY_NAME[name].cfg
     rng = np.random.default_rng(len(name) + sum(block))
     tokens, q_heads, k_heads = 7, 5, 3
@@ -289,10 +301,10 @@ def test_every_launch_shape_gives_the_same_rotation(name, block):
     tables, attention = kernel_constants(cfg)
 
     def run(bt, hp, warps, groups, loop, major):
-        return pallas_triton.rope_pallas(
+        return triton_rope.rope_triton(
             q, k, pos, jnp.asarray(tables), rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
             attention_factor=attention, interpret=True,
-            config=pallas_triton.BlockConfig(bt, hp, warps, 1, groups, loop, bool(major)))
+            tuning=rope_tuning.TritonTuning(bt, hp, warps, 1, groups, loop, bool(major)))
 
     want, got = run(1, 1, 1, 1, 1, 0), run(*block)
     want_q, want_k = (np.asarray(x) for x in want)
@@ -301,3 +313,23 @@ def test_every_launch_shape_gives_the_same_rotation(name, block):
     expected = oracle.rope_oracle(np.asarray(q), np.asarray(pos, np.int64),
                                   *oracle.serving_frequencies(cfg), cfg.rotary_dim, cfg.interleave)
     np.testing.assert_allclose(want_q, expected, rtol=0, atol=1e-4)
+
+
+def test_auto_falls_through_to_xla_when_its_kernel_declines(monkeypatch, rng):
+    # "auto" on a GPU takes its kernel first and XLA when that declines; a backend named
+    # explicitly raises the kernel's refusal.
+    q, k = _qk(rng, 5, 4, 2, 64, jnp.float32)
+    pos, cfg = jnp.arange(5, dtype=jnp.int32), jr.RopeConfig(head_dim=64)
+    want = jr.apply_rope(q, k, pos, cfg, backend="xla")
+
+    def declining(*args, **kwargs):
+        raise jr.BackendUnavailable("declined by the test")
+
+    gpu = types.SimpleNamespace(platform="gpu", compute_capability="8.0")
+    monkeypatch.setattr(backend_module, "device_of", lambda x: gpu)
+    monkeypatch.setitem(backend_module.IMPLEMENTATIONS["rope"], "triton", declining)
+    assert backend_module.candidates("auto", "gpu", "rope", "8.0") == ("triton", "xla")
+    for a, b in zip(jr.apply_rope(q, k, pos, cfg), want):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    with pytest.raises(jr.BackendUnavailable, match="declined by the test"):
+        jr.apply_rope(q, k, pos, cfg, backend="triton")

@@ -44,9 +44,10 @@ APPLY_ROPE_CASES = [
         TypeError, "q must be an array"),
     Bad("apply_rope unknown backend", lambda e: _rope(e, backend="cuda"),
         ValueError, "backend='cuda'"),
-    Bad("apply_rope pallas backend off GPU", lambda e: _rope(e, backend="pallas"),
-        NotImplementedError,
-        "backend='triton' (or 'pallas') needs a GPU"),
+    Bad("apply_rope triton backend off GPU", lambda e: _rope(e, backend="triton"),
+        NotImplementedError, "backend='triton' needs a GPU"),
+    Bad("apply_rope pallas, no backend name", lambda e: _rope(e, backend="pallas"),
+        ValueError, "the Pallas kernels are 'triton' and 'mosaic'"),
     Bad("positions.init zero capacity", lambda e: positions.init(0), ValueError, "capacity=0"),
     Bad("positions.grow to a smaller capacity", lambda e: positions.grow(e.table, 4), ValueError,
         "capacity=4"),
@@ -58,6 +59,6 @@ APPLY_ROPE_CASES = [
 
 @pytest.mark.parametrize("case", APPLY_ROPE_CASES, ids=lambda c: c.name)
 def test_apply_rope_bad_input_raises_naming_the_argument_and_changes_nothing(case):
-    if case.name.startswith("apply_rope pallas") and jnp.zeros(()).devices().pop().platform == "gpu":
-        pytest.skip("the Pallas backend is available on this GPU")
+    if case.name.startswith("apply_rope triton") and jnp.zeros(()).devices().pop().platform == "gpu":
+        pytest.skip("the Triton-lowered backend is available on this GPU")
     core_raises_naming_it_and_changes_nothing(case)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxrope as jr
-from jaxrope.apply import kernel_constants
+from jaxrope.ops.constants import kernel_constants
 from jaxrope.frequencies import angle_tables
 from jaxrope.models import HF_CONFIGS
 

@@ -174,7 +174,7 @@ def test_live_flashinfer_pairs_and_untouched_dims_match_jaxrope(interleave, frac
     cache = fp.cos_sin_cache(cfg, pos_ids, dense=False)
     outputs = {f"flashinfer {api}": fp.run_flashinfer(api, cfg, q, k, batch, cache)
                for api in CONVENTION_APIS}
-    outputs.update({f"jaxrope {b}": fp.run_jaxrope(cfg, q, k, pos_ids, b) for b in ("pallas", "xla")})
+    outputs.update({f"jaxrope {b}": fp.run_jaxrope(cfg, q, k, pos_ids, b) for b in ("triton", "xla")})
 
     # The support each one-hot dim must spread to: itself and its partner when rotated.
     for x, index in ((q32, 0), (k32, 1)):
@@ -225,7 +225,7 @@ def test_live_flashinfer_pairs_and_untouched_dims_match_jaxrope(interleave, frac
         results = {f"flashinfer {api}": fp.run_flashinfer(api, cfg, q, k, batch, cache)
                    for api in CONVENTION_APIS}
         results.update({f"jaxrope {b}": fp.run_jaxrope(cfg, q, k, pos_ids, b)
-                        for b in ("pallas", "xla")})
+                        for b in ("triton", "xla")})
         for who, outs in results.items():
             for x, out in zip(inputs, outs):
                 same = fb.untouched_equal(out, x, r)

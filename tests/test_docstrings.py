@@ -30,7 +30,7 @@ REQUIRE_TRITON_ENV = "JAXROPE_REQUIRE_TRITON"
 
 # Public names that are neither classes, functions nor modules: the module whose
 # docstring documents them (with an example).
-CONSTANT_HOMES = {("jaxrope", "BACKENDS"): "jaxrope.backend"}
+CONSTANT_HOMES = {("jaxrope", "BACKENDS"): "jaxrope.ops.backends"}
 
 
 def _module_names(package: str):
@@ -67,7 +67,7 @@ def test_docstring_examples_run(name):
 
 
 def test_the_walk_finds_modules_below_the_top_level():
-    assert {"jaxrope.positions", "jaxrope.kernels.reference", "jaxrope.testing.oracle",
+    assert {"jaxrope.positions", "jaxrope.ops.rope.reference", "jaxrope.testing.oracle",
             "torch_bridge.manager", "bench.timing"} <= set(MODULES)
 
 

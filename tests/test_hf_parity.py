@@ -212,7 +212,7 @@ def _hf_tolerance(cfg, pos, q):
     that as margin. A pair (a, b) rotated by an angle off by d moves by at most
     d * (|a| + |b|) * attention; float32 cos/sin and the rotation's multiply-adds add a
     few ulps of (|a| + |b|) * attention: 2**-20; jaxrope's own angle is accurate to about
-    1e-6 rad at any position (:mod:`jaxrope.kernels.angle`), one more 2**-20 (seen at a
+    1e-6 rad at any position (:mod:`jaxrope.ops.angle`), one more 2**-20 (seen at a
     YaRN slot of angle 0.03 rad: 9.7e-7 of a pair of magnitude 0.8).
     """
     inv_freq64, attention = cfg.serving_frequencies()

@@ -26,7 +26,8 @@ torch = pytest.importorskip("torch")
 import jaxrope as jr  # noqa: E402
 from jaxrope.cases import (APPEND_BY_NAME, APPEND_CASES, MROPE_APPEND_CASES,  # noqa: E402
                            AppendCase)
-from jaxrope.kernels import kv_pallas, triton_ir  # noqa: E402
+from jaxrope.ops.rope_append_kv import triton_export as append_triton_export  # noqa: E402
+from jaxrope.ops.rope_append_kv import tuning as append_tuning  # noqa: E402
 from jaxrope.testing import kv_oracle, oracle  # noqa: E402
 from jaxrope.testing import kv_inputs  # noqa: E402
 from jaxrope.testing.kv_inputs import FP8_SCALES, cache_shape, fused  # noqa: E402
@@ -408,14 +409,14 @@ def test_the_kv_launcher_exports_and_compiles_its_kernel_for_sm90_once(name):
     case = APPEND_BY_NAME[name]
     c = case.case
     launcher = TritonKVLauncher(target=GPUTarget("cuda", 90, 32))
-    block = kv_pallas.block_config(64, c.q_heads, c.k_heads, c.cfg.rotary_dim // 2)
+    block = append_tuning.append_triton_tuning(64, c.q_heads, c.k_heads, c.cfg.rotary_dim // 2)
     with cuda_target():
         compiled, exported = launcher.kernel(c.q_heads, torch.bfloat16, c.cfg, _geometry(case),
                                              block)
         again = launcher.kernel(c.q_heads, torch.bfloat16, c.cfg, _geometry(case), block)
     assert again[0] is compiled, "one compile per key"
     assert exported.num_caches == (1 if case.combined else 2)
-    assert exported.grid(64) == (*kv_pallas.grid(64, c.q_heads, c.k_heads, block), 1, 1)
+    assert exported.grid(64) == (*append_tuning.grid(64, c.q_heads, c.k_heads, block), 1, 1)
     ptx = compiled.asm["ptx"]
     assert ".entry jaxrope_rope_append_kv" in ptx and "sin.approx.f32" in ptx
     assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == case.fp8
@@ -431,7 +432,7 @@ def test_compiling_a_kernel_leaves_no_ir_directory_behind(monkeypatch, tmp_path)
     case = APPEND_BY_NAME["llama3_nhd_p16"]
     c = case.case
     launcher = TritonKVLauncher(target=GPUTarget("cuda", 90, 32))
-    block = kv_pallas.block_config(64, c.q_heads, c.k_heads, c.cfg.rotary_dim // 2)
+    block = append_tuning.append_triton_tuning(64, c.q_heads, c.k_heads, c.cfg.rotary_dim // 2)
     with cuda_target():
         compiled, _ = launcher.kernel(c.q_heads, torch.bfloat16, c.cfg, _geometry(case), block)
     assert ".entry jaxrope_rope_append_kv" in compiled.asm["ptx"]
@@ -448,11 +449,11 @@ def test_a_failing_kv_export_declines_once_and_is_remembered(monkeypatch):
         calls.append(kwargs)
         raise jr.BackendUnavailable("export forced to fail by the test")
 
-    monkeypatch.setattr(triton_ir, "export_append_kv", failing_export)
+    monkeypatch.setattr(append_triton_export, "export_append_kv", failing_export)
     case = APPEND_BY_NAME["llama3_hnd_p16"]
     c = case.case
     launcher = TritonKVLauncher()
-    block = kv_pallas.block_config(17, c.q_heads, c.k_heads, 64)
+    block = append_tuning.append_triton_tuning(17, c.q_heads, c.k_heads, 64)
     for _ in range(2):
         with pytest.raises(jr.BackendUnavailable, match="forced to fail"):
             launcher.kernel(c.q_heads, torch.bfloat16, c.cfg, _geometry(case), block)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +20,13 @@ import numpy as np
 import pytest
 
 import jaxrope as jr
-from jaxrope import apply as apply_module
+from jaxrope.ops import backends as backend_module
+from jaxrope.ops.rope_append_kv import triton as triton_append
+from jaxrope.ops.rope_append_kv import tuning as append_tuning
+from jaxrope.ops.rope_append_kv import reference as kv_reference
+from jaxrope.ops.rope_append_kv import cache_layout
+from jaxrope.ops import constants
 from jaxrope.cases import APPEND_BY_NAME, APPEND_CASES, BY_NAME, AppendCase
-from jaxrope.kernels import kv_layout, kv_pallas, kv_reference
 from jaxrope.testing import kv_oracle, oracle
 from jaxrope.testing.kv_inputs import FP8_SCALES, cache_shape, check_against_oracle, make_inputs, run
 from jaxrope.testing.kv_oracle import bits, split
@@ -200,36 +205,36 @@ def test_every_launch_shape_gives_the_same_result(name, config, rng):
     case = APPEND_BY_NAME[name]
     x = make_inputs(rng, case, jnp.float32)
     c = case.case
-    tables, attention = apply_module.kernel_constants(c.cfg)
+    tables, attention = constants.kernel_constants(c.cfg)
     arrays = (x.kv_cache,) if case.combined else x.kv_cache
     caches = tuple(a.reshape(-1, c.head_dim) for a in arrays)
-    rows = kv_layout.cache_rows(case.layout, case.combined, case.pages, case.page_size, c.k_heads)
+    rows = cache_layout.cache_rows(case.layout, case.combined, case.pages, case.page_size, c.k_heads)
 
     def launch(block):
-        return kv_pallas.rope_append_kv_pallas(
+        return triton_append.rope_append_kv_triton(
             x.q, x.k, x.v, jnp.asarray(x.pos), jnp.asarray(x.slots), jnp.asarray(tables),
             jnp.asarray([0.75, 150.0], jnp.float32), caches, rows=rows,
             rotary_dim=c.cfg.rotary_dim, interleave=c.cfg.interleave, attention_factor=attention,
-            interpret=True, config=block)
+            interpret=True, tuning=block)
 
-    want = launch(kv_pallas.AppendBlockConfig(1))
-    got = launch(kv_pallas.AppendBlockConfig(*config))
+    want = launch(append_tuning.AppendTritonTuning(1))
+    got = launch(append_tuning.AppendTritonTuning(*config))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert_within_rounding(a, b, f"{name} {config}")
 
 
 def test_launch_shape_heuristic():
     lanes = 64  # rotary_dim 128
-    big = kv_pallas.block_config(16384, 32, 8, lanes)
-    assert big == kv_pallas.AppendBlockConfig(2, 4, 1)
-    assert kv_pallas.head_programs(32, 8, big) == (4, 1, 1)
+    big = append_tuning.append_triton_tuning(16384, 32, 8, lanes)
+    assert big == append_tuning.AppendTritonTuning(2, 4, 1)
+    assert append_tuning.head_programs(32, 8, big) == (4, 1, 1)
     # 64 tokens of Hq=32 Hk=8: 6 programs a token already fill two per SM.
-    assert kv_pallas.block_config(64, 32, 8, lanes) == big
+    assert append_tuning.append_triton_tuning(64, 32, 8, lanes) == big
     # Few heads: a program walks 8 tokens; at 64 tokens that grid is too small, so the
     # walk, then the groups shrink until it has 264 programs (4 + 1 + 1 a token).
-    assert kv_pallas.block_config(1 << 16, 8, 1, lanes) == kv_pallas.AppendBlockConfig(2, 4, 8)
-    assert kv_pallas.block_config(64, 8, 1, lanes) == kv_pallas.AppendBlockConfig(2, 1, 1)
-    assert kv_pallas.grid(64, 8, 1, kv_pallas.AppendBlockConfig(2, 1, 1)) == (384,)
+    assert append_tuning.append_triton_tuning(1 << 16, 8, 1, lanes) == append_tuning.AppendTritonTuning(2, 4, 8)
+    assert append_tuning.append_triton_tuning(64, 8, 1, lanes) == append_tuning.AppendTritonTuning(2, 1, 1)
+    assert append_tuning.grid(64, 8, 1, append_tuning.AppendTritonTuning(2, 1, 1)) == (384,)
 
 
 # -- the Triton lowering, off the GPU -----------------------------------------------------
@@ -248,13 +253,13 @@ def _specs(case: AppendCase, tokens: int, dtype=jnp.bfloat16):
 
 def _on_gpu(monkeypatch):
     # The public op picks its backend from the arrays' platform; pretend it is a GPU.
-    monkeypatch.setattr(apply_module, "_platform", lambda x: "gpu")
+    monkeypatch.setattr(backend_module, "device_of", lambda x: types.SimpleNamespace(platform="gpu"))
 
 
 def _pallas_call(case: AppendCase):
     scales = FP8_SCALES if case.fp8 else {}
     return lambda q, k, v, pos, kv, slots: jr.apply_rope_and_append_kv(
-        q, k, v, pos, kv, slots, case.case.cfg, layout=case.layout, backend="pallas", **scales)
+        q, k, v, pos, kv, slots, case.case.cfg, layout=case.layout, backend="triton", **scales)
 
 
 LOWERED = ["llama3_nhd_p16", "llama3_hnd_p16", "llama3_nhd_p1_combined", "partial_half_fp8_hnd_combined",
@@ -274,7 +279,7 @@ def test_lowers_for_cuda_with_q_and_the_cache_aliased(name, monkeypatch):
     assert len(re.findall(r"tf\.aliasing_output = \d+", text)) == donated, "q and the cache alias"
 
 
-def _ptx(ttir: str, path, block: kv_pallas.AppendBlockConfig) -> str:
+def _ptx(ttir: str, path, block: append_tuning.AppendTritonTuning) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     path.write_text(ttir)
@@ -290,16 +295,16 @@ def test_the_compiled_kernel_does_not_depend_on_the_token_count(monkeypatch, tmp
     # (The Triton IR differs only in whole-array block starts, 0 * T, that Triton folds.)
     _on_gpu(monkeypatch)
     case = APPEND_BY_NAME["llama3_hnd_p16"]
-    block = kv_pallas.block_config(4096, 32, 8, 64)
-    tables, attention = apply_module.kernel_constants(case.case.cfg)
+    block = append_tuning.append_triton_tuning(4096, 32, 8, 64)
+    tables, attention = constants.kernel_constants(case.case.cfg)
 
-    rows = kv_layout.cache_rows("HND", False, case.pages, 16, case.case.k_heads)
+    rows = cache_layout.cache_rows("HND", False, case.pages, 16, case.case.k_heads)
 
     def kernel(q, k, v, pos, kv, slots):
         views = tuple(c.reshape(-1, 128) for c in kv)
-        return kv_pallas.rope_append_kv_pallas(
+        return triton_append.rope_append_kv_triton(
             q, k, v, pos, slots, jnp.asarray(tables), jnp.ones(2, jnp.float32), views, rows=rows,
-            rotary_dim=128, interleave=False, attention_factor=attention, config=block)
+            rotary_dim=128, interleave=False, attention_factor=attention, tuning=block)
 
     ptx = []
     for tokens in (64, 4096):
@@ -324,7 +329,7 @@ def test_the_kernel_compiles_to_ptx_for_sm90(name, monkeypatch, tmp_path):
     _on_gpu(monkeypatch)
     case = APPEND_BY_NAME[name]
     [ttir] = triton_modules(_pallas_call(case), *_specs(case, 64))
-    ptx = _ptx(ttir, tmp_path / "kernel.ttir", kv_pallas.block_config(
+    ptx = _ptx(ttir, tmp_path / "kernel.ttir", append_tuning.append_triton_tuning(
         64, case.case.q_heads, case.case.k_heads, case.case.cfg.rotary_dim // 2))
     assert "sin.approx.f32" in ptx and "cos.approx.f32" in ptx
     assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == case.fp8
@@ -339,9 +344,9 @@ def test_fp8_caches_of_2_to_4_gib_take_the_xla_path(monkeypatch):
     specs = list(_specs(case, 64))
     sds = jax.ShapeDtypeStruct
     specs[4] = (sds((pages, 16, 8, 128), jnp.float8_e4m3fn),) * 2
-    assert "2-4 GiB" in kv_pallas.unsupported(specs[4][0])
-    assert kv_pallas.unsupported(sds((2 * pages, 16, 8, 128), jnp.float8_e4m3fn)) is None
-    assert kv_pallas.unsupported(sds((pages, 16, 8, 128), jnp.bfloat16)) is None
+    assert "2-4 GiB" in triton_append.unsupported(specs[4][0])
+    assert triton_append.unsupported(sds((2 * pages, 16, 8, 128), jnp.float8_e4m3fn)) is None
+    assert triton_append.unsupported(sds((pages, 16, 8, 128), jnp.bfloat16)) is None
     with pytest.raises(jr.BackendUnavailable, match="2-4 GiB"):
         jax.eval_shape(_pallas_call(case), *specs)
     auto = lambda *a: jr.apply_rope_and_append_kv(*a[:6], case.case.cfg, **FP8_SCALES)  # noqa: E731
@@ -491,8 +496,9 @@ class TestBadInputs:
     def test_backends(self):
         self._raises(ValueError, "backend='cuda' must be one of", backend="cuda")
         if jax.default_backend() != "gpu":
-            self._raises(jr.BackendUnavailable, "backend='triton' (or 'pallas') needs a GPU",
-                         backend="pallas")
+            self._raises(jr.BackendUnavailable, "backend='triton' needs a GPU",
+                         backend="triton")
+        self._raises(ValueError, "the Pallas kernels are 'triton' and 'mosaic'", backend="pallas")
         if jax.default_backend() != "gpu":
             self._raises(jr.BackendUnavailable, "backend='mosaic' needs a CUDA GPU",
                          backend="mosaic")

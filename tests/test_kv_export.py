@@ -1,4 +1,4 @@
-"""triton_ir.export_append_kv: the fused kernel's Triton IR as the torch launcher uses it.
+"""append_triton_export.export_append_kv: the fused kernel's Triton IR as the torch launcher uses it.
 
 Off the GPU (lowered for an H200): the kernel's signature is the documented pointer
 order, every pointer promised 32-byte aligned (an M-RoPE kernel's too, which reads the
@@ -17,16 +17,19 @@ import jax.numpy as jnp
 import pytest
 
 import jaxrope as jr
-from jaxrope import apply as apply_module
+from jaxrope.ops.rope_append_kv import triton as triton_append
+from jaxrope.ops.rope_append_kv import tuning as append_tuning
+from jaxrope.ops.rope_append_kv import cache_layout
+from jaxrope.ops.rope_append_kv import triton_export as append_triton_export
+from jaxrope.ops import constants
 from jaxrope.cases import APPEND_BY_NAME, MROPE_APPEND_CASES
-from jaxrope.kernels import kv_layout, kv_pallas, triton_ir
 from jaxrope.testing.lowering import cuda_target, triton_modules
 
 
 def _export(name: str, tokens: int = 64, **changes):
     case = APPEND_BY_NAME[name]
     c = case.case
-    _, attention = apply_module.kernel_constants(c.cfg)
+    _, attention = constants.kernel_constants(c.cfg)
     rows = (case.page_size, c.k_heads) if case.layout == "NHD" else (c.k_heads, case.page_size)
     components = 2 if case.combined else 1
     args = dict(q_heads=c.q_heads, k_heads=c.k_heads, head_dim=c.head_dim,
@@ -35,11 +38,11 @@ def _export(name: str, tokens: int = 64, **changes):
                 cache_shape=(components * case.pages, *rows, c.head_dim),
                 cache_dtype=jnp.float8_e4m3fn if case.fp8 else jnp.bfloat16, layout=case.layout,
                 components=components,
-                block=kv_pallas.block_config(tokens, c.q_heads, c.k_heads, c.cfg.rotary_dim // 2),
+                block=append_tuning.append_triton_tuning(tokens, c.q_heads, c.k_heads, c.cfg.rotary_dim // 2),
                 mrope_section=c.cfg.mrope_section, mrope_interleaved=c.cfg.mrope_interleaved)
     args.update(changes)
     with cuda_target():
-        return triton_ir.export_append_kv(**args), args
+        return append_triton_export.export_append_kv(**args), args
 
 
 def _signature(ttir: str):
@@ -64,7 +67,7 @@ def test_the_mrope_export_takes_the_1d_pointers_and_reads_other_rows(name):
     inputs = ["i32", "i32", "i32", "f32", "f32", "bf16", "bf16", "bf16", *caches]
     assert _signature(exported.ttir) == [(t, "32") for t in inputs + ["bf16", *caches]]
     with cuda_target():
-        one_d = triton_ir.export_append_kv(**{**args, "mrope_section": None})
+        one_d = append_triton_export.export_append_kv(**{**args, "mrope_section": None})
     assert exported.ttir != one_d.ttir
 
 
@@ -78,17 +81,17 @@ def test_the_exported_kernel_is_the_kernel_lowered_at_any_token_count(name, tmp_
     exported, args = _export(name)
     block = args["block"]
     case = APPEND_BY_NAME[name]
-    address = kv_layout.cache_rows(case.layout, case.combined, case.pages, case.page_size,
+    address = cache_layout.cache_rows(case.layout, case.combined, case.pages, case.page_size,
                                    args["k_heads"])
 
     def kernel(q, k, v, pos, slots, tables, scales, *caches):
         views = tuple(c.reshape(-1, args["head_dim"]) for c in caches)
-        return kv_pallas.rope_append_kv_pallas(
+        return triton_append.rope_append_kv_triton(
             q, k, v, pos, slots, tables, scales, views, rows=address,
             rotary_dim=args["rotary_dim"], interleave=args["interleave"],
             attention_factor=args["attention_factor"],
             mrope_section=args["mrope_section"], mrope_interleaved=args["mrope_interleaved"],
-            config=block)
+            tuning=block)
 
     tokens = 4096
     sds = jax.ShapeDtypeStruct
@@ -117,7 +120,7 @@ def test_an_fp8_cache_of_2_to_4_gib_is_declined_before_lowering(monkeypatch):
     def no_lowering(*args):
         raise AssertionError("the export should decline before lowering")
 
-    monkeypatch.setattr(triton_ir, "capture", no_lowering)
+    monkeypatch.setattr(append_triton_export, "capture_one", no_lowering)
     pages = (3 << 30) // (16 * 8 * 128)  # 3 GiB of fp8
     with pytest.raises(jr.BackendUnavailable, match="2-4 GiB"):
         _export("llama3_fp8_nhd", cache_shape=(pages, 16, 8, 128))

@@ -3,7 +3,7 @@
 - Every layout form (FlashInfer's NHD / HND pair and combined array, JAX's
   ``paged_attention`` pair and ``ragged_paged_attention`` array) on the XLA backend and the
   Pallas kernel (interpreter): each token's rows read back with that reader's own
-  indexing, written here from its documentation (not from ``jaxrope.kernels.kv_layout``),
+  indexing, written here from its documentation (not from ``jaxrope.ops.rope_append_kv.cache_layout``),
   against the float64 rotation; every other element bit for bit unchanged.
 - JAX's own ops over the written cache against a float64 attention: the Pallas
   ``paged_attention`` kernel (in the Pallas interpreter here; compiled on the GPU in

@@ -22,31 +22,33 @@ import numpy as np
 import pytest
 
 import jaxrope as jr
-from jaxrope import kv_cache
-from jaxrope.apply import kernel_constants, kernel_options
+from jaxrope.ops import mosaic_common
+from jaxrope.ops.rope_append_kv import mosaic as mosaic_append
+from jaxrope.ops.rope_append_kv import tuning as append_tuning
+from jaxrope.ops.rope_append_kv import api as kv_api
+from jaxrope.ops.constants import kernel_constants, kernel_options
 from jaxrope.cases import APPEND_BY_NAME, APPEND_CASES, MROPE_APPEND_CASES
-from jaxrope.kernels import kv_mosaic, mosaic_gpu
 from jaxrope.testing import kv_oracle, oracle
 from jaxrope.testing.kv_inputs import check_against_oracle, make_inputs, run
 from jaxrope.testing.kv_oracle import bits
 from test_kv_layouts import CFG, FORMS, K_HEADS, Q_HEADS, _cache, _kv_index
 
-MISSING = mosaic_gpu.unavailable()
+MISSING = mosaic_common.unavailable()
 needs_mosaic = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
-LOWERING = mosaic_gpu.lowering_unavailable()
+LOWERING = mosaic_common.lowering_unavailable()
 needs_lowering = pytest.mark.skipif(LOWERING is not None, reason=str(LOWERING))
 TOLERANCE = oracle.RELATIVE_TOLERANCE
 
 
 def _mosaic(q, k, v, pos, cache, slots, cfg, layout="NHD", interpret=True, **scales):
     """``apply_rope_and_append_kv``'s call of its kernel (the cache's ``[rows, D]`` views
-    and addressing from :mod:`jaxrope.kv_cache`), the kernel in its interpreter."""
-    caches, combined, rows = kv_cache._caches(cache, layout, k)
+    and addressing from :mod:`jaxrope.ops.rope_append_kv.api`), the kernel in its interpreter."""
+    caches, combined, rows = kv_api._caches(cache, layout, k)
     quantized = jnp.dtype(caches[0].dtype) == jnp.float8_e4m3fn
     s = jnp.stack([jnp.float32(scales.get(name, 1.0) if quantized else 1.0)
                    for name in ("k_quant_scale", "v_quant_scale")])
     tables, _ = kernel_constants(cfg)
-    q, views = kv_mosaic.rope_append_kv_mosaic(
+    q, views = mosaic_append.rope_append_kv_mosaic(
         q, k, v, jnp.asarray(pos, jnp.int32), jnp.asarray(slots, jnp.int32), jnp.asarray(tables),
         s, tuple(c.reshape(-1, c.shape[-1]) for c in caches), rows=rows,
         interpret=interpret, **kernel_options(cfg))
@@ -131,19 +133,22 @@ def test_mosaic_append_takes_no_tokens(rng):
         np.testing.assert_array_equal(bits(a), bits(b))
 
 
-def _blocks(case, x, count, tokens, grid=None, n=None, max_count=None):
+def _blocks(case, x, count, tokens, grid=None, n=None, max_count=None, share_angle=True):
     """The kernel built with ``tokens`` a block: ``count`` static, or None (then ``n`` is
     read at run time and ``grid`` blocks walk the first ``n`` tokens of ``x``, or run a
     token block each when ``max_count`` says the grid covers every count)."""
-    cfg, (caches, combined, rows) = case.case.cfg, kv_cache._caches(x.kv_cache, case.layout, x.k)
+    cfg, (caches, combined, rows) = case.case.cfg, kv_api._caches(x.kv_cache, case.layout, x.k)
     n = count if count is not None else n
     tables, attention = kernel_constants(cfg)
-    kernel = kv_mosaic.build_append(
+    tuning = append_tuning.append_mosaic_tuning(
+        x.q.shape[1], x.k.shape[1], cfg.head_dim, cfg.rotary_dim, x.q.dtype.itemsize,
+        tokens_per_block=tokens, share_angle=share_angle)
+    kernel = mosaic_append.build_append(
         q_heads=x.q.shape[1], k_heads=x.k.shape[1], head_dim=cfg.head_dim,
         itemsize=x.q.dtype.itemsize, rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
         attention_factor=attention, rows=rows, quantize=case.fp8,
         mrope_section=cfg.mrope_section, mrope_interleaved=cfg.mrope_interleaved,
-        count=count, tokens=tokens, grid=grid, max_count=max_count, interpret=True)
+        count=count, grid=grid, max_count=max_count, interpret=True, tuning=tuning)
     view = (lambda a: a.reshape(*a.shape[:2], cfg.head_dim // 2, 2)) if cfg.interleave else (
         lambda a: a)
     # M-RoPE rows sit n apart: the [3, n] block first, in one flat buffer.
@@ -154,11 +159,11 @@ def _blocks(case, x, count, tokens, grid=None, n=None, max_count=None):
 
     def call(q, k, v, *cs):
         q_ref = jax.new_ref(view(q))
-        refs = [jax.new_ref(kv_mosaic.cache_view(c.reshape(-1, c.shape[-1]), rows, k.shape[1],
+        refs = [jax.new_ref(mosaic_append.cache_view(c.reshape(-1, c.shape[-1]), rows, k.shape[1],
                                                  cfg.interleave)) for c in cs]
         counted = () if count is not None else (jnp.asarray([n], jnp.int32),)
         kernel(*counted, jnp.asarray(flat), jnp.asarray(x.slots), jnp.asarray(tables),
-               mosaic_gpu.slot_row_table(cfg.rotary_dim // 2, cfg.mrope_section,
+               mosaic_common.slot_row_table(cfg.rotary_dim // 2, cfg.mrope_section,
                                          cfg.mrope_interleaved),
                scales, q_ref, view(k), view(v), *refs)
         return (jax.freeze(q_ref).reshape(q.shape),
@@ -204,8 +209,8 @@ def test_mosaic_append_reads_the_token_count_at_run_time(name, n, tokens, grid, 
     x = make_inputs(rng, case, jnp.bfloat16)
     assert n < len(x.slots)
     cfg = case.case.cfg
-    work = kv_mosaic.pieces(x.q.shape[1], x.k.shape[1], cfg.head_dim, cfg.rotary_dim,
-                            x.q.dtype.itemsize)
+    work = append_tuning.append_mosaic_tuning(x.q.shape[1], x.k.shape[1], cfg.head_dim,
+                                              cfg.rotary_dim, x.q.dtype.itemsize).pieces
     q, cache = _blocks(case, x, None, tokens, grid * len(work), n, max_count)
     np.testing.assert_array_equal(bits(q)[n:], bits(x.q)[n:])
     slots = np.where(np.arange(len(x.slots)) < n, x.slots, -1)
@@ -265,27 +270,30 @@ def test_llama3_halves_and_v_fill_the_warpgroup_without_copies():
     # Llama 3 (Hq 32, Hk 8, D 128, bf16): the halves' layout fills the warpgroup with k's
     # 8 heads (8-byte vectors, half a warp along a head's half, no copies), and v's
     # [8, 128] is two 8-byte vectors a thread.
-    halves = kv_mosaic.row_split(8, 64, 2, 64, False)
+    vector_bytes = append_tuning.append_mosaic_tuning(32, 8, 128, 128, 2).vector_bytes
+    halves = mosaic_append.row_split(8, 64, 2, 64, False, vector_bytes)
     assert (halves.vec, halves.width_lanes, halves.head_lanes, halves.head_warps) == (4, 16, 2, 4)
     assert halves.copies == 1
-    whole = kv_mosaic.row_split(8, 128, 2, 0, False)
+    whole = mosaic_append.row_split(8, 128, 2, 0, False, vector_bytes)
     assert (whole.vec, whole.width_lanes, whole.width_warps, whole.head_warps) == (4, 32, 1, 4)
     # A q piece's 16 heads form each angle element on 8 threads; angle_split's on 2.
-    q_piece = kv_mosaic.row_split(16, 64, 2, 64, False)
+    q_piece = mosaic_append.row_split(16, 64, 2, 64, False, vector_bytes)
     assert 128 // (q_piece.width_lanes * q_piece.width_warps) == 8
-    own = kv_mosaic.angle_split(64)
+    own = mosaic_append.angle_split(64)
     assert 128 // (own.width_lanes * own.width_warps) == 2
-    assert kv_mosaic.shares_angle(q_piece, 64) and not kv_mosaic.shares_angle(own, 64)
+    assert mosaic_append.shares_angle(q_piece, 64, True)
+    assert not mosaic_append.shares_angle(own, 64, True)
+    assert not mosaic_append.shares_angle(q_piece, 64, False)
     # GPT-J pairs take single elements; a head count of one leaves copies, never a split head.
-    assert kv_mosaic.row_split(4, 32, 2, 32, True).vec == 1
-    assert kv_mosaic.row_split(1, 40, 2, 40, False).head_tile == 1
+    assert mosaic_append.row_split(4, 32, 2, 32, True, vector_bytes).vec == 1
+    assert mosaic_append.row_split(1, 40, 2, 40, False, vector_bytes).head_tile == 1
 
 
 @pytest.mark.parametrize("half", [16, 32, 40, 48, 64, 128, 256])
 def test_the_angle_is_formed_on_as_few_threads_an_element_as_its_size_allows(half):
     # One element a thread over the most lanes and warps that divide it (at most 128
     # threads): Llama 3's 64 slots on two warps.
-    split = kv_mosaic.angle_split(half)
+    split = mosaic_append.angle_split(half)
     assert split.vec == 1 and split.head_tile == 1
     threads = split.width_lanes * split.width_warps
     assert half % threads == 0 and threads <= 128
@@ -301,35 +309,37 @@ def test_the_angle_is_formed_on_as_few_threads_an_element_as_its_size_allows(hal
     # A grid that walks: a block forms an angle for one item after another.
     ("llama3_nhd_p16", None, 1, 2), ("qwen3_vl_interleaved_hnd_combined", None, 2, 3)])
 def test_the_shared_angle_rotates_bit_for_bit_as_the_angle_formed_in_place(
-        name, count, tokens, grid, rng, monkeypatch):
+        name, count, tokens, grid, rng):
     # The one angle function in either layout gives the same float32 bits, and SMEM
-    # hands them over unchanged: q and the cache agree to the bit with _SHARE_ANGLE off.
+    # hands them over unchanged: q and the cache agree to the bit with share_angle off.
     case = APPEND_BY_NAME[name]
     x = make_inputs(rng, case, jnp.bfloat16)
     n = count if count is not None else len(x.slots) - 3
-    work = kv_mosaic.pieces(x.q.shape[1], x.k.shape[1], case.case.cfg.head_dim,
-                            case.case.cfg.rotary_dim, 2)
-    half = case.case.cfg.rotary_dim // 2
-    splits = [kv_mosaic.rotary_split(p, x.k.shape[1], half, 2, case.case.cfg.interleave)
-              for p in work]
-    assert any(kv_mosaic.shares_angle(s, half) for s in splits), "a case that shares"
+    tuning = append_tuning.append_mosaic_tuning(x.q.shape[1], x.k.shape[1],
+                                                case.case.cfg.head_dim,
+                                                case.case.cfg.rotary_dim, 2)
+    work, half = tuning.pieces, case.case.cfg.rotary_dim // 2
+    splits = [mosaic_append.rotary_split(p, x.k.shape[1], half, 2, case.case.cfg.interleave,
+                                         tuning.vector_bytes) for p in work]
+    assert any(mosaic_append.shares_angle(s, half, True) for s in splits), "a case that shares"
     shape = dict(grid=grid and grid * len(work), n=n)
     shared = _blocks(case, x, count, tokens, **shape)
-    monkeypatch.setattr(kv_mosaic, "_SHARE_ANGLE", False)
-    own = _blocks(case, x, count, tokens, **shape)
+    own = _blocks(case, x, count, tokens, **shape, share_angle=False)
     for a, b in zip(jax.tree.leaves(shared), jax.tree.leaves(own)):
         np.testing.assert_array_equal(bits(a), bits(b))
 
 
 def test_a_token_of_many_bytes_is_split_into_pieces_that_cover_it_once():
     # Brute force over head layouts: every q head in exactly one piece, k and v in one;
-    # q's chunks the largest dividing the head count within _PIECE_BYTES.
-    budget = kv_mosaic._PIECE_BYTES
+    # q's chunks the largest dividing the head count within the piece budget.
+    budget = 4096
     for q_heads, k_heads, head_dim, rotary_dim, itemsize in [
             (q, k, d, r, i) for q, k in ((32, 8), (28, 4), (40, 8), (64, 8), (12, 2), (14, 2),
                                         (16, 16), (8, 1), (5, 1))
             for d in (64, 128, 256, 512) for r in (d, d // 2) for i in (2, 4)]:
-        work = kv_mosaic.pieces(q_heads, k_heads, head_dim, rotary_dim, itemsize)
+        work = append_tuning.pieces(q_heads, k_heads, head_dim, rotary_dim, itemsize, budget)
+        assert work == append_tuning.append_mosaic_tuning(q_heads, k_heads, head_dim,
+                                                          rotary_dim, itemsize).pieces
         heads = [h for p in work for h in range(p.q_first, p.q_first + p.q_heads)]
         assert sorted(heads) == list(range(q_heads))
         assert sum(p.kv for p in work) == 1

@@ -20,7 +20,7 @@ import pytest
 
 import jaxrope as jr
 from jaxrope.cases import MROPE_APPEND_CASES
-from jaxrope.kernels import kv_reference
+from jaxrope.ops.rope_append_kv import reference as kv_reference
 from jaxrope.testing import kv_oracle, oracle
 from jaxrope.testing.kv_inputs import FP8_SCALES, check_against_oracle, make_inputs, run
 from jaxrope.testing.kv_oracle import split

@@ -812,7 +812,7 @@ def test_plan_and_commit_move_nothing_through_jax():
 
 @pytest.mark.requires_triton
 def test_the_triton_launcher_declines_once_for_a_failing_export_and_caches_it(monkeypatch):
-    from jaxrope.kernels import triton_ir
+    from jaxrope.ops.rope import triton_export
     from torch_bridge.launch.triton import TritonLauncher
 
     calls = []
@@ -821,7 +821,7 @@ def test_the_triton_launcher_declines_once_for_a_failing_export_and_caches_it(mo
         calls.append(kwargs)
         raise jr.BackendUnavailable("export forced to fail by the test")
 
-    monkeypatch.setattr(triton_ir, "export", failing_export)
+    monkeypatch.setattr(triton_export, "export", failing_export)
     launcher = TritonLauncher()
     for _ in range(2):
         with pytest.raises(jr.BackendUnavailable, match="forced to fail"):

@@ -289,7 +289,7 @@ def test_the_kernel_block_is_the_tensor_itself_or_a_contiguous_copy_of_its_first
 
 @pytest.mark.requires_triton
 def test_the_launcher_exports_each_mrope_layout_as_its_own_kernel(monkeypatch):
-    from jaxrope.kernels import triton_ir
+    from jaxrope.ops.rope import triton_export
     from torch_bridge.launch.triton import TritonLauncher
 
     calls = []
@@ -298,7 +298,7 @@ def test_the_launcher_exports_each_mrope_layout_as_its_own_kernel(monkeypatch):
         calls.append(kwargs)
         raise jr.BackendUnavailable("recorded by the test")
 
-    monkeypatch.setattr(triton_ir, "export", recording_export)
+    monkeypatch.setattr(triton_export, "export", recording_export)
     launcher = TritonLauncher()
     sectioned = jr.RopeConfig(head_dim=128, theta=5e6, mrope_section=(24, 20, 20))
     configs = [sectioned, jr.RopeConfig(head_dim=128, theta=5e6, mrope_section=(24, 20, 20),

@@ -16,24 +16,30 @@ import numpy as np
 import pytest
 
 import jaxrope as jr
-from jaxrope import backend as backend_module
-from jaxrope.apply import kernel_constants
+from jaxrope.ops import backends as backend_module
+from jaxrope.ops import mosaic_common
+from jaxrope.ops.constants import kernel_constants, kernel_options
+from jaxrope.ops.rope import mosaic as mosaic_rope
+from jaxrope.ops.rope import mosaic_export
+from jaxrope.ops.rope import triton as triton_rope
+from jaxrope.ops.rope import tuning as rope_tuning
+from jaxrope.ops.rope_append_kv import cache_layout
+from jaxrope.ops.rope_append_kv import mosaic as mosaic_append
+from jaxrope.ops.rope_append_kv import mosaic_export as append_mosaic_export
+from jaxrope.ops.rope_append_kv import tuning as append_tuning
 from jaxrope.cases import BY_NAME, CASES, MROPE_CASES
-from jaxrope.kernels import kv_mosaic, mosaic_gpu
 from jaxrope.testing import oracle
 
-MISSING = mosaic_gpu.unavailable()
+MISSING = mosaic_common.unavailable()
 needs_mosaic = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
 LARGE = 1 << 20
 BOUND = {jnp.bfloat16: 2.5e-3, jnp.float16: 2.5e-3, jnp.float32: 1e-5}
 
 
-def _mosaic(cfg, q, k, pos, interpret=True):
-    tables, attention = kernel_constants(cfg)
-    return mosaic_gpu.rope_mosaic(q, k, jnp.asarray(pos), jnp.asarray(tables),
-                                  rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
-                                  attention_factor=attention, mrope_section=cfg.mrope_section,
-                                  mrope_interleaved=cfg.mrope_interleaved, interpret=interpret)
+def _mosaic(cfg, q, k, pos, interpret=True, tuning=None):
+    tables, _ = kernel_constants(cfg)
+    return mosaic_rope.rope_mosaic(q, k, jnp.asarray(pos), jnp.asarray(tables),
+                                   interpret=interpret, tuning=tuning, **kernel_options(cfg))
 
 
 def _draw(rng, cfg, tokens, q_heads, k_heads, dtype):
@@ -76,7 +82,7 @@ def test_mosaic_body_rotates_whole_blocks_and_the_tail(name, tokens, rng):
     # angle shows against the oracle.
     case = BY_NAME[name]
     cfg = dataclasses.replace(case.cfg, max_position=LARGE)
-    p = mosaic_gpu.plan(case.q_heads, case.k_heads, cfg.rotary_dim // 2, cfg.head_dim, 2,
+    p = rope_tuning.mosaic_tuning(case.q_heads, case.k_heads, cfg.rotary_dim // 2, cfg.head_dim, 2,
                         cfg.interleave)
     assert tokens > p.tokens_per_block and tokens % p.tokens_per_block
     q, k, pos = _draw(rng, cfg, tokens, case.q_heads, case.k_heads, jnp.bfloat16)
@@ -100,8 +106,8 @@ def _lowered(cfg, tokens, q_heads, k_heads, dtype=jnp.bfloat16, **jit_kwargs):
 
 
 @needs_mosaic
-@pytest.mark.skipif(mosaic_gpu.lowering_unavailable() is not None,
-                    reason=str(mosaic_gpu.lowering_unavailable()))
+@pytest.mark.skipif(mosaic_common.lowering_unavailable() is not None,
+                    reason=str(mosaic_common.lowering_unavailable()))
 @pytest.mark.parametrize("case, dtype", DTYPE_CASES,
                          ids=lambda x: getattr(x, "name", None) or jnp.dtype(x).name)
 def test_mosaic_kernel_lowers_for_cuda_on_every_case(case, dtype):
@@ -128,71 +134,99 @@ def test_mosaic_kernel_computes_the_angle_once_per_block(name):
     # the loop over its tokens. Two token blocks are too few for the GPU: the head groups split among
     # blocks, each split's blocks with their own angle.
     case = BY_NAME[name]
-    p = mosaic_gpu.plan(case.q_heads, case.k_heads, case.cfg.rotary_dim // 2,
-                        case.cfg.head_dim, 2, case.cfg.interleave)
+    p = rope_tuning.mosaic_tuning(case.q_heads, case.k_heads, case.cfg.rotary_dim // 2,
+                                  case.cfg.head_dim, 2, case.cfg.interleave)
     groups = case.q_heads // p.q_group + case.k_heads // p.k_group
     half = case.cfg.rotary_dim // 2
     for tokens, shape, per_split in ((p.tokens_per_block + 1, p.tokens_per_block, 2),
                                      (p.tokens_per_block - 1, 1, 1)):
-        splits = mosaic_gpu.head_splits(-(-tokens // p.tokens_per_block), groups, p.block_groups)
+        splits = rope_tuning.head_splits(-(-tokens // p.tokens_per_block), groups, p.block_groups)
         assert splits > 1
         text = str(_lowered(case.cfg, tokens, case.q_heads, case.k_heads).jaxpr)
         assert sorted(re.findall(r":f32\[([\d,]*)\] = (sin|cos) ", text)) == sorted(
             [(f"{shape},{half}", "sin"), (f"{shape},{half}", "cos")] * per_split * splits)
 
 
-def test_mosaic_plan_splits_every_layout_into_whole_warps():
-    # Brute force: lanes along the pairs divide a warp and the half's vectors, a vector
-    # fits _VEC_BYTES and divides the half and the head stride (GPT-J: one element), head
-    # groups divide the head count and serve enough heads an angle.
+@pytest.mark.parametrize("rules", [{}, dict(vec_bytes=16, group_bytes=128, block_bytes=256)],
+                         ids=["default", "wide"])
+def test_mosaic_tuning_splits_every_layout_into_whole_warps(rules):
+    # Brute force, at the heuristic's default rule sizes and at wider ones (a sweep's): lanes
+    # along the pairs divide a warp and the half's vectors, a vector fits vec_bytes and
+    # divides the half and the head stride (GPT-J: one element), head groups divide the
+    # head count and serve enough heads an angle.
+    sizes = dict(dict(vec_bytes=4, group_bytes=32, block_bytes=32, angle_heads=4), **rules)
     for half, extra, itemsize, interleave, heads in [
             (h, e, i, il, hs) for h in (4, 8, 16, 20, 24, 32, 40, 48, 64, 96, 128, 256)
             for e in (0, 2, 36) for i in (2, 4) for il in (False, True)
             for hs in ((32, 8), (28, 4), (5, 1), (3, 3), (64, 8), (17, 1), (19, 1))]:
         head_dim = 2 * half + extra
-        p = mosaic_gpu.plan(*heads, half, head_dim, itemsize, interleave)
+        p = rope_tuning.mosaic_tuning(*heads, half, head_dim, itemsize, interleave, **rules)
+        if not rules:
+            assert p == rope_tuning.mosaic_tuning(*heads, half, head_dim, itemsize, interleave,
+                                                  **sizes)
         assert 32 % p.lanes_pairs == 0 and (half // p.vec) % p.lanes_pairs == 0
-        assert p.vec * itemsize <= mosaic_gpu._VEC_BYTES
+        assert p.vec * itemsize <= sizes["vec_bytes"]
         assert half % p.vec == 0 and head_dim % p.vec == 0
         assert not interleave or p.vec == 1
         assert p.tokens_per_block == 4 * 32 // p.lanes_pairs
         assert heads[0] % p.q_group == 0 and heads[1] % p.k_group == 0
         head_bytes = 2 * (half // p.lanes_pairs) * itemsize
-        cap = mosaic_gpu._ANGLE_HEADS * mosaic_gpu._GROUP_BYTES
+        cap = sizes["angle_heads"] * sizes["group_bytes"]
         for h, group in zip(heads, (p.q_group, p.k_group)):
-            # _ANGLE_HEADS heads an angle where a dividing group of them fits the cap; a
+            # angle_heads heads an angle where a dividing group of them fits the cap; a
             # group over the cap only as a single head.
-            reachable = [g for g in range(min(h, mosaic_gpu._ANGLE_HEADS), h + 1)
+            reachable = [g for g in range(min(h, sizes["angle_heads"]), h + 1)
                          if h % g == 0 and g * head_bytes <= cap]
-            assert group >= min(h, mosaic_gpu._ANGLE_HEADS) or not reachable
+            assert group >= min(h, sizes["angle_heads"]) or not reachable
             assert group == 1 or group * head_bytes <= cap
-        # A block rotates at most _BLOCK_BYTES a thread (one group when a group is more).
+        # A block rotates at most block_bytes a thread (one group when a group is more).
         group_bytes = 2 * (half // p.lanes_pairs) * itemsize * max(p.q_group, p.k_group)
         assert p.block_groups >= 1
-        assert p.block_groups == 1 or p.block_groups * group_bytes <= mosaic_gpu._BLOCK_BYTES
+        assert p.block_groups == 1 or p.block_groups * group_bytes <= sizes["block_bytes"]
+
+
+def test_mosaic_tuning_of_known_layouts():
     # Llama's 40 heads in bf16: 4-byte vectors, 10 groups of 4 heads x 2 pairs a thread
     # (32 bytes), one group a block, so 10 blocks per token block of 4 tokens at any T.
-    llama = mosaic_gpu.plan(32, 8, 64, 128, 2, False)
+    llama = rope_tuning.mosaic_tuning(32, 8, 64, 128, 2, False)
     assert (llama.vec, llama.q_group, llama.k_group, llama.tokens_per_block) == (2, 4, 4, 4)
-    assert (llama.block_groups, mosaic_gpu.head_splits(4096, 10, llama.block_groups)) == (1, 10)
+    assert (llama.block_groups, rope_tuning.head_splits(4096, 10, llama.block_groups)) == (1, 10)
     # 14 heads have no divisor from 3 to 6: groups of 7, not 2 heads an angle; 17 heads of
     # 2 pairs (8 bytes) a thread would be 136 bytes, over 4 x 32: one head a group.
-    qwen2 = mosaic_gpu.plan(14, 2, 64, 128, 2, False)
+    qwen2 = rope_tuning.mosaic_tuning(14, 2, 64, 128, 2, False)
     assert (qwen2.q_group, qwen2.k_group) == (7, 2)
-    assert mosaic_gpu.plan(17, 1, 64, 128, 2, False).q_group == 1
+    assert rope_tuning.mosaic_tuning(17, 1, 64, 128, 2, False).q_group == 1
+
+
+@needs_mosaic
+@pytest.mark.parametrize("name", ["llama3_8b", "qwen2_vl_7b"])
+def test_a_tuning_passed_to_the_kernel_changes_the_split_not_the_rotation(name, rng):
+    # A sweep's tuning (wider groups and vectors, more groups a block, fewer blocks) is a
+    # value the kernel takes: another split of the same work, the same bits out.
+    case = BY_NAME[name]
+    cfg = case.cfg
+    q, k, pos = _draw(rng, cfg, 37, case.q_heads, case.k_heads, jnp.bfloat16)
+    default = rope_tuning.mosaic_tuning(case.q_heads, case.k_heads, cfg.rotary_dim // 2,
+                                        cfg.head_dim, 2, cfg.interleave)
+    wide = rope_tuning.mosaic_tuning(case.q_heads, case.k_heads, cfg.rotary_dim // 2,
+                                     cfg.head_dim, 2, cfg.interleave, group_bytes=128,
+                                     vec_bytes=16, block_bytes=256, in_flight=3, min_blocks=1)
+    assert wide != default
+    for a, b in zip(_mosaic(cfg, q, k, pos), _mosaic(cfg, q, k, pos, tuning=wide)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
 
 
 def test_mosaic_floor_is_a_floor_for_either_sign(rng):
     # The turn tables' mid and lo parts are signed: the kernel floors negative values too.
     x = rng.uniform(-3e6, 3e6, 4096).astype(np.float32)
     x[:4] = [-2.5, -2.0, -0.25, 0.0]
-    np.testing.assert_array_equal(np.asarray(mosaic_gpu.floor(jnp.asarray(x))), np.floor(x))
+    np.testing.assert_array_equal(np.asarray(mosaic_common.floor(jnp.asarray(x))), np.floor(x))
 
 
 def test_auto_takes_mosaic_only_on_hopper_or_newer():
     # One rule for every caller and both ops (each has a Mosaic GPU kernel): compute
     # capability 9.0+ CUDA runs Mosaic GPU, older GPUs the Triton-lowered kernel, CPU XLA.
-    want = "mosaic" if mosaic_gpu.lowering_unavailable() is None else "triton"
+    want = "mosaic" if mosaic_common.lowering_unavailable() is None else "triton"
     assert backend_module.backend_name("auto", "cuda", compute_capability="9.0") == want
     assert backend_module.backend_name("auto", "gpu", compute_capability="10.0") == want
     assert backend_module.backend_name("auto", "cuda", compute_capability="8.9") == "triton"
@@ -200,31 +234,33 @@ def test_auto_takes_mosaic_only_on_hopper_or_newer():
     assert backend_module.backend_name("auto", "cpu") == "xla"
     assert backend_module.backend_name("auto", "cuda", "rope_append_kv", "9.0") == want
     assert backend_module.backend_name("auto", "cuda", "rope_append_kv", "8.0") == "triton"
-    assert backend_module.resolve("pallas", "cuda") is backend_module.resolve("triton", "cuda")
+    assert backend_module.resolve("triton", "cuda") is triton_rope.rope_triton
+    with pytest.raises(ValueError, match="backend='pallas' must be one of"):
+        backend_module.resolve("pallas", "cuda")
     with pytest.raises(jr.BackendUnavailable, match="backend='mosaic' needs a CUDA GPU"):
         backend_module.resolve("mosaic", "cpu")
-    with pytest.raises(jr.BackendUnavailable, match="backend='triton' \\(or 'pallas'\\) needs"):
-        backend_module.resolve("pallas", "cpu")
+    with pytest.raises(jr.BackendUnavailable, match="backend='triton' needs a GPU"):
+        backend_module.resolve("triton", "cpu")
     assert backend_module.resolve("mosaic", "cuda", "rope_append_kv") is (
-        kv_mosaic.rope_append_kv_mosaic)
+        mosaic_append.rope_append_kv_mosaic)
 
 
 @needs_mosaic
 def test_auto_leaves_mosaic_to_the_jax_versions_known_to_lower_it(monkeypatch):
-    # A JAX minor past mosaic_gpu.LOWERS_UP_TO may refuse layouts (0.12 refused many
-    # stores until mosaic_gpu.store): "auto" runs the Triton-lowered kernel there.
+    # A JAX minor past mosaic_common.LOWERS_UP_TO may refuse layouts (0.12 refused many
+    # stores until mosaic_common.store): "auto" runs the Triton-lowered kernel there.
     monkeypatch.setattr(jax, "__version__", "0.13.0")
-    assert "jax 0.13.0 is newer than the JAX versions" in mosaic_gpu.lowering_unavailable()
+    assert "jax 0.13.0 is newer than the JAX versions" in mosaic_common.lowering_unavailable()
     assert backend_module.backend_name("auto", "cuda", compute_capability="9.0") == "triton"
     for version in ("0.11.2", "0.12.0.1"):
         monkeypatch.setattr(jax, "__version__", version)
-        assert mosaic_gpu.lowering_unavailable() is None
+        assert mosaic_common.lowering_unavailable() is None
         assert backend_module.backend_name("auto", "cuda", compute_capability="9.0") == "mosaic"
         assert backend_module.backend_name("auto", "cuda", "rope_append_kv", "9.0") == "mosaic"
 
 
 def _run_time_count(cfg, q, k, pos, count, grid, splits, min_count=1, max_count=None):
-    return run_with_count(mosaic_gpu.build, cfg, q, k, pos, count, grid=grid, splits=splits,
+    return run_with_count(mosaic_rope.build, cfg, q, k, pos, count, grid=grid, splits=splits,
                           min_count=min_count, max_count=max_count)
 
 
@@ -238,7 +274,7 @@ def run_with_count(builder, cfg, q, k, pos, count, **build_kwargs):
         itemsize=q.dtype.itemsize, rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
         attention_factor=attention, mrope_section=cfg.mrope_section,
         mrope_interleaved=cfg.mrope_interleaved, count=None, interpret=True, **build_kwargs)
-    rows = mosaic_gpu.slot_row_table(cfg.rotary_dim // 2, cfg.mrope_section,
+    rows = mosaic_common.slot_row_table(cfg.rotary_dim // 2, cfg.mrope_section,
                                      cfg.mrope_interleaved)
     view = lambda x: x.reshape(*x.shape[:2], cfg.head_dim // 2, 2) if cfg.interleave else x
     # M-RoPE rows sit `count` apart: the [3, count] block first, in one flat buffer.
@@ -293,35 +329,36 @@ def check_count_run(cfg, q, k, pos, count, out):
 
 
 @needs_mosaic
-@pytest.mark.skipif(mosaic_gpu.lowering_unavailable() is not None,
-                    reason=str(mosaic_gpu.lowering_unavailable()))
+@pytest.mark.skipif(mosaic_common.lowering_unavailable() is not None,
+                    reason=str(mosaic_common.lowering_unavailable()))
 @pytest.mark.parametrize("name", ["llama3_8b", "gptj_interleave", "qwen2_vl_7b"])
 def test_mosaic_export_is_one_module_over_the_launch_operands(name):
     # What torch_bridge.launch.mosaic compiles: MLIR bytecode of one kernel whose operands
     # are the launch's pointers in order, q and k aliased to the two results.
-    from jaxrope.kernels import mosaic_export
     case = BY_NAME[name]
-    tables, attention = kernel_constants(case.cfg)
+    tuning = rope_tuning.mosaic_tuning(case.q_heads, case.k_heads, case.cfg.rotary_dim // 2,
+                                       case.cfg.head_dim, 2, case.cfg.interleave)
     exported = mosaic_export.export(
         q_heads=case.q_heads, k_heads=case.k_heads, head_dim=case.cfg.head_dim,
-        dtype=jnp.bfloat16, capacity=1 << 16, grid=8, **jr.apply.kernel_options(case.cfg))
+        dtype=jnp.bfloat16, tuning=tuning, capacity=1 << 16, grid=8,
+        **kernel_options(case.cfg))
     assert exported.module.startswith(b"ML\xefR") and exported.results == 2
     assert exported.grid == 8 and exported.capacity == 1 << 16
 
 
 @needs_mosaic
-@pytest.mark.skipif(mosaic_gpu.lowering_unavailable() is not None,
-                    reason=str(mosaic_gpu.lowering_unavailable()))
+@pytest.mark.skipif(mosaic_common.lowering_unavailable() is not None,
+                    reason=str(mosaic_common.lowering_unavailable()))
 @pytest.mark.parametrize("layout, combined", [("NHD", False), ("HND", True)])
 def test_mosaic_append_export_is_one_module_over_the_launch_operands(layout, combined):
     # What torch_bridge.launch.mosaic.MosaicKVLauncher compiles: q and every cache array
     # aliased to the results, in operand order.
-    from jaxrope.kernels import kv_layout, mosaic_export
     cfg = BY_NAME["llama3_8b"].cfg
-    rows = kv_layout.cache_rows(layout, combined, 8, 16, 8)
-    exported = mosaic_export.export_append(
+    rows = cache_layout.cache_rows(layout, combined, 8, 16, 8)
+    exported = append_mosaic_export.export_append(
         q_heads=32, k_heads=8, head_dim=cfg.head_dim, dtype=jnp.bfloat16,
         cache_dtype=jnp.float8_e4m3fn, rows=rows, components=1 if combined else 2,
-        capacity=1 << 16, grid=64, **jr.apply.kernel_options(cfg))
+        tuning=append_tuning.append_mosaic_tuning(32, 8, cfg.head_dim, cfg.rotary_dim, 2),
+        capacity=1 << 16, grid=64, **kernel_options(cfg))
     assert exported.module.startswith(b"ML\xefR")
     assert exported.results == (2 if combined else 3)

@@ -1,4 +1,4 @@
-"""The TMA-pipelined Mosaic GPU variant (jaxrope.kernels.mosaic_tma) in Mosaic GPU's
+"""The TMA-pipelined Mosaic GPU variant (bench.experiments.mosaic_tma) in Mosaic GPU's
 interpreter (CPU) against the float64 oracle, and its CUDA lowering (which runs off a GPU):
 every named case TMA takes, whole token blocks walked through the SMEM stages and the
 single-token tail, the run-time count.
@@ -16,23 +16,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrope.apply import kernel_constants
+from jaxrope.ops.constants import kernel_constants
 from jaxrope.cases import BY_NAME, CASES, MROPE_CASES
-from jaxrope.kernels import mosaic_gpu
+from jaxrope.ops import mosaic_common
 from test_mosaic_interpret import (LARGE, _check, _draw, check_count_run,  # noqa: E402
                                    run_with_count)
 
-MISSING = mosaic_gpu.unavailable()
+MISSING = mosaic_common.unavailable()
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
-needs_lowering = pytest.mark.skipif(mosaic_gpu.lowering_unavailable() is not None,
-                                    reason=str(mosaic_gpu.lowering_unavailable()))
+needs_lowering = pytest.mark.skipif(mosaic_common.lowering_unavailable() is not None,
+                                    reason=str(mosaic_common.lowering_unavailable()))
 # One SM: the static-count grid is then a few blocks, each walking many token blocks
 # through every stage (the default grid gives each block one token block on CPU sizes).
 ONE_SM = dict(sms=1)
 
 
 def _tma():
-    from jaxrope.kernels import mosaic_tma
+    from bench.experiments import mosaic_tma
     return mosaic_tma
 
 
@@ -185,7 +185,7 @@ def test_tma_run_time_count_kernel_lowers_for_cuda():
     kernel = mosaic_tma.build_tma(
         q_heads=28, k_heads=4, head_dim=128, itemsize=2, rotary_dim=128, interleave=False,
         attention_factor=attention, mrope_section=cfg.mrope_section, count=None, grid=264)
-    rows = mosaic_gpu.slot_row_table(64, cfg.mrope_section, False)
+    rows = mosaic_common.slot_row_table(64, cfg.mrope_section, False)
 
     def call(n, pos, q, k):
         q_ref, k_ref = jax.new_ref(q), jax.new_ref(k)

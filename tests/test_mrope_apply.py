@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 import jaxrope as jr
-from jaxrope.apply import kernel_constants
+from jaxrope.ops.constants import kernel_constants
 from jaxrope.cases import BY_NAME, MROPE_CASES
-from jaxrope.kernels import pallas_triton, triton_ir
+from jaxrope.ops.rope import triton as triton_rope
+from jaxrope.ops.rope import tuning as rope_tuning
+from jaxrope.ops.rope import triton_export
 from jaxrope.models import HF_VL_CONFIGS
 from jaxrope.mrope import hf_mrope_args
 from jaxrope.testing import kv_oracle, oracle
@@ -105,11 +107,11 @@ def test_every_launch_shape_reads_the_same_rows(name, block, rng):
     tables, attention = kernel_constants(cfg)
 
     def run(bt, hp, warps, groups, loop, major):
-        return pallas_triton.rope_pallas(
+        return triton_rope.rope_triton(
             q, k, jnp.asarray(pos), jnp.asarray(tables), rotary_dim=cfg.rotary_dim,
             interleave=cfg.interleave, attention_factor=attention, mrope_section=cfg.mrope_section,
             mrope_interleaved=cfg.mrope_interleaved, interpret=True,
-            config=pallas_triton.BlockConfig(bt, hp, warps, 1, groups, loop, bool(major)))
+            tuning=rope_tuning.TritonTuning(bt, hp, warps, 1, groups, loop, bool(major)))
 
     want, got = run(1, 1, 1, 1, 1, 0), run(*block)
     for a, b in zip(want, got):   # to a rounding of the products: kv_oracle.row_ulps
@@ -252,7 +254,7 @@ def test_the_kernel_lowers_for_cuda_in_place(case):
     tables, attention = kernel_constants(cfg)
 
     def kernel(q, k, pos):
-        return pallas_triton.rope_pallas(q, k, pos, jnp.asarray(tables), rotary_dim=cfg.rotary_dim,
+        return triton_rope.rope_triton(q, k, pos, jnp.asarray(tables), rotary_dim=cfg.rotary_dim,
                                          interleave=cfg.interleave, attention_factor=attention,
                                          mrope_section=cfg.mrope_section,
                                          mrope_interleaved=cfg.mrope_interleaved)
@@ -274,11 +276,11 @@ def test_triton_export_of_an_mrope_kernel_reads_three_rows(name):
     cfg = BY_NAME[name].cfg
     common = dict(q_heads=32, k_heads=8, head_dim=128, rotary_dim=128, interleave=False,
                   attention_factor=1.0, dtype=jnp.bfloat16,
-                  block=pallas_triton.block_config(16384, 32, 8, 64))
+                  block=rope_tuning.triton_tuning(16384, 32, 8, 64))
     with _h200():
-        mrope = triton_ir.export(**common, mrope_section=cfg.mrope_section,
+        mrope = triton_export.export(**common, mrope_section=cfg.mrope_section,
                                  mrope_interleaved=cfg.mrope_interleaved).ttir
-        one_d = triton_ir.export(**common).ttir
+        one_d = triton_export.export(**common).ttir
     loads = [len(re.findall(r"tt\.load %\S+, %\S+, %\S+ : tensor<\d+x!tt\.ptr<i32>>", t))
              for t in (one_d, mrope)]
     assert loads[1] == 3 * loads[0] > 0, loads

@@ -9,7 +9,7 @@ import os
 import pytest
 
 import jaxrope as jr
-from jaxrope.apply import kernel_constants
+from jaxrope.ops.constants import kernel_constants
 from jaxrope.models import HF_CONFIGS
 from jaxrope.models import HF_VL_CONFIGS
 from jaxrope.mrope import hf_index_args, hf_mrope_args, hf_text_config

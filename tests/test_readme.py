@@ -160,10 +160,7 @@ def test_layout_block_names_existing_paths():
             paths.append(top + name)
     assert {"jaxrope/", "torch_bridge/", "examples/", "docs/", "bench/"} <= set(paths), paths
     missing = [path for path in paths if not (ROOT / path).exists()]
-    # The one-folder-per-op map: jaxrope/ops/ and bench/experiments/ land with the
-    # restructuring branch; drop this allowance once they are merged.
-    pending = [path for path in missing if path.startswith(("jaxrope/ops/", "bench/experiments/"))]
-    assert missing == pending, missing
+    assert not missing, missing
 
 
 def test_the_jax_guide_lists_every_public_positions_function_with_its_arguments():

@@ -20,9 +20,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxrope as jr
-import jaxrope.apply
+import jaxrope.ops.rope.api
 from jaxrope import sharding
-from jaxrope.kernels.reference import rope_reference
+from jaxrope.ops.rope.reference import rope_reference
 
 CFG = jr.RopeConfig(head_dim=128)
 TRITON_CALL = "stablehlo.custom_call @__gpu$xla.gpu.triton"
@@ -100,7 +100,7 @@ def _lowered_for_cuda(monkeypatch, devices: int, spec):
     # The arrays are abstract, so apply_rope would take the default backend's device: a
     # CUDA device of unknown compute capability instead, whose "auto" is the Triton-lowered
     # kernel (tests/gpu/test_sharding_gpu.py runs the real device's choice).
-    monkeypatch.setattr(jaxrope.apply, "_device", lambda x: types.SimpleNamespace(platform="cuda"))
+    monkeypatch.setattr(jaxrope.ops.rope.api, "_device", lambda x: types.SimpleNamespace(platform="cuda"))
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
                                          platform="cuda")
     grid = jax.sharding.AbstractMesh((devices,), ("model",), axis_types=(AxisType.Explicit,),

@@ -58,7 +58,7 @@ from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
 
-from jaxrope.apply import _check_pos_shape
+from jaxrope.ops.rope.api import _check_pos_shape
 from jaxrope.config import RopeConfig
 from torch_bridge import kv_append
 from torch_bridge.dlpack import jax_device

@@ -2,7 +2,7 @@
 
 The manager's method rotates q in place and writes the rotated k and the v into the
 engine's paged KV cache at its slot mapping, with :func:`jaxrope.apply_rope_and_append_kv`'s
-semantics (slots, layouts, fp8 scales: see :mod:`jaxrope.kv_cache`). This module holds
+semantics (slots, layouts, fp8 scales: see :mod:`jaxrope.ops.rope_append_kv.api`). This module holds
 what the method needs beyond ``apply_qk``'s checks of q and k:
 
 - :func:`check_call`: v, the cache (a ``(k_cache, v_cache)`` pair or one ``[pages, 2,
@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from jaxrope import backend as _backend
+from jaxrope.ops import backends as _backend
 from jaxrope.config import RopeConfig
-from jaxrope.kv_cache import LAYOUTS, apply_rope_and_append_kv
+from jaxrope.ops.rope_append_kv.api import LAYOUTS, apply_rope_and_append_kv
 from torch_bridge.dlpack import InPlace, pad_tokens, read_only, token_bucket, write_back
 from torch_bridge.launch.runtime import int32_slots
 from torch_bridge.rotate import torch_capability
@@ -54,7 +54,7 @@ class CacheGeometry:
       layout: "NHD" or "HND".
       combined: one ``[pages, 2, ...]`` tensor (keys at ``[:, 0]``, values at ``[:, 1]``)
         rather than a ``(k_cache, v_cache)`` pair.
-      view_shape: the canonical 4-D view of :mod:`jaxrope.kv_cache`: NHD ``[pages *
+      view_shape: the canonical 4-D view of :mod:`jaxrope.ops.rope_append_kv.api`: NHD ``[pages *
         components, page_size, Hk, D]``, HND ``[pages * components, Hk, page_size, D]``
         (a combined cache's page ``p`` holds keys at view page ``2p``, values at ``2p + 1``).
       dtype: the cache's dtype: k's, or ``torch.float8_e4m3fn``.
@@ -315,7 +315,7 @@ class JaxAppend:
 
     Args:
       device: the torch device of the tensors.
-      backend: the jaxrope backend; "auto" follows :func:`jaxrope.backend.backend_name`'s
+      backend: the jaxrope backend; "auto" follows :func:`jaxrope.ops.backends.backend_name`'s
         rule for ``device`` (inside the jitted call the core sees tracers, so an "auto"
         that means XLA is decided here; on a GPU "auto" goes through, keeping the core's
         fallback for a cache its kernel declines).

@@ -44,7 +44,7 @@ class RopeManager(PositionManager):
         which serves the fused call too if it has ``rotate_and_append_kv_``
         (:class:`torch_bridge.KVLauncher`); see
         :func:`torch_bridge.launch.dispatch.resolve_launchers`.
-      backend: the jaxrope backend of the JAX path ("auto", "pallas", "xla", "interpret").
+      backend: the jaxrope backend of the JAX path ("auto", "mosaic", "triton", "xla", "interpret").
       allow_copy: let the JAX path stage q/k through copies (written back in place):
         padded to a token bucket, so it compiles once per bucket, and contiguous where
         they are non-contiguous or misaligned; False raises on the latter instead and

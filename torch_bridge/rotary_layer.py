@@ -5,7 +5,7 @@ its rotary layer: same call, flattened heads ``[T, H * D]`` (often views of one 
 buffer), in place, positions from the engine's own scheduler (no
 :class:`torch_bridge.RopeManager`). The rotation is jaxrope's: frequencies in float64
 from the :class:`jaxrope.RopeConfig`, the accurate angle of
-:mod:`jaxrope.kernels.angle` at any position, float32 math, q and k kept in their
+:mod:`jaxrope.ops.angle` at any position, float32 math, q and k kept in their
 dtype. Under ``torch.compile`` the call is the ``jaxrope::rope_`` custom op
 (:mod:`torch_bridge.custom_ops`): no graph break, T dynamic, capturable on CUDA.
 """

@@ -16,8 +16,9 @@ from typing import Any, Dict, Optional, Tuple
 import jax
 import torch
 
-from jaxrope import backend as _backend
-from jaxrope.apply import SUPPORTED_DTYPES, kernel_constants, kernel_options
+from jaxrope.ops import backends as _backend
+from jaxrope.ops.rope.api import SUPPORTED_DTYPES
+from jaxrope.ops.constants import kernel_constants, kernel_options
 from jaxrope.config import RopeConfig
 from jaxrope.scaling import Linear, Llama3
 from torch_bridge.dlpack import InPlace, pad_tokens, read_only, token_bucket, write_back
@@ -130,7 +131,7 @@ class JaxRotation:
 
     Args:
       device: the JAX device the tensors live on.
-      backend: the jaxrope backend ("auto": :func:`jaxrope.backend.backend_name`'s rule).
+      backend: the jaxrope backend ("auto": :func:`jaxrope.ops.backends.backend_name`'s rule).
 
     Example:
       >>> rot = JaxRotation(jax.devices("cpu")[0])
@@ -149,7 +150,7 @@ class JaxRotation:
 
     @staticmethod
     def check_backend(backend: str, device: torch.device) -> None:
-        """Raise as :func:`jaxrope.backend.resolve` would for ``backend`` on ``device``,
+        """Raise as :func:`jaxrope.ops.backends.resolve` would for ``backend`` on ``device``,
         without creating a JAX device (JAX's GPU client is costly to start)."""
         _backend.backend_name(backend, device.type, compute_capability=torch_capability(device))
 

@@ -2,7 +2,7 @@
 
 A float64 rotation outside the kernels (the demo's recomputation, the tests' oracle)
 gathers each pair's position with :func:`mrope_rows`; the kernels build the same
-choice as masks (:func:`jaxrope.kernels.angle.slot_rows`), a separate implementation
+choice as masks (:func:`jaxrope.ops.angle.slot_rows`), a separate implementation
 the tests compare with this one.
 
 Example:

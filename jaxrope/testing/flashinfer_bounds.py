@@ -3,7 +3,7 @@
 Every bound is per rotated pair (the layout of :func:`pairs`), derived in the comments
 and docstrings below from each side's float32 arithmetic, never tuned:
 
-- jaxrope's angle: :data:`OURS_ANGLE_ERROR`, one constant (``jaxrope/kernels/angle.py``);
+- jaxrope's angle: :data:`OURS_ANGLE_ERROR`, one constant (``jaxrope/ops/angle.py``);
 - FlashInfer's angle: :func:`flashinfer_angle_error`, a function of position and pair
   (fast-math intrinsics: the bound grows with the angle);
 - what both do after the angle, and the rounding to the output dtype:
@@ -61,7 +61,7 @@ UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": E}
 # Half the smallest subnormal: the absolute rounding floor where the relative one fails.
 SUBNORMAL_FLOOR = {"bfloat16": 2.0 ** -134, "float16": 2.0 ** -25, "float32": 2.0 ** -150}
 
-# jaxrope's angle (``jaxrope/kernels/angle.py``): the turn count is a float32 sum of four
+# jaxrope's angle (``jaxrope/ops/angle.py``): the turn count is a float32 sum of four
 # partial terms each below one turn, so its <= 4 roundings cost <= 4 * 2**-22 turns =
 # 2**-20 turns = 6.0e-6 rad; reducing to [-1/2, 1/2) turns is exact; the float32 product
 # by 2 pi and float32 sin/cos add < 5e-7 rad. 2**-17 = 7.6e-6 rad bounds the total.

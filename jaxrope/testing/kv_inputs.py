@@ -4,7 +4,7 @@ One copy for the 1-D and the M-RoPE append tests (``tests/test_kv_cache.py``,
 ``tests/test_kv_mrope.py``): an M-RoPE case (its config has ``mrope_section``) gets
 positions ``[3, T]`` whose rows differ per token (an image's t, h, w), a 1-D case ``[T]``.
 The check compares with :mod:`jaxrope.testing.oracle` and :mod:`jaxrope.testing.kv_oracle`
-only; nothing here imports ``jaxrope.kernels``.
+only; nothing here imports ``jaxrope.ops``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Float64 numpy oracle of the paged KV-cache append, written from the conventions.
 
-Independent of ``jaxrope.kernels`` (not imported): slots follow vLLM's ``slot_mapping``
+Independent of ``jaxrope.ops`` (not imported): slots follow vLLM's ``slot_mapping``
 (page ``slot // page_size``, entry ``slot % page_size``, negative slots skipped), the
 layouts FlashInfer's NHD ``[pages, page_size, Hk, D]`` and HND ``[pages, Hk, page_size,
 D]``, and fp8 storage FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache``:

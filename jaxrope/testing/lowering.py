@@ -14,7 +14,7 @@ from typing import Callable, List
 
 import jax
 
-from jaxrope.kernels import triton_ir
+from jaxrope.ops.triton_common import capture
 
 
 @contextlib.contextmanager
@@ -30,4 +30,4 @@ def cuda_target(device_kind: str = "NVIDIA H200", num_cores: int = 132):
 def triton_modules(fn: Callable, *specs) -> List[str]:
     """The Triton IR text of every Pallas kernel in ``jax.jit(fn)``, lowered for an H200."""
     with cuda_target():
-        return triton_ir.capture(fn, *specs)
+        return capture(fn, *specs)

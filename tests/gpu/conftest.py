@@ -29,9 +29,8 @@ def jax_gpu():
 @pytest.fixture(scope="module")
 def hopper(jax_gpu):
     """JAX's first GPU when Mosaic GPU runs on it, else a skip saying why not."""
-    from jaxrope import backend as backend_module
-    from jaxrope.kernels import mosaic_gpu
-    missing = mosaic_gpu.unavailable()
+    from jaxrope.ops import mosaic_common
+    missing = mosaic_common.unavailable()
     if missing:
         pytest.skip(missing)
     capability = backend_module.device_capability(jax_gpu)

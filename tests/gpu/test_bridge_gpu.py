@@ -255,14 +255,14 @@ def test_plan_under_cuda_graph_capture_raises_and_changes_nothing(device, launch
 def test_a_failing_kernel_export_falls_back_to_the_jax_path(device, monkeypatch, exporter):
     # Each launcher, given explicitly ("auto" picks one of them per GPU), whose kernel
     # export fails: the call still rotates, on the JAX path.
-    from jaxrope.kernels import mosaic_export, triton_ir
+    from jaxrope.ops.rope import mosaic_export, triton_export
     from torch_bridge.launch.mosaic import MosaicLauncher
     from torch_bridge.launch.triton import TritonLauncher
 
     def failing_export(**kwargs):
         raise jr.BackendUnavailable("export forced to fail by the test")
 
-    module, launcher = {"triton": (triton_ir, TritonLauncher),
+    module, launcher = {"triton": (triton_export, TritonLauncher),
                         "mosaic": (mosaic_export, MosaicLauncher)}[exporter]
     monkeypatch.setattr(module, "export", failing_export)
     try:

@@ -35,8 +35,8 @@ def jax_gpu():
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_gpu_kernels_rotate_every_case_in_place_like_the_oracle(jax_gpu, rng, case, dtype,
                                                                 backend):
-    capability = jr.backend.device_capability(jax_gpu)
-    if backend == "mosaic" and jr.backend.backend_name(
+    capability = jr.ops.backends.device_capability(jax_gpu)
+    if backend == "mosaic" and jr.ops.backends.backend_name(
             "auto", jax_gpu.platform, compute_capability=capability) != "mosaic":
         pytest.skip(f"Mosaic GPU does not run on {jax_gpu.device_kind}")
     cfg = case.cfg

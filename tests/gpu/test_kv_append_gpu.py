@@ -35,7 +35,7 @@ from jaxrope.testing import flashinfer_kv, kv_oracle
 
 pytestmark = pytest.mark.gpu
 
-BACKENDS = ("pallas", "xla")
+BACKENDS = ("triton", "xla")
 # (head_dim, rotary_dim, interleave, q_heads, k_heads)
 ROPES = ((128, 128, False, 32, 8), (128, 64, False, 8, 2), (64, 64, True, 5, 1),
          (256, 128, True, 4, 4))

@@ -35,7 +35,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import jaxrope as jr  # noqa: E402
-from jaxrope.kernels import mosaic_export, triton_ir  # noqa: E402
+from jaxrope.ops.rope_append_kv import mosaic_export as append_mosaic_export  # noqa: E402
+from jaxrope.ops.rope_append_kv import triton_export as append_triton_export  # noqa: E402
 from jaxrope.scaling import Linear  # noqa: E402
 from jaxrope.testing import flashinfer as fp  # noqa: E402
 from jaxrope.testing import flashinfer_bounds as fb  # noqa: E402
@@ -343,8 +344,8 @@ def test_a_failing_export_falls_back_to_the_jax_path(device, monkeypatch):
 
     def patch(engine):
         # Both launchers' exports: whichever "auto" picked (Mosaic GPU's on Hopper) fails.
-        monkeypatch.setattr(mosaic_export, "export_append", failing_export)
-        monkeypatch.setattr(triton_ir, "export_append_kv", failing_export)
+        monkeypatch.setattr(append_mosaic_export, "export_append", failing_export)
+        monkeypatch.setattr(append_triton_export, "export_append_kv", failing_export)
 
     fast, slow = _fast_and_fallback(device, 7, patch)
     _within_an_ulp((slow.q, *slow.cache), (fast.q, *fast.cache))
@@ -375,7 +376,7 @@ def test_split_qkv_views_take_the_jax_path_and_write_q_back(device):
 
 def test_an_fp8_cache_of_3_gib_is_written_right_by_either_launcher(device):
     # The Pallas Triton lowering would address it with wrapping int32 offsets: its
-    # launcher declines and the JAX path's "auto" takes XLA (kv_pallas.unsupported). The
+    # launcher declines and the JAX path's "auto" takes XLA (triton_append.unsupported). The
     # Mosaic GPU kernel addresses memory with 64-bit indices: its launcher runs it.
     from torch_bridge.launch.mosaic import MosaicKVLauncher
     e = Engine(device, "auto", tokens=64)

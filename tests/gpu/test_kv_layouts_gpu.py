@@ -1,6 +1,6 @@
 """JAX's layouts on the GPU: the fused append's Pallas kernel writes, JAX's own ops read.
 
-The Pallas kernel (``backend="pallas"``, Triton lowering) appends sequences in two calls
+The Pallas kernel (``backend="triton"``, Triton lowering) appends sequences in two calls
 into a ``paged_attention`` pair and a ``ragged_paged_attention`` array; JAX's compiled
 Pallas ``paged_attention`` kernel and ``ref_ragged_paged_attention`` then read them,
 against a float64 attention (:mod:`jaxrope.testing.paged_attention`); the XLA backend's
@@ -28,7 +28,7 @@ GEOMETRY = pa.Geometry(CFG, q_heads=32, k_heads=8, page_size=16, pages=64)
 TOLERANCE = 1e-2
 
 
-@pytest.mark.parametrize("backend", ["pallas", "xla"])
+@pytest.mark.parametrize("backend", ["triton", "xla"])
 def test_jax_paged_attention_kernel_reads_the_pair_the_gpu_wrote(backend, jax_gpu, rng):
     if pa.available("paged_attention"):
         pytest.skip(pa.available("paged_attention"))
@@ -45,7 +45,7 @@ def test_jax_paged_attention_kernel_reads_the_pair_the_gpu_wrote(backend, jax_gp
         assert error < TOLERANCE, f"sequence {b}: attention off by {error:.2g}"
 
 
-@pytest.mark.parametrize("backend", ["pallas", "xla"])
+@pytest.mark.parametrize("backend", ["triton", "xla"])
 def test_jax_ragged_reference_reads_the_array_the_gpu_wrote(backend, jax_gpu, rng):
     if pa.available("ragged"):
         pytest.skip(pa.available("ragged"))
@@ -66,9 +66,9 @@ def test_pallas_and_xla_write_the_same_cache(layout, jax_gpu, rng):
     seed = int(rng.integers(1 << 30))
     caches = {}
     with jax.default_device(jax_gpu):
-        for backend in ("pallas", "xla"):
+        for backend in ("triton", "xla"):
             _, _, cache, _ = pa.append_sequences(np.random.default_rng(seed), GEOMETRY, layout,
                                                  backend, (3, 90, 200), 16)
             caches[backend] = [np.asarray(c) for c in jax.tree.leaves(cache)]
-    for a, b in zip(caches["pallas"], caches["xla"]):
+    for a, b in zip(caches["triton"], caches["xla"]):
         assert oracle.relative_error(a, b) < oracle.RELATIVE_TOLERANCE["float32"], layout

@@ -18,7 +18,7 @@ import pytest
 
 import jaxrope as jr
 from jaxrope.cases import APPEND_BY_NAME, APPEND_CASES, MROPE_APPEND_CASES
-from jaxrope.kernels import kv_layout
+from jaxrope.ops.rope_append_kv import cache_layout
 from jaxrope.testing import kv_oracle, oracle
 from jaxrope.testing.kv_inputs import check_against_oracle, make_inputs, run
 
@@ -63,7 +63,7 @@ def test_compiled_mosaic_append_matches_the_oracle_and_the_triton_kernel(case, d
 def _form_inputs(rng, cfg, layout, combined, tokens, dtype, fp8, q_heads=32, k_heads=8,
                  page_size=16):
     pages = 2 * -(-max(tokens, 1) // page_size) + 1
-    shape = kv_layout.shape(layout, combined, pages, page_size, k_heads, cfg.head_dim)
+    shape = cache_layout.shape(layout, combined, pages, page_size, k_heads, cfg.head_dim)
     cache_dtype = jnp.float8_e4m3fn if fp8 else dtype
     old = [jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(cache_dtype)
            for _ in range(1 if combined else 2)]
@@ -106,10 +106,10 @@ def test_compiled_mosaic_append_writes_every_layout_as_the_other_backends(
 def _written(layout, combined, slots, cache):
     """bool masks, one per cache array, of the elements the valid slots' k and v rows hold."""
     arrays = jax.tree.leaves(cache)
-    pages, page_size = kv_layout.geometry(layout, combined, arrays[0].shape)
+    pages, page_size = cache_layout.geometry(layout, combined, arrays[0].shape)
     k_heads = arrays[0].shape[-2] // 2 if layout == "ragged_paged_attention" else (
-        arrays[0].shape[kv_layout.axes(layout, combined).index("head")])
-    rows = kv_layout.cache_rows(layout, combined, pages, page_size, k_heads)
+        arrays[0].shape[cache_layout.axes(layout, combined).index("head")])
+    rows = cache_layout.cache_rows(layout, combined, pages, page_size, k_heads)
     slots = np.asarray(slots)
     s = slots[(slots >= 0) & (slots < rows.num_slots)][:, None]
     keys = rows.row(s // page_size, s % page_size, np.arange(k_heads)[None, :]).ravel()
@@ -126,5 +126,5 @@ def test_auto_takes_the_mosaic_append_on_hopper(hopper, rng):
     mosaic = run(x, APPEND_BY_NAME["llama3_nhd_p16"], "mosaic")
     for a, b in zip(jax.tree.leaves(auto), jax.tree.leaves(mosaic)):
         np.testing.assert_array_equal(kv_oracle.bits(a), kv_oracle.bits(b))
-    assert jr.backend.backend_name("auto", hopper.platform, "rope_append_kv",
+    assert jr.ops.backends.backend_name("auto", hopper.platform, "rope_append_kv",
                                    hopper.compute_capability) == "mosaic"

@@ -70,7 +70,7 @@ def _written(case: AppendCase, x: kv_inputs.Inputs):
 # Pallas and XLA each against the float64 oracle, not against each other within an ulp:
 # on the H200 their q differed by up to 160 bf16 ulps on near-zero outputs (run of
 # 2026-12-01 13:49 UTC), both well inside the oracle's bound.
-@pytest.mark.parametrize("backend", ["pallas", "xla"])
+@pytest.mark.parametrize("backend", ["triton", "xla"])
 @pytest.mark.parametrize("where", POSITIONS)
 @pytest.mark.parametrize("dtype_name", DTYPES)
 @pytest.mark.parametrize("case", MROPE_APPEND_CASES, ids=lambda c: c.name)
@@ -83,9 +83,9 @@ def test_each_backend_matches_the_oracle(case, dtype_name, where, backend, rng):
                          ids=lambda c: c.name)
 def test_the_cache_holds_what_apply_rope_returns_for_k(case, rng):
     x = _inputs(rng, case, "bfloat16")
-    q, k_cache, _ = _run(case, x, "pallas")
+    q, k_cache, _ = _run(case, x, "triton")
     q_rope, k_rope = jr.apply_rope(jnp.asarray(x.q), jnp.asarray(x.k), jnp.asarray(x.pos),
-                                   case.case.cfg, backend="pallas")
+                                   case.case.cfg, backend="triton")
     written, page, entry = _written(case, x)
     assert kv_oracle.ulps(q, np.asarray(q_rope)).max() <= 1
     rows = kv_oracle.rows(k_cache, case.layout, page, entry)
@@ -100,5 +100,5 @@ def test_q_and_the_cache_are_rewritten_in_place_when_donated(rng):
     q, cache = jnp.asarray(x.q), tuple(jnp.asarray(c) for c in x.kv_cache)
     pointers = [a.unsafe_buffer_pointer() for a in (q, *cache)]
     q2, cache2 = step(q, jnp.asarray(x.k), jnp.asarray(x.v), jnp.asarray(x.pos), cache,
-                      jnp.asarray(x.slots), cfg=case.case.cfg, backend="pallas")
+                      jnp.asarray(x.slots), cfg=case.case.cfg, backend="triton")
     assert [a.unsafe_buffer_pointer() for a in (q2, *cache2)] == pointers

@@ -16,9 +16,10 @@ torch = pytest.importorskip("torch")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxrope.apply import kernel_constants  # noqa: E402
+from jaxrope.ops.constants import kernel_constants  # noqa: E402
 from jaxrope.cases import BY_NAME  # noqa: E402
-from jaxrope.kernels import pallas_triton  # noqa: E402
+from jaxrope.ops.rope import triton as triton_rope  # noqa: E402
+from jaxrope.ops.rope import tuning as rope_tuning  # noqa: E402
 from jaxrope.testing import oracle  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -44,7 +45,7 @@ def test_launch_shape_matches_the_default_bit_for_bit(device, name, shape):
     want_q, want_k = q.clone(), k.clone()
     launcher.rotate_(want_q, want_k, pos, cfg)
     bt, hp, warps, groups, loop, major = shape
-    block = pallas_triton.BlockConfig(bt, hp, warps, groups_per_program=groups, token_loop=loop,
+    block = rope_tuning.TritonTuning(bt, hp, warps, groups_per_program=groups, token_loop=loop,
                                       heads_major=major)
     got_q, got_k = q.clone(), k.clone()
     launcher.rotate_(got_q, got_k, pos, cfg, block=block)
@@ -59,9 +60,9 @@ def test_launch_shape_matches_the_default_bit_for_bit(device, name, shape):
     jpos = jnp.asarray(pos.cpu().numpy())
 
     def through_jax(config):
-        return jax.jit(lambda a, b: pallas_triton.rope_pallas(
+        return jax.jit(lambda a, b: triton_rope.rope_triton(
             a, b, jpos, jnp.asarray(tables), rotary_dim=cfg.rotary_dim,
-            interleave=cfg.interleave, attention_factor=attention, config=config))(jq, jk)
+            interleave=cfg.interleave, attention_factor=attention, tuning=config))(jq, jk)
 
     (jax_q, jax_k), (default_q, default_k) = through_jax(block), through_jax(None)
     np.testing.assert_array_equal(np.asarray(jax_q, np.float32), np.asarray(default_q, np.float32))

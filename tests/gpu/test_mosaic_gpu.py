@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jaxrope as jr
-from jaxrope import backend as backend_module
+from jaxrope.ops import backends as backend_module
 from jaxrope.cases import BY_NAME, CASES, MROPE_CASES
 from jaxrope.testing import oracle
 

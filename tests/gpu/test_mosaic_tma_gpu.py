@@ -1,4 +1,4 @@
-"""The TMA-pipelined Mosaic GPU variant (jaxrope.kernels.mosaic_tma) compiled on the GPU:
+"""The TMA-pipelined Mosaic GPU variant (bench.experiments.mosaic_tma) compiled on the GPU:
 the float64 oracle's answer, in place, on every case it takes and awkward token counts,
 at the default tuning and at a few other tuning points, and the run-time count.
 
@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrope.apply import kernel_constants
+from jaxrope.ops.constants import kernel_constants
 from jaxrope.cases import BY_NAME, CASES, MROPE_CASES
-from jaxrope.kernels import mosaic_gpu
+from jaxrope.ops import mosaic_common
 from jaxrope.testing import oracle
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +27,7 @@ TMA_CASES = [c for c in CASES + MROPE_CASES if not c.cfg.interleave]
 
 
 def _rope(cfg, q, k, pos, tuning=None):
-    from jaxrope.kernels import mosaic_tma
+    from bench.experiments import mosaic_tma
     tables, attention = kernel_constants(cfg)
     return mosaic_tma.rope_mosaic_tma(
         q, k, jnp.asarray(pos), jnp.asarray(tables), rotary_dim=cfg.rotary_dim,
@@ -83,7 +83,7 @@ def test_compiled_tma_variant_takes_other_dtypes(hopper, name, dtype, rng):
 def test_compiled_tma_variant_is_right_at_other_tuning_points(hopper, tokens_per_block,
                                                               stages, rng):
     # What bench/mosaic_bench.py --tma-sweep times must compute the same rotation.
-    from jaxrope.kernels import mosaic_tma
+    from bench.experiments import mosaic_tma
     tuning = mosaic_tma.TmaTuning(tokens_per_block=tokens_per_block, stages=stages)
     cfg, q, k, pos = _inputs(rng, BY_NAME["llama3_8b"], 4099, jnp.bfloat16, hopper)
     q_host, k_host = np.asarray(q, np.float64), np.asarray(k, np.float64)
@@ -97,7 +97,7 @@ def test_compiled_tma_variant_is_right_at_other_tuning_points(hopper, tokens_per
 def test_compiled_tma_variant_reads_the_token_count_at_run_time(hopper, name, count, grid,
                                                                 rng):
     # Refs of 4608 tokens, `count` rotated: nothing past the count is read or written.
-    from jaxrope.kernels import mosaic_tma
+    from bench.experiments import mosaic_tma
     case = BY_NAME[name]
     cfg, q, k, pos = _inputs(rng, case, 4608, jnp.bfloat16, hopper)
     q_host, k_host = np.asarray(q, np.float64), np.asarray(k, np.float64)
@@ -107,7 +107,7 @@ def test_compiled_tma_variant_reads_the_token_count_at_run_time(hopper, name, co
         rotary_dim=cfg.rotary_dim, interleave=False, attention_factor=attention,
         mrope_section=cfg.mrope_section, mrope_interleaved=cfg.mrope_interleaved,
         count=None, grid=grid)
-    rows = mosaic_gpu.slot_row_table(cfg.rotary_dim // 2, cfg.mrope_section,
+    rows = mosaic_common.slot_row_table(cfg.rotary_dim // 2, cfg.mrope_section,
                                      cfg.mrope_interleaved)
     flat = np.zeros(pos.size, np.int32)
     flat[:np.size(pos[..., :count])] = pos[..., :count].reshape(-1)

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxrope as jr
-from jaxrope.kernels import mosaic_gpu
+from jaxrope.ops import mosaic_common
 
 pytestmark = pytest.mark.gpu
 
@@ -39,11 +39,11 @@ def _program(text: str) -> collections.Counter:
     return ops
 
 
-@pytest.mark.parametrize("backend", ["pallas", "mosaic"])
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
 def test_one_device_mesh_runs_the_plain_kernel_in_place(jax_gpu, axis_type, backend):
-    if backend == "mosaic" and mosaic_gpu.unavailable():
-        pytest.skip(mosaic_gpu.unavailable())
+    if backend == "mosaic" and mosaic_common.unavailable():
+        pytest.skip(mosaic_common.unavailable())
     rope = jax.jit(lambda q, k, pos: jr.apply_rope(q, k, pos, CFG, backend=backend),
                    donate_argnums=(0, 1))
     q, k, pos = _inputs(jax_gpu)

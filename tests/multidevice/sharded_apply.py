@@ -22,9 +22,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxrope as jr
 from jaxrope import sharding
-from jaxrope.apply import kernel_constants
+from jaxrope.ops.constants import kernel_constants
 from jaxrope.cases import BY_NAME
-from jaxrope.kernels import mosaic_gpu, pallas_triton
+from jaxrope.ops import mosaic_common
+from jaxrope.ops.rope import mosaic as mosaic_rope
+from jaxrope.ops.rope import triton as triton_rope
 
 TOKENS = 16
 CFG = jr.RopeConfig(head_dim=64, theta=500000.0, scaling=jr.Llama3(), max_position=1 << 20)
@@ -115,7 +117,7 @@ def test_the_bare_kernel_under_the_same_sharding_needs_collectives():
     spec = NamedSharding(grid, P("data", "model"))
     q = jax.device_put(jnp.zeros((TOKENS, 8, 64), jnp.bfloat16), spec)
     k = jax.device_put(jnp.zeros((TOKENS, 4, 64), jnp.bfloat16), spec)
-    bare = jax.jit(lambda q, k, pos: pallas_triton.rope_pallas(
+    bare = jax.jit(lambda q, k, pos: triton_rope.rope_triton(
         q, k, pos, jnp.asarray(tables), rotary_dim=64, interleave=False,
         attention_factor=attention, interpret=True))
     text = bare.lower(q, k, jnp.zeros((TOKENS,), jnp.int32)).compile().as_text()
@@ -229,7 +231,7 @@ def test_inside_a_users_shard_map_the_kernel_runs_on_the_local_block(rng):
     np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(expected[0]))
 
 
-MOSAIC_MISSING = mosaic_gpu.unavailable()
+MOSAIC_MISSING = mosaic_common.unavailable()
 
 
 @pytest.mark.skipif(MOSAIC_MISSING is not None, reason=str(MOSAIC_MISSING))
@@ -238,7 +240,7 @@ def test_mosaic_kernel_runs_per_shard_on_explicit_axes_and_is_refused_on_auto(rn
     # axes shard_map it; on Auto axes custom_partitioning cannot lower its mutable refs.
     cfg = jr.RopeConfig(head_dim=128)
     tables, attention = kernel_constants(cfg)
-    impl = functools.partial(mosaic_gpu.rope_mosaic, interpret=True)
+    impl = functools.partial(mosaic_rope.rope_mosaic, interpret=True)
     q, k, pos = _inputs(rng, 4, 4, head_dim=128, dtype=jnp.float32)
 
     def call(q, k, pos):

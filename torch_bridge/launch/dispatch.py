@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Hashable, Optional, Protocol, Sequence, 
 
 import torch
 
-from jaxrope import backend as _backend
+from jaxrope.ops import backends as _backend
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 from torch_bridge.kv_append import CacheGeometry
@@ -135,7 +135,7 @@ class KVLauncher(Protocol):
 
 def auto_launcher_class(device: torch.device, op: str = "rope") -> type:
     """The launcher of the kernel ``backend="auto"`` runs for ``op`` ("rope" or
-    "rope_append_kv") on CUDA ``device`` (:func:`jaxrope.backend.backend_name`, the one
+    "rope_append_kv") on CUDA ``device`` (:func:`jaxrope.ops.backends.backend_name`, the one
     rule): the Mosaic GPU kernel's on Hopper or newer with a JAX that lowers it
     (:class:`~torch_bridge.launch.mosaic.MosaicLauncher`,
     :class:`~torch_bridge.launch.mosaic.MosaicKVLauncher`), else the Triton-lowered

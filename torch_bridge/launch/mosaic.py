@@ -1,7 +1,7 @@
 """The Mosaic GPU kernels launched from torch on Hopper: RoPE, and RoPE fused with the KV append.
 
-The Mosaic GPU kernel (:mod:`jaxrope.kernels.mosaic_gpu`) is exported as a Mosaic module
-(:mod:`jaxrope.kernels.mosaic_export`: lowered for CUDA, no JAX dispatch), compiled
+The Mosaic GPU kernel (:mod:`jaxrope.ops.rope.mosaic`) is exported as a Mosaic module
+(:mod:`jaxrope.ops.rope.mosaic_export`: lowered for CUDA, no JAX dispatch), compiled
 once per (head layout, config, dtype, launch shape) by the CUDA plugin's
 ``MosaicGpuCompile`` (what ``plgpu.as_torch_kernel`` uses), and launched through the host
 function that returns, with torch's current raw stream and raw pointers: stream-ordered
@@ -13,7 +13,7 @@ launch shape's largest count, so one compiled kernel serves every T of its launc
 token blocks up to a power of two, each split among blocks by head group, one block a
 split (blocks past the count exit), ``capacity`` the tokens its refs are declared with
 (:func:`launch_shape`). The fused append's shape is the same with one token a block,
-split among blocks by piece (:func:`jaxrope.kernels.kv_mosaic.pieces`).
+split among blocks by piece (:func:`jaxrope.ops.rope_append_kv.tuning.pieces`).
 
 Launch before capturing a CUDA graph at least once per shape: compiling inside a
 capture is not supported. M-RoPE positions are one contiguous ``[3, T]`` block, as for
@@ -28,10 +28,16 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from jaxrope.apply import kernel_options
+from jaxrope.ops.constants import kernel_options
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
-from jaxrope.kernels import kv_layout, kv_mosaic, mosaic_export, mosaic_gpu
+from jaxrope.ops import mosaic_common
+from jaxrope.ops.mosaic_common import MosaicModule, slot_row_table
+from jaxrope.ops.rope import mosaic_export
+from jaxrope.ops.rope.tuning import head_splits, mosaic_tuning
+from jaxrope.ops.rope_append_kv import mosaic_export as append_export
+from jaxrope.ops.rope_append_kv.cache_layout import cache_rows
+from jaxrope.ops.rope_append_kv.tuning import append_mosaic_tuning
 from torch_bridge.dlpack import jax_dtype_name
 from torch_bridge.kv_append import CacheGeometry
 from torch_bridge.launch.runtime import (ALIGN, AngleTables, CountTable, LaunchRecords,
@@ -60,7 +66,7 @@ def launch_shape(tokens: int, tokens_per_block: int, groups: int,
                  block_groups: int) -> LaunchShape:
     """The launch serving ``tokens``: the token blocks' next power of two (``max_count``
     tokens; ``min_count`` is one past half of them, or 1), each split among ``splits``
-    blocks by head group (:func:`jaxrope.kernels.mosaic_gpu.head_splits`: at most
+    blocks by head group (:func:`jaxrope.ops.rope.tuning.head_splits`: at most
     ``block_groups`` of the ``groups`` a block, more splits when few tokens would leave
     SMs idle), a block for each; refs of the tokens' next power of two, at least 2**16.
     Every T of one launch shape runs the same compiled kernel; the bounds let it leave
@@ -71,7 +77,7 @@ def launch_shape(tokens: int, tokens_per_block: int, groups: int,
       ((40, 10, 65536, 33, 64), (5120, 5, 65536, 8193, 16384))
     """
     blocks = 1 << (max(1, -(-tokens // tokens_per_block)) - 1).bit_length()
-    splits = mosaic_gpu.head_splits(blocks, groups, block_groups)
+    splits = head_splits(blocks, groups, block_groups)
     return LaunchShape(blocks * splits, splits,
                        max(_MIN_CAPACITY, 1 << max(0, tokens - 1).bit_length()),
                        blocks // 2 * tokens_per_block + 1, blocks * tokens_per_block)
@@ -108,7 +114,7 @@ class CompiledModule:
     Never unloaded: a captured CUDA graph may still launch it.
     """
 
-    def __init__(self, exported: mosaic_export.MosaicModule, compile_fn):
+    def __init__(self, exported: MosaicModule, compile_fn):
         compiled = compile_fn(exported.module, len(exported.module))
         if not compiled:
             raise BackendUnavailable("MosaicGpuCompile failed on the exported kernel")
@@ -133,7 +139,7 @@ class MosaicLauncher:
     """
 
     def __init__(self):
-        reason = mosaic_gpu.lowering_unavailable()
+        reason = mosaic_common.lowering_unavailable()
         if reason:
             raise BackendUnavailable(reason)
         self._compile_fn = _mosaic_compiler()
@@ -146,7 +152,7 @@ class MosaicLauncher:
         self._launches = LaunchRecords(_MAX_LAUNCHES)
         self._raw_stream = torch._C._cuda_getCurrentRawStream
 
-    def compiled(self, key: Tuple, export: Callable[[], mosaic_export.MosaicModule]):
+    def compiled(self, key: Tuple, export: Callable[[], MosaicModule]):
         """The module ``export()`` returns, compiled once per ``key`` (a declined export is
         remembered)."""
         with self._lock:
@@ -167,11 +173,11 @@ class MosaicLauncher:
         capability = _hopper_capability(device)
         half = cfg.rotary_dim // 2
         itemsize = dtype.itemsize
-        p = mosaic_gpu.plan(q_heads, k_heads, half, cfg.head_dim, itemsize, cfg.interleave)
-        groups = q_heads // p.q_group + k_heads // p.k_group
-        shape = launch_shape(tokens, p.tokens_per_block, groups, p.block_groups)
+        tuning = mosaic_tuning(q_heads, k_heads, half, cfg.head_dim, itemsize, cfg.interleave)
+        groups = q_heads // tuning.q_group + k_heads // tuning.k_group
+        shape = launch_shape(tokens, tuning.tokens_per_block, groups, tuning.block_groups)
         export_kwargs = dict(q_heads=q_heads, k_heads=k_heads, head_dim=cfg.head_dim,
-                             dtype=jax_dtype_name(dtype), capacity=shape.capacity,
+                             dtype=jax_dtype_name(dtype), tuning=tuning, capacity=shape.capacity,
                              grid=grid or shape.grid, splits=shape.splits,
                              min_count=shape.min_count, max_count=shape.max_count,
                              **kernel_options(cfg))
@@ -185,12 +191,12 @@ class MosaicLauncher:
 
     def table_pointers(self, cfg: RopeConfig, device: torch.device) -> Tuple[int, int]:
         """Device pointers of ``cfg``'s angle tables ``[3, R/2]`` and slot rows ``[R/2]``
-        (:func:`jaxrope.kernels.mosaic_gpu.slot_row_table`), made once, kept for good (a
+        (:func:`jaxrope.ops.mosaic_common.slot_row_table`), made once, kept for good (a
         captured graph may hold them)."""
         half = cfg.rotary_dim // 2
         rows = self._rows.get((cfg, device))
         if rows is None:
-            host = mosaic_gpu.slot_row_table(half, cfg.mrope_section, cfg.mrope_interleaved)
+            host = slot_row_table(half, cfg.mrope_section, cfg.mrope_interleaved)
             rows = self._rows[(cfg, device)] = torch.from_numpy(host.copy()).to(device)
         return self._tables.get(cfg, device, half).data_ptr(), rows.data_ptr()
 
@@ -265,7 +271,7 @@ class MosaicLauncher:
 
 class MosaicKVLauncher:
     """Compiles and launches the Mosaic GPU fused RoPE + paged KV append
-    (:mod:`jaxrope.kernels.kv_mosaic`) on torch's current CUDA stream.
+    (:mod:`jaxrope.ops.rope_append_kv.mosaic`) on torch's current CUDA stream.
 
     A :class:`torch_bridge.launch.dispatch.KVLauncher` (``rotate_and_append_kv_`` and
     ``bind``): one compile per (head layout, cache
@@ -275,7 +281,7 @@ class MosaicKVLauncher:
     """
 
     def __init__(self):
-        reason = mosaic_gpu.lowering_unavailable()
+        reason = mosaic_common.lowering_unavailable()
         if reason:
             raise BackendUnavailable(reason)
         # A rope launcher of its own: its compile cache, angle tables and count table.
@@ -291,20 +297,20 @@ class MosaicKVLauncher:
         capability = _hopper_capability(device)
         # One token a block, a block for each piece of each token of the count's next
         # power of two (a grid override smaller than that walks).
-        work = kv_mosaic.pieces(q_heads, geometry.k_heads, cfg.head_dim, cfg.rotary_dim,
-                                dtype.itemsize)
-        shape = launch_shape(tokens, 1, len(work), 1)
-        rows = kv_layout.cache_rows(geometry.layout, geometry.combined,
-                                    geometry.view_shape[0] // geometry.components,
-                                    geometry.page_size, geometry.k_heads)
+        tuning = append_mosaic_tuning(q_heads, geometry.k_heads, cfg.head_dim, cfg.rotary_dim,
+                                      dtype.itemsize)
+        shape = launch_shape(tokens, tuning.tokens_per_block, len(tuning.pieces), 1)
+        rows = cache_rows(geometry.layout, geometry.combined,
+                          geometry.view_shape[0] // geometry.components,
+                          geometry.page_size, geometry.k_heads)
         export_kwargs = dict(q_heads=q_heads, k_heads=geometry.k_heads, head_dim=cfg.head_dim,
-                             dtype=jax_dtype_name(dtype),
+                             dtype=jax_dtype_name(dtype), tuning=tuning,
                              cache_dtype=jax_dtype_name(geometry.dtype), rows=rows,
                              components=1 if geometry.combined else 2, capacity=shape.capacity,
                              grid=grid or shape.grid, max_count=shape.max_count,
                              **kernel_options(cfg))
         module = rope.compiled(("append", capability, *export_kwargs.items()),
-                               lambda: mosaic_export.export_append(**export_kwargs))
+                               lambda: append_export.export_append(**export_kwargs))
         index = device.index if device.index is not None else torch.cuda.current_device()
         stream = rope._raw_stream
         count_ptr = rope.count_pointer(device, tokens)

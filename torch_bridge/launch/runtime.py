@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Hashable, Sequence, Tuple
 
 import torch
 
-from jaxrope.apply import kernel_constants
+from jaxrope.ops.constants import kernel_constants
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 
@@ -83,7 +83,7 @@ class CountTable:
 class AngleTables:
     """Per (config, device): the float32 angle tables ``[3, lanes]`` the kernels read.
 
-    :func:`jaxrope.apply.kernel_constants`' tables, zero-padded to ``lanes`` columns (the
+    :func:`jaxrope.ops.constants.kernel_constants`' tables, zero-padded to ``lanes`` columns (the
     exported kernels load whole lane blocks). Never freed: a captured CUDA graph may
     hold their pointers.
     """
@@ -158,7 +158,7 @@ def int32_slots(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
     stream, no host sync), before the cast: cast first, int64 ``2**32 + 7`` would be
     slot 7. A bound the dtype cannot hold is left out (every uint8 is below 1000). int32
     slots pass as they are: the kernels skip what is outside the cache. The core's twin
-    is ``jaxrope.kv_cache._in_cache``.
+    is ``jaxrope.ops.rope_append_kv.api._in_cache``.
 
     Example:
       >>> int32_slots(torch.tensor([5, -1, 2 ** 32 + 7, -2 ** 32 + 7]), 64).tolist()

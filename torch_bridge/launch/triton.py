@@ -2,7 +2,7 @@
 
 Going through JAX for each layer costs a DLPack import and a jitted dispatch, many times a
 kernel of a few microseconds. These kernels are Triton kernels, so this module takes their
-Triton IR (:mod:`jaxrope.kernels.triton_ir`), compiles it with the installed Triton once per
+Triton IR (:mod:`jaxrope.ops.rope.triton_export`, :mod:`jaxrope.ops.rope_append_kv.triton_export`), compiles it with the installed Triton once per
 (head layout, cache geometry, config, dtype, launch shape) and launches it with raw
 pointers on torch's current stream: stream-ordered with the surrounding torch work, no
 host sync, in place on the engine's tensors, capturable in a ``torch.cuda.CUDAGraph``.
@@ -42,10 +42,14 @@ from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
 
-from jaxrope.apply import kernel_options
+from jaxrope.ops.constants import kernel_options
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
-from jaxrope.kernels import kv_pallas, pallas_triton, triton_ir
+from jaxrope.ops.rope import triton_export
+from jaxrope.ops.rope.tuning import TritonTuning, triton_tuning
+from jaxrope.ops.rope_append_kv import triton_export as append_triton_export
+from jaxrope.ops.rope_append_kv.tuning import AppendTritonTuning, append_triton_tuning
+from jaxrope.ops.triton_common import lanes_for
 from torch_bridge.dlpack import jax_dtype_name
 from torch_bridge.kv_append import CacheGeometry
 from torch_bridge.launch.runtime import (ALIGN, AngleTables, CountTable, LaunchRecords,
@@ -181,14 +185,14 @@ class TritonLauncher:
         self._launches = LaunchRecords(_MAX_LAUNCHES)
 
     def _compiled(self, key: Tuple, export_kwargs: dict):
-        return self._kernels.get(key, lambda: triton_ir.export(**export_kwargs))
+        return self._kernels.get(key, lambda: triton_export.export(**export_kwargs))
 
     def _prepare(self, q_shape: Tuple[int, int, int], k_heads: int, dtype: torch.dtype,
                  device: torch.device, cfg: RopeConfig,
-                 block: Optional[pallas_triton.BlockConfig]) -> Tuple[KernelLaunch, int, int]:
+                 block: Optional[TritonTuning]) -> Tuple[KernelLaunch, int, int]:
         num_tokens, q_heads, head_dim = q_shape
-        lanes = pallas_triton.lanes_for(cfg.rotary_dim)
-        block = block or pallas_triton.block_config(num_tokens, q_heads, k_heads, lanes)
+        lanes = lanes_for(cfg.rotary_dim)
+        block = block or triton_tuning(num_tokens, q_heads, k_heads, lanes)
         export_kwargs = dict(
             q_heads=q_heads, k_heads=k_heads, head_dim=head_dim,
             dtype=jax_dtype_name(dtype), block=block, **kernel_options(cfg))
@@ -228,7 +232,7 @@ class TritonLauncher:
         return run_mrope
 
     def rotate_(self, q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor,
-                cfg: RopeConfig, block: Optional[pallas_triton.BlockConfig] = None) -> None:
+                cfg: RopeConfig, block: Optional[TritonTuning] = None) -> None:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place at ``pos_ids[:T]``.
 
         The caller has validated shapes, dtypes and devices; this checks only what the
@@ -249,7 +253,7 @@ class TritonLauncher:
         launch(count_ptr, pos_ids.data_ptr(), tables_ptr, q_ptr, k_ptr, q_ptr, k_ptr)
 
     def _launch_for(self, q: torch.Tensor, k: torch.Tensor, cfg: RopeConfig,
-                    block: Optional[pallas_triton.BlockConfig]) -> Tuple[KernelLaunch, int, int]:
+                    block: Optional[TritonTuning]) -> Tuple[KernelLaunch, int, int]:
         head_dim = cfg.head_dim
         q_shape = (q.shape[0], q.numel() // max(1, q.shape[0] * head_dim), head_dim)
         k_heads = k.numel() // max(1, k.shape[0] * head_dim)
@@ -293,14 +297,14 @@ class TritonKVLauncher:
         self._launches = LaunchRecords(_MAX_LAUNCHES)
 
     def kernel(self, q_heads: int, dtype: torch.dtype, cfg: RopeConfig, geometry: CacheGeometry,
-               block: kv_pallas.AppendBlockConfig) -> Tuple[Any, triton_ir.AppendKernel]:
+               block: AppendTritonTuning) -> Tuple[Any, append_triton_export.AppendKernel]:
         """``(compiled, exported)``: the kernel for this layout, exported and compiled once.
 
         Raises:
           BackendUnavailable: the export failed (for this key it is not tried again).
         """
         return self._kernels.get((q_heads, dtype, cfg, geometry, block), lambda: (
-            triton_ir.export_append_kv(
+            append_triton_export.export_append_kv(
                 q_heads=q_heads, k_heads=geometry.k_heads, head_dim=cfg.head_dim,
                 dtype=jax_dtype_name(dtype), cache_shape=geometry.view_shape,
                 cache_dtype=jax_dtype_name(geometry.dtype), layout=geometry.layout,
@@ -310,7 +314,7 @@ class TritonKVLauncher:
                               pos_ids: torch.Tensor, caches: Sequence[torch.Tensor],
                               slots: torch.Tensor, cfg: RopeConfig, geometry: CacheGeometry,
                               scales: Tuple[float, float],
-                              block: Optional[kv_pallas.AppendBlockConfig] = None) -> None:
+                              block: Optional[AppendTritonTuning] = None) -> None:
         """Rotate ``q [T, Hq, D]`` in place at ``pos_ids[:T]``; write k, v into ``caches`` at ``slots``.
 
         ``k, v [T, Hk, D]``, ``pos_ids`` int32 ``[>= T]`` (M-RoPE: ``[3, N >= T]``, its
@@ -346,9 +350,9 @@ class TritonKVLauncher:
 
     def _prepare(self, tokens: int, q_heads: int, dtype: torch.dtype, device: torch.device,
                  cfg: RopeConfig, geometry: CacheGeometry, scales: Tuple[float, float],
-                 block: Optional[kv_pallas.AppendBlockConfig]) -> Callable[..., None]:
-        lanes = pallas_triton.lanes_for(cfg.rotary_dim)
-        block = block or kv_pallas.block_config(tokens, q_heads, geometry.k_heads, lanes)
+                 block: Optional[AppendTritonTuning]) -> Callable[..., None]:
+        lanes = lanes_for(cfg.rotary_dim)
+        block = block or append_triton_tuning(tokens, q_heads, geometry.k_heads, lanes)
         compiled, exported = self.kernel(q_heads, dtype, cfg, geometry, block)
         kernel = KernelLaunch(compiled, exported.grid(tokens), device)
         counts = self._counts.get(device)

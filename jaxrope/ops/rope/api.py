@@ -1,60 +1,21 @@
-"""``apply_rope``: the public entry point; validates once, then runs the chosen kernel."""
+"""``apply_rope``: the public entry point; validates once, then runs the chosen kernel
+(:data:`jaxrope.ops.backends.IMPLEMENTATIONS`, falling through to XLA when "auto"'s
+kernel declines)."""
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Dict, Tuple
+from typing import Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrope import backend as _backend
 from jaxrope import sharding as _sharding
 from jaxrope.config import RopeConfig
-from jaxrope.frequencies import angle_tables
+from jaxrope.ops import backends
+from jaxrope.ops.constants import kernel_constants, kernel_options
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-
-
-@functools.lru_cache(maxsize=256)
-def kernel_constants(cfg: RopeConfig) -> Tuple[np.ndarray, float]:
-    """float32 angle tables ``[3, R/2]`` and the attention factor the kernels use for ``cfg``.
-
-    Keyed by the whole (frozen) config, so two configs that differ in any field never
-    share an entry.
-    """
-    inv_freq, attention = cfg.serving_frequencies()
-    tables = angle_tables(inv_freq)
-    tables.setflags(write=False)
-    return tables, attention
-
-
-def kernel_options(cfg: RopeConfig) -> Dict[str, Any]:
-    """The static keywords every kernel body and Triton IR export takes from ``cfg``:
-    ``rotary_dim``, ``interleave``, ``attention_factor`` (of :func:`kernel_constants`),
-    ``mrope_section`` and ``mrope_interleaved``."""
-    _, attention = kernel_constants(cfg)
-    return dict(rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
-                attention_factor=attention, mrope_section=cfg.mrope_section,
-                mrope_interleaved=cfg.mrope_interleaved)
-
-
-def _device(x) -> jax.Device:
-    # Under jit the arrays are tracers: the call runs on the default device.
-    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
-        return jax.devices()[0]
-    return next(iter(x.devices()))
-
-
-def _platform(x) -> str:
-    return _device(x).platform
-
-
-def resolve_for(backend: str, x, op: str = "rope"):
-    """:func:`jaxrope.backend.resolve` for the device ``x`` lives on."""
-    device = _device(x)
-    return _backend.resolve(backend, device.platform, op, _backend.device_capability(device))
 
 
 def _check_pos_shape(shape: Tuple[int, ...], tokens: int, cfg: RopeConfig) -> None:
@@ -120,9 +81,9 @@ def apply_rope(q, k, pos_ids, cfg: RopeConfig, backend: str = "auto"):
         checked, and values at or past ``2**24`` lose angle accuracy.
       cfg: the :class:`RopeConfig`; static under ``jit``.
       backend: "auto" (Mosaic GPU on Hopper or newer, the Triton-lowered Pallas kernel
-        on other GPUs, XLA elsewhere), "mosaic", "triton" (alias "pallas"), "xla" or
-        "interpret" (the Triton-lowered kernel body run by the Pallas interpreter, any
-        platform): see :mod:`jaxrope.backend`.
+        on other GPUs, XLA elsewhere), "mosaic", "triton", "xla" or "interpret" (the
+        Triton-lowered kernel body run by the Pallas interpreter, any platform): see
+        :mod:`jaxrope.ops.backends`.
 
     Returns:
       ``(q, k)`` rotated, same shapes and dtypes. Dims ``[cfg.rotary_dim, D)`` are
@@ -140,7 +101,7 @@ def apply_rope(q, k, pos_ids, cfg: RopeConfig, backend: str = "auto"):
         communication (head_dim split, q and k tokens split differently, an uneven split:
         :func:`jaxrope.sharding.local_specs`).
       BackendUnavailable: ``backend="triton"`` off GPU, ``backend="mosaic"`` off
-        CUDA, or a kernel on Auto mesh axes.
+        CUDA or on Auto mesh axes (where "auto" falls through to XLA).
       NotImplementedError: q is on a mesh mixing Auto and Explicit axes.
 
     Example:
@@ -158,6 +119,10 @@ def apply_rope(q, k, pos_ids, cfg: RopeConfig, backend: str = "auto"):
     """
     validate(q, k, pos_ids, cfg)
     pos_ids = jnp.asarray(pos_ids, jnp.int32)
-    impl = _sharding.per_shard(resolve_for(backend, q), q, k, pos_ids)
     tables, _ = kernel_constants(cfg)
-    return impl(q, k, pos_ids, jnp.asarray(tables), **kernel_options(cfg))
+
+    def call(impl):
+        return _sharding.per_shard(impl, q, k, pos_ids)(q, k, pos_ids, jnp.asarray(tables),
+                                                        **kernel_options(cfg))
+
+    return backends.run(backend, "rope", q, call)

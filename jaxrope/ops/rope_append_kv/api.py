@@ -3,8 +3,9 @@
 After RoPE an engine writes the rotated k and the v into its paged KV cache; done as two
 kernels, k is read twice. This op rotates q (in place when donated) and writes the
 rotated k and the v into the cache at each token's slot in one launch on the GPU: the
-Mosaic GPU kernel (:mod:`jaxrope.kernels.kv_mosaic`) on Hopper or newer, the
-Triton-lowered one (:mod:`jaxrope.kernels.kv_pallas`) on other GPUs.
+Mosaic GPU kernel (:mod:`jaxrope.ops.rope_append_kv.mosaic`) on Hopper or newer, the
+Triton-lowered one (:mod:`jaxrope.ops.rope_append_kv.triton`) on other GPUs
+(:data:`jaxrope.ops.backends.IMPLEMENTATIONS`).
 
 Vocabulary and conventions:
 
@@ -24,7 +25,7 @@ Vocabulary and conventions:
   paged_attention``); ``"ragged_paged_attention"``, one ``[pages, page_size, 2 * Hk, D]``
   array with keys at even heads ``[:, :, 0::2]`` and values at odd ones ``[:, :, 1::2]``
   (``jax.experimental.pallas.ops.tpu.ragged_paged_attention``). Every layout is one
-  stride rule (:mod:`jaxrope.kernels.kv_layout`).
+  stride rule (:mod:`jaxrope.ops.rope_append_kv.cache_layout`).
 - **M-RoPE** (``cfg.mrope_section``): ``pos_ids [3, T]``, each frequency slot rotated
   by its row's position exactly as :func:`jaxrope.apply_rope` does it.
 - **fp8**: a ``float8_e4m3fn`` cache stores ``e4m3(clip(x * k_quant_scale, -448, 448))``
@@ -44,12 +45,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrope import apply as _apply
-from jaxrope import backend as _backend
 from jaxrope.config import RopeConfig
-from jaxrope.errors import BackendUnavailable
-from jaxrope.kernels import kv_layout
-from jaxrope.kernels.kv_reference import FP8
+from jaxrope.ops import backends
+from jaxrope.ops.constants import kernel_constants, kernel_options
+from jaxrope.ops.rope.api import validate
+from jaxrope.ops.rope_append_kv import cache_layout
+from jaxrope.ops.rope_append_kv.reference import FP8
 
 # FlashInfer's layouts, which the torch bridge's append takes too.
 LAYOUTS = ("NHD", "HND")
@@ -67,14 +68,14 @@ def _visible(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def _caches(kv_cache, layout: str, k) -> Tuple[Tuple, bool, kv_layout.CacheRows]:
+def _caches(kv_cache, layout: str, k) -> Tuple[Tuple, bool, cache_layout.CacheRows]:
     """The cache arrays, whether they are one array holding k and v, and their addressing."""
     if isinstance(kv_cache, (tuple, list)):
         if len(kv_cache) != 2 or not all(_is_array(c) for c in kv_cache):
             raise TypeError(f"kv_cache must be a (k_cache, v_cache) pair of arrays or one array, "
                             f"got a {type(kv_cache).__name__} of {len(kv_cache)}")
-        if kv_layout.axes(layout, False) is None:
-            raise ValueError(f"{layout=} takes one {kv_layout.describe(layout, True)} array, "
+        if cache_layout.axes(layout, False) is None:
+            raise ValueError(f"{layout=} takes one {cache_layout.describe(layout, True)} array, "
                              "not a (k_cache, v_cache) pair")
         k_cache, v_cache = kv_cache
         if k_cache is v_cache:
@@ -92,11 +93,11 @@ def _caches(kv_cache, layout: str, k) -> Tuple[Tuple, bool, kv_layout.CacheRows]
                              f"k_cache ({tuple(k_cache.shape)}, {k_cache.dtype})")
         caches, combined, name = (k_cache, v_cache), False, "k_cache"
     elif _is_array(kv_cache):
-        if kv_layout.axes(layout, True) is None:
+        if cache_layout.axes(layout, True) is None:
             raise ValueError(f"kv_cache.shape={tuple(kv_cache.shape)}: {layout=} takes a "
-                             f"(k_cache, v_cache) pair of {kv_layout.describe(layout, False)} "
+                             f"(k_cache, v_cache) pair of {cache_layout.describe(layout, False)} "
                              "arrays")
-        if kv_cache.ndim != len(kv_layout.axes(layout, True)) + 1:
+        if kv_cache.ndim != len(cache_layout.axes(layout, True)) + 1:
             raise ValueError(f"kv_cache.shape={tuple(kv_cache.shape)} must be "
                              f"{_layout_text(layout, True)} (or pass a (k_cache, v_cache) pair)")
         caches, combined, name = (kv_cache,), True, "kv_cache"
@@ -104,8 +105,8 @@ def _caches(kv_cache, layout: str, k) -> Tuple[Tuple, bool, kv_layout.CacheRows]
         raise TypeError(f"kv_cache must be a (k_cache, v_cache) pair of arrays or one array, "
                         f"got {type(kv_cache).__name__}")
     shape = tuple(caches[0].shape)
-    pages, page_size = kv_layout.geometry(layout, combined, shape)
-    if shape != kv_layout.shape(layout, combined, pages, page_size, *k.shape[1:]):
+    pages, page_size = cache_layout.geometry(layout, combined, shape)
+    if shape != cache_layout.shape(layout, combined, pages, page_size, *k.shape[1:]):
         raise ValueError(f"{name}.shape={shape} must be {_layout_text(layout, combined)} with "
                          f"Hk={k.shape[1]} and D={k.shape[2]} (k's heads and head_dim)")
     # The kernels address a cache as [rows, D] with int32 row numbers.
@@ -120,11 +121,11 @@ def _caches(kv_cache, layout: str, k) -> Tuple[Tuple, bool, kv_layout.CacheRows]
             if _visible(c) and isinstance(c, jax.Array) and c.devices() != k.devices():
                 raise ValueError(f"{name} is on {c.devices()} but k is on {k.devices()}; "
                                  "put them on one device")
-    return caches, combined, kv_layout.cache_rows(layout, combined, pages, page_size, k.shape[1])
+    return caches, combined, cache_layout.cache_rows(layout, combined, pages, page_size, k.shape[1])
 
 
 def _layout_text(layout: str, combined: bool) -> str:
-    return f"{kv_layout.describe(layout, combined)} ({layout=})"
+    return f"{cache_layout.describe(layout, combined)} ({layout=})"
 
 
 def _in_cache(slots, num_slots: int):
@@ -228,8 +229,8 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
         a scalar array (may be traced); default 1.
       backend: "auto" (the Mosaic GPU kernel on Hopper or newer with JAX 0.11, the
         Triton-lowered Pallas kernel on other GPUs, XLA elsewhere:
-        :func:`jaxrope.backend.backend_name`), "mosaic", "triton" ("pallas"), "xla" or
-        "interpret".
+        :func:`jaxrope.ops.backends.backend_name`; XLA when that kernel declines), "mosaic",
+        "triton", "xla" or "interpret".
 
     Returns:
       ``(q, kv_cache)``: q rotated exactly as :func:`jaxrope.apply_rope` rotates it
@@ -248,8 +249,8 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
         ``kv_cache=(c, c)`` names one array twice (seen outside ``jit``, and inside it
         for one traced value; two ``jit`` arguments holding one buffer are distinct
         tracers there, and donating both is refused by JAX itself).
-      BackendUnavailable: ``backend="pallas"`` off GPU or on an fp8 cache of 2-4 GiB
-        (:func:`jaxrope.kernels.kv_pallas.unsupported`; "auto" takes the XLA path
+      BackendUnavailable: ``backend="triton"`` off GPU or on an fp8 cache of 2-4 GiB
+        (:func:`jaxrope.ops.rope_append_kv.triton.unsupported`; "auto" takes the XLA path
         there), ``"mosaic"`` off a CUDA GPU or with a JAX without Mosaic GPU's API.
 
     Example:
@@ -273,7 +274,7 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
       >>> float(k_cache[2, 8, 0, 0])   # position 0 on every row: k as is
       1.0
     """
-    _apply.validate(q, k, pos_ids, cfg)
+    validate(q, k, pos_ids, cfg)
     if not _is_array(v):
         raise TypeError(f"v must be an array, got {type(v).__name__}")
     if v.shape != k.shape or v.dtype != k.dtype:
@@ -291,22 +292,14 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
     quantized = jnp.dtype(caches[0].dtype) == FP8
     scales = jnp.stack([_scale("k_quant_scale", k_quant_scale, quantized),
                         _scale("v_quant_scale", v_quant_scale, quantized)])
-    platform = _apply._platform(q)
-    # The device's compute capability decides "auto" between Mosaic GPU and Triton.
-    impl = _backend.resolve(backend, platform, "rope_append_kv",
-                            _backend.device_capability(_apply._device(q)))
-    tables, _ = _apply.kernel_constants(cfg)
+    tables, _ = kernel_constants(cfg)
     # The kernels see every layout as [rows, D] matrices, addressed by `rows`.
     views = tuple(c.reshape(-1, c.shape[-1]) for c in caches)
     args = (q, k, v, jnp.asarray(pos_ids, jnp.int32), jnp.asarray(slots, jnp.int32),
             jnp.asarray(tables), scales, views)
-    kwargs = dict(rows=rows, **_apply.kernel_options(cfg))
-    try:
-        q, views = impl(*args, **kwargs)
-    except BackendUnavailable:
-        # "auto" takes the next path when the kernel declines (an fp8 cache of 2-4 GiB).
-        if backend != "auto":
-            raise
-        q, views = _backend.resolve("xla", platform, op="rope_append_kv")(*args, **kwargs)
+    # The device's compute capability decides "auto" between Mosaic GPU and Triton; "auto"
+    # takes XLA when the kernel declines (an fp8 cache of 2-4 GiB for Triton).
+    q, views = backends.run(backend, "rope_append_kv", q,
+                            lambda impl: impl(*args, rows=rows, **kernel_options(cfg)))
     written = tuple(view.reshape(c.shape) for view, c in zip(views, caches))
     return q, written[0] if combined else written

@@ -1,26 +1,29 @@
 """RoPE fused with the paged KV-cache append in Pallas's Mosaic GPU dialect (Hopper+).
 
-The Mosaic GPU twin of :mod:`jaxrope.kernels.kv_pallas` (same contract: read
-:func:`jaxrope.kernels.kv_reference.rope_append_kv_reference`): q is rotated in place,
-the rotated k and the v are written into the paged cache at each token's slot, in one
-``plgpu.kernel``.
+The Mosaic GPU twin of :mod:`jaxrope.ops.rope_append_kv.triton` (same contract: read
+:func:`jaxrope.ops.rope_append_kv.reference.rope_append_kv_reference`): q is rotated in
+place, the rotated k and the v are written into the paged cache at each token's slot, in
+one ``plgpu.kernel``. Its split is a
+:class:`jaxrope.ops.rope_append_kv.tuning.AppendMosaicTuning`, an argument of
+:func:`build_append`.
 
 A Mosaic GPU store writes a register array to a ref slice at one scalar offset, so
 tokens with different slots need separate stores: the whole warpgroup (128 threads)
 moves one token at a time. A token's work is one piece, or several for blocks of their
-own when its bytes are many (:func:`pieces`: chunks of q's heads, and k with v). A piece
-holds q's and k's rotary halves as ``[H, R/2]`` arrays, k's dims past ``R`` as ``[Hk, D
-- R]`` and v as ``[Hk, D]``, each in a Mosaic GPU ``TiledLayout`` (:func:`row_layout`)
-whose lanes run along a head's dims (coalesced: a head's ``D`` values are contiguous in
-every cache layout) and whose remaining lanes and warps split the heads. Removing the
-head axis of a piece's halves' layout gives one ``[R/2]`` layout, where the angle
-(:func:`jaxrope.kernels.angle.angle_cos_sin`, the accurate one every backend shares) is
+own when its bytes are many (:func:`jaxrope.ops.rope_append_kv.tuning.pieces`: chunks
+of q's heads, and k with v). A piece holds q's and k's rotary halves as ``[H, R/2]``
+arrays, k's dims past ``R`` as ``[Hk, D - R]`` and v as ``[Hk, D]``, each in a Mosaic
+GPU ``TiledLayout`` (:func:`row_layout`) whose lanes run along a head's dims
+(coalesced: a head's ``D`` values are contiguous in every cache layout) and whose
+remaining lanes and warps split the heads. Removing the head axis of a piece's halves'
+layout gives one ``[R/2]`` layout, where the angle
+(:func:`jaxrope.ops.angle.angle_cos_sin`, the accurate one every backend shares) is
 broadcast to the heads for free; it is formed once per token and piece, one element a
 thread (:func:`angle_split`), and passed to that layout through SMEM when that layout
 would form each element on more threads. A token of one piece shares one layout between
 q's and k's halves (its head tile divides both head counts), so it forms the angle once
-for both. A block walks ``tokens`` tokens unrolled (one for JAX calls and launches:
-``_TOKENS_PER_BLOCK``), each token's loads issued before the previous token's stores.
+for both. A block walks ``tokens_per_block`` tokens unrolled, each token's loads issued
+before the previous token's stores.
 
 Caches arrive as ``[rows // (Hk * hs), Hk, hs, D]`` views of the ``[rows, D]`` matrices
 (``hs`` = :attr:`CacheRows.head_stride`): every layout's head axis is one axis of
@@ -30,8 +33,8 @@ hs), :, base % (Hk * hs)]``, one store per token for every layout. GPT-J pairs r
 write through ``[..., D/2, 2]`` views (even and odd elements, one element per vector), as
 the rope kernel does. Slots outside ``[0, pages * page_size)`` skip the token's cache
 stores (q is still rotated); an fp8 cache stores
-:func:`jaxrope.kernels.kv_reference.to_cache_dtype` of the float32 values, the function
-every backend uses.
+:func:`jaxrope.ops.rope_append_kv.reference.to_cache_dtype` of the float32 values, the
+function every backend uses.
 
 On CPU it runs in Mosaic GPU's interpreter (``interpret=True``), for tests.
 """
@@ -41,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -49,71 +52,14 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxrope.errors import BackendUnavailable
-from jaxrope.kernels import mosaic_gpu
-from jaxrope.kernels.angle import angle_cos_sin
-from jaxrope.kernels.kv_layout import CacheRows
-from jaxrope.kernels.kv_reference import FP8, to_cache_dtype
-from jaxrope.kernels.mosaic_gpu import as_pallas, floor, load, store, tiled
+from jaxrope.ops.angle import angle_cos_sin
+from jaxrope.ops.mosaic_common import (broadcast, floor, kernel, load, slot_row_table, store,
+                                       tiled, unavailable, walk, walks)
+from jaxrope.ops.rope_append_kv.cache_layout import CacheRows
+from jaxrope.ops.rope_append_kv.reference import FP8, to_cache_dtype
+from jaxrope.ops.rope_append_kv.tuning import AppendMosaicTuning, Piece, append_mosaic_tuning
 
 _THREADS = 128      # a warpgroup
-# The widest GMEM access a thread makes. On the H200 (bf16 Hq 32 / Hk 8 / D 128, NHD pages
-# of 16, pieces of 4 KB, the angle shared; bench/kv_mosaic_probe.py, 2026-12-04 02:03 UTC,
-# bench/RESULTS.md) vectors of up to 8 bytes ran at 95.9% / 96.2% of the byte ceiling at
-# 16k / 64k tokens, up to 4 bytes at 95.4% / 95.6%, up to 16 bytes at 95.1% / 95.3%.
-_VECTOR_BYTES = 8
-# Tokens one block walks unrolled (each token's loads issued before the previous token's
-# stores). One a block was the fastest of 1-16 on the H200 (bf16 Hq 32 / Hk 8 / D 128,
-# NHD pages of 16): 100.8 us at 16k tokens against 105.5 at 8, 397 us at 64k against
-# 412; many small blocks hide the latency of each token's slot -> address -> store chain
-# better than a block walking several (measured before :func:`pieces`; with 4 KB pieces
-# two tokens a block were 0.1-0.6% slower than one, and smaller pieces over 2-4 tokens a
-# block, the rope kernel's shape, 0.3-17% slower; all with 4-byte vectors, the angle
-# unshared). :func:`build_append` takes any; the torch launch takes one too.
-_TOKENS_PER_BLOCK = 1
-# Bytes of q, k and v one block loads for one token at most: a token whose q, k and v are
-# more is split among blocks (:func:`pieces`), q's heads in chunks and k with v in a
-# block of their own. 4 KB is 32 bytes a thread, where the rope kernel moved bytes
-# fastest; on the H200 (Llama 3 shape, same run as ``_VECTOR_BYTES``'s) 4 KB pieces ran
-# at 95.9% / 96.2% of the byte ceiling at 16k / 64k tokens, 8 KB at 94.5% / 94.8% (with
-# 4-byte vectors and the angle unshared, 2026-12-03: 2 KB 90%, one piece a token 93%).
-_PIECE_BYTES = 4096
-# Whether a block forms its token's angle once, one element a thread, and hands it to the
-# rotation's layout through SMEM (:func:`angle_split`), when that layout would form each
-# element on more threads. At 8-byte vectors a q piece's layout forms each element on 8
-# threads; on the H200 (Llama 3 shape, same run as ``_VECTOR_BYTES``'s) the kernel ran at
-# 94.8% / 95.2% of the byte ceiling so and 95.9% / 96.2% shared (an earlier run with the
-# angle replaced by cos 1 / sin 0: 96.1% / 96.4%).
-_SHARE_ANGLE = True
-
-
-class Piece(NamedTuple):
-    """What one block does for each of its tokens (:func:`pieces`)."""
-
-    q_first: int  # q's heads [q_first, q_first + q_heads) are rotated
-    q_heads: int
-    kv: bool      # k is rotated and written to the cache with v
-
-
-def pieces(q_heads: int, k_heads: int, head_dim: int, rotary_dim: int,
-           itemsize: int) -> Tuple[Piece, ...]:
-    """A token's work, split among blocks.
-
-    One piece when q's rotary dims, k and v fit ``_PIECE_BYTES``; else q's heads in
-    equal chunks (the most heads within ``_PIECE_BYTES``, dividing the head count, one
-    head at least) and one piece for k and v, whatever their size (for Hk near Hq, as in
-    multi-head attention, that piece is the larger: k and v are not split).
-
-    Example:
-      >>> [tuple(p) for p in pieces(32, 8, 128, 128, 2)]  # Llama 3, bf16
-      [(0, 16, False), (16, 16, False), (0, 0, True)]
-      >>> pieces(8, 1, 64, 64, 2)
-      (Piece(q_first=0, q_heads=8, kv=True),)
-    """
-    if (q_heads * rotary_dim + 2 * k_heads * head_dim) * itemsize <= _PIECE_BYTES:
-        return (Piece(0, q_heads, True),)
-    chunk = max(c for c in range(1, q_heads + 1)
-                if q_heads % c == 0 and (c == 1 or c * rotary_dim * itemsize <= _PIECE_BYTES))
-    return tuple(Piece(h, chunk, False) for h in range(0, q_heads, chunk)) + (Piece(0, 0, True),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,10 +83,11 @@ class RowSplit:
                                                                      self.width_lanes))
 
 
-def row_split(heads: int, width: int, itemsize: int, align: int, interleave: bool) -> RowSplit:
+def row_split(heads: int, width: int, itemsize: int, align: int, interleave: bool,
+              vector_bytes: int) -> RowSplit:
     """The one heuristic for a per-token array ``[H, width]`` with ``heads`` dividing ``H``.
 
-    - Vectors: the widest (at most ``_VECTOR_BYTES``) dividing ``width`` and ``align`` (the
+    - Vectors: the widest (at most ``vector_bytes``) dividing ``width`` and ``align`` (the
       element offset the row's piece starts at) that still give every thread of the
       warpgroup a vector of ``heads`` heads; the widest dividing ones when even single
       elements leave threads over (those then hold copies). GPT-J pairs take single
@@ -148,7 +95,7 @@ def row_split(heads: int, width: int, itemsize: int, align: int, interleave: boo
     - Lanes along the width first (coalesced), then warps (width over 32 vectors), then
       the heads' lanes and warps, all powers of two dividing what they split.
     """
-    fits = [v for v in (8, 4, 2, 1) if v * itemsize <= _VECTOR_BYTES and not width % v
+    fits = [v for v in (8, 4, 2, 1) if v * itemsize <= vector_bytes and not width % v
             and not align % v] if not interleave else [1]
     filled = [v for v in fits if heads * (width // v) >= _THREADS]
     vec = max(filled or fits)
@@ -167,21 +114,22 @@ def angle_split(half: int) -> RowSplit:
     return RowSplit(1, lanes, math.gcd(half // lanes, 4), 1, 1)
 
 
-def rotary_split(piece: Piece, k_heads: int, half: int, itemsize: int,
-                 interleave: bool) -> RowSplit:
+def rotary_split(piece: Piece, k_heads: int, half: int, itemsize: int, interleave: bool,
+                 vector_bytes: int) -> RowSplit:
     """How ``piece``'s rotary halves (``[heads, half]``) are split: q's and k's share one
     layout when one block rotates both (its head tile divides both head counts), so the
     angle is formed once for both."""
     heads = math.gcd(piece.q_heads, k_heads) if piece.kv else piece.q_heads
-    return row_split(heads, half, itemsize, half, interleave)
+    return row_split(heads, half, itemsize, half, interleave, vector_bytes)
 
 
-def shares_angle(rotary: RowSplit, half: int) -> bool:
+def shares_angle(rotary: RowSplit, half: int, share_angle: bool) -> bool:
     """Whether a piece whose halves ``rotary`` splits forms its angle in
-    :func:`angle_split`'s layout and passes it on through SMEM: when ``rotary`` would form
-    each element on more threads (``_SHARE_ANGLE``)."""
+    :func:`angle_split`'s layout and passes it on through SMEM: when ``share_angle``
+    (:attr:`AppendMosaicTuning.share_angle`) and ``rotary`` would form each element on
+    more threads."""
     own = angle_split(half)
-    return _SHARE_ANGLE and (own.width_lanes * own.width_warps
+    return share_angle and (own.width_lanes * own.width_warps
                              > rotary.width_lanes * rotary.width_warps)
 
 
@@ -215,18 +163,20 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
                  quantize: bool,
                  mrope_section: Optional[Tuple[int, int, int]] = None,
                  mrope_interleaved: bool = False, count: Optional[int] = None,
-                 tokens: int = _TOKENS_PER_BLOCK, grid: Optional[int] = None,
-                 max_count: Optional[int] = None, interpret: bool = False):
+                 grid: Optional[int] = None, max_count: Optional[int] = None,
+                 interpret: bool = False, tuning: Optional[AppendMosaicTuning] = None):
     """The ``plgpu.kernel`` of the fused op for one head layout and cache geometry.
 
     Operands: ``(pos_ids, slots, tables, rows, scales, q, k, v, *caches)``: ``pos_ids``
     flat int32 (M-RoPE: row ``r`` of token ``t`` at ``r * count + t``), ``slots`` int32
     ``[T]``, ``tables`` the ``[3, R/2]`` angle tables, ``rows``
-    :func:`jaxrope.kernels.mosaic_gpu.slot_row_table`, ``scales`` float32 ``[2]``,
+    :func:`jaxrope.ops.mosaic_common.slot_row_table`, ``scales`` float32 ``[2]``,
     ``q`` a mutable ``[T, Hq, D]`` ref, ``k``/``v`` ``[T, Hk, D]`` (GPT-J: ``[..., D/2,
     2]`` views of all of these), ``caches`` mutable ``[rows // (Hk * hs), Hk, hs, D]``
-    views (k's and v's, or the one array of a combined layout). ``count`` is the static T,
-    one block per ``tokens`` tokens (JAX calls). ``count=None``: an int32 ``count``
+    views (k's and v's, or the one array of a combined layout). ``tuning``: the split
+    (default: :func:`jaxrope.ops.rope_append_kv.tuning.append_mosaic_tuning` of the
+    shapes). ``count`` is the static T, one block per piece of ``tuning.tokens_per_block``
+    tokens (JAX calls). ``count=None``: an int32 ``count``
     operand comes first and is read at run time, and ``grid`` blocks walk the count's
     blocks in turn (launches outside JAX; refs may hold more than ``count`` tokens);
     when ``max_count`` (the largest count a launch passes) has a block of the grid for
@@ -236,19 +186,18 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
     half = rotary_dim // 2
     mrope = mrope_section is not None
     width = (lambda w: w // 2) if interleave else (lambda w: w)
-    work = pieces(q_heads, k_heads, head_dim, rotary_dim, itemsize)
+    tuning = tuning or append_mosaic_tuning(q_heads, k_heads, head_dim, rotary_dim, itemsize)
+    work, tokens, vector_bytes = tuning.pieces, tuning.tokens_per_block, tuning.vector_bytes
     passing = head_dim - rotary_dim
     rest = passing and row_layout(row_split(k_heads, width(passing), itemsize,
-                                            width(rotary_dim), interleave))
-    whole = row_layout(row_split(k_heads, width(head_dim), itemsize, 0, interleave))
+                                            width(rotary_dim), interleave, vector_bytes))
+    whole = row_layout(row_split(k_heads, width(head_dim), itemsize, 0, interleave,
+                                 vector_bytes))
     head_rows = k_heads * rows.head_stride
     # A static T of whole blocks has no token past the last, and neither has a block of
     # one token (every item a block runs or walks is below the count's): no clamps, no
     # guards.
     whole_blocks = tokens == 1 or (count is not None and count % tokens == 0)
-
-    def broadcast(x, shape, dims, layout):
-        return plgpu.layout_cast(jax.lax.broadcast_in_dim(x, shape, dims), as_pallas(layout))
 
     def halves(x_ref):
         if interleave:  # [H, D/2, 2]
@@ -258,26 +207,26 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
     def past_rotary(x_ref):  # k's dims [R, D), copied as they are
         return _dim_refs(x_ref, width(rotary_dim), width(passing), interleave) if passing else []
 
-    def shares(piece: Piece) -> bool:
-        return shares_angle(rotary_split(piece, k_heads, half, itemsize, interleave), half)
+    def split_of(piece: Piece) -> RowSplit:
+        return rotary_split(piece, k_heads, half, itemsize, interleave, vector_bytes)
 
-    sharing = any(shares(p) for p in work)
+    sharing = any(shares_angle(split_of(p), half, tuning.share_angle) for p in work)
     most_items = None if max_count is None else -(-max_count // tokens) * len(work)
     # A block that has formed an angle before waits for every thread's reads of it
     # before it writes the next: within a walk of tokens, and in a launch whose blocks
     # walk items (tests/gpu/test_mosaic_launch_gpu.py's one-block walk runs this on a
     # GPU; the interpreter cannot show a race within a warpgroup).
-    walks = count is None and mosaic_gpu.walks(grid, most_items)
+    walking = count is None and walks(grid, most_items)
 
     def block(n, refs, first: int | jax.Array, walk: int, piece: Piece):
         pos_ref, slot_ref, tables_ref, rows_ref, scale_ref, q_ref, k_ref, v_ref, *cache_refs = refs
         if sharing:
             *cache_refs, angle_smem = cache_refs
         k_cache, v_cache = cache_refs[0], cache_refs[rows.value_array]
-        split = rotary_split(piece, k_heads, half, itemsize, interleave)
+        split = split_of(piece)
         rotary = row_layout(split)
         angle = rotary.reduce((0,))
-        share = shares_angle(split, half)
+        share = shares_angle(split, half, tuning.share_angle)
         formed = row_layout(angle_split(half)).reduce((0,)) if share else angle
         turns = [load(tables_ref.at[i], formed) for i in range(3)]
         slot_rows = load(rows_ref, formed) if mrope else None
@@ -385,7 +334,7 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
         ahead = fetch(0)
         for i in range(walk):
             current, ahead = ahead, fetch(i + 1) if i + 1 < walk else None
-            finish(current, walks or i > 0)
+            finish(current, walking or i > 0)
 
     def one_item(n, refs, item):
         # Item = token block * pieces + piece: a token's pieces are neighbours.
@@ -406,14 +355,12 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
         if count is not None:
             one(jax.lax.axis_index("block"))
         else:
-            mosaic_gpu.walk(jax.lax.div(n + (tokens - 1), tokens) * len(work), grid, one,
-                            most_items)
+            walk(jax.lax.div(n + (tokens - 1), tokens) * len(work), grid, one, most_items)
 
     if count is not None:
         grid = -(-count // tokens) * len(work)
     scratch = (plgpu.SMEM((2, half), jnp.float32),) if sharing else ()
-    return mosaic_gpu.kernel(body, grid, "jaxrope_rope_append_kv_mosaic", interpret,
-                             scratch=scratch)
+    return kernel(body, grid, "jaxrope_rope_append_kv_mosaic", interpret, scratch=scratch)
 
 
 def cache_view(cache, rows: CacheRows, k_heads: int, interleave: bool):
@@ -427,17 +374,19 @@ def cache_view(cache, rows: CacheRows, k_heads: int, interleave: bool):
 def rope_append_kv_mosaic(q, k, v, pos_ids, slots, tables, scales, caches, *, rows: CacheRows,
                           rotary_dim: int, interleave: bool, attention_factor: float,
                           mrope_section: Optional[Tuple[int, int, int]] = None,
-                          mrope_interleaved: bool = False, interpret: bool = False):
+                          mrope_interleaved: bool = False, interpret: bool = False,
+                          tuning: Optional[AppendMosaicTuning] = None):
     """Rotate q in place and write rotated k and v into the paged ``caches``, in one kernel.
 
-    Arguments as :func:`jaxrope.kernels.kv_reference.rope_append_kv_reference` (the
-    caches ``[rows, D]`` views addressed by ``rows``); returns ``(q, caches)``, in place
-    when q and the caches are donated (mutable refs).
+    Arguments as :func:`jaxrope.ops.rope_append_kv.reference.rope_append_kv_reference`
+    (the caches ``[rows, D]`` views addressed by ``rows``); returns ``(q, caches)``, in
+    place when q and the caches are donated (mutable refs). ``tuning`` as
+    :func:`build_append`'s.
 
     Raises:
-      BackendUnavailable: a JAX :func:`jaxrope.kernels.mosaic_gpu.unavailable` names.
+      BackendUnavailable: a JAX :func:`jaxrope.ops.mosaic_common.unavailable` names.
     """
-    reason = mosaic_gpu.unavailable()
+    reason = unavailable()
     if reason:
         raise BackendUnavailable(reason)
     num_tokens, q_heads, head_dim = q.shape
@@ -450,8 +399,8 @@ def rope_append_kv_mosaic(q, k, v, pos_ids, slots, tables, scales, caches, *, ro
         attention_factor=attention_factor, rows=rows,
         quantize=jnp.dtype(caches[0].dtype) == FP8,
         mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, count=num_tokens,
-        tokens=_TOKENS_PER_BLOCK, interpret=interpret)
-    row_table = mosaic_gpu.slot_row_table(rotary_dim // 2, mrope_section, mrope_interleaved)
+        interpret=interpret, tuning=tuning)
+    row_table = slot_row_table(rotary_dim // 2, mrope_section, mrope_interleaved)
     views = [x.reshape(*x.shape[:2], head_dim // 2, 2) if interleave else x for x in (q, k, v)]
     q_ref = jax.new_ref(views[0])
     cache_refs = [jax.new_ref(cache_view(c, rows, k_heads, interleave)) for c in caches]

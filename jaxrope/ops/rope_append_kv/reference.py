@@ -1,19 +1,19 @@
 """The XLA backend of the fused RoPE + paged KV-cache append; also the kernel's oracle on device.
 
-Same signature as :func:`jaxrope.kernels.kv_pallas.rope_append_kv_pallas`:
+Same signature as :func:`jaxrope.ops.rope_append_kv.triton.rope_append_kv_triton`:
 ``(q, k, v, pos_ids, slots, tables, scales, caches, *, rows, rotary_dim, interleave,
 attention_factor, mrope_section=None, mrope_interleaved=False) -> (q, caches)``, with
 ``pos_ids [T]``, or ``[3, T]`` (t, h, w rows) when ``mrope_section`` is given, and
 ``caches`` the layout's arrays (a ``(k, v)`` pair or one array) each seen as a ``[rows,
-D]`` matrix, addressed by ``rows`` (:class:`jaxrope.kernels.kv_layout.CacheRows`, one
+D]`` matrix, addressed by ``rows`` (:class:`jaxrope.ops.rope_append_kv.cache_layout.CacheRows`, one
 stride rule for every layout).
 
 The slot rule: token ``t`` with ``slot = slots[t]`` in ``[0, pages * page_size)`` goes to
 page ``slot // page_size``, entry ``slot % page_size``, i.e. head ``h`` of k to row
 ``rows.row(page, entry, h)`` of the first array and of v to ``rows.value_offset`` rows
 further in array ``rows.value_array``; any other slot (negative: padding) writes nothing.
-The rotation is :func:`jaxrope.kernels.reference.rope_reference` itself, so a cache in k's dtype holds exactly what ``apply_rope`` returns for k. An
-``float8_e4m3fn`` cache stores ``e4m3(clip(x * scale, -448, 448))`` with ``x`` the float32
+The rotation is :func:`jaxrope.ops.rope.reference.rope_reference` itself, so a cache in
+k's dtype holds exactly what ``apply_rope`` returns for k. An ``float8_e4m3fn`` cache stores ``e4m3(clip(x * scale, -448, 448))`` with ``x`` the float32
 rotated k (or v) and ``scale`` from ``scales = [k_scale, v_scale]``, rounded to nearest
 even: FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache`` (multiply, then a
 saturating ``__NV_SATFINITE`` conversion).
@@ -25,8 +25,8 @@ from typing import Optional, Tuple
 
 import jax.numpy as jnp
 
-from jaxrope.kernels.kv_layout import CacheRows
-from jaxrope.kernels.reference import rope_reference
+from jaxrope.ops.rope_append_kv.cache_layout import CacheRows
+from jaxrope.ops.rope.reference import rope_reference
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 # The largest finite float8_e4m3fn; converting past it would give NaN (the format has no

@@ -6,12 +6,12 @@ are written straight into the paged cache at each token's slot. The unfused pair
 (rope in place, then an append kernel) reads k twice and writes it once more.
 
 Grid: one axis of ``token programs x head programs``, head-major (a token's programs
-are neighbours, as in :mod:`jaxrope.kernels.pallas_triton`: programs in flight together
+are neighbours, as in :mod:`jaxrope.ops.rope.triton`: programs in flight together
 cover whole rows). Per token there are ``q_programs`` programs over q's heads, then
 ``k_programs`` over k's and as many over v's (:func:`head_programs`). A program walks
 ``token_loop`` tokens; per token it loads the position and the slot as scalars, forms
 cos/sin once (q and k programs, through the shared angle of
-:mod:`jaxrope.kernels.angle`) and moves ``groups_per_program`` groups of
+:mod:`jaxrope.ops.angle`) and moves ``groups_per_program`` groups of
 ``heads_per_program`` heads, all loads issued before the first store.
 
 - q programs: dims ``[0, R)`` only (halves, or one contiguous span for interleaved
@@ -20,21 +20,22 @@ cos/sin once (q and k programs, through the shared angle of
 - v programs: dims ``[0, D)`` copied to the cache.
 
 Caches arrive as ``[rows, D]`` views of the layout's arrays, addressed by one stride
-rule for every layout (:class:`jaxrope.kernels.kv_layout.CacheRows`): a token's heads go
-to rows ``rows.row(slot // page_size, slot % page_size, head)`` (values in
-``rows.value_array``, ``rows.value_offset`` rows further), a program's head group one
+rule for every layout (:class:`jaxrope.ops.rope_append_kv.cache_layout.CacheRows`): a
+token's heads go to rows ``rows.row(slot // page_size, slot % page_size, head)`` (values
+in ``rows.value_array``, ``rows.value_offset`` rows further), a program's head group one
 block ``[heads_per_program, lanes]`` of those rows. Slots outside ``[0, pages *
 page_size)`` (negative: padding) mask the token's cache stores off. An fp8 cache stores
-``e4m3(clip(x * scale, -448, 448))`` (:func:`jaxrope.kernels.kv_reference.to_cache_dtype`,
-the same function as the XLA backend), scales read from the ``scales`` operand.
+``e4m3(clip(x * scale, -448, 448))``
+(:func:`jaxrope.ops.rope_append_kv.reference.to_cache_dtype`, the same function as the
+XLA backend), scales read from the ``scales`` operand.
 
 M-RoPE (``mrope_section``): positions ``[3, T]`` enter flattened as in the rope kernel
-(:mod:`jaxrope.kernels.pallas_triton`), row ``r`` of token ``t`` at ``r * count + t``,
+(:mod:`jaxrope.ops.rope.triton`), row ``r`` of token ``t`` at ``r * count + t``,
 so the IR stays independent of T; a token's three rows are loaded as scalars and
-:func:`jaxrope.kernels.angle.cos_sin` picks one per frequency slot. Only ``angle``
+:func:`jaxrope.ops.angle.cos_sin` picks one per frequency slot. Only ``angle``
 changes; a 1-D call traces exactly the 1-D kernel.
 
-For a launch outside JAX (the torch bridge, as :mod:`jaxrope.kernels.triton_ir` does for
+For a launch outside JAX (the torch bridge, as :mod:`jaxrope.ops.rope.triton_export` does for
 the rope kernel) the operands are, in order, ``(count, pos_ids, slots, tables, scales, q,
 k, v, *caches)`` then the outputs ``(q, *caches)`` (an M-RoPE kernel's ``pos_ids`` a
 contiguous int32 ``[3, count]``); ``count`` is read at run time, so the
@@ -44,7 +45,6 @@ geometry (pages, page size, layout: ``rows``) and dtype, which an engine fixes o
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Optional, Tuple
@@ -55,75 +55,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxrope.errors import BackendUnavailable
-from jaxrope.kernels import pallas_triton
-from jaxrope.kernels.angle import cos_sin
-from jaxrope.kernels.kv_layout import CacheRows
-from jaxrope.kernels.kv_reference import FP8, to_cache_dtype
-
-# The rope kernel's measured sizes (pallas_triton.block_config), kept separate: this
-# kernel's byte mix differs (k and v read in full, cache rows written) and a sweep on the
-# GPU may move them. Programs wanted before growing them: two per SM of an H100/H200.
-_MIN_PROGRAMS = 264
-# Elements of one head group's half: one warp, one 8-byte bf16 vector per thread.
-_GROUP_ELEMENTS = 128
-# Elements of one program's half-block (2 KB of bf16 read).
-_PROGRAM_ELEMENTS = 512
-
-
-@dataclasses.dataclass(frozen=True)
-class AppendBlockConfig:
-    """Launch shape of one call of the fused kernel; its only tuning knobs."""
-
-    heads_per_program: int
-    # Head groups (of heads_per_program heads) one program moves per token, all loads
-    # issued before the first store, cos/sin computed once.
-    groups_per_program: int = 1
-    # Tokens one program walks in sequence (the angle tables are loaded once).
-    token_loop: int = 1
-    num_warps: int = 1
-    num_stages: int = 1
-
-
-def head_programs(q_heads: int, k_heads: int, block: AppendBlockConfig) -> Tuple[int, int, int]:
-    """Programs per token for q, for k and for v (in that order in the grid)."""
-    per_program = block.heads_per_program * block.groups_per_program
-    k_programs = -(-k_heads // per_program)
-    return -(-q_heads // per_program), k_programs, k_programs
-
-
-def grid(num_tokens: int, q_heads: int, k_heads: int, block: AppendBlockConfig) -> Tuple[int]:
-    """The launch grid ``(token programs * head programs,)``, head-major."""
-    token_programs = -(-num_tokens // block.token_loop)
-    return (token_programs * sum(head_programs(q_heads, k_heads, block)),)
-
-
-def block_config(num_tokens: int, q_heads: int, k_heads: int, lanes: int) -> AppendBlockConfig:
-    """The one heuristic for launch shapes; the rope kernel's rules, three head families.
-
-    - A head group fills 128 elements of a rotary half (``heads_per_program = 128 //
-      lanes``, at least 1, at most the heads there are): one 8-byte bf16 vector per
-      thread of one warp. The same groups serve v, whose rows (``D`` wide) are as long
-      as a q or k head's two halves at full rotary.
-    - A program moves ``512 // (heads_per_program * lanes)`` groups (four when the heads
-      fill a group): 2 KB of bf16 per half, every load before the first store, cos/sin
-      once.
-    - When a token needs at most one program per family (e.g. Hq=8 Hk=1 at D <= 128) a
-      program walks 8 tokens, so its setup is not paid per token.
-    - One warp per program, one stage (nothing to pipeline: each byte is touched once).
-    - Small T (decode): shorter token walks, then fewer groups, then fewer heads per
-      program, until the grid has two programs per SM.
-
-    Not yet swept on the GPU (bench/kv_append_bench.py measures this shape).
-    """
-    heads_per_program = max(1, min(pallas_triton.next_pow2(max(q_heads, k_heads)),
-                                   _GROUP_ELEMENTS // lanes))
-    groups = max(1, _PROGRAM_ELEMENTS // (heads_per_program * lanes))
-    block = AppendBlockConfig(heads_per_program, groups)
-    if sum(head_programs(q_heads, k_heads, block)) <= 3:
-        block = dataclasses.replace(block, token_loop=8)
-    return pallas_triton.shrink_to_fill(
-        block, lambda b: math.prod(grid(num_tokens, q_heads, k_heads, b)), _MIN_PROGRAMS)
-
+from jaxrope.ops.angle import cos_sin
+from jaxrope.ops.rope_append_kv.cache_layout import CacheRows
+from jaxrope.ops.rope_append_kv.reference import FP8, to_cache_dtype
+from jaxrope.ops.rope_append_kv.tuning import (AppendTritonTuning, append_triton_tuning, grid,
+                                               head_programs)
+from jaxrope.ops.triton_common import lanes_for, next_pow2, sin_cos_approx
 
 def unsupported(cache) -> str | None:
     """Why the Triton lowering cannot address ``cache``, or None when it can.
@@ -172,9 +109,9 @@ def _rope_append_kv_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, 
         rotary = (piece(0, 2 * lanes, rotary_dim),)
     else:
         rotary = (piece(0, lanes, half), piece(half, lanes, half))
-    passthrough = ((piece(rotary_dim, pallas_triton.next_pow2(head_dim - rotary_dim),
+    passthrough = ((piece(rotary_dim, next_pow2(head_dim - rotary_dim),
                           head_dim - rotary_dim),) if rotary_dim < head_dim else ())
-    whole_row = (piece(0, pallas_triton.next_pow2(head_dim), head_dim),)
+    whole_row = (piece(0, next_pow2(head_dim), head_dim),)
 
     def heads_of(program, g, num_heads):
         # (the block's head slice, its head-in-range mask [hp, 1], its head ids [hp])
@@ -200,7 +137,7 @@ def _rope_append_kv_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, 
             pos = plgpu.load(pos_ref.at[t])
         else:
             pos = tuple(plgpu.load(pos_ref.at[row * count + t]) for row in range(3))
-        trig = {"sin_cos": pallas_triton.sin_cos_approx} if approx_trig else {}
+        trig = {"sin_cos": sin_cos_approx} if approx_trig else {}
         cos, sin = cos_sin(pos, *turns, attention_factor, mrope_section=mrope_section,
                            mrope_interleaved=mrope_interleaved, **trig)
         return cos[None, :], sin[None, :]
@@ -279,17 +216,18 @@ def _rope_append_kv_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, 
                rows.value_offset, 1)
 
 
-def rope_append_kv_pallas(q, k, v, pos_ids, slots, tables, scales, caches, *, rows: CacheRows,
+def rope_append_kv_triton(q, k, v, pos_ids, slots, tables, scales, caches, *, rows: CacheRows,
                           rotary_dim: int, interleave: bool, attention_factor: float,
                           mrope_section: Optional[Tuple[int, int, int]] = None,
                           mrope_interleaved: bool = False, interpret: bool = False,
-                          config: AppendBlockConfig | None = None):
+                          tuning: Optional[AppendTritonTuning] = None):
     """Rotate q in place and write rotated k and v into the paged ``caches``, in one launch.
 
-    Arguments as :func:`jaxrope.kernels.kv_reference.rope_append_kv_reference` (the
-    caches ``[rows, D]`` views addressed by ``rows``). Outputs
-    alias q and the caches (``input_output_aliases``): in place when they are donated.
-    ``config`` overrides :func:`block_config` (benchmarks sweep it).
+    Arguments as :func:`jaxrope.ops.rope_append_kv.reference.rope_append_kv_reference`
+    (the caches ``[rows, D]`` views addressed by ``rows``). Outputs alias q and the caches
+    (``input_output_aliases``): in place when they are donated. ``tuning``: the launch
+    shape (default: :func:`jaxrope.ops.rope_append_kv.tuning.append_triton_tuning` of the
+    shapes; sweeps pass others).
     """
     num_tokens, q_heads, head_dim = q.shape
     k_heads = k.shape[1]
@@ -298,9 +236,9 @@ def rope_append_kv_pallas(q, k, v, pos_ids, slots, tables, scales, caches, *, ro
         raise BackendUnavailable(declined)
     if num_tokens == 0:
         return q, tuple(caches)
-    lanes = pallas_triton.lanes_for(rotary_dim)
+    lanes = lanes_for(rotary_dim)
     tables = jnp.pad(tables, ((0, 0), (0, lanes - tables.shape[1])))
-    block = config or block_config(num_tokens, q_heads, k_heads, lanes)
+    block = tuning or append_triton_tuning(num_tokens, q_heads, k_heads, lanes)
     q_programs, k_programs, _ = head_programs(q_heads, k_heads, block)
     kernel = functools.partial(
         _rope_append_kv_kernel, q_heads=q_heads, k_heads=k_heads, head_dim=head_dim,

@@ -1,7 +1,7 @@
-"""An experimental TMA-pipelined twin of :mod:`jaxrope.kernels.mosaic_gpu` (Hopper and newer).
+"""An experimental TMA-pipelined twin of :mod:`jaxrope.ops.rope.mosaic` (Hopper and newer).
 
-Same contract and operands as :func:`jaxrope.kernels.mosaic_gpu.build` /
-:func:`~jaxrope.kernels.mosaic_gpu.rope_mosaic`; only how bytes move differs. Each block
+Same contract and operands as :func:`jaxrope.ops.rope.mosaic.build` /
+:func:`~jaxrope.ops.rope.mosaic.rope_mosaic`; only how bytes move differs. Each block
 (one warpgroup) walks token blocks ``b, b + grid, ...`` of ``tokens_per_block`` tokens
 through ``stages`` SMEM slots:
 
@@ -10,10 +10,10 @@ through ``stages`` SMEM slots:
    array allows a strided copy of them (``R * itemsize`` a multiple of 16 bytes, every
    box dim <= 256), else the whole head ``D`` (one contiguous bulk copy);
 2. the block's positions are loaded once and its angle computed
-   (:func:`jaxrope.kernels.angle.angle_cos_sin`) *before* waiting on the slot's barriers,
+   (:func:`jaxrope.ops.angle.angle_cos_sin`) *before* waiting on the slot's barriers,
    so the arithmetic overlaps the copies in flight;
 3. head groups are rotated SMEM -> registers -> SMEM, in the register layout of
-   :mod:`~jaxrope.kernels.mosaic_gpu` (warps and lanes split tokens and pairs, a head
+   :mod:`~jaxrope.ops.rope.mosaic` (warps and lanes split tokens and pairs, a head
    group in each thread's registers, the angle broadcast over heads);
 4. ``commit_smem`` (a barrier and an async-proxy fence), then bulk copies SMEM -> GMEM as
    one group; the slot of the *previous* token block is refilled once its store group has
@@ -23,10 +23,10 @@ through ``stages`` SMEM slots:
 No copy reads or writes past ``count`` tokens (the torch bridge's buffers end there): the
 ``count % tokens_per_block`` tokens past the last whole block are rotated one at a time
 from GMEM by the block that would take the next token block, in
-:mod:`~jaxrope.kernels.mosaic_gpu`'s single-token layout (copies in every warp, a barrier
+:mod:`~jaxrope.ops.rope.mosaic`'s single-token layout (copies in every warp, a barrier
 before each group's stores). Layouts TMA cannot move (``head_dim * itemsize`` not a
 multiple of 16 bytes, a copy not a multiple of 128 bytes, too much SMEM) raise
-``ValueError`` naming the layout: use :mod:`~jaxrope.kernels.mosaic_gpu` there.
+``ValueError`` naming the layout: use :mod:`~jaxrope.ops.rope.mosaic` there.
 
 On CPU it runs in Mosaic GPU's interpreter (``interpret=True``), for tests.
 """
@@ -41,9 +41,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxrope.kernels import mosaic_gpu
-from jaxrope.kernels.angle import angle_cos_sin
-from jaxrope.kernels.mosaic_gpu import as_pallas, floor, load, store, tiled
+from jaxrope.ops.angle import angle_cos_sin
+from jaxrope.ops.mosaic_common import as_pallas, floor, load, store, tiled
+from jaxrope.ops.rope import mosaic as mosaic_rope
+from jaxrope.ops.rope.tuning import MosaicTuning, head_group
 
 _WARPS, _LANES = 4, 32
 # SMEM a block may take (Hopper: 227 KiB a block, 228 KiB an SM), leaving room for the
@@ -55,6 +56,8 @@ _BOX_LIMIT = 256
 # Bytes of one head group's halves a thread holds (the register kernel's plan before it
 # moved to 32 bytes a thread; this variant was measured with it).
 _GROUP_BYTES = 128
+# The fewest heads one angle should serve (the register kernel's heuristic's).
+_ANGLE_HEADS = 4
 _MAX_STAGES = 4
 
 
@@ -99,10 +102,11 @@ class TmaPlan:
         """Tokens one register tile spans: 4 warps x the lanes along tokens."""
         return _WARPS * (_LANES // self.lanes_pairs)
 
-    def register_plan(self) -> mosaic_gpu.Plan:
-        """The same split as a :class:`mosaic_gpu.Plan` (for its single-token layout)."""
-        return mosaic_gpu.Plan(self.vec, self.lanes_pairs, self.layout_tokens, self.q_group,
-                               self.k_group, 1, 1)
+    def register_tuning(self) -> MosaicTuning:
+        """The same split as the register kernel's :class:`MosaicTuning` (for its
+        single-token layout)."""
+        return MosaicTuning(self.vec, self.lanes_pairs, self.q_group, self.k_group,
+                            in_flight=1, block_groups=1, min_blocks=1)
 
 
 def _layout_tokens(half: int, vec: int) -> int:
@@ -118,7 +122,7 @@ def plan_tma(q_heads: int, k_heads: int, half: int, head_dim: int, itemsize: int
     - Vectors: the widest (<= 16 bytes, dividing the half) whose
       register tile (4 warps x ``32 / gcd(half / vec, 32)`` token lanes) divides the token
       block; tokens past one tile repeat in registers.
-    - Head groups: as :func:`mosaic_gpu.plan`, within ``_GROUP_BYTES`` (128) a thread, the
+    - Head groups: as :func:`jaxrope.ops.rope.tuning.mosaic_tuning`, within ``_GROUP_BYTES`` (128) a thread, the
       budget this variant was measured at (the register kernel's is smaller).
     """
     rotary = 2 * half
@@ -129,10 +133,10 @@ def plan_tma(q_heads: int, k_heads: int, half: int, head_dim: int, itemsize: int
         # Even and odd elements need a strided or reshaped view of the SMEM slot: JAX
         # 0.11.2's Mosaic GPU lowering refuses strided slices, its interpreter reshapes.
         raise ValueError(f"the TMA variant takes NeoX halves only, not GPT-J pairs "
-                         f"(interleave=True, {layout}); use the register kernel (mosaic_gpu)")
+                         f"(interleave=True, {layout}); use the register kernel (jaxrope.ops.rope.mosaic)")
     if head_dim * itemsize % 16:
         raise ValueError(f"TMA needs head_dim * itemsize a multiple of 16 bytes ({layout}); "
-                         "use the register kernel (mosaic_gpu)")
+                         "use the register kernel (jaxrope.ops.rope.mosaic)")
     heads_fit = max(q_heads, k_heads) <= _BOX_LIMIT
     strided = (rotary < head_dim and rotary * itemsize % 16 == 0 and rotary <= _BOX_LIMIT
                and heads_fit)
@@ -165,13 +169,13 @@ def plan_tma(q_heads: int, k_heads: int, half: int, head_dim: int, itemsize: int
     lanes_pairs = math.gcd(half // vec, _LANES)
     per_thread = (tb // (_WARPS * _LANES // lanes_pairs)) * half // lanes_pairs
     return TmaPlan(tb, stages, vec, lanes_pairs, copy_dims,
-                   mosaic_gpu._head_group(q_heads, per_thread, itemsize, _GROUP_BYTES),
-                   mosaic_gpu._head_group(k_heads, per_thread, itemsize, _GROUP_BYTES), smem,
+                   head_group(q_heads, per_thread, itemsize, _GROUP_BYTES, _ANGLE_HEADS),
+                   head_group(k_heads, per_thread, itemsize, _GROUP_BYTES, _ANGLE_HEADS), smem,
                    max(1, _SMEM_PER_SM // smem))
 
 
 def _block_layout(p: TmaPlan, group: int, half: int):
-    """The register layout of a ``[tb, group, half]`` slab: :func:`mosaic_gpu._data_layout`'s
+    """The register layout of a ``[tb, group, half]`` slab: :func:`jaxrope.ops.rope.mosaic.data_layout`'s
     tiles, with one more level when the block spans several register tiles of tokens
     (those repeat in registers; the tiled shape still ends ``[4, 1, 1, token_lanes,
     group, lanes_pairs, 1, 1, vec]``)."""
@@ -190,7 +194,7 @@ def build_tma(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotar
               grid: Optional[int] = None, interpret: bool = False,
               tuning: TmaTuning = DEFAULT_TUNING):
     """The TMA-pipelined ``plgpu.kernel``: ``kernel(*operands)`` over GMEM refs, the
-    operands of :func:`mosaic_gpu.build` (NeoX halves only: ``q``/``k`` are ``[T, H, D]``).
+    operands of :func:`jaxrope.ops.rope.mosaic.build` (NeoX halves only: ``q``/``k`` are ``[T, H, D]``).
 
     ``count`` static: ``grid`` defaults to ``tuning.sms`` x the blocks an SM holds, at
     most one per token block. ``count=None``: an int32 ``count`` operand comes first,
@@ -207,7 +211,7 @@ def build_tma(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotar
     mrope = mrope_section is not None
     groups = {p.q_group, p.k_group}
     layouts = {tb: {g: _block_layout(p, g, half) for g in groups},
-               1: {g: mosaic_gpu._data_layout(p.register_plan(), 1, g, half) for g in groups}}
+               1: {g: mosaic_rope.data_layout(p.register_tuning(), 1, g, half) for g in groups}}
     if count is None and grid is None:
         raise ValueError("count=None (the run-time count) needs a grid")
     if count is not None:
@@ -367,13 +371,13 @@ def rope_mosaic_tma(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
                     mrope_interleaved: bool = False, interpret: bool = False,
                     tuning: TmaTuning = DEFAULT_TUNING):
     """Rotate ``q [T, Hq, D]``, ``k [T, Hk, D]`` at ``pos_ids`` int32 ``[T]`` (M-RoPE:
-    ``[3, T]``); :func:`mosaic_gpu.rope_mosaic`'s contract (in place when donated).
+    ``[3, T]``); :func:`jaxrope.ops.rope.mosaic.rope_mosaic`'s contract (in place when donated).
 
     Raises:
-      BackendUnavailable: a JAX :func:`mosaic_gpu.unavailable` names.
+      BackendUnavailable: a JAX :func:`jaxrope.ops.mosaic_common.unavailable` names.
       ValueError: a layout TMA cannot move (:func:`plan_tma`).
     """
-    return mosaic_gpu.run_static(build_tma, q, k, pos_ids, tables, rotary_dim=rotary_dim,
+    return mosaic_rope.run_static(build_tma, q, k, pos_ids, tables, rotary_dim=rotary_dim,
                                  interleave=interleave, attention_factor=attention_factor,
                                  mrope_section=mrope_section,
                                  mrope_interleaved=mrope_interleaved, interpret=interpret,

@@ -27,14 +27,14 @@ pages are ``[Hk, pages, page_size, D]`` each
 (``jax.experimental.pallas.ops.gpu.paged_attention``).
 
 Example:
-  >>> from jaxrope.kernels import kv_layout
-  >>> kv_layout.describe("ragged_paged_attention", combined=True)
+  >>> from jaxrope.ops.rope_append_kv import cache_layout
+  >>> cache_layout.describe("ragged_paged_attention", combined=True)
   '[pages, page_size, 2 * Hk, D]'
-  >>> rows = kv_layout.cache_rows("ragged_paged_attention", True, num_pages=4, page_size=16,
+  >>> rows = cache_layout.cache_rows("ragged_paged_attention", True, num_pages=4, page_size=16,
   ...                             k_heads=2)
   >>> rows.row(1, 3, 1), rows.value_array, rows.value_offset   # (1 * 16 + 3) * 4 + 1 * 2
   (78, 0, 1)
-  >>> kv_layout.cache_rows("paged_attention", False, 4, 16, 2).row(1, 3, 1)  # 1 * 64 + 16 + 3
+  >>> cache_layout.cache_rows("paged_attention", False, 4, 16, 2).row(1, 3, 1)  # 1 * 64 + 16 + 3
   83
 """
 

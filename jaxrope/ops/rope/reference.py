@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 
 import jax.numpy as jnp
 
-from jaxrope.kernels.angle import cos_sin
+from jaxrope.ops.angle import cos_sin
 
 
 def _rotate(x, cos, sin, rotary_dim: int, interleave: bool):

@@ -2,7 +2,8 @@
 
 JAX 0.11 deprecates Pallas's Triton lowering; Mosaic GPU is its successor, and its
 ``pallas_call`` is deprecated too, so this is a ``plgpu.kernel`` with a body of its own
-(:mod:`jaxrope.kernels.pallas_triton` is the Triton-lowered twin).
+(:mod:`jaxrope.ops.rope.triton` is the Triton-lowered twin). Its split is a
+:class:`jaxrope.ops.rope.tuning.MosaicTuning`, an argument of :func:`build`.
 
 One block (one warpgroup, 128 threads) rotates ``tokens_per_block`` tokens: warps and
 lanes split the tokens and the rotary pairs, each thread holding one vector of ``vec``
@@ -11,18 +12,19 @@ GPU ``TiledLayout`` whose head dimension is never split across threads, so remov
 (``reduce``) gives the layout of a ``[tokens, R/2]`` array that every head group of q
 and of k broadcasts for free: the angle is computed once per (token, pair) and serves
 ``Hq + Hk`` heads, for any head count. Head groups are loaded ahead of the group
-being rotated (``Plan.in_flight``), so a group's stores overlap later groups' loads,
+being rotated (``MosaicTuning.in_flight``), so a group's stores overlap later groups' loads,
 and a token block's head groups are split among neighbouring blocks
-(:func:`head_splits`: one group each by default, with a few bytes a thread): many short
-blocks kept more bytes moving than few blocks walking many heads.
+(:func:`jaxrope.ops.rope.tuning.head_splits`: one group each by default, with a few
+bytes a thread): many short blocks keep more bytes moving than few blocks walking many
+heads.
 
 Layouts: NeoX halves are dims ``[0, R/2)`` and ``[R/2, R)`` of a head; GPT-J pairs are
 the even and odd elements of ``[0, R)``, read through a ``[T, H, D/2, 2]`` view of the
 same buffer (one element per vector: the two halves interleave in memory). Only rotated
 dims are read and written. M-RoPE (``mrope_section``, positions ``[3, T]``) loads the
 three rows of a block's tokens and picks one per slot with the rows
-:func:`jaxrope.kernels.angle.slot_rows` assigns (a ``[R/2]`` int table built outside
-the kernel); the angle is :func:`jaxrope.kernels.angle.angle_cos_sin`, the accurate
+:func:`jaxrope.ops.angle.slot_rows` assigns (a ``[R/2]`` int table built outside
+the kernel); the angle is :func:`jaxrope.ops.angle.angle_cos_sin`, the accurate
 one every backend shares.
 
 Tokens past the last whole block are rotated by the blocks of the last whole block,
@@ -32,17 +34,14 @@ register budget, and no block touches another block's tokens. Only a T under one
 block (a static T, or a launch whose counts may be) takes a path of single tokens, in
 a layout where the warps and the lanes that split tokens hold copies: a store of a
 copy writes the same value, and a barrier before each head group's stores keeps every
-copy's load ahead of them. ``floor`` has no Mosaic GPU lowering, so it is built from a truncating
-int conversion (the values floored stay below ``2**31`` in magnitude).
+copy's load ahead of them.
 
 On CPU it runs in Mosaic GPU's interpreter (``interpret=True``), for tests.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from typing import Optional, Tuple
 
 import jax
@@ -51,152 +50,14 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxrope.errors import BackendUnavailable
-from jaxrope.kernels.angle import angle_cos_sin, slot_rows
-
-_WARPS = 4          # warps of a warpgroup
-_LANES = 32         # threads of a warp
-# Bytes of q and k one thread moves a block, and the widest vector it moves them in.
-# Bytes a thread, not what it computes, set this kernel's speed on the H200 (bf16 Hq 32 /
-# Hk 8 / D 128, bench/RESULTS.md): a Mosaic GPU kernel that only negates q and k in place
-# ran at 98.4% of torch's in-place ceiling with 32 bytes a thread a block and at 93.1%
-# with 128; the rope kernel at 32 bytes (one group of 4 heads x 2 pairs a thread, 4-byte
-# vectors, one group a block) ran within 1% of the Triton-lowered kernel, at 256 bytes
-# (16-byte vectors, two 128-byte groups a block) 3-4% behind it.
-_GROUP_BYTES = 32
-_VEC_BYTES = 4
-_BLOCK_BYTES = 32
-# The fewest heads one angle should serve: at 2 heads an angle (32 bytes a thread, 4
-# pairs of each) the angle's arithmetic showed again, 15% slower than at 4. A group grows
-# to reach it only while it stays within _ANGLE_HEADS x _GROUP_BYTES a thread.
-_ANGLE_HEADS = 4
-# Head groups a block has loaded at a time, the one being rotated included. With one
-# group a block (the default) it matters only where a block rotates several: small
-# groups of few-byte heads. 2-8 groups in flight were within 2% of each other at 32-128
-# bytes a group and several groups a block (bench/RESULTS.md's git history, 2026-12-02).
-_IN_FLIGHT = 2
-# Blocks a launch should have before it splits heads further: two per SM of an H100/H200.
-_MIN_BLOCKS = 264
+from jaxrope.ops.angle import angle_cos_sin
+from jaxrope.ops.mosaic_common import (as_pallas, broadcast, floor, kernel, load, slot_row_table,
+                                       store, tiled, unavailable, walk)
+from jaxrope.ops.rope.tuning import WARPS, MosaicTuning, head_splits, mosaic_tuning
 
 
-def unavailable() -> Optional[str]:
-    """Why this JAX cannot build the kernel (it needs 0.11's Mosaic GPU API), or None."""
-    try:
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-    except ImportError as e:  # JAX 0.10 imports absl there
-        return f"Mosaic GPU Pallas does not import with jax {jax.__version__}: {e}"
-    # 0.10 has neither; its plgpu.load also takes a different signature.
-    if not (hasattr(plgpu, "InterpretGPUParams") and hasattr(jax, "new_ref")):
-        return (f"jax {jax.__version__} lacks the Mosaic GPU API this kernel uses "
-                "(mutable refs, the GPU interpreter): JAX 0.11 or newer")
-    return None
-
-
-# The newest JAX minor version whose Mosaic GPU is known to lower every layout of this
-# kernel (tests/test_mosaic_interpret.py lowers every case on the CI's JAX versions; the
-# compiled kernel has run on the H200 with 0.11.2, not yet with 0.12). A newer minor may
-# refuse layouts, as 0.12 refused the stores of many until :func:`store`.
-LOWERS_UP_TO = (0, 12)
-
-
-def lowering_unavailable() -> Optional[str]:
-    """Why "auto" must not pick this kernel with this JAX (:func:`unavailable`, or a JAX
-    newer than :data:`LOWERS_UP_TO`), or None."""
-    reason = unavailable()
-    if reason is None and tuple(int(p) for p in jax.__version__.split(".")[:2]) > LOWERS_UP_TO:
-        reason = (f"jax {jax.__version__} is newer than the JAX versions this kernel's Mosaic "
-                  f"GPU lowering is tested on (up to {'.'.join(map(str, LOWERS_UP_TO))}), "
-                  "so 'auto' runs the Triton-lowered kernel here")
-    return reason
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """How one call splits its work; a pure function of the layout (:func:`plan`)."""
-
-    vec: int               # pairs per thread vector
-    lanes_pairs: int       # lanes of a warp along the pairs; the rest split tokens
-    tokens_per_block: int  # warps x token lanes
-    q_group: int           # heads of q per load
-    k_group: int
-    in_flight: int         # head groups loaded at a time, the one being rotated included
-    block_groups: int      # head groups one block rotates at most (:func:`head_splits`)
-
-    @property
-    def token_lanes(self) -> int:
-        return _LANES // self.lanes_pairs
-
-
-def _head_group(heads: int, pairs_per_thread: int, itemsize: int,
-                group_bytes: int = _GROUP_BYTES) -> int:
-    # The most heads, dividing the head count, whose two halves fit group_bytes a thread;
-    # when that is under _ANGLE_HEADS, the fewest dividing heads that reach it, if they
-    # fit _ANGLE_HEADS x group_bytes (a prime head count would otherwise take every head).
-    head_bytes = 2 * pairs_per_thread * itemsize
-    divisors = [g for g in range(1, heads + 1) if heads % g == 0]
-    group = max((g for g in divisors if g * head_bytes <= group_bytes), default=1)
-    least = min(heads, _ANGLE_HEADS)
-    raised = [g for g in divisors
-              if g >= least and g * head_bytes <= _ANGLE_HEADS * group_bytes]
-    return group if group >= least or not raised else min(raised)
-
-
-def plan(q_heads: int, k_heads: int, half: int, head_dim: int, itemsize: int,
-         interleave: bool) -> Plan:
-    """The one heuristic for the kernel's split.
-
-    - Vectors as wide as ``_VEC_BYTES`` that divide the half and the head stride,
-      narrower while a thread would hold more than 16 pairs of the angle; GPT-J pairs
-      take one element (even and odd elements are not contiguous).
-    - Lanes along the pairs: as many as the half's vectors allow (at most a warp), the
-      rest of the warp and the four warps along tokens.
-    - Head groups: the most heads that divide the head count within ``_GROUP_BYTES`` a
-      thread, or, when those are fewer than ``_ANGLE_HEADS``, the fewest that serve that
-      many heads an angle within ``_ANGLE_HEADS x _GROUP_BYTES``; ``_IN_FLIGHT`` of them
-      loaded at a time, as many to a block as fit ``_BLOCK_BYTES`` a thread.
-    """
-    candidates = (1,) if interleave else (8, 4, 2, 1)
-    for vec in candidates:
-        if vec * itemsize > _VEC_BYTES or half % vec or head_dim % vec:
-            continue
-        lanes_pairs = math.gcd(half // vec, _LANES)
-        if half // lanes_pairs <= 16 or vec == 1:
-            break
-    per_thread = half // lanes_pairs
-    q_group, k_group = (_head_group(h, per_thread, itemsize) for h in (q_heads, k_heads))
-    group_bytes = 2 * per_thread * itemsize * max(q_group, k_group)
-    return Plan(vec, lanes_pairs, _WARPS * (_LANES // lanes_pairs), q_group, k_group,
-                _IN_FLIGHT, max(1, _BLOCK_BYTES // group_bytes))
-
-
-def head_splits(token_blocks: int, groups: int, block_groups: int) -> int:
-    """Blocks sharing one token block's ``groups`` head groups: enough that none rotates
-    more than ``block_groups`` (:attr:`Plan.block_groups`), and enough for
-    :data:`_MIN_BLOCKS` blocks in all when the tokens alone make fewer (few tokens would
-    otherwise leave most SMs idle), at most one group each.
-
-    Example:
-      >>> head_splits(1024, 10, 2), head_splits(4, 10, 2), head_splits(1, 3, 2)
-      (5, 10, 3)
-    """
-    return max(1, -(-groups // block_groups), min(groups, -(-_MIN_BLOCKS // token_blocks)))
-
-
-def tiled(tiles, warp_dims, lane_dims):
-    # Mosaic GPU accepts only canonical layouts (size-1 tiled dims dropped): build the
-    # readable form, then canonicalize it.
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    return fa.TiledLayout(fa.Tiling(tiles), warp_dims=warp_dims, lane_dims=lane_dims,
-                          vector_dim=-1, _check_canonical=False).canonicalize()
-
-
-def as_pallas(layout):
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    return plgpu.Layout.TILED(layout.tiling, warp_dims=layout.warp_dims,
-                              lane_dims=layout.lane_dims, vector_dim=layout.vector_dim)
-
-
-def _data_layout(p: Plan, tokens: int, group: int, half: int):
-    """The layout of a ``[tokens, group, half]`` block: ``tokens`` is the plan's block,
+def data_layout(p: MosaicTuning, tokens: int, group: int, half: int):
+    """The layout of a ``[tokens, group, half]`` block: ``tokens`` is the tuning's block,
     or 1 for the tail (its token lanes and warps then hold copies).
 
     Tiled by ``(tokens, group, P)``, ``(token_lanes, group, P)`` and ``(1, 1, vec)`` with
@@ -208,50 +69,10 @@ def _data_layout(p: Plan, tokens: int, group: int, half: int):
     pairs = p.lanes_pairs * p.vec
     if tokens == 1:
         copies = (fa.Replicated(p.token_lanes),) if p.token_lanes > 1 else ()
-        return tiled(((1, group, pairs), (1, 1, p.vec)), (fa.Replicated(_WARPS),),
+        return tiled(((1, group, pairs), (1, 1, p.vec)), (fa.Replicated(WARPS),),
                       (*copies, -4))
     return tiled(((tokens, group, pairs), (p.token_lanes, group, pairs), (1, 1, p.vec)),
                   (-9,), (-6, -4))
-
-
-def load(ref, layout):
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    # "optimized" transfers plan SMEM bank conflicts; these read GMEM, or (the fused
-    # append's shared angle) a few hundred bytes of SMEM whose conflicts cost nothing
-    # measurable.
-    return plgpu.load(ref, layout=as_pallas(layout), optimized=False)
-
-
-def store(ref, value) -> None:
-    """``ref[...] = value`` as a plain transfer, like :func:`load`'s.
-
-    JAX 0.12's ``ref[...] =`` plans an "optimized" transfer and refuses, on GMEM, vectors
-    under 4 bytes a thread or not covering whole 32-byte sectors and 128-byte lines, and on
-    SMEM (:mod:`jaxrope.kernels.mosaic_tma`) layouts it finds no bank-conflict-free order
-    for, which the head groups of many layouts make; its ``plgpu.store(optimized=False)``
-    skips that plan. JAX 0.11 has no ``plgpu.store`` and does not check.
-    """
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    if hasattr(plgpu, "store"):
-        plgpu.store(ref, value, optimized=False)
-    else:
-        ref[...] = value
-
-
-def floor(x):
-    t = x.astype(jnp.int32).astype(jnp.float32)  # truncates toward zero
-    return jnp.where(t > x, t - 1.0, t)
-
-
-def slot_row_table(half: int, mrope_section: Optional[Tuple[int, int, int]],
-                   mrope_interleaved: bool) -> np.ndarray:
-    """int32 ``[half]``: the positions row (0 t, 1 h, 2 w) each frequency slot reads; all
-    zeros for 1-D RoPE (:func:`jaxrope.kernels.angle.slot_rows`)."""
-    if mrope_section is None:
-        return np.zeros((half,), np.int32)
-    with jax.ensure_compile_time_eval():
-        is_h, is_w = slot_rows(half, mrope_section, mrope_interleaved)
-        return np.asarray(jnp.where(is_w, 2, jnp.where(is_h, 1, 0)), np.int32)
 
 
 def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_dim: int,
@@ -259,7 +80,8 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
           mrope_section: Optional[Tuple[int, int, int]] = None,
           mrope_interleaved: bool = False, count: Optional[int] = None,
           grid: Optional[int] = None, splits: Optional[int] = None, min_count: int = 1,
-          max_count: Optional[int] = None, interpret: bool = False):
+          max_count: Optional[int] = None, interpret: bool = False,
+          tuning: Optional[MosaicTuning] = None):
     """The ``plgpu.kernel`` for one head layout: ``kernel(*operands)`` over GMEM refs.
 
     Operands: ``(pos_ids, tables, rows, q, k)`` with ``pos_ids`` flat int32 (M-RoPE: row
@@ -273,14 +95,16 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
     ``max_count`` bound the counts it will see: a bound of a block or more leaves out the
     single-token path (and its registers), and a grid with a block for every item of
     ``max_count`` tokens leaves out the walk. ``splits`` divides the head groups among
-    that many blocks per token block (default: :func:`head_splits` of the static count's
-    blocks, or of one block with a run-time count; launches pass theirs).
+    that many blocks per token block (default: :func:`jaxrope.ops.rope.tuning.head_splits`
+    of the static count's blocks, or of one block with a run-time count; launches pass
+    theirs). ``tuning``: the split (default: :func:`jaxrope.ops.rope.tuning.mosaic_tuning`
+    of the head layout).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
     half = rotary_dim // 2
-    p = plan(q_heads, k_heads, half, head_dim, itemsize, interleave)
+    p = tuning or mosaic_tuning(q_heads, k_heads, half, head_dim, itemsize, interleave)
     mrope = mrope_section is not None
-    layouts = {tokens: {g: _data_layout(p, tokens, g, half) for g in {p.q_group, p.k_group}}
+    layouts = {tokens: {g: data_layout(p, tokens, g, half) for g in {p.q_group, p.k_group}}
                for tokens in (p.tokens_per_block, 1)}
 
     def halves(x_ref, tokens, heads):
@@ -288,9 +112,6 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
             pairs = pl.ds(0, half)
             return x_ref.at[tokens, heads, pairs, 0], x_ref.at[tokens, heads, pairs, 1]
         return x_ref.at[tokens, heads, pl.ds(0, half)], x_ref.at[tokens, heads, pl.ds(half, half)]
-
-    def broadcast(x, shape, dims, layout):
-        return plgpu.layout_cast(jax.lax.broadcast_in_dim(x, shape, dims), as_pallas(layout))
 
     def rotate(n, pos_ref, tables_ref, rows_ref, q_ref, k_ref, t0, tokens, chunk, keep=None):
         # keep: a run-time count of the block's first tokens to store back as they were
@@ -361,7 +182,7 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
             for g in range(heads // group)]
     if splits is None:
         splits = head_splits(-(-count // tpb) if count is not None else 1, len(work),
-                             p.block_groups)
+                             p.block_groups, p.min_blocks)
     chunks = [work[len(work) * s // splits:len(work) * (s + 1) // splits] for s in range(splits)]
     # Counts below one block rotate their tokens one at a time; a kernel that never sees
     # one (a static count, or a launch's lower bound, of a block or more) leaves that
@@ -434,63 +255,13 @@ def build(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int, rotary_di
     return kernel(body, grid, "jaxrope_rope_mosaic", interpret)
 
 
-def walks(grid: int, most_items: Optional[int]) -> bool:
-    """Whether :func:`walk` loops a block over several items: unless ``most_items`` (the
-    most items a launch has) is known and the grid covers them."""
-    return most_items is None or most_items > grid
-
-
-def walk(items, grid: int, one_item, most_items: Optional[int] = None) -> None:
-    """Inside a kernel of ``grid`` blocks: block ``b`` calls ``one_item`` on items ``b, b +
-    grid, ...`` below ``items`` (a run-time count: one compiled grid for any count).
-
-    ``most_items``, the most items a launch has: when the grid covers them, block ``b``
-    runs item ``b`` or exits, with no loop (nor its registers). Walking was slower than a
-    block an item in both kernels here: 2-9% for the rope launch at 264-2640 blocks,
-    13-16% for the fused append at 8 blocks a SM (bench/RESULTS.md).
-    """
-    block = jax.lax.axis_index("block")
-    if not walks(grid, most_items):
-        pl.when(block < items)(functools.partial(one_item, block))
-        return
-    turns = jax.lax.div(items - block + (grid - 1), grid)
-
-    def step(i, carry):
-        one_item(block + i * grid)
-        return carry
-    jax.lax.fori_loop(0, turns, step, 0)
-
-
-def kernel(body, grid: int, name: str, interpret: bool, warpgroups: int = 1,
-           scratch=()):
-    """The ``plgpu.kernel`` of a body over GMEM refs (then the ``scratch`` types' refs),
-    with the compiler parameters every kernel here uses; ``name`` is what profilers show.
-    ``warpgroups`` > 1 runs that many warpgroups a block, ``jax.lax.axis_index
-    ("warpgroup")`` telling them apart (on the H200 both kernels here ran slower so,
-    bench/RESULTS.md); not with ``scratch``, which the warpgroups would share while
-    ``commit_smem`` orders one warpgroup's threads only."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    if warpgroups > 1 and scratch:
-        raise ValueError(f"warpgroups={warpgroups} with scratch {scratch}: one warpgroup a "
-                         "block shares SMEM scratch safely, several do not")
-    threads = dict(num_threads=warpgroups, thread_name="warpgroup") if warpgroups > 1 else {}
-    return plgpu.kernel(
-        body, out_type=(), scratch_types=scratch, grid=(grid,), grid_names=("block",),
-        kernel_name=name, **threads,
-        compiler_params=plgpu.CompilerParams(
-            approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane,
-            # The few reads of what another thread wrote (q's copies, the shared angle)
-            # place their own commit_smem: a barrier after every store buys nothing.
-            unsafe_no_auto_barriers=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None)
-
-
 def rope_mosaic(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
                 attention_factor: float, mrope_section: Optional[Tuple[int, int, int]] = None,
-                mrope_interleaved: bool = False, interpret: bool = False):
+                mrope_interleaved: bool = False, interpret: bool = False,
+                tuning: Optional[MosaicTuning] = None):
     """Rotate ``q [T, Hq, D]``, ``k [T, Hk, D]`` at ``pos_ids`` int32 ``[T]`` (M-RoPE:
-    ``[3, T]``); same contract as :func:`jaxrope.kernels.pallas_triton.rope_pallas` (in
-    place when donated).
+    ``[3, T]``); same contract as :func:`jaxrope.ops.rope.triton.rope_triton` (in
+    place when donated). ``tuning`` as :func:`build`'s.
 
     Raises:
       BackendUnavailable: a JAX :func:`unavailable` names.
@@ -498,7 +269,7 @@ def rope_mosaic(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
     return run_static(build, q, k, pos_ids, tables, rotary_dim=rotary_dim,
                       interleave=interleave, attention_factor=attention_factor,
                       mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
-                      interpret=interpret)
+                      interpret=interpret, tuning=tuning)
 
 
 def run_static(builder, q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,

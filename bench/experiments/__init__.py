@@ -1,0 +1,1 @@
+"""One-off experiments: kernels and probes kept out of the package (not in the wheel)."""

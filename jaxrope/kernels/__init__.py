@@ -1,1 +1,0 @@
-"""RoPE kernels: the XLA reference and the Pallas GPU kernel, one signature for all."""
