@@ -164,7 +164,7 @@ BAD_QK = {
     "k dtype": lambda: (torch.ones(3, HQ, D), torch.ones(3, HK, D, dtype=torch.float16)),
     "grad": lambda: (torch.ones(3, HQ, D, requires_grad=True), torch.ones(3, HK, D)),
 }
-_NONE8 = (None,) * 8
+_NO_OVERRIDES = (None,) * 7  # rotary_dim, interleave, rope_scale, rope_theta, the llama31 three
 
 
 @pytest.mark.parametrize("case", sorted(BAD_QK))
@@ -172,7 +172,7 @@ def test_apply_qk_op_refuses_as_the_method(case):
     method_mgr, op_mgr = _planned_pair()
     q, k = BAD_QK[case]()
     want = _refusal(lambda: method_mgr.apply_qk(q, k, "text"), (q, k))
-    got = _refusal(lambda: torch.ops.jaxrope.apply_qk(q, k, op_mgr._op_key, "text", *_NONE8),
+    got = _refusal(lambda: torch.ops.jaxrope.apply_qk(q, k, op_mgr._op_key, "text", *_NO_OVERRIDES),
                    (q, k))
     assert got == want
 
@@ -182,7 +182,7 @@ def test_apply_qk_op_refuses_an_unplanned_label_as_the_method(label):
     method_mgr, op_mgr = _planned_pair()
     q, k = torch.randn(3, HQ, D), torch.randn(3, HK, D)
     want = _refusal(lambda: method_mgr.apply_qk(q, k, label), (q, k))
-    assert _refusal(lambda: torch.ops.jaxrope.apply_qk(q, k, op_mgr._op_key, label, *_NONE8),
+    assert _refusal(lambda: torch.ops.jaxrope.apply_qk(q, k, op_mgr._op_key, label, *_NO_OVERRIDES),
                     (q, k)) == want
 
 
