@@ -4,7 +4,8 @@ The public API is exactly what ``__all__`` lists, by one rule:
 
 - the top level holds what one call of the rotation needs, from its config to the state
   its positions come from: the ops :func:`apply_rope` and
-  :func:`apply_rope_and_append_kv`, :class:`RopeConfig` and its scaling variants
+  :func:`apply_rope_and_append_kv`, :func:`checked` (``jax.jit`` of a step
+  with every range check on), :class:`RopeConfig` and its scaling variants
   (:class:`Linear`, :class:`DynamicNTK`, :class:`Yarn`, :class:`LongRope`,
   :class:`Llama3`, :class:`Proportional`), the backends (:data:`BACKENDS`,
   :class:`BackendUnavailable`), and the position state's types (:class:`PositionTable`,
@@ -18,7 +19,7 @@ The public API is exactly what ``__all__`` lists, by one rule:
   (draft and verify positions) and :mod:`jaxrope.wire` (published records as bytes).
 
 Every other module is private: importable, but its names may change without notice.
-They are the implementation of the above (``apply``, ``backend``, ``config``,
+They are the implementation of the above (``apply``, ``backend``, ``checks``, ``config``,
 ``cos_sin_cache``, ``errors``, ``frequencies``, ``int_arrays``, ``kernels``,
 ``kv_cache``, ``numbers``, ``scaling``, ``sharding``, ``slot_map``; ``hf_source``,
 ``hf_layers``, ``hf_fields`` and ``hf_examples`` behind :mod:`jaxrope.hf` and
@@ -42,6 +43,7 @@ Example:
 from jaxrope import hf, models, mrope, paging, positions, speculative, wire
 from jaxrope.apply import apply_rope
 from jaxrope.backend import BACKENDS
+from jaxrope.checks import checked
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 from jaxrope.kv_cache import apply_rope_and_append_kv
@@ -65,6 +67,7 @@ __all__ = [
     "Yarn",
     "apply_rope",
     "apply_rope_and_append_kv",
+    "checked",
     "hf",
     "models",
     "mrope",

@@ -46,6 +46,7 @@ import numpy as np
 
 from jaxrope import apply as _apply
 from jaxrope import backend as _backend
+from jaxrope import checks as _checks
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 from jaxrope.kernels import kv_layout
@@ -161,7 +162,9 @@ def _slots(slots, num_tokens: int, num_slots: int):
     xp = jnp if isinstance(slots, jax.Array) else np
     if xp is np:
         slots = np.asarray(slots)
-    if _visible(slots) and num_tokens:
+    if not _visible(slots):
+        _checks.slots(slots, num_slots)
+    elif num_tokens:
         values = np.asarray(slots)
         inside = _in_cache(values, num_slots)
         if (~inside & (values >= 0)).any():
