@@ -171,6 +171,14 @@ def _outside(x: jax.Array, low: Optional[int], high: Optional[int]) -> jax.Array
     return bad
 
 
+def _equals(x: jax.Array, value: int) -> jax.Array:
+    """``x == value``, all False where ``x``'s dtype cannot hold ``value`` (PAD in int8)."""
+    info = np.iinfo(x.dtype)
+    if not info.min <= value <= info.max:
+        return jnp.zeros(x.shape, bool)
+    return x == value
+
+
 def in_range(name: str, x, low: int, high: int) -> None:
     """Traced ``x`` in ``[low, high]``: :func:`jaxrope.int_arrays.in_range`'s twin."""
     if not enabled():
@@ -184,11 +192,11 @@ def rows(name: str, x: jax.Array, capacity: int, pad: int, *, distinct: bool = F
     row once. :func:`jaxrope.positions._rows`'s twin."""
     if not enabled():
         return
-    bad = _outside(x, 0, capacity - 1) & (x != pad)
+    bad = _outside(x, 0, capacity - 1) & ~_equals(x, pad)
     _fail_at(name, x, bad, f"is no row of the table (rows [0, {capacity}), or PAD={pad} "
              "for padding)")
     if distinct:
-        _fail_at(name, x, _repeats(x, x != pad), "repeats a row (one entry per stream)")
+        _fail_at(name, x, _repeats(x, ~_equals(x, pad)), "repeats a row (one entry per stream)")
 
 
 def _repeats(x: jax.Array, counted: jax.Array) -> jax.Array:
@@ -279,7 +287,7 @@ def plan_counts(x_rows: jax.Array, counts: jax.Array, tokens: int, pad: int) -> 
                                     jnp.minimum(counts, cap))
     _fail_at("counts", counts, ends > tokens,
              f"ends past out's {tokens} tokens (out.shape[-1]): sum(counts) must be <= {tokens}")
-    _fail_at("counts", counts, (x_rows == pad) & (counts > 0),
+    _fail_at("counts", counts, _equals(x_rows, pad) & (counts > 0),
              "is a PAD view's count: a padding view has 0 tokens")
 
 

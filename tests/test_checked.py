@@ -233,3 +233,28 @@ def test_the_default_path_lowers_as_if_the_checks_did_not_exist(what, step, args
     assert _lowered(step, args) == default
     assert str(jax.make_jaxpr(step)(*args)) == default_jaxpr
     assert "check" not in default_jaxpr and "callback" not in default
+
+
+def test_wide_values_are_compared_at_their_own_width_before_the_int32_cast():
+    # int64 under jax_enable_x64: cast to int32, 2**32 + 1 would read as 1 (in range).
+    with jax.enable_x64(True):
+        wide = jnp.asarray([0, 2 ** 32 + 1, 2, 3], jnp.int64)
+        for step, args, message in (
+                (*_rope(wide), "pos_ids[1]=4294967297 must lie in [0, 4095]"),
+                (*_append(_i32(0, 1, 2, 3), wide), "slots[1]=4294967297 must be < 32"),
+                (lambda c: positions.commit(T4, _i32(0, 1, 2, 3), c), (wide,),
+                 "counts[1]=4294967297 must lie in [0, 2147483647]")):
+            with pytest.raises(ValueError, match=re.escape(message)):
+                jr.checked(step)(*args)
+
+
+def test_narrow_rows_and_slots_are_checked_where_their_dtype_reaches():
+    # PAD does not fit int8: no int8 row is PAD, and every int8 slot is below 1000 slots.
+    with pytest.raises(ValueError, match=re.escape("rows[1]=-3 is no row")):
+        jr.checked(lambda r: positions.read(T4, r))(jnp.asarray([1, -3], jnp.int8))
+    step, (pos, _, cache) = _append(_i32(0, 1, 2, 3), _i32(0, 1, 2, 3))
+    narrow = jnp.asarray([0, 1, 127, -1], jnp.int8)
+    with pytest.raises(ValueError, match=re.escape("slots[2]=127 must be < 32")):
+        jr.checked(step)(pos, narrow, cache)
+    big = tuple(jnp.zeros((64, 16, 2, 64), jnp.float32) for _ in "kv")  # 1024 slots
+    jr.checked(step)(pos, narrow, big)
