@@ -23,7 +23,8 @@ Each step is jitted twice, ``jax.jit(step)`` ("off", the default path) and
 - ``loop_us``: device time per application: ``--loop`` applications in one jitted
   ``fori_loop`` (the checks inside the loop body when on), one call timed, divided.
 
-Off and on alternate within each of ``--rounds`` rounds (paired: the host's speed drifts
+After one warm-up call each, the two outputs are compared (``identical_outputs``: bit for
+bit, as they must be). Off and on alternate within each of ``--rounds`` rounds (paired: the host's speed drifts
 alike for both); reported per step: the median over rounds of each side's median, and
 ``ratio`` = the median of the per-round on / off ratios. Backend ``auto``: the Mosaic GPU
 kernels on the H200, XLA on a CPU. Output: ``DIR/checked_bench.json``.
@@ -120,6 +121,9 @@ def _paired(make: Callable[[bool], _Runner], rounds: int, reps: int,
     runners = {side: make(side == "on") for side in ("off", "on")}
     for runner in runners.values():  # compile and warm up before any timing
         runner()
+    # Both started from one state: one application each must agree bit for bit.
+    identical = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+        jax.tree.leaves(runners["off"].state), jax.tree.leaves(runners["on"].state)))
     medians: Dict[str, List[float]] = {"off": [], "on": []}
     for _ in range(rounds):
         for side, runner in runners.items():
@@ -129,7 +133,8 @@ def _paired(make: Callable[[bool], _Runner], rounds: int, reps: int,
     return {"off_us": float(np.median(medians["off"])), "on_us": float(np.median(medians["on"])),
             "ratio": float(np.median(ratios)), "added_us": float(np.median(
                 np.subtract(medians["on"], medians["off"]))),
-            "rounds_off_us": medians["off"], "rounds_on_us": medians["on"]}
+            "rounds_off_us": medians["off"], "rounds_on_us": medians["on"],
+            "identical_outputs": identical}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:

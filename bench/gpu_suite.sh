@@ -32,6 +32,7 @@ BENCHES=(
     "mrope_bench"
     "kv_append_bench"
     "shard_bench"
+    "checked_bench"
 )
 
 if [ $# -lt 1 ]; then

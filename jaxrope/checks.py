@@ -221,25 +221,31 @@ def slots(x: jax.Array, num_slots: int) -> None:
 
 
 def _split(x: jax.Array) -> Tuple[jax.Array, jax.Array]:
+    """Non-negative int32 ``x`` as its high and low 16 bits."""
     return x >> 16, x & 0xFFFF
+
+
+def _sum_over(high: jax.Array, low: jax.Array, limit) -> jax.Array:
+    """Whether ``high * 2**16 + low`` (sums of :func:`_split` halves, each below 2**31)
+    exceeds ``limit`` (in ``[0, 2**31)``), decided without forming it."""
+    high = high + (low >> 16)
+    limit_high, limit_low = _split(jnp.asarray(limit, jnp.int32))
+    return (high > limit_high) | ((high == limit_high) & ((low & 0xFFFF) > limit_low))
 
 
 def no_overflow(name: str, counters: jax.Array, x_rows: jax.Array, amounts: jax.Array) -> None:
     """Traced counters plus ``amounts`` summed per row stay within int32.
 
     Summed in two 16-bit halves so that no partial sum wraps (exact for fewer than
-    2**15 views); ``amounts`` are already checked to be >= 0. The twin of
+    2**15 views); a negative amount, reported by its own check, counts as 0. The twin of
     :func:`jaxrope.positions._no_overflow`.
     """
     if not enabled() or not amounts.size:
         return
-    high, low = _split(jnp.maximum(amounts, 0))
     add = functools.partial(jnp.zeros_like(counters).at[x_rows].add, mode="drop",
                             wrap_negative_indices=False)
-    sum_high, sum_low = add(high), add(low)
-    sum_high = sum_high + (sum_low >> 16)
-    room_high, room_low = _split(jnp.int32(_INT32_MAX) - jnp.maximum(counters, 0))
-    over = (sum_high > room_high) | ((sum_high == room_high) & ((sum_low & 0xFFFF) > room_low))
+    high, low = _split(jnp.maximum(amounts, 0))
+    over = _sum_over(add(high), add(low), _INT32_MAX - jnp.maximum(counters, 0))
     row = jnp.argmax(over)
     checkify.check(~jnp.any(over), f"{name} would carry row {{}} from {{}} past the int32 "
                    f"counters' {_INT32_MAX}", row, counters[row])
@@ -282,10 +288,8 @@ def plan_counts(x_rows: jax.Array, counts: jax.Array, tokens: int, pad: int) -> 
     (``out``'s length), and a ``pad`` view has none."""
     if not enabled() or not counts.size:
         return
-    cap = tokens + 1  # a running sum saturates here, so it never wraps
-    ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, cap),
-                                    jnp.minimum(counts, cap))
-    _fail_at("counts", counts, ends > tokens,
+    high, low = _split(jnp.maximum(counts, 0))  # running sums that never wrap
+    _fail_at("counts", counts, _sum_over(jnp.cumsum(high), jnp.cumsum(low), tokens),
              f"ends past out's {tokens} tokens (out.shape[-1]): sum(counts) must be <= {tokens}")
     _fail_at("counts", counts, _equals(x_rows, pad) & (counts > 0),
              "is a PAD view's count: a padding view has 0 tokens")
