@@ -18,8 +18,8 @@ Each step is jitted twice, ``jax.jit(step)`` ("off", the default path) and
 :func:`bench.timing.time_wall`:
 
 - ``call_us``: one call from Python, waited for: ``jax.block_until_ready`` off,
-  ``error.throw()`` on (which reads the error back, so a checked step syncs the host
-  once a call: part of what it costs);
+  ``jaxrope.checks.throw`` on, as ``jaxrope.checked`` calls it (it reads the error back,
+  so a checked step syncs the host once a call: part of what it costs);
 - ``loop_us``: device time per application: ``--loop`` applications in one jitted
   ``fori_loop`` (the checks inside the loop body when on), one call timed, divided.
 
@@ -43,7 +43,7 @@ import numpy as np
 import jaxrope as jr
 from bench import timing
 from jaxrope import positions
-from jaxrope.checks import checkified
+from jaxrope.checks import checkified, throw
 
 HQ, HK, D, PAGE = 32, 8, 128, 16
 MAX_POSITION = 65536
@@ -110,7 +110,7 @@ class _Runner:
         out = self.fn(*self.state)
         if self.checked:
             error, out = out
-            error.throw()
+            throw(error)
         else:
             jax.block_until_ready(out)
         self.state = list(out)
