@@ -289,6 +289,12 @@ def planned(name: str, counters: jax.Array, deltas: Optional[jax.Array],
                    deltas[token], offsets[token])
 
 
+def refuse(name: str, x: jax.Array, bad: jax.Array, expected: str) -> None:
+    """Traced ``x`` has no entry where ``bad`` is set (``expected`` says what it must be)."""
+    if enabled():
+        _fail_at(name, x, bad, expected)
+
+
 def require(ok: jax.Array, message: str, *values) -> None:
     """A traced condition ``ok`` (bool scalar); ``message`` formats ``values``."""
     if enabled():

@@ -144,6 +144,10 @@ def tree_depths(parents: jax.Array) -> jax.Array:
             t = int(np.argmax(late))
             raise ValueError(f"parents[{t}]={int(given[t])} must be -1 (a root) or an earlier token "
                              f"in [0, {t}): a tree is laid out parents first")
+    elif _checks.enabled():
+        early = jnp.arange(parents.shape[0])
+        _checks.refuse("parents", parents, (parents < -1) | (parents >= early),
+                       "must be -1 (a root) or an earlier token: a tree is laid out parents first")
     parents = jnp.asarray(parents).astype(jnp.int32)
     token = jnp.arange(parents.shape[0], dtype=jnp.int32)
     root = parents < 0

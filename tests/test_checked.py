@@ -131,6 +131,8 @@ BAD = [
     ("plan_tree: not a tree",
      lambda d: speculative.plan_tree(T4, _i32(0, 1), _i32(2, 2), d, OUT4),
      (_i32(0, 1, 0, 2),), "the depths of view 1 are not a draft tree"),
+    ("tree_depths: a parent after its child", speculative.tree_depths, (_i32(-1, 2, 0),),
+     "parents[1]=2 must be -1 (a root) or an earlier token"),
     ("accept: negative accepted", lambda a: speculative.accept(T4, _i32(0), a), (_i32(-3),),
      "accepted[0]=-3"),
     ("accept: past int32", lambda t: speculative.accept(t, _i32(0), _i32(5)), (_table(TOP - 3),),
@@ -216,7 +218,7 @@ def _lowered(step, args) -> str:
     return jax.jit(step).lower(*args).as_text()
 
 
-LOWERED = [GOOD[0], GOOD[3], GOOD[5], GOOD[6]]
+LOWERED = [GOOD[0], GOOD[3], GOOD[5], GOOD[6], GOOD[8]]
 
 
 @pytest.mark.parametrize("what, step, args", LOWERED, ids=[g[0] for g in LOWERED])
@@ -227,7 +229,7 @@ def test_the_default_path_lowers_as_if_the_checks_did_not_exist(what, step, args
     # Every hook replaced by nothing: the call sites as they were before checked mode.
     monkeypatch.setattr(checks, "enabled", lambda: False)
     for hook in ("in_range", "rows", "slots", "no_overflow", "planned", "plan_counts",
-                 "last_epoch", "require"):
+                 "last_epoch", "refuse", "require"):
         monkeypatch.setattr(checks, hook, lambda *a, **k: None)
     monkeypatch.setattr(checks.checkify, "check", lambda *a, **k: pytest.fail("a check emitted"))
     assert _lowered(step, args) == default
