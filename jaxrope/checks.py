@@ -24,36 +24,35 @@ kernels; a Pallas or Mosaic GPU call passes through ``checkify`` untouched. A fa
 check does not stop the step: its outputs (and donated buffers) are as the unchecked
 step would leave them, and the error names the first check that failed.
 
-The rules, one line per argument; each is the eager rule of the same call site,
-given the same bounds (the column "eager" names the function that enforces it outside
-``jit``, the hook here runs its traced twin):
+The rules, one per argument. Each is the eager rule of the same call site with the same
+bounds (in parentheses: the function that enforces it outside ``jit``, whose traced twin
+runs here):
 
-============================  ===============================================  ===============================
-argument (entries)            rule                                             eager
-============================  ===============================================  ===============================
-``pos_ids`` (apply_rope,      every value in ``[0, cfg.max_position)``, all    ``apply.validate``
-apply_rope_and_append_kv)     three rows of M-RoPE ``[3, T]``
-``slots`` (append)            below ``pages * page_size`` or negative (skip),  ``kv_cache._slots``
-                              at their own width; no slot twice
-``rows``, ``src_rows``,       in ``[0, capacity)`` or ``PAD``; ``admit`` and   ``positions._rows``
-``dst_rows`` (positions)      ``rollback``: each live row once
-``counts``, ``amounts``,      in ``[0, 2**31)``; deltas and depths int32       ``int_arrays.values`` /
-``positions``, ``epochs``,                                                     ``in_range``
-``deltas``, ``depths``
-``counts`` (plan)             ``sum(counts) <= N``; a PAD view has 0 tokens    ``positions.plan``
-``counts`` / ``amounts``      no counter carried past ``2**31 - 1``            ``positions._no_overflow``
-(commit, advance)
-``block_step`` (commit)       in ``[1, 2**31)``                                ``positions.commit``
-planned positions (plan,      ``counter (+ delta) + offset`` in ``[0, 2**31)``  (checked mode only)
-speculative, M-RoPE)
-``rows`` (rollback)           no move back at the last epoch ``2**31 - 1``     ``positions.rollback``
-``drafts`` (plan_chain)       in ``[0, 2**31 - 1)`` (``drafts + 1`` fits)      ``int_arrays.in_range``
-``accepted`` (accept)         in ``[0, 2**31 - 1)`` (``accepted + 1`` fits)    ``speculative.accept``
-``depths`` (plan_tree)        each view's depths a tree (``valid_trees``)      ``speculative.plan_tree``
-============================  ===============================================  ===============================
+- ``pos_ids`` (``apply_rope``, ``apply_rope_and_append_kv``): every value in
+  ``[0, cfg.max_position)``, on every row of M-RoPE ``[3, T]`` (``apply.validate``);
+- ``slots`` (``apply_rope_and_append_kv``): below ``pages * page_size`` or negative
+  (skipped), at their own width; no slot twice (``kv_cache._slots``);
+- ``rows``, ``src_rows``, ``dst_rows`` (every transition of :mod:`jaxrope.positions`):
+  in ``[0, capacity)`` or ``PAD``; in ``admit`` and ``rollback`` each live row once
+  (``positions._rows``);
+- ``counts``, ``amounts``, ``positions``, ``epochs`` in ``[0, 2**31)``; ``deltas``,
+  ``depths`` and ``out`` within int32 (``int_arrays.in_range``, via ``values``);
+- ``counts`` of ``plan``: ``sum(counts) <= N``, a PAD view has 0 tokens
+  (``positions.plan``); of ``commit``, and ``amounts`` of ``advance``: no counter carried
+  past ``2**31 - 1`` (``positions._no_overflow``); ``block_step`` in ``[1, 2**31)``
+  (``positions.commit``);
+- ``rows`` of ``rollback``: none moved back at the last epoch, ``2**31 - 1``
+  (``positions.rollback``);
+- planned positions (``plan``, so the speculative plans and M-RoPE's ``counter + delta``
+  too): ``counter + delta + offset`` in ``[0, 2**31)`` (checked mode only);
+- ``drafts`` of ``plan_chain``, ``accepted`` of ``accept``: in ``[0, 2**31 - 1)``, so
+  that ``+ 1`` fits (``int_arrays.in_range``; ``speculative.accept``); ``depths`` of
+  ``plan_tree``: each view's a tree (``valid_trees``, as ``speculative.plan_tree``);
+  ``parents`` of ``tree_depths``: ``-1 <= parents[t] < t`` (``speculative.tree_depths``).
 
-What checked mode costs: bench/checked_bench.py times a jitted step with the checks off
-and on, paired in one run (RESULTS.md).
+What checked mode costs: ``python -m bench.checked_bench`` times jitted steps with the
+checks off and on, paired in one run. A checked call also reads the error back, so it
+waits for the step: one host sync per call.
 """
 
 from __future__ import annotations

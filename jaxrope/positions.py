@@ -199,8 +199,7 @@ def _rows(name: str, rows, table: PositionTable, *, distinct: bool = False) -> j
 
 def _no_overflow(name: str, table: PositionTable, rows: jax.Array, amounts: jax.Array) -> None:
     """Concrete counters plus ``amounts`` at ``rows`` stay within int32."""
-    if _checks.enabled():
-        _checks.no_overflow(name, table.counters, rows, amounts)
+    _checks.no_overflow(name, table.counters, rows, amounts)  # traced, checked mode only
     counters, rows, amounts = _host(table.counters), _host(rows), _host(amounts)
     if counters is None or rows is None or amounts is None:
         return
@@ -315,8 +314,7 @@ def plan(table: PositionTable, rows: IntArray, counts: IntArray, out: IntArray, 
         if empty.size:
             raise ValueError(f"counts[{empty[0]}]={host_counts[empty[0]]} for a PAD view: "
                              f"a padding view has 0 tokens")
-    if _checks.enabled():
-        _checks.plan_counts(rows, counts, out.shape[-1], PAD)
+    _checks.plan_counts(rows, counts, out.shape[-1], PAD)  # checked mode only
     ends = jnp.cumsum(counts)
     starts = ends - counts
     token = jnp.arange(out.shape[-1], dtype=jnp.int32)
