@@ -161,9 +161,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         build, size = CASES[name]
         step, state, donated = build(size, cfg, args.backend, np.random.default_rng(args.seed))
         row = {}
-        for method, loop in (("call_us", 1), ("loop_us", args.loop)):
-            row[method] = _paired(lambda on: _Runner(step, state, donated, on, loop),
-                                  args.rounds, args.reps, args.rep_seconds, loop)
+        try:
+            for method, loop in (("call_us", 1), ("loop_us", args.loop)):
+                row[method] = _paired(lambda on: _Runner(step, state, donated, on, loop),
+                                      args.rounds, args.reps, args.rep_seconds, loop)
+        except Exception as e:  # noqa: BLE001 -- one step failing must not lose the others
+            results[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            print(f"{name:16s} FAILED: {results[name]['error'][:300]}", flush=True)
+            continue
         results[name] = row
         print(f"{name:16s} call off {row['call_us']['off_us']:9.1f} us on "
               f"{row['call_us']['on_us']:9.1f} us (x{row['call_us']['ratio']:.3f}) | loop off "
@@ -174,6 +179,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
               "backend": args.backend, "seed": args.seed, "rounds": args.rounds,
               "loop": args.loop, "results": results}
     timing.write_json(args.out, "checked_bench", report)
+    failed = [name for name, row in results.items() if "error" in row]
+    if failed:
+        raise SystemExit(f"checked_bench: {failed} failed (their errors are in the JSON)")
     return report
 
 
