@@ -33,6 +33,7 @@ BENCHES=(
     "kv_append_bench"
     "shard_bench"
     "compile_bench"
+    "checked_bench"
 )
 
 if [ $# -lt 1 ]; then

@@ -4,7 +4,8 @@ The public API is exactly what ``__all__`` lists, by one rule:
 
 - the top level holds what one call of the rotation needs, from its config to the state
   its positions come from: the ops :func:`apply_rope` and
-  :func:`apply_rope_and_append_kv`, :class:`RopeConfig` and its scaling variants
+  :func:`apply_rope_and_append_kv`, :func:`checked` (``jax.jit`` of a step
+  with every range check on), :class:`RopeConfig` and its scaling variants
   (:class:`Linear`, :class:`DynamicNTK`, :class:`Yarn`, :class:`LongRope`,
   :class:`Llama3`, :class:`Proportional`), the backends (:data:`BACKENDS`,
   :class:`BackendUnavailable`), and the position state's types (:class:`PositionTable`,
@@ -20,7 +21,7 @@ The public API is exactly what ``__all__`` lists, by one rule:
 Every other module is private: importable, but its names may change without notice.
 They are the implementation of the above (``ops``, one folder per op with its public
 function, reference, kernels, tunings and exports; ``config``, ``cos_sin_cache``,
-``errors``, ``frequencies``, ``int_arrays``, ``numbers``, ``row_map``, ``scaling``,
+``checks``, ``errors``, ``frequencies``, ``int_arrays``, ``numbers``, ``row_map``, ``scaling``,
 ``sharding``; ``hf_source``,
 ``hf_layers``, ``hf_fields`` and ``hf_examples`` behind :mod:`jaxrope.hf` and
 :mod:`jaxrope.models`), ``layer_reference`` (the float64 layer the demos and the cache
@@ -44,6 +45,7 @@ Example:
 from jaxrope import hf, models, mrope, paging, positions, speculative_positions, wire
 from jaxrope.ops.backends import BACKENDS
 from jaxrope.ops.rope.api import apply_rope
+from jaxrope.checks import checked
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 from jaxrope.ops.rope_append_kv.api import apply_rope_and_append_kv
@@ -67,6 +69,7 @@ __all__ = [
     "Yarn",
     "apply_rope",
     "apply_rope_and_append_kv",
+    "checked",
     "hf",
     "models",
     "mrope",

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrope import checks
+
 __all__ = ["INT32", "IntArray", "NO_WRAP", "as_int32", "host", "in_range", "ints", "values"]
 
 INT32 = np.iinfo(np.int32)
@@ -66,7 +68,10 @@ def in_range(name: str, x, low: int, high: int) -> None:
     if low <= INT32.min and high >= INT32.max and np.can_cast(x.dtype, np.int32):
         return  # every value of the dtype fits: no copy to the host
     found = host(x)
-    if found is None or not found.size:
+    if found is None:
+        checks.in_range(name, x, low, high)  # traced: checked only inside jaxrope.checked
+        return
+    if not found.size:
         return
     bad = found > high
     if found.dtype.kind == "i":

@@ -78,6 +78,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrope import checks as _checks
 from jaxrope import paging as _paging
 from jaxrope import sharding as _sharding
 from jaxrope.int_arrays import INT32 as _INT32
@@ -179,7 +180,9 @@ def _rows(name: str, rows, table: PositionTable, *, distinct: bool = False) -> j
     """Rows of ``table`` (or PAD), as int32; ``distinct``: each live row once."""
     rows = _ints(name, rows)
     values = _host(rows)
-    if values is not None:
+    if values is None:
+        _checks.rows(name, rows, table.capacity, PAD, distinct=distinct)
+    else:
         bad = np.flatnonzero(((values < 0) | (values >= table.capacity)) & (values != PAD))
         if bad.size:
             row = values[bad[0]]
@@ -196,6 +199,7 @@ def _rows(name: str, rows, table: PositionTable, *, distinct: bool = False) -> j
 
 def _no_overflow(name: str, table: PositionTable, rows: jax.Array, amounts: jax.Array) -> None:
     """Concrete counters plus ``amounts`` at ``rows`` stay within int32."""
+    _checks.no_overflow(name, table.counters, rows, amounts)  # traced, checked mode only
     counters, rows, amounts = _host(table.counters), _host(rows), _host(amounts)
     if counters is None or rows is None or amounts is None:
         return
@@ -310,6 +314,7 @@ def plan(table: PositionTable, rows: IntArray, counts: IntArray, out: IntArray, 
         if empty.size:
             raise ValueError(f"counts[{empty[0]}]={host_counts[empty[0]]} for a PAD view: "
                              f"a padding view has 0 tokens")
+    _checks.plan_counts(rows, counts, out.shape[-1], PAD)  # checked mode only
     ends = jnp.cumsum(counts)
     starts = ends - counts
     token = jnp.arange(out.shape[-1], dtype=jnp.int32)
@@ -324,6 +329,11 @@ def plan(table: PositionTable, rows: IntArray, counts: IntArray, out: IntArray, 
     elif sequential:
         base = base + token - starts[view]
     live = token < ends[-1] if counts.shape[0] else jnp.zeros_like(token, bool)
+    if _checks.enabled():
+        offsets = depths if depths is not None else (token - starts[view]) if sequential else None
+        _checks.planned("out", _read(table, rows)[view],
+                        _read(table, rows, "deltas")[view] if out.ndim == 2 else None,
+                        offsets, live)
     base, live = jnp.broadcast_to(base, out.shape), jnp.broadcast_to(live, out.shape)
     # Every device numbers the whole step; a sharded `out` keeps its own slice.
     base, live = _sharding.like(out, base, live)
@@ -340,8 +350,9 @@ def commit(table: PositionTable, rows: IntArray, counts: IntArray, *,
     """
     _table(table)
     block = _scheme(scheme) is Scheme.BLOCK
-    if not isinstance(block_step, jax.core.Tracer) and not (
-            1 <= as_int(block_step, "block_step") <= _INT32.max):
+    if isinstance(block_step, jax.core.Tracer):
+        _checks.in_range("block_step", block_step, 1, int(_INT32.max))
+    elif not 1 <= as_int(block_step, "block_step") <= _INT32.max:
         raise ValueError(f"block_step={block_step!r} must lie in [1, {_INT32.max}]")
     rows = _rows("rows", rows, table)
     counts = _values("counts", counts, length=rows.shape[0])
@@ -467,6 +478,8 @@ def rollback(table: PositionTable, rows: IntArray, positions: IntArray) -> Posit
     counter, epoch = _read(table, rows), _read(table, rows, "epochs")
     target = jnp.minimum(counter, positions)
     moved, epoch_now = _host(target < counter), _host(epoch)
+    if _checks.enabled():
+        _checks.last_epoch(rows, target < counter, epoch, MAX_EPOCH)
     if moved is not None and epoch_now is not None and (moved & (epoch_now >= MAX_EPOCH)).any():
         i = int(np.argmax(moved & (epoch_now >= MAX_EPOCH)))
         raise ValueError(f"rollback of rows[{i}] at publish epoch {int(epoch_now[i])}, the "

@@ -70,9 +70,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrope import checks as _checks
 from jaxrope import positions
 from jaxrope import sharding as _sharding
+from jaxrope.int_arrays import INT32 as _INT32
 from jaxrope.int_arrays import NO_WRAP as _NO_WRAP
+from jaxrope.int_arrays import in_range as _in_range
 from jaxrope.positions import PositionTable
 
 __all__ = ["accept", "eagle_input_ids", "plan_chain", "plan_draft", "plan_tree", "tree_depths",
@@ -108,6 +111,7 @@ def plan_chain(table: PositionTable, slots: jax.Array, drafts: jax.Array,
       >>> plan_chain(table, slots, jnp.array([3, 1, 2], jnp.int32), jnp.full(8, -1, jnp.int32)).tolist()
       [9, 10, 11, 12, 5, 6, -1, -1]
     """
+    _in_range("drafts", drafts, 0, int(_INT32.max) - 1)  # drafts + 1 is an int32 count
     counts = jnp.where(_live_slots(table, slots), drafts.astype(jnp.int32) + 1, 0)
     return positions.plan(table, slots, counts, out)
 
@@ -141,6 +145,10 @@ def tree_depths(parents: jax.Array) -> jax.Array:
             t = int(np.argmax(late))
             raise ValueError(f"parents[{t}]={int(given[t])} must be -1 (a root) or an earlier token "
                              f"in [0, {t}): a tree is laid out parents first")
+    elif _checks.enabled():
+        early = jnp.arange(parents.shape[0])
+        _checks.refuse("parents", parents, (parents < -1) | (parents >= early),
+                       "must be -1 (a root) or an earlier token: a tree is laid out parents first")
     parents = jnp.asarray(parents).astype(jnp.int32)
     token = jnp.arange(parents.shape[0], dtype=jnp.int32)
     root = parents < 0
@@ -242,6 +250,11 @@ def plan_tree(table: PositionTable, slots: jax.Array, counts: jax.Array, depths:
         checked = np.zeros(given.shape, np.int32)   # the ignored tail as zeros
         checked[:n] = used
         depths = jnp.asarray(checked)
+    elif _checks.enabled():
+        valid = valid_trees(jnp.asarray(counts), jnp.asarray(depths).astype(jnp.int32))
+        _checks.require(jnp.all(valid), "the depths of view {} are not a draft tree: token 0 "
+                        "at depth 0 is its only root, every other depth at most one more "
+                        "than an earlier one", jnp.argmin(valid))
     return positions.plan(table, slots, counts, out, depths=depths)
 
 
@@ -270,6 +283,8 @@ def accept(table: PositionTable, slots: jax.Array, accepted: jax.Array) -> Posit
             raise ValueError(f"accepted has values in [{int(given.min())}, {int(given.max())}]; "
                              "counts are in [0, the drafts of each view]")
         accepted = jnp.asarray(given.astype(np.int32))
+    else:
+        _in_range("accepted", accepted, 0, int(_INT32.max) - 1)  # accepted + 1 fits int32
     return positions.advance(table, slots, accepted.astype(jnp.int32) + 1)
 
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrope import checks as _checks
 from jaxrope import sharding as _sharding
 from jaxrope.config import RopeConfig
 from jaxrope.ops import backends
@@ -60,7 +61,9 @@ def validate(q, k, pos_ids, cfg: RopeConfig) -> None:
     if isinstance(q, jax.Array) and isinstance(k, jax.Array) and not isinstance(
             q, jax.core.Tracer) and not isinstance(k, jax.core.Tracer) and q.devices() != k.devices():
         raise ValueError(f"q is on {q.devices()} but k is on {k.devices()}; put them on one device")
-    if not isinstance(pos_ids, jax.core.Tracer) and pos_ids.size:
+    if isinstance(pos_ids, jax.core.Tracer):
+        _checks.in_range("pos_ids", pos_ids, 0, cfg.max_position - 1)
+    elif pos_ids.size:
         values = np.asarray(pos_ids)
         low, high = int(values.min()), int(values.max())
         if low < 0 or high >= cfg.max_position:

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrope import checks as _checks
 from jaxrope.config import RopeConfig
 from jaxrope.ops import backends
 from jaxrope.ops.constants import kernel_constants, kernel_options
@@ -162,7 +163,9 @@ def _slots(slots, num_tokens: int, num_slots: int):
     xp = jnp if isinstance(slots, jax.Array) else np
     if xp is np:
         slots = np.asarray(slots)
-    if _visible(slots) and num_tokens:
+    if not _visible(slots):
+        _checks.slots(slots, num_slots)
+    elif num_tokens:
         values = np.asarray(slots)
         inside = _in_cache(values, num_slots)
         if (~inside & (values >= 0)).any():
