@@ -46,9 +46,9 @@ runs here):
 - planned positions (``plan``, so the speculative plans and M-RoPE's ``counter + delta``
   too): ``counter + delta + offset`` in ``[0, 2**31)`` (checked mode only);
 - ``drafts`` of ``plan_chain``, ``accepted`` of ``accept``: in ``[0, 2**31 - 1)``, so
-  that ``+ 1`` fits (``int_arrays.in_range``; ``speculative.accept``); ``depths`` of
-  ``plan_tree``: each view's a tree (``valid_trees``, as ``speculative.plan_tree``);
-  ``parents`` of ``tree_depths``: ``-1 <= parents[t] < t`` (``speculative.tree_depths``).
+  that ``+ 1`` fits (``int_arrays.in_range``; ``speculative_positions.accept``); ``depths`` of
+  ``plan_tree``: each view's a tree (``valid_trees``, as ``speculative_positions.plan_tree``);
+  ``parents`` of ``tree_depths``: ``-1 <= parents[t] < t`` (``speculative_positions.tree_depths``).
 
 What checked mode costs: ``python -m bench.checked_bench`` times jitted steps with the
 checks off and on, paired in one run. A checked call also reads the error back, so it
@@ -222,7 +222,7 @@ def _repeats(x: jax.Array, counted: jax.Array) -> jax.Array:
 
 def slots(x: jax.Array, num_slots: int) -> None:
     """Traced KV slots below ``num_slots`` or negative, none twice (at their own width):
-    :func:`jaxrope.kv_cache._slots`' twin."""
+    :func:`jaxrope.ops.rope_append_kv.api._slots`' twin."""
     if not enabled() or not x.size:
         return
     _fail_at("slots", x, _outside(x, None, num_slots - 1),

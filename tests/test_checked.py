@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jaxrope as jr
-from jaxrope import checks, positions, speculative
+from jaxrope import checks, positions
+from jaxrope import speculative_positions as speculative
 from jaxrope.positions import PAD, PositionTable
 
 CFG = jr.RopeConfig(head_dim=64, max_position=4096)
