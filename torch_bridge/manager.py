@@ -180,7 +180,10 @@ class PositionManager(Resource):
         Positions reach the device through a pinned ring whose spans are rewritten only
         after an event shows their copies have completed, and each copy is ordered on
         torch's stream after the work already queued there, so planning step N+1 cannot
-        overwrite what step N still reads unless the runner leases it the same graph slot.
+        overwrite what step N still reads; a preplan into the graph slot the current plan
+        holds is refused (ValueError naming the slot), so its static buffers cannot be
+        overwritten either. Each plan's positions off a graph slot land in memory of their
+        own (:class:`torch_bridge.upload.DeviceChunks`).
         """
         return False
 
