@@ -15,7 +15,7 @@ if torch is not None:
     from bad_input_harness import (CURRENT, CURRENT_CTX, CURRENT_POSITIONS, GRAPH, STAGED,
                                    STAGED_CTX)
     from torch_bridge import (EngineInfo, Fork, GraphSlot, KVPlanOutput, KVView, PositionConfig,
-                              PositionManager, PositionStep, PublishedPositionInfo, ResourceSpec,
+                              PositionManager, PositionStep, ResourceSpec,
                               RopeManager, Segment, StepContext)
 
 
@@ -213,10 +213,12 @@ def _manager_cases():
         Bad("commit with a context of the wrong type", lambda m: m.commit(CURRENT, "ctx"),
             TypeError,
             "ctx must be a StepContext"),
-        Bad("commit that would pass max_seq_len", lambda m: m.commit(CURRENT, CURRENT_CTX),
-            ValueError,
-            "past max_seq_len=64",
-            setup=lambda m: m.admit_retrieve("b", None, None, PublishedPositionInfo({"uncond": 63}))),
+        # A planned stream is frozen: what would have carried this commit past max_seq_len
+        # (a record moving b's planned uncond to 63) is refused first.
+        Bad("cached prefix moving a stream the current plan numbers",
+            lambda m: prefix(m, "b", {"uncond": 63}), ValueError,
+            "prefix['uncond']=63 would move the counter from 5 to 63, but stream ('b', 'uncond') "
+            "is in a plan not yet committed (the current plan numbers it in plan label 'uncond'"),
         # apply_qk / pos_ids
         Bad("apply_qk on an unknown label", lambda m: apply(m, "nope"), ValueError,
             "label='nope' is unknown"),
@@ -308,9 +310,9 @@ def test_a_failed_apply_qk_leaves_a_staged_plan_staged():
 def test_state_snapshot_sees_every_kind_of_change():
     """The hook the catalogue relies on is not blind: each mutation changes its snapshot."""
     mutations = [
-        lambda m: m.ingest_request("c"),
-        lambda m: prefix(m, "b", {"cond": 7}),
-        lambda m: m.reset_request("a"),
+        lambda m: m.ingest_request("d"),
+        lambda m: prefix(m, "c", {"cond": 7}),
+        lambda m: m.reset_request("c"),
         lambda m: m.remove_request("b"),
         lambda m: m.clear_preplan(),
         lambda m: m.commit(CURRENT, CURRENT_CTX),
@@ -320,6 +322,7 @@ def test_state_snapshot_sees_every_kind_of_change():
     ]
     for mutate in mutations:
         mgr = busy_manager()
+        mgr.ingest_request("c", {"cond": 3})   # no plan numbers c: it may move
         before = mgr.state_snapshot()
         mutate(mgr)
         assert mgr.state_snapshot() != before

@@ -19,7 +19,8 @@ the plan bookkeeping itself:
 - admit: ``positions.admit`` (epoch order, the delta with the winning position); cached
   prefix / ingest overrides: ``positions.raise_to``; ingest deltas:
   ``positions.set_deltas``; removal drops the request from plans made earlier; reset:
-  ``positions.reset``;
+  ``positions.reset``; each of these (and a rollback) is refused where it would change a
+  stream that the current or staged plan numbers or forks (a planned stream is frozen);
 - speculative decoding (:mod:`jaxrope.speculative_positions`): a verify step of chains or draft
   trees (``plan_tree``), committed with accepted counts (``accept`` for the named
   streams, ``commit`` for the others; refused when a count passes the drafts, a tree
@@ -385,7 +386,8 @@ class ManagerMachine(RuleBasedStateMachine):
     def ingest(self, rid, overrides, deltas):
         deltas = deltas if self.mrope else {}
         if (any(v > MAX_SEQ_LEN for v in overrides.values())
-                or any(abs(d) > MAX_SEQ_LEN for d in deltas.values())):
+                or any(abs(d) > MAX_SEQ_LEN for d in deltas.values())
+                or self.moves_planned(rid, overrides) or self.moves_planned(rid, deltas, "deltas")):
             self.expect_failure(self.mgr.ingest_request, rid, overrides, deltas=deltas)
             return
         self.mgr.ingest_request(rid, overrides, deltas=deltas)
@@ -592,10 +594,14 @@ class ManagerMachine(RuleBasedStateMachine):
                                                                 rewinds=rewinds))
         valid = (rid in self.model.requests and all(v <= MAX_SEQ_LEN for v in published.values())
                  and all(abs(d) <= MAX_SEQ_LEN for d in deltas.values()))
-        if valid:   # a newer epoch never reaches a stream a plan numbers
+        if valid:   # neither a newer epoch nor a larger position reaches a planned stream
             epochs_now = self.model.table.epochs
-            valid = not any(e > int(epochs_now[self.model.slot(rid, label)])
-                            and self.planned(rid, label) for label, e in epochs.items())
+            newer = {label: e > int(epochs_now[self.model.slot(rid, label)])
+                     for label, e in epochs.items()}
+            valid = not any(newer.get(label) and self.planned(rid, label) for label in published)
+            valid &= not self.moves_planned(rid, {label: v for label, v in published.items()
+                                                  if epochs.get(label, 0) == int(
+                                                      epochs_now[self.model.slot(rid, label)])})
         assert outcome.ok == valid and outcome.ready == valid, outcome
         if not valid:
             assert self.mgr.state_snapshot() == before
@@ -603,19 +609,29 @@ class ManagerMachine(RuleBasedStateMachine):
         self.model.admit(rid, published, epochs, deltas)
 
     def planned(self, rid: str, label: str) -> bool:
-        """Whether the current or staged plan numbers the stream: its views (a draft step's
-        too), its segments, its post-forks' targets, and a staged plan's pre-forks'."""
+        """Whether the current or staged plan numbers or forks the stream (it is frozen):
+        its views (a draft step's too), its segments, its post-forks' sources and targets,
+        and a staged plan's pre-forks' (a current plan's have been applied)."""
         for which, p in (("current", self.model.current), ("staged", self.model.staged)):
             if p is None or rid in p.dropped:
                 continue
+            forks = p.post_forks + (p.pre_forks if which == "staged" else [])
             streams = ({(s[0], s[1]) for s in p.segments}
                        | {(v[0], v[1]) for views in p.views.values() for v in views}
-                       | {(r, dst) for r, _, dst in p.post_forks})
-            if which == "staged":
-                streams |= {(r, dst) for r, _, dst in p.pre_forks}
+                       | {(r, end) for r, src, dst in forks for end in (src, dst)})
             if (rid, label) in streams:
                 return True
         return False
+
+    def moves_planned(self, rid: str, values: Dict[str, int], column: str = "counters") -> bool:
+        """Whether ``counter = max(counter, value)`` (``column="deltas"``: setting the delta)
+        would change a planned stream of an ingested ``rid``."""
+        if rid not in self.model.requests:
+            return False
+        now = self.model.counters(column=column)[rid]
+        return any(self.planned(rid, label) and (value > now[label] if column == "counters"
+                                                 else value != now[label])
+                   for label, value in values.items())
 
     @rule(data=st.data(), label=st.sampled_from(LABELS), to=POSITIONS)
     def rollback(self, data, label, to):
@@ -631,7 +647,8 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), prefix=st.dictionaries(st.sampled_from(LABELS), POSITIONS, max_size=2))
     def apply_cached_prefix(self, data, prefix):
         rid = self.pick(data)
-        if rid not in self.model.requests or any(v > MAX_SEQ_LEN for v in prefix.values()):
+        if (rid not in self.model.requests or any(v > MAX_SEQ_LEN for v in prefix.values())
+                or self.moves_planned(rid, prefix)):
             self.expect_failure(self.mgr.apply_cached_prefix, rid, "node", "walk", None, prefix)
             return
         self.mgr.apply_cached_prefix(rid, "node", "walk", None, prefix)
@@ -640,7 +657,10 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), free=st.booleans())
     def reset(self, data, free):
         rid = self.pick(data)
-        if rid not in self.model.requests:
+        if rid not in self.model.requests or (not free and any(
+                self.planned(rid, label) and any(self.model.counters(column=c)[rid][label]
+                                                 for c in ("counters", "deltas", "epochs"))
+                for label in LABELS)):
             self.expect_failure(self.mgr.reset_request, rid, free)
             return
         self.mgr.reset_request(rid, free)

@@ -2,7 +2,7 @@
 
 - A stream that the current or the staged plan numbers is rewound neither by
   ``rollback`` nor by an admitted record of a newer epoch: one rule for both
-  (``publish_admit.rewind_blocked``; issue 26 S2, S3).
+  (``StepPlans.frozen``; issue 26 S2, S3; every other move: ``test_frozen_streams.py``).
 - Epochs are int32 everywhere: the bridge, the core's ``positions.rollback`` / ``admit``
   and the wire refuse, with the range, what would wrap (S4).
 - Two writers: a record says whose rollbacks it includes; rewinds by two managers that
@@ -102,10 +102,20 @@ def test_an_admit_of_a_newer_epoch_is_refused_while_a_plan_numbers_the_stream():
     assert b.position("r0", "text") == 5
 
 
-def test_an_admit_within_the_epoch_still_raises_a_planned_stream():
-    # The seed's monotonic admit (epoch 0, a larger position) is not a rewind: allowed.
+def test_an_admit_within_the_epoch_waits_for_the_plan_too():
+    # The seed's monotonic admit (epoch 0, a larger position) moves a counter forward,
+    # which a planned stream refuses as well (b's plan numbered [10, 11]: its commit would
+    # leave the counter at 32 over KV ending at 12); a stale echo moving nothing is taken.
     a, b = at(make(1), 30), at(make(2), 10)
     b.plan(step(2), CTX)
+    before = b.state_snapshot()
+    outcome = b.admit_retrieve("r0", None, None, a.publish("r0"))
+    assert not outcome.ok and outcome.reason.startswith(
+        f"{REFUSED} (planned): the record would move it from 10 to 30, but stream ('r0', "
+        "'text') is in a plan not yet committed (the current plan numbers it")
+    assert b.state_snapshot() == before
+    assert b.admit_retrieve("r0", None, None, at(make(3), 4).publish("r0")).ok
+    b.commit(step(2), CTX)
     assert b.admit_retrieve("r0", None, None, a.publish("r0")).ok
     assert b.position("r0", "text") == 30
 

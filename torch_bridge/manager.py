@@ -17,12 +17,16 @@ Where each concern lives (one module each):
 
 ``RopeManager`` (:mod:`torch_bridge.rope_manager`) adds ``apply_qk``. Every public
 method validates first and changes state only once nothing can fail: a call that
-raises leaves every counter, slot, plan and graph buffer as it was.
+raises leaves every counter, slot, plan and graph buffer as it was. Every public
+method and property runs under the manager's one re-entrant lock
+(:mod:`torch_bridge.locking`), so threads may share a manager; a planned stream is
+frozen until its plan commits (:mod:`torch_bridge.plans`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Mapping
 from typing import Any, Dict, Hashable, List, Optional, Tuple, Union
 
@@ -33,6 +37,7 @@ from jaxrope.positions import PositionTable
 from torch_bridge.config import PositionConfig
 from torch_bridge.engine_types import (AdmitOutcome, BatchCheck, EngineInfo, GraphSlot,
                                        PositionStep, Resource, ResourceSpec, StepContext)
+from torch_bridge.locking import serialized
 from torch_bridge.plans import Plan, StepPlans
 from torch_bridge.publish_admit import PublishAdmit, RecordArgs, Snapshot, writer_id
 from torch_bridge.published import PublishedPositionInfo
@@ -50,6 +55,7 @@ _INITIAL_SLOTS = 256
 _MAX_SEQ_LEN = int(np.iinfo(np.int32).max)
 
 
+@serialized
 class PositionManager(Resource):
     """Per-(request, label) position counters and the position ids of each step.
 
@@ -66,6 +72,10 @@ class PositionManager(Resource):
     Attributes:
       name: the resource name ("position", or the spec's name under :meth:`build`).
       config, device, max_seq_len, writer: as given.
+
+    Threads: every public method and property is atomic with respect to the others
+    (one re-entrant lock, :mod:`torch_bridge.locking`), so an engine thread and a
+    KV-transfer thread may share the manager.
 
     Raises:
       TypeError: ``config`` is not a PositionConfig.
@@ -89,6 +99,7 @@ class PositionManager(Resource):
 
     def __init__(self, config: PositionConfig, device: Any, max_seq_len: int = 32768, *,
                  writer: Optional[int] = None):
+        self._lock = threading.RLock()
         if not isinstance(config, PositionConfig):
             raise TypeError(f"config must be a torch_bridge.PositionConfig, got "
                             f"{type(config).__name__}")
@@ -115,6 +126,10 @@ class PositionManager(Resource):
         self._requests = RequestLifecycle(self._streams, self._reader, self._plans, self._args)
         self._fingerprint: Optional[bytes] = None
         self._batch = BatchCheck()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        serialized(cls)  # a subclass's public methods take the lock too (RopeManager's apply_qk)
 
     # ---------------------------------------------------------------- construction
 
@@ -165,7 +180,10 @@ class PositionManager(Resource):
         Positions reach the device through a pinned ring whose spans are rewritten only
         after an event shows their copies have completed, and each copy is ordered on
         torch's stream after the work already queued there, so planning step N+1 cannot
-        overwrite what step N still reads unless the runner leases it the same graph slot.
+        overwrite what step N still reads; a preplan into the graph slot the current plan
+        holds is refused (ValueError naming the slot), so its static buffers cannot be
+        overwritten either. Each plan's positions off a graph slot land in memory of their
+        own (:class:`torch_bridge.upload.DeviceChunks`).
         """
         return False
 
@@ -233,6 +251,8 @@ class PositionManager(Resource):
         ``(graph_slot, plan_label)``, ``[bucket.num_tokens]`` (M-RoPE ``[3,
         bucket.num_tokens]``): the first ``n`` tokens are written, the rest keep their
         previous values.
+        A preplan may not take the graph slot of the current plan, whose launches (or
+        replay) read its buffers until it commits: lease the other slot.
 
         ``ctx.is_preplan`` stages the plan (for step N+1 while step N runs): its
         positions are computed from the counters as they will be once the current
@@ -253,8 +273,8 @@ class PositionManager(Resource):
             different sources, explicit pos_ids of the wrong shape/dtype/device (``[n]``
             for an M-RoPE manager, ``[3, n]`` for a 1-D one) or outside ``[0,
             max_seq_len)`` (checked with one host read), more tokens than the graph
-            bucket holds, or positions past ``max_seq_len`` (M-RoPE: or a negative
-            ``counter + delta``).
+            bucket holds, positions past ``max_seq_len`` (M-RoPE: or a negative
+            ``counter + delta``), or a preplan into the current plan's graph slot.
           RuntimeError: called on CUDA under CUDA-graph capture (nothing changes; plan
             outside the capture into a graph slot, replay reads its buffer).
         """
@@ -267,11 +287,13 @@ class PositionManager(Resource):
         if graph is not None and not isinstance(graph, GraphSlot):
             raise TypeError(f"ctx.graph_slot must be a GraphSlot or None, got {type(graph).__name__}")
         self._upload.check_not_capturing()
+        self._plans.check_graph_slot(graph, ctx.is_preplan)
         base = self._plans.base_counters(arrays, ctx.is_preplan)
         computed = self._plans.positions(base, arrays, self._upload.stage)
         # Nothing below raises on valid input (the bucket check changes nothing first).
         tensors, limits = self._upload.step(computed, arrays.explicit, tuple(arrays.labels), graph)
-        self._plans.install(Plan(step, arrays, tensors, limits), ctx.is_preplan, base)
+        self._plans.install(Plan(step, arrays, tensors, limits, graph=graph), ctx.is_preplan,
+                           base)
         self._plan_labels_seen.update(arrays.labels)
         return dict(tensors)
 

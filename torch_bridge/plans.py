@@ -15,6 +15,14 @@ A plan that is not a preplan replaces the current plan and drops a staged one; i
 pre-forks apply at once. Removing a request drops its streams from the plans made
 before (a plan still commits, without them).
 
+**A planned stream is frozen.** Until a plan commits (or, staged, is cleared or
+replaced), every stream it numbers or forks (:meth:`Plan.role`) keeps its counter and
+delta: the plan's positions were numbered from them, so a move in between would leave
+its commit where no KV ends. The managers' other paths that move a counter ask
+:meth:`StepPlans.frozen` first and refuse, naming the plan and the stream. For the same
+reason a preplan may not write into the CUDA-graph buffers of the slot the current plan
+reads (:meth:`StepPlans.check_graph_slot`).
+
 Every method validates before it changes anything: a call that raises leaves the
 counters and both plans as they were.
 
@@ -46,7 +54,7 @@ import torch
 from jaxrope.positions import Scheme
 from torch_bridge import speculative_steps
 from torch_bridge import streams as rules
-from torch_bridge.engine_types import PositionStep
+from torch_bridge.engine_types import GraphSlot, PositionStep
 from torch_bridge.step_arrays import StepArrays
 from torch_bridge.streams import CommitArrays, StreamTable
 
@@ -69,6 +77,7 @@ class Plan:
       pre_src, pre_dst: pre-forks still to apply at promotion (a staged plan's).
       dropped: the requests removed since the plan (a later ingest of the same id is a
         new request, outside this plan).
+      graph: the CUDA-graph slot whose buffers hold its positions, or None.
     """
 
     step: PositionStep
@@ -79,6 +88,7 @@ class Plan:
     pre_src: np.ndarray = None  # type: ignore[assignment]
     pre_dst: np.ndarray = None  # type: ignore[assignment]
     dropped: Set[Hashable] = dataclasses.field(default_factory=set)
+    graph: Optional[GraphSlot] = None
 
     def __post_init__(self) -> None:
         if self.commit is None:
@@ -99,6 +109,34 @@ class Plan:
         self.commit = self.commit.without(slots)
         keep = ~(np.isin(self.pre_src, slots) | np.isin(self.pre_dst, slots))
         self.pre_src, self.pre_dst = self.pre_src[keep], self.pre_dst[keep]
+
+    def role(self, slot: int) -> Optional[str]:
+        """How this plan uses stream ``slot`` (what freezes it), or None: a view of it (a
+        removed request's excepted), its commit, a pending pre-fork or a post-fork from
+        or into it. Checked per call (a few vector compares): it moves with every drop
+        and promotion."""
+        for plan_label, label in self.arrays.labels.items():
+            views = self.arrays.groups[plan_label]
+            if any(views[i][0] not in self.dropped
+                   for i in np.flatnonzero(label.slots == slot).tolist()):
+                return f"numbers it in plan label {plan_label!r}"
+        commit = self.commit
+        for slots, role in ((self.pre_src, "forks from it before its step (a pre-fork source)"),
+                            (self.pre_dst, "forks into it before its step"),
+                            (commit.slots, "advances it at commit"),
+                            (commit.adv_slots, "advances it at commit"),
+                            (commit.fork_src, "forks from it at commit (a post-fork source)"),
+                            (commit.fork_dst, "forks into it at commit")):
+            if len(slots) and bool((slots == slot).any()):
+                return role
+        return None
+
+    def describe(self) -> str:
+        """The step, for a refusal: its segment count and graph slot."""
+        where = "" if self.graph is None else (f", planned into graph slot {self.graph.slot} "
+                                               f"of {self.graph.bucket}")
+        count = len(self.step.segments)
+        return f"a step of {count} segment{'' if count == 1 else 's'}{where}"
 
     def state(self) -> Dict[str, Any]:
         """Identity and contents, for ``state_snapshot``."""
@@ -293,6 +331,34 @@ class StepPlans:
     def clear_preplan(self) -> None:
         """Drop the staged plan; its forks never reached the counters."""
         self.staged = None
+
+    def frozen(self, slot: int, stream: str) -> Optional[str]:
+        """Why stream ``stream`` (at ``slot``) may not move now, or None: the current or
+        the staged plan numbers or forks it (:meth:`Plan.role`). The reason names the plan,
+        its step and the way out; callers put what they would have moved before it."""
+        for which, plan in (("current", self.current), ("staged", self.staged)):
+            role = None if plan is None else plan.role(slot)
+            if role is not None:
+                way_out = ("commit that step first (a draft step commits nothing)"
+                           if which == "current" else "commit it or clear_preplan first")
+                return (f"stream {stream} is in a plan not yet committed (the {which} plan "
+                        f"{role}; {plan.describe()}): {way_out}")
+        return None
+
+    def check_graph_slot(self, graph: Optional[GraphSlot], preplan: bool) -> None:
+        """Refuse a preplan into the graph slot of the current plan, whose buffers its
+        launches (or graph replay) still read; a plan that is not a preplan replaces the
+        current one, and a preplan replaces the staged one, so those may reuse theirs.
+
+        Raises:
+          ValueError: naming the slot, its bucket and the current plan.
+        """
+        current = self.current
+        if preplan and graph is not None and current is not None and current.graph == graph:
+            raise ValueError(f"preplan into ctx.graph_slot: slot {graph.slot} of {graph.bucket} "
+                             f"holds the current plan's positions ({current.describe()}), "
+                             "which it reads until it commits; lease the other slot for the "
+                             "preplan (double-buffer)")
 
     def drop(self, rid: Hashable, slots: Sequence[int]) -> None:
         """Request ``rid`` was removed: its streams (``slots``) leave both plans."""

@@ -16,11 +16,13 @@ counter transition is :func:`torch_bridge.streams.admit`, the numpy twin of
 :func:`jaxrope.positions.admit`; the record and its bytes are
 :mod:`torch_bridge.published`'s.
 
-**One rule for rewinds and plans** (:func:`rewind_blocked`): a stream that the current or
-the staged plan numbers (its views, its commit or its forks) is not rewound, neither by
-:meth:`PublishAdmit.rollback` nor by an admitted record that would take a newer epoch:
-the plan's positions were numbered from the counter the rewind would move, so its
-commit would put the counter where no KV ends.
+**A planned stream is frozen** (:meth:`torch_bridge.plans.StepPlans.frozen`): a stream
+that the current or the staged plan numbers (its views, its commit, its forks and their
+sources) is moved neither back nor forward: :meth:`PublishAdmit.rollback` raises, an
+admitted record that would take a newer epoch or a larger position is refused (check
+``planned``), :meth:`PublishAdmit.apply_cached_prefix` raises when it would raise the
+counter. The plan's positions were numbered from that counter, so its commit would
+put the counter where no KV ends. A call that moves nothing is not refused.
 """
 
 from __future__ import annotations
@@ -34,12 +36,12 @@ import numpy as np
 from jaxrope import wire
 from jaxrope.wire import MAX_EPOCH, MAX_WRITERS, Rewinds, WireFormatError
 from torch_bridge.engine_types import AdmitOutcome
-from torch_bridge.plans import Plan, StepPlans
+from torch_bridge.plans import StepPlans
 from torch_bridge.published import PublishedPositionInfo, conflict_message, epoch_problem
 from torch_bridge.step_arrays import StepReader, check_hashable, unknown_request
 from torch_bridge.streams import StreamTable
 
-__all__ = ["PublishAdmit", "RecordArgs", "RecordArgumentError", "REFUSED", "rewind_blocked",
+__all__ = ["PublishAdmit", "RecordArgs", "RecordArgumentError", "REFUSED", "check_unfrozen",
            "writer_id"]
 
 # How every refusal of admit_retrieve starts: f"{REFUSED} (<check>): <why>".
@@ -150,28 +152,6 @@ def writer_id(writer: Optional[int]) -> int:
     return int(writer)
 
 
-def rewind_blocked(plans: StepPlans, slot: int, stream: str) -> Optional[str]:
-    """Why stream ``stream`` (at ``slot``) may not be rewound now, or None: the current or
-    staged plan numbers it (see the module docstring)."""
-    for which, plan in (("current", plans.current), ("staged", plans.staged)):
-        if plan is not None and slot in _numbered(plan):
-            return (f"stream {stream} is in a plan not yet committed (the {which} plan numbers "
-                    "it from the counter a rewind would move): commit that step (a draft "
-                    "step commits nothing) or clear_preplan first")
-    return None
-
-
-def _numbered(plan: Plan) -> set:
-    """Every slot the plan numbers or writes: its views' streams (without removed requests'),
-    its commit and its pending pre-forks."""
-    slots = set(plan.commit.touched.tolist()) | set(plan.pre_dst.tolist())
-    for plan_label, views in plan.arrays.groups.items():
-        for view, slot in zip(views, plan.arrays.labels[plan_label].slots.tolist()):
-            if view[0] not in plan.dropped:
-                slots.add(slot)
-    return slots
-
-
 def _refused(check: str, why: str) -> AdmitOutcome:
     return AdmitOutcome(False, False, f"{REFUSED} ({check}): {why}")
 
@@ -279,8 +259,9 @@ class PublishAdmit:
           named with it: positions ``[0, max_seq_len]``, deltas ``[-max_seq_len,
           max_seq_len]`` and M-RoPE only, epochs ``[0, 2**31 - 1]`` and the sum of their
           rewinds), ``conflict`` (two writers rolled the stream back independently:
-          docs/handoff.md, "Who may roll a stream back"), ``planned`` (a newer epoch for a stream
-          that a plan numbers: :func:`rewind_blocked`), and for bytes every check of
+          docs/handoff.md, "Who may roll a stream back"), ``planned`` (a newer epoch or a larger
+          position for a stream that a plan numbers or forks:
+          :meth:`~torch_bridge.plans.StepPlans.frozen`), and for bytes every check of
           :mod:`jaxrope.wire` (``truncated``, ``checksum``, ``version``, ...).
 
         Raises:
@@ -315,7 +296,7 @@ class PublishAdmit:
             return _refused(e.check, str(e))
         slots, positions = self._streams.label_arrays(rid, targets)
         records = []
-        for index, slot in zip(targets, slots.tolist()):
+        for index, slot, target in zip(targets, slots.tolist(), positions.tolist()):
             label = args.labels[index]
             rewinds = published.rewinds_of(label)
             problem = epoch_problem(epochs.get(index, 0), rewinds)
@@ -326,10 +307,13 @@ class PublishAdmit:
             if order == "conflict":
                 return _refused("conflict", conflict_message(
                     stream, self._streams.rewinds.get(slot, ()), rewinds))
-            if order == "newer":
-                blocked = rewind_blocked(self._plans, slot, stream)
+            counter = int(self._streams.counters[slot])
+            if order == "newer" or (order == "same" and target > counter):
+                blocked = self._plans.frozen(slot, stream)
                 if blocked is not None:
-                    return _refused("planned", f"the record starts a newer epoch, but {blocked}")
+                    move = ("starts a newer epoch" if order == "newer" else
+                            f"would move it from {counter} to {target}")
+                    return _refused("planned", f"the record {move}, but {blocked}")
             records.append(rewinds)
         self._streams.take(slots, positions,
                            np.asarray([deltas.get(i, 0) for i in targets], np.int64),
@@ -349,8 +333,9 @@ class PublishAdmit:
 
         Raises:
           ValueError: unknown request or label, ``to_position`` not an int in
-            ``[0, max_seq_len]``, the stream numbered by the current or staged plan
-            (:func:`rewind_blocked`: commit it or clear the preplan first), a stream at
+            ``[0, max_seq_len]``, the stream numbered or forked by the current or staged
+            plan (:meth:`~torch_bridge.plans.StepPlans.frozen`: commit it or clear the
+            preplan first; refused even where nothing would move), a stream at
             the last epoch (epochs are in ``[0, 2**31 - 1]``), or one already rolled back
             by 16 other writers (the most a record carries).
           TypeError: ``rid`` or ``label`` is not hashable.
@@ -358,7 +343,7 @@ class PublishAdmit:
         slot = self._reader.slot(rid, label)
         (target,) = self._args.positions({label: to_position}, "to_position").values()
         stream = f"({rid!r}, {label!r})"
-        blocked = rewind_blocked(self._plans, slot, stream)
+        blocked = self._plans.frozen(slot, stream)
         if blocked is not None:
             raise ValueError(f"rollback refused: {blocked}")
         if target < self._streams.counters[slot]:
@@ -383,10 +368,35 @@ class PublishAdmit:
           inputs, node_name, graph_walk: the walk's context; positions do not use them.
 
         Raises:
-          ValueError: unknown request or label, or a length outside ``[0, max_seq_len]``.
+          ValueError: unknown request or label, a length outside ``[0, max_seq_len]``, or
+            one that would move a stream the current or staged plan numbers or forks
+            (:meth:`~torch_bridge.plans.StepPlans.frozen`).
         """
         self._reader.request_slots(rid)
-        self._streams.raise_to(rid, self._args.positions(prefix or {}, "prefix"))
+        targets = self._args.positions(prefix or {}, "prefix")
+        check_unfrozen(self._streams, self._plans, rid, targets, "prefix")
+        self._streams.raise_to(rid, targets)
+
+
+def check_unfrozen(streams: StreamTable, plans: StepPlans, rid: Hashable,
+                   targets: Dict[int, int], name: str) -> None:
+    """Refuse ``counter = max(counter, target)`` (``targets``: ``{label index: position}``
+    of ingested ``rid``, the argument ``name``) where it would move a frozen stream.
+
+    Raises:
+      ValueError: naming the argument, the move, the stream and the plan.
+    """
+    if not targets:
+        return
+    slots, values = streams.label_arrays(rid, targets)
+    for index, slot, value in zip(targets, slots.tolist(), values.tolist()):
+        counter = int(streams.counters[slot])
+        if value > counter:
+            label = streams.labels[index]
+            blocked = plans.frozen(slot, f"({rid!r}, {label!r})")
+            if blocked is not None:
+                raise ValueError(f"{name}[{label!r}]={value} would move the counter from "
+                                 f"{counter} to {value}, but {blocked}")
 
 
 def _snapshot_entry(entry) -> bool:

@@ -8,16 +8,19 @@ say why a request is unknown), its :class:`~torch_bridge.plans.StepPlans` (a rem
 request leaves the plans made before) and its
 :class:`~torch_bridge.publish_admit.RecordArgs` (the ``{label: value}`` checks).
 
-Every method checks its arguments before it changes anything.
+Every method checks its arguments before it changes anything. A stream that the current
+or the staged plan numbers or forks is frozen (:meth:`torch_bridge.plans.StepPlans.frozen`):
+an ingest override or delta, or a reset, that would change its record is refused;
+removing its request is not (the plans drop its streams).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Hashable, Optional
+from typing import Dict, Hashable, Optional
 
 from torch_bridge.plans import StepPlans
-from torch_bridge.publish_admit import RecordArgs
+from torch_bridge.publish_admit import RecordArgs, check_unfrozen
 from torch_bridge.step_arrays import StepReader, check_hashable
 from torch_bridge.streams import StreamTable
 
@@ -57,7 +60,9 @@ class RequestLifecycle:
         Raises:
           ValueError: an override or delta names an unknown label, a position outside
             ``[0, max_seq_len]``, a delta that is not an int in ``[-max_seq_len,
-            max_seq_len]``, or deltas for a manager whose RoPE is not M-RoPE.
+            max_seq_len]``, deltas for a manager whose RoPE is not M-RoPE, or an override
+            or delta that would change a stream the current or staged plan numbers or
+            forks (a repeated ingest that changes nothing is never refused).
           TypeError: ``rid`` is not hashable.
 
         Example:
@@ -70,9 +75,25 @@ class RequestLifecycle:
         check_hashable(rid, "rid")
         targets = self._args.positions(overrides or {}, "overrides")
         delta_targets = self._args.deltas(deltas or {}, "deltas")
+        if rid in self._streams:
+            check_unfrozen(self._streams, self._plans, rid, targets, "overrides")
+            self._check_deltas(rid, delta_targets)
         self._streams.ingest(rid)
         self._streams.raise_to(rid, targets)
         self._streams.set_deltas(rid, delta_targets)
+
+    def _check_deltas(self, rid: Hashable, deltas: Dict[int, int]) -> None:
+        """Refuse M-RoPE deltas that would change a frozen stream's (a plan numbers its
+        positions from ``counter + delta``)."""
+        for index, delta in deltas.items():
+            slot = self._streams.slots_of(rid)[index]
+            now = int(self._streams.columns.deltas[slot])
+            if delta != now:
+                label = self._streams.labels[index]
+                blocked = self._plans.frozen(slot, f"({rid!r}, {label!r})")
+                if blocked is not None:
+                    raise ValueError(f"deltas[{label!r}]={delta} would change the M-RoPE delta "
+                                     f"from {now}, but {blocked}")
 
     def remove_request(self, rid: Hashable) -> None:
         """Forget ``rid`` and free its slots (their counters go back to 0); unknown ids are ignored.
@@ -93,7 +114,9 @@ class RequestLifecycle:
         """Set ``rid``'s counters to 0 (dummy requests of CUDA-graph capture); ``free`` also removes it.
 
         Raises:
-          ValueError: ``rid`` is not ingested (never, or removed).
+          ValueError: ``rid`` is not ingested (never, or removed), or (``free`` False) one
+            of its streams is not at 0 and the current or staged plan numbers or forks it
+            (``free=True`` removes it from the plans instead).
           TypeError: ``free`` is not a bool.
         """
         if not isinstance(free, bool):
@@ -101,8 +124,15 @@ class RequestLifecycle:
         slots = self._reader.request_slots(rid)
         if free:
             self.remove_request(rid)
-        else:
-            self._streams.reset(slots)
+            return
+        columns = self._streams.columns
+        for label, slot in zip(self._streams.labels, slots):
+            if any(column[slot] for column in columns) or slot in self._streams.rewinds:
+                blocked = self._plans.frozen(slot, f"({rid!r}, {label!r})")
+                if blocked is not None:
+                    raise ValueError(f"reset_request({rid!r}) would move the stream to 0, "
+                                     f"but {blocked}")
+        self._streams.reset(slots)
 
     def position(self, rid: Hashable, label: str) -> int:
         """The next position of stream ``(rid, label)`` (committed counters, no device read).

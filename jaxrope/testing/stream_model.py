@@ -17,13 +17,17 @@ staged plan. The rules:
   most the deepest depth, for a chain its span - 1), a draft step by nothing; refused
   when the staged plan numbers a stream whose advance differs from its span. Then the
   staged plan becomes current.
+- a planned stream is frozen: nothing but its plan's commit moves a stream the current
+  or staged plan numbers (refused, "planned"); a call that would not move it is taken.
+- ``ingest``: idempotent, ``counter = max(counter, override)``.
 - ``rollback``: refused for a stream the current or staged plan numbers, and for a move
   back at the last epoch (``2**31 - 1``); ``counter = min(counter, to)``, one more
   rollback by this node's writer when it moves.
 - ``admit``: per stream, the record's rewinds against the node's: the record includes
   every rollback the node holds and more (newer) -> take its position; the same ->
   the larger position; fewer (older) -> nothing; neither includes the other -> refused
-  ("conflict"); a newer record for a stream a plan numbers -> refused ("planned");
+  ("conflict"); a newer record, or one of the same rewinds with a larger position, for
+  a stream a plan numbers -> refused ("planned");
   positions past ``max_seq_len`` -> "position", epochs past int32 -> "epoch", an unknown
   request -> "request". A refusal changes nothing.
 - ``remove``: the request leaves both plans (they still commit, without it).
@@ -85,6 +89,9 @@ class NodeModel:
         """Idempotent; ``override`` raises the counters to it (``counter = max(...)``)."""
         if not 0 <= override <= self.max_seq_len:
             raise Refused("position")
+        if any(self.numbered((rid, label)) and override > self.counters[(rid, label)]
+               for label in self.labels if (rid, label) in self.counters):
+            raise Refused("planned")
         for label in self.labels:
             stream = (rid, label)
             self.counters[stream] = max(self.counters.get(stream, 0), override)
@@ -222,6 +229,8 @@ class NodeModel:
                     raise Refused("planned")
                 taken[stream] = (position, dict(rewinds))
             elif includes_mine and position > self.counters[stream]:
+                if self.numbered(stream):
+                    raise Refused("planned")
                 taken[stream] = (position, dict(rewinds))
         for stream, (position, rewinds) in taken.items():
             self.counters[stream], self.rewinds[stream] = position, rewinds
