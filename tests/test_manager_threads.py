@@ -361,7 +361,7 @@ def test_an_engine_thread_and_a_transfer_thread_agree_with_the_model(rng):
     mgr = engine.mgr
     # Every request was handed back, published and removed; nothing is left behind.
     assert mgr.requests() == [] and not engine.model.counters and not transfer.model.counters
-    assert mgr.state_snapshot()["slot_map"]["live"] == 0
+    assert mgr.state_snapshot()["row_map"]["live"] == 0
     assert transfer.seen["finished"] == transfer.seen["admitted"] + engine.next_id
     assert min(transfer.seen.values()) > 0, transfer.seen
     # The run did what it is meant to: many steps, pipelined ones, refusals, past 256 slots.
@@ -369,4 +369,4 @@ def test_an_engine_thread_and_a_transfer_thread_agree_with_the_model(rng):
     assert engine.seen["rollback"] > 0 and engine.seen["rollback refused"] > 0, engine.seen
     assert engine.seen["rotated"] > 0, engine.seen
     print(f"thread seed {seed}: engine {engine.seen}, transfer {transfer.seen}, "
-          f"slot capacity {mgr.state_snapshot()['slot_map']['capacity']}")
+          f"row capacity {mgr.state_snapshot()['row_map']['capacity']}")

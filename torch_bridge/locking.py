@@ -47,6 +47,8 @@ import functools
 import inspect
 from typing import Any, Callable, Optional, TypeVar
 
+import torch
+
 __all__ = ["serialized"]
 
 T = TypeVar("T", bound=type)
@@ -65,8 +67,13 @@ class _Default:
 # The wrapper's source: the method's own parameters, so that a call binds them once (a
 # ``*args, **kwargs`` wrapper builds a tuple and a dict per call, twice the cost), and
 # acquire / release rather than a ``with`` statement (whose ``__exit__`` call costs as much
-# again). Every plan and commit pays this.
+# again). Every plan and commit pays this. Under torch.compile the lock is not taken while
+# tracing (Dynamo cannot trace a lock, and would break the graph there): the method then
+# records a custom op, whose implementation calls the method again at run time, and that
+# call takes the lock.
 _WRAPPER = """def {name}{parameters}:
+    if _compiling():
+        return _serialized_method({arguments})
     _serialized_lock = {instance}._lock
     _serialized_lock.acquire()
     try:
@@ -81,7 +88,7 @@ def _locked(method: Optional[Callable[..., Any]]) -> Optional[Callable[..., Any]
     a property's missing setter)."""
     if method is None or getattr(method, "__serialized__", False):
         return method
-    namespace: dict = {"_serialized_method": method}
+    namespace: dict = {"_serialized_method": method, "_compiling": torch.compiler.is_compiling}
     parameters, arguments = [], []
     for i, parameter in enumerate(inspect.signature(method).parameters.values()):
         if parameter.default is not parameter.empty:
