@@ -38,15 +38,15 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["INT32_MAX", "INT64_MAX", "UINT32_MAX", "as_float", "as_int", "check_sum",
-           "is_plain_int"]
+__all__ = ["INT32_MAX", "INT64_MAX", "PLAIN_INTS", "UINT32_MAX", "as_float", "as_int",
+           "check_sum", "is_plain_int"]
 
 INT32_MAX = 2 ** 31 - 1
 INT64_MAX = 2 ** 63 - 1
 UINT32_MAX = 2 ** 32 - 1
 # Types whose equal values give equal results: a cache keyed by a value may trust these
 # (``True == 1`` and ``1.0 == 1`` hash alike, so a cache must not trust every type).
-_PLAIN_INTS = frozenset({int, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+PLAIN_INTS = frozenset({int, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
                          np.uint32, np.uint64, np.intc, np.uintc, np.longlong, np.ulonglong})
 
 
@@ -65,7 +65,7 @@ def _dtype_kind(dtype: Any) -> str:
 def is_plain_int(value: Any) -> bool:
     """Whether ``value``'s type is a Python or numpy integer (not bool): where equality
     with another plain int means the same argument."""
-    return type(value) in _PLAIN_INTS
+    return type(value) in PLAIN_INTS
 
 
 def as_int(value: Any, name: str, low: Optional[int] = None, high: Optional[int] = None,
