@@ -196,8 +196,8 @@ class StepReader:
         if len(groups) == 1:
             (plan_label, views), = groups.items()
             plain = self._last_views[plan_label][1]
-            if (len(views) == len(step.segments) and plain == step.segments
-                    and PLAIN_INTS.issuperset(map(type, map(_COUNT, step.segments)))):
+            if len(views) == len(step.segments) and (views is step.segments or (
+                    plain == step.segments and _plain_counts(step.segments))):
                 reuse = labels[plan_label]
         commit = self.commit(step.segments, step.advance, post_forks, reuse)
         return StepArrays(groups, labels, pre_forks, post_forks, pre_src, pre_dst, commit, explicit)
@@ -269,7 +269,7 @@ class StepReader:
         cached = self._last_views.get(plan_label)
         # The cache holds plain tuples: a record that is a list (mutable) never equals it.
         if (cached is not None and cached[0] == self._streams.slot_version and cached[1] == views
-                and PLAIN_INTS.issuperset(map(type, map(_COUNT, views)))):
+                and _plain_counts(views)):
             return cached[2]
         slots, counts = self.records(views, f"the views of plan label {plan_label!r}",
                                      "to_compute")
@@ -333,6 +333,12 @@ class StepReader:
                              f"{want}")
         if shape != ((3, num_tokens) if self._mrope else (num_tokens,)):
             raise ValueError(f"{where}.shape={shape} must be {want} (the plan label's tokens)")
+
+
+def _plain_counts(records: Sequence[Any]) -> bool:
+    """Every record's count is a plain int: one C-level pass over the types, the price of
+    a cache hit being the same answer as a miss (``True == 1`` would hit otherwise)."""
+    return PLAIN_INTS.issuperset(map(type, map(_COUNT, records)))
 
 
 def _counts(values: Sequence[Any], what: str, field: str) -> np.ndarray:
