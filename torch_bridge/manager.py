@@ -31,7 +31,7 @@ import torch
 
 from jaxrope.positions import PositionTable
 from torch_bridge.config import PositionConfig
-from jaxrope.numbers import INT32_MAX, as_int
+from jaxrope.numbers import INT32_MAX, PLAIN_INTS, as_int
 from torch_bridge.engine_types import (AdmitOutcome, BatchCheck, EngineInfo, PositionStep,
                                        Resource, ResourceSpec, StepContext, check_graph_slot)
 from torch_bridge.plans import Plan, StepPlans
@@ -301,6 +301,9 @@ class PositionManager(Resource):
         if accepted is None and not self._plans.next_commit_is_speculative():
             self._plans.commit(step)
             return
+        if isinstance(accepted, Mapping) and not PLAIN_INTS.issuperset(map(type, accepted.values())):
+            for stream, value in accepted.items():   # the type first, as every integer argument
+                as_int(value, f"accepted[{stream!r}]")
         self._plans.commit(step, lambda plan, staged: speculative.accepted_commit(
             self._reader, plan, accepted, staged))
 

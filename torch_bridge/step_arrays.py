@@ -15,8 +15,10 @@ stream label is its own plan label.
 A continuous batch sends the same views step after step until a request joins or
 leaves, so a plan label's arrays are cached: an equal tuple of views under the same
 slot version costs one comparison instead of a lookup per stream. Equal is not the
-same argument (``True == 1``, ``1.0 == 1``): a hit also needs every count to be a
-plain int (:func:`jaxrope.numbers.is_plain_int`), one C-level pass over the types.
+same argument (``True == 1``, ``1.0 == 1``, and numpy compares ``np.uint8(255) ==
+2**64 - 1`` at its own width): only views whose counts are all Python ints are cached,
+and a hit needs the new views' counts to be Python ints too (one C-level pass over
+their types).
 
 Example:
   >>> from torch_bridge.engine_types import PositionStep, Segment, StepContext
@@ -38,7 +40,7 @@ from typing import Any, Dict, Hashable, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from jaxrope.numbers import INT32_MAX, PLAIN_INTS, as_int
+from jaxrope.numbers import INT32_MAX, as_int
 from torch_bridge.engine_types import Fork, KVPlanOutput, PositionStep, StepContext
 from torch_bridge.streams import EMPTY, CommitArrays, StreamTable
 
@@ -47,6 +49,7 @@ __all__ = ["LabelArrays", "StepArrays", "StepReader", "check_hashable"]
 # Plan labels whose last views are remembered before the cache starts over.
 _MAX_CACHED_LABELS = 1024
 _COUNT = operator.itemgetter(2)
+_PYTHON_INT = frozenset({int})
 
 
 class LabelArrays(NamedTuple):
@@ -195,8 +198,8 @@ class StepReader:
         reuse = None
         if len(groups) == 1:
             (plan_label, views), = groups.items()
-            plain = self._last_views[plan_label][1]
-            if len(views) == len(step.segments) and (views is step.segments or (
+            plain = self._last_views.get(plan_label, (None, None))[1]
+            if plain is not None and len(views) == len(step.segments) and (views is step.segments or (
                     plain == step.segments and _plain_counts(step.segments))):
                 reuse = labels[plan_label]
         commit = self.commit(step.segments, step.advance, post_forks, reuse)
@@ -271,8 +274,8 @@ class StepReader:
         if (cached is not None and cached[0] == self._streams.slot_version and cached[1] == views
                 and _plain_counts(views)):
             return cached[2]
-        slots, counts = self.records(views, f"the views of plan label {plan_label!r}",
-                                     "to_compute")
+        field = getattr(views[0], "_fields", ("", "", "count"))[2] if views else "count"
+        slots, counts = self.records(views, f"the views of plan label {plan_label!r}", field)
         if len(set(slots.tolist())) != len(slots):
             _reject_repeated_stream(slots, views, plan_label)
         for array in (slots, counts):
@@ -280,8 +283,11 @@ class StepReader:
         arrays = LabelArrays(slots, counts, int(counts.sum()))
         if len(self._last_views) >= _MAX_CACHED_LABELS:
             self._last_views.clear()
-        self._last_views[plan_label] = (self._streams.slot_version, tuple(map(tuple, views)),
-                                        arrays)
+        if _plain_counts(views):
+            self._last_views[plan_label] = (self._streams.slot_version,
+                                            tuple(map(tuple, views)), arrays)
+        else:
+            self._last_views.pop(plan_label, None)
         return arrays
 
     def _explicit(self, given: Any, labels: Mapping[str, LabelArrays],
@@ -336,16 +342,16 @@ class StepReader:
 
 
 def _plain_counts(records: Sequence[Any]) -> bool:
-    """Every record's count is a plain int: one C-level pass over the types, the price of
-    a cache hit being the same answer as a miss (``True == 1`` would hit otherwise)."""
-    return PLAIN_INTS.issuperset(map(type, map(_COUNT, records)))
+    """Every record's count is a Python int: one C-level pass over the types, the price
+    of a cache hit being the same answer as a miss (``True == 1`` would hit otherwise)."""
+    return _PYTHON_INT.issuperset(map(type, map(_COUNT, records)))
 
 
 def _counts(values: Sequence[Any], what: str, field: str) -> np.ndarray:
-    """int64 counts in ``[0, 2**31 - 1]``: plain ints in one vectorised pass, anything
-    else (a bool, a float, a 0-d tensor) one by one through :func:`as_int`, which names
-    ``what[i].field``."""
-    if PLAIN_INTS.issuperset(map(type, values)):
+    """int64 counts in ``[0, 2**31 - 1]``: Python ints in one vectorised pass, anything
+    else (a numpy integer, a 0-d tensor, a bool, a float) one by one through
+    :func:`as_int`, which names ``what[i].field``."""
+    if _PYTHON_INT.issuperset(map(type, values)):
         array = np.asarray(values)
         if array.dtype == np.int64 and not (len(array) and (array.min() < 0
                                                             or array.max() > INT32_MAX)):
