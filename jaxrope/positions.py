@@ -380,7 +380,7 @@ def commit(table: PositionTable, rows: IntArray, counts: IntArray, *,
     counts = _values("counts", counts, length=rows.shape[0])
     if block:
         counts = jnp.where(counts > 0, jnp.int32(block_step), 0)
-    _no_overflow("counts", table, rows, counts)
+    _no_overflow("block_step" if block else "counts", table, rows, counts)
     return _advance(table, rows, counts)
 
 
