@@ -470,3 +470,20 @@ def test_accepted_counts_name_the_tree_streams_in_any_order_or_after_a_remove():
     ingest(mgr, a=40)                 # a new request under the old id: outside this plan
     mgr.commit(step, ctx("a", "b"), accepted={("a", "text"): 0, ("b", "text"): 1})
     assert (mgr.position("a", "text"), mgr.position("b", "text"), mgr.position("c", "text")) == (40, 25, 30)
+
+
+def test_a_tree_count_past_its_depth_is_refused_by_name_after_another_request_left():
+    # The plan's tree depths cover both requests; with b removed only a's are compared.
+    mgr = make()
+    ingest(mgr, a=10, b=20)
+    tree = (0, 1, 1, 2)
+    step = PositionStep((Segment("a", "text", 4), Segment("b", "text", 4)),
+                        tree={("a", "text"): tree, ("b", "text"): tree})
+    mgr.plan(step, ctx("a", "b"))
+    mgr.remove_request("b")
+    before = mgr.state_snapshot()
+    with pytest.raises(ValueError, match=r"accepted\[\('a', 'text'\)\]=3 must be in \[0, 2\]"):
+        mgr.commit(step, ctx("a", "b"), accepted={("a", "text"): 3})
+    assert mgr.state_snapshot() == before
+    mgr.commit(step, ctx("a", "b"), accepted={("a", "text"): 2})
+    assert mgr.position("a", "text") == 13

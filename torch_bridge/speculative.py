@@ -233,7 +233,8 @@ def accepted_commit(reader: "StepReader", plan: "Plan", accepted: Any,
     spans = commit.spans if every else _spans(plan, stream, slots)
     deepest = spans - 1
     if len(trees):
-        if np.array_equal(trees, slots):   # the tree's streams, in its order
+        # The tree's streams, in its order (and none dropped: the depths are the plan's).
+        if trees is spec.tree_slots and np.array_equal(trees, slots):
             deepest = spec.tree_depths
         else:
             _tree_depths_into(deepest, slots, spec)
