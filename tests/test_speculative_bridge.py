@@ -476,9 +476,8 @@ def test_a_tree_count_past_its_depth_is_refused_by_name_after_another_request_le
     # The plan's tree depths cover both requests; with b removed only a's are compared.
     mgr = make()
     ingest(mgr, a=10, b=20)
-    tree = (0, 1, 1, 2)
-    step = PositionStep((Segment("a", "text", 4), Segment("b", "text", 4)),
-                        tree={("a", "text"): tree, ("b", "text"): tree})
+    step = PositionStep((Segment("a", "text", 4), Segment("b", "text", 2)),
+                        tree={("a", "text"): (0, 1, 1, 2), ("b", "text"): (0, 1)})
     mgr.plan(step, ctx("a", "b"))
     mgr.remove_request("b")
     before = mgr.state_snapshot()
