@@ -75,7 +75,7 @@ CLAIMS = [
     ("KV\n  slots that are no integer tensor",
      "test_a_bad_bridge_call_raises_naming_its_argument_and_changes_nothing"),
     ("KV slots of\n  any integer width outside the cache are skipped on the device",
-     "test_a_bridge_kv_slot_of_any_width_outside_the_cache_is_skipped"),
+     "test_a_bridge_kv_slot_of_any_width_outside_the_cache_is_refused_on_cpu"),
 ]
 
 
