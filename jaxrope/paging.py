@@ -45,6 +45,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrope.numbers import as_int
+
 __all__ = ["append_positions", "block_table_slots", "page_table_slots", "token_views"]
 
 _INT32 = np.iinfo(np.int32)
@@ -71,9 +73,8 @@ def _int32(name: str, x) -> jax.Array:
 
 
 def _static_size(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum} (static)")
-    return int(value)
+    # A size is a shape: int32 like every index of it, and static (a Python int).
+    return as_int(value, name, minimum, _INT32.max, " (static)")
 
 
 def token_views(counts, num_tokens: int) -> jax.Array:

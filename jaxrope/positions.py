@@ -212,6 +212,38 @@ def _no_overflow(name: str, table: PositionTable, rows: jax.Array, amounts: jax.
                          f"past the int32 counters' {_INT32.max}")
 
 
+def _plan_fits(table: PositionTable, rows: jax.Array, counts: jax.Array,
+               depths: Optional[jax.Array], sequential: bool, mrope: bool) -> None:
+    """Concrete positions a plan forms (counter, + delta, + index or depth) fit int32:
+    computed in int64 on the host before the int32 arithmetic could wrap."""
+    columns = [_host(table.counters)] + ([_host(table.deltas)] if mrope else [])
+    rows, counts = _host(rows), _host(counts)
+    given = None if depths is None else _host(depths)
+    if rows is None or counts is None or any(c is None for c in columns) or (
+            depths is not None and given is None):
+        return
+    live = np.flatnonzero((rows != PAD) & (counts > 0))
+    if not live.size:
+        return
+    base = sum(c[rows[live]].astype(np.int64) for c in columns)
+    if given is not None:
+        view = np.repeat(np.arange(live.size), counts[live])
+        starts = np.concatenate([[0], np.cumsum(counts)])[live]
+        token = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts[live])])
+        low = high = base[view] + given[token].astype(np.int64)
+        live = live[view]
+    else:
+        low = base
+        high = base + (counts[live].astype(np.int64) - 1 if sequential else 0)
+    bad = np.flatnonzero((high > _INT32.max) | (low < _INT32.min))
+    if bad.size:
+        i, v = bad[0], live[bad[0]]
+        what = "counts" if depths is None else "depths"
+        at = high[i] if high[i] > _INT32.max else low[i]
+        raise ValueError(f"{what} would number row {rows[v]} (counts[{v}]={counts[v]}) at "
+                         f"{at}, outside the int32 positions [{_INT32.min}, {_INT32.max}]")
+
+
 # -- the transitions ------------------------------------------------------------------
 
 
@@ -314,6 +346,7 @@ def plan(table: PositionTable, rows: IntArray, counts: IntArray, out: IntArray, 
         if empty.size:
             raise ValueError(f"counts[{empty[0]}]={host_counts[empty[0]]} for a PAD view: "
                              f"a padding view has 0 tokens")
+    _plan_fits(table, rows, counts, depths, sequential, out.ndim == 2)
     _checks.plan_counts(rows, counts, out.shape[-1], PAD)  # checked mode only
     ends = jnp.cumsum(counts)
     starts = ends - counts
@@ -358,7 +391,7 @@ def commit(table: PositionTable, rows: IntArray, counts: IntArray, *,
     counts = _values("counts", counts, length=rows.shape[0])
     if block:
         counts = jnp.where(counts > 0, jnp.int32(block_step), 0)
-    _no_overflow("counts", table, rows, counts)
+    _no_overflow("block_step" if block else "counts", table, rows, counts)
     return _advance(table, rows, counts)
 
 

@@ -73,10 +73,15 @@ class RowMap:
         """int64 rows of the streams ``zip(rids, labels)``.
 
         Raises:
-          KeyError: a stream holds no row (the caller names it).
+          ValueError: a stream holds no row, named.
         """
-        return np.fromiter(map(self._row_of.__getitem__, zip(rids, labels)), np.int64,
-                           len(rids))
+        try:
+            return np.fromiter(map(self._row_of.__getitem__, zip(rids, labels)), np.int64,
+                               len(rids))
+        except KeyError as e:
+            rid, label = e.args[0]
+            raise ValueError(f"stream (rid={rid!r}, label={label!r}) holds no row of this "
+                             "RowMap (acquire it first)") from None
 
     def acquire(self, rid: Hashable, label: Hashable) -> int:
         """The stream's row, taking a free one (doubling the capacity if none is) for a

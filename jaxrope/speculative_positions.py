@@ -73,9 +73,9 @@ import numpy as np
 from jaxrope import checks as _checks
 from jaxrope import positions
 from jaxrope import sharding as _sharding
-from jaxrope.int_arrays import INT32 as _INT32
+from jaxrope import int_arrays as _int_arrays
 from jaxrope.int_arrays import NO_WRAP as _NO_WRAP
-from jaxrope.int_arrays import in_range as _in_range
+from jaxrope.numbers import INT32_MAX, as_int, check_sum
 from jaxrope.positions import PositionTable
 
 __all__ = ["accept", "eagle_input_ids", "plan_chain", "plan_draft", "plan_tree", "tree_depths",
@@ -111,8 +111,10 @@ def plan_chain(table: PositionTable, slots: jax.Array, drafts: jax.Array,
       >>> plan_chain(table, slots, jnp.array([3, 1, 2], jnp.int32), jnp.full(8, -1, jnp.int32)).tolist()
       [9, 10, 11, 12, 5, 6, -1, -1]
     """
-    _in_range("drafts", drafts, 0, int(_INT32.max) - 1)  # drafts + 1 is an int32 count
-    counts = jnp.where(_live_slots(table, slots), drafts.astype(jnp.int32) + 1, 0)
+    slots = _int_arrays.ints("slots", slots)
+    # At most INT32_MAX - 1 drafts: the view's count, drafts + 1, is int32 too.
+    drafts = _int_arrays.values("drafts", drafts, 0, INT32_MAX - 1, slots.shape[0], "slots.shape")
+    counts = jnp.where(_live_slots(table, slots), drafts + 1, 0)
     return positions.plan(table, slots, counts, out)
 
 
@@ -277,15 +279,20 @@ def accept(table: PositionTable, slots: jax.Array, accepted: jax.Array) -> Posit
       [9, 10]
     """
     if not isinstance(accepted, jax.core.Tracer):
-        given = np.asarray(accepted)
-        _check_integer(given, "accepted")
-        if given.size and not 0 <= int(given.min()) <= int(given.max()) < 2 ** 31 - 1:
-            raise ValueError(f"accepted has values in [{int(given.min())}, {int(given.max())}]; "
-                             "counts are in [0, the drafts of each view]")
-        accepted = jnp.asarray(given.astype(np.int32))
-    else:
-        _in_range("accepted", accepted, 0, int(_INT32.max) - 1)  # accepted + 1 fits int32
-    return positions.advance(table, slots, accepted.astype(jnp.int32) + 1)
+        _check_integer(np.asarray(accepted), "accepted")
+    # accepted + 1 is the int32 amount: at most INT32_MAX - 1 accepted.
+    accepted = _int_arrays.values("accepted", accepted, 0, INT32_MAX - 1)
+    return positions.advance(table, slots, accepted + 1)
+
+
+def _step_fits(table: PositionTable, slots, shift) -> None:
+    """``counter + offset + step`` of every live view fits int32 (a concrete step only)."""
+    counters, rows = _int_arrays.host(table.counters), _int_arrays.host(slots)
+    if shift is None or counters is None or rows is None:
+        return
+    rows = rows[(rows >= 0) & (rows < table.capacity)]
+    if rows.size:
+        check_sum("step", shift, "counter", int(counters[rows].max()), INT32_MAX)
 
 
 def plan_draft(table: PositionTable, slots: jax.Array, counts: jax.Array, out: jax.Array, *,
@@ -318,7 +325,14 @@ def plan_draft(table: PositionTable, slots: jax.Array, counts: jax.Array, out: j
       >>> pos.tolist(), live.tolist()
       ([7, 0, -1], [True, False, False])
     """
+    if not isinstance(step, jax.core.Tracer):
+        step = as_int(step, "step", 0, INT32_MAX)
+    if not isinstance(max_seq_len, jax.core.Tracer):
+        max_seq_len = as_int(max_seq_len, "max_seq_len", 1, INT32_MAX)
+    offset = as_int(offset, "offset", -1, 0)
+    _step_fits(table, slots, offset + step if isinstance(step, int) else None)
     n = out.shape[-1]
+    # offset + step is in [0, INT32_MAX]; counter + it is checked by positions.plan.
     depth = jnp.full((n,), offset, jnp.int32) + jnp.asarray(step, jnp.int32)
     index = positions.plan(table, slots, counts, jnp.zeros((n,), jnp.int32), depths=depth)
     real = jnp.arange(n, dtype=jnp.int32) < jnp.sum(counts.astype(jnp.int32))

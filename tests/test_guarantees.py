@@ -75,7 +75,7 @@ CLAIMS = [
     ("KV\n  slots that are no integer tensor",
      "test_a_bad_bridge_call_raises_naming_its_argument_and_changes_nothing"),
     ("KV slots of\n  any integer width outside the cache are skipped on the device",
-     "test_a_bridge_kv_slot_of_any_width_outside_the_cache_is_skipped"),
+     "test_a_bridge_kv_slot_of_any_width_outside_the_cache_is_refused_on_cpu"),
 ]
 
 
@@ -366,7 +366,7 @@ def _bridge_calls():
         ("__init__", lambda m: _manager(max_seq_len=0), ValueError, "max_seq_len=0"),
         ("ingest_request", lambda m: m.ingest_request(["c"]), TypeError, "rid=['c']"),
         ("plan", lambda m: m.plan(PositionStep([Segment("a", "cond", -1)]), StepContext(("a",))),
-         ValueError, "must be >= 0"),
+         ValueError, "span=-1 must be an int in [0, 2147483647]"),
         ("plan", lambda m: m.plan(PositionStep([Segment("a", "uncond", 3)], tree={
             ("a", "uncond"): (1, 2, 2)}), StepContext(("a",))), ValueError, "is not a draft tree"),
         ("commit", lambda m: m.commit(PositionStep([Segment("a", "cond", 4)]), ctx), ValueError,
@@ -420,15 +420,21 @@ def test_a_bad_bridge_call_raises_naming_its_argument_and_changes_nothing():
 
 @needs_torch
 @pytest.mark.parametrize("dtype", ["int64", "uint32", "int16"])
-def test_a_bridge_kv_slot_of_any_width_outside_the_cache_is_skipped(dtype):
-    # 2**32 + 5 cut to its low 32 bits would be slot 5; past the cache at any width.
+def test_a_bridge_kv_slot_of_any_width_outside_the_cache_is_refused_on_cpu(dtype):
+    # 2**32 + 5 cut to its low 32 bits would be slot 5; past the cache at any width, and
+    # refused where the values are on the host, as the eager core op refuses it; a
+    # negative slot (padding) is skipped.
     mgr = _busy()
     beyond = {"int64": 2**32 + 5, "uint32": 2**31 + 5, "int16": 2**14 + 5}[dtype]
     cache = torch.zeros(4, 2, 4, 1, HEAD_DIM)
     v = torch.randn(3, 1, HEAD_DIM)
-    slots = torch.tensor([beyond, 3, 9], dtype=getattr(torch, dtype))
-    mgr.apply_qk_and_append_kv(torch.randn(3, 2, HEAD_DIM), torch.randn(3, 1, HEAD_DIM), v,
-                               "cond", cache, slots)
+    args = (torch.randn(3, 2, HEAD_DIM), torch.randn(3, 1, HEAD_DIM), v, "cond", cache)
+    with pytest.raises(ValueError, match=f"got a maximum of {beyond}"):
+        mgr.apply_qk_and_append_kv(*args, torch.tensor([beyond, 3, 9], dtype=getattr(torch, dtype)))
+    assert not cache.any()
+    if dtype == "uint32":   # no negative slot to skip
+        return
+    mgr.apply_qk_and_append_kv(*args, torch.tensor([-beyond, 3, 9], dtype=getattr(torch, dtype)))
     values = cache[:, 1].reshape(16, HEAD_DIM)
     written = [3, 9]
     torch.testing.assert_close(values[written], v[1:, 0], rtol=0, atol=0)

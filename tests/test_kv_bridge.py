@@ -172,13 +172,21 @@ def test_int64_slots_as_vllm_passes_them_give_the_same_cache(rng):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
-def test_slots_outside_the_cache_write_nothing(rng):
-    # Slot values are on the device and not checked: as under jit in the core, a slot
-    # past the last one (or any negative one) skips its token.
+def test_negative_slots_write_nothing_and_slots_past_the_cache_are_refused_on_cpu(rng):
+    # A CPU tensor's values are on the host: the eager rule of the core op, a negative
+    # slot skips its token and one past the cache is refused, cache untouched.
     case = APPEND_BY_NAME["llama3_hnd_p16"]
     x = make_call(rng, case, "float32")
     num_slots = case.pages * case.page_size
-    x.slots[:3] = torch.tensor([num_slots, num_slots + 5, -7], dtype=torch.int32)
+    x.slots[:3] = torch.tensor([num_slots, -1, -7], dtype=torch.int32)
+    mgr = manager(case.case.cfg)
+    plan(mgr, x.pos)
+    before = clone(x.kv_cache)
+    with pytest.raises(ValueError, match=f"slots must be < {num_slots}"):
+        mgr.apply_qk_and_append_kv(x.q, x.k, x.v, LABEL, x.kv_cache, x.slots, layout="HND")
+    for new, old in zip(split(x.kv_cache), split(before)):
+        np.testing.assert_array_equal(bits(new), bits(old))
+    x.slots[0] = -3
     mgr = manager(case.case.cfg)
     plan(mgr, x.pos)
     before = clone(x.kv_cache)
@@ -487,12 +495,16 @@ def _one_step_manager(tokens: int) -> RopeManager:
     return mgr
 
 
-def test_int64_slots_past_2_32_are_skipped_not_cut_to_their_low_32_bits():
+def test_int64_slots_past_2_32_are_refused_not_cut_to_their_low_32_bits():
     mgr = _one_step_manager(2)
     cache = tuple(torch.zeros(2, 4, 1, 8) for _ in "kv")
     v = torch.tensor([1.0, 2.0])[:, None, None].expand(2, 1, 8).contiguous()
+    with pytest.raises(ValueError, match="got a maximum of 4294967301"):
+        mgr.apply_qk_and_append_kv(torch.ones(2, 2, 8), v, v, LABEL, cache,
+                                   torch.tensor([2 ** 32 + 5, 3]))
+    assert not any(c.any() for c in cache)
     mgr.apply_qk_and_append_kv(torch.ones(2, 2, 8), v, v, LABEL, cache,
-                               torch.tensor([2 ** 32 + 5, 3]))
+                               torch.tensor([-2 ** 32 + 5, 3]))   # negative: skipped, not slot 5
     assert cache[1][:, :, 0, 0].reshape(-1).tolist() == [0, 0, 0, 2, 0, 0, 0, 0]
 
 

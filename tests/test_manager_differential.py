@@ -11,6 +11,15 @@ predicts every position, every counter, every stream's rewinds and which calls f
 (with the check an admit refusal names); a failing call must leave the manager's
 ``state_snapshot()`` as it was.
 
+A second run (:class:`ExtremeRun`) injects integer extremes (0, 1, ``2**31 - 1``,
+``2**31``, ``2**32 + 1``, ``2**63 - 1``, ``2**64 - 1``, negatives, floats, bools, numpy
+scalars of every integer width, ``np.bool_``, torch 0-d tensors of every integer dtype)
+as the operations' integer arguments (ingest overrides, rollback positions, spans, draft
+depths, accepted counts): the model's :func:`~jaxrope.testing.stream_model.integer_argument`
+says which are refused (``TypeError`` for a type, ``ValueError`` naming the argument for
+a value) and which act as the Python int they hold. It runs ``EXTREME_OPERATIONS``
+operations in all, checking the managers against the model every ``AGREE_EVERY``.
+
 Seeded; a failure reports its seed and step, and ``JAXROPE_DIFFERENTIAL_SEED=<seed>``
 replays one.
 """
@@ -25,7 +34,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from jaxrope.testing.stream_model import MAX_EPOCH, NodeModel, Refused  # noqa: E402
+from jaxrope.testing.stream_model import (INT32_MAX, MAX_EPOCH, NodeModel,  # noqa: E402
+                                          Refused, integer_argument)
 from torch_bridge import (PositionConfig, PositionManager, PositionStep,  # noqa: E402
                           PublishedPositionInfo, Segment, StepContext)
 
@@ -61,8 +71,10 @@ class Run:
         self.nodes = [Node(writer) for writer in (1, 2, 3)]
         self.seen: Dict[str, int] = {}
 
-    def call(self, node: Node, expect, act, what: str):
-        """``expect()`` on the model, ``act()`` on the manager: both succeed or both refuse."""
+    def call(self, node: Node, expect, act, what: str, names: str = "", given: str = ""):
+        """``expect()`` on the model, ``act()`` on the manager: both succeed or both refuse
+        (TypeError for the model's ``"type"``, else ValueError; ``names``: a fragment a
+        type or range refusal's message holds)."""
         before = node.mgr.state_snapshot()
         try:
             predicted = expect()
@@ -73,8 +85,10 @@ class Run:
             self.seen.get(what if refused is None else f"{what} refused ({refused})", 0) + 1
         if refused is None:
             return predicted, act()
-        with pytest.raises(ValueError):
+        with pytest.raises(TypeError if refused == "type" else ValueError) as raised:
             act()
+        if refused in ("type", "range"):
+            assert names in str(raised.value), (what, given, names, str(raised.value))
         assert node.mgr.state_snapshot() == before, what
         return None, None
 
@@ -131,7 +145,7 @@ class Run:
             return
         accepted = {}
         for stream, kind in plan.kinds.items():
-            if kind == "tree" or (kind == "span" and self.rng.random() < 0.5):
+            if kind == "tree" or (kind == "span" and plan.spans[stream] and self.rng.random() < 0.5):
                 most = plan.deepest[stream] if kind == "tree" else plan.spans[stream] - 1
                 accepted[stream] = int(self.rng.integers(0, most + 1))
         if self.rng.random() < 0.1 and accepted:   # a count past the drafts
@@ -240,9 +254,87 @@ class Run:
             getattr(self, op)(node)
 
 
-def _ingested(seed: int) -> "Run":
+def _extremes() -> list:
+    """Every integer extreme of the issue, in every type an engine could pass."""
+    values = [0, 1, 2, 5, 2**31 - 1, 2**31, 2**32 + 1, 2**63 - 1, 2**64 - 1, -1, -2**31,
+              -2**63, 1.0, 2.5, float("nan"), True, False, np.bool_(True), np.float32(1.0),
+              torch.tensor(True), torch.tensor(1.0), np.array(3)]
+    for dtype in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+                  np.uint64):
+        values += [dtype(1), dtype(3), np.iinfo(dtype).max, np.iinfo(dtype).min]
+    for dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+        values += [torch.tensor(2, dtype=dtype), torch.tensor(torch.iinfo(dtype).max, dtype=dtype)]
+    return values
+
+
+EXTREMES = _extremes()
+EXTREME_OPERATIONS = int(os.environ.get("JAXROPE_EXTREME_OPERATIONS", 100_000))
+AGREE_EVERY = 64
+
+
+class ExtremeRun(Run):
+    """:class:`Run` whose operations take an extreme integer argument four times in five."""
+
+    def value(self):
+        return EXTREMES[int(self.rng.integers(0, len(EXTREMES)))]
+
+    def ingest_x(self, node: Node) -> None:
+        rid, value = str(self.rng.choice(RIDS)), self.value()
+        self.call(node, lambda: node.model.ingest(rid, integer_argument(value)),
+                  lambda: node.mgr.ingest_request(rid, {"text": value}), "ingest extreme",
+                  "overrides['text']=")
+
+    def rollback_x(self, node: Node) -> None:
+        rids = node.rids()
+        if rids:
+            rid, value = str(self.rng.choice(rids)), self.value()
+            self.call(node, lambda: node.model.rollback((rid, "text"), integer_argument(value)),
+                      lambda: node.mgr.rollback(rid, "text", value), "rollback extreme",
+                      "to_position['text']=")
+
+    def plan_x(self, node: Node) -> None:
+        rids = node.rids()
+        if not rids:
+            return
+        rid, value, preplan = str(self.rng.choice(rids)), self.value(), self.rng.random() < 0.4
+        draft = self.rng.random() < 0.3
+        step = PositionStep([Segment(rid, "text", 1 if draft else value)],
+                            draft_depth=value if draft else None)
+        ctx = StepContext((rid,), is_preplan=preplan)
+
+        def expect():
+            if draft:
+                depth = integer_argument(value, 0, MAX_SEQ_LEN)
+                return node.model.plan({(rid, "text"): ("draft", (1, depth))}, preplan, step)
+            span = integer_argument(value, 0, INT32_MAX)
+            return node.model.plan({(rid, "text"): ("span", span)}, preplan, step)
+        plan, tensors = self.call(node, expect, lambda: node.mgr.plan(step, ctx),
+                                  "plan extreme", "step.draft_depth=" if draft else ".span=",
+                                  f"{value!r} as {'step.draft_depth' if draft else 'span'}")
+        if plan is not None:
+            assert tensors["text"].tolist() == plan.positions[(rid, "text")]
+
+    def commit_x(self, node: Node) -> None:
+        plan = node.model.current or node.model.staged
+        if plan is None or not plan.kinds:
+            return
+        stream, value = next(iter(plan.kinds)), self.value()
+        accepted = {stream: value}
+        self.call(node, lambda: node.model.commit({stream: integer_argument(value)}),
+                  lambda: node.mgr.commit(plan.tag, StepContext(), accepted=accepted),
+                  "commit extreme", f"accepted[{stream!r}]=")
+
+    def step(self) -> None:
+        if self.rng.random() < 0.2:
+            return super().step()
+        node = self.nodes[int(self.rng.integers(0, 3))]
+        op = ("ingest_x", "rollback_x", "plan_x", "plan_x", "commit_x")[int(self.rng.integers(0, 5))]
+        getattr(self, op)(node)
+
+
+def _ingested(seed: int, kind: type = None) -> "Run":
     """A run whose three nodes (managers and models) have ingested every request."""
-    run = Run(seed)
+    run = (kind or Run)(seed)
     for node in run.nodes:
         for rid in RIDS:
             node.model.ingest(rid)
@@ -261,6 +353,35 @@ def test_three_managers_agree_with_the_plain_model(seed):
             raise AssertionError(f"seed {seed}, step {i}: {e} (replay with "
                                  f"JAXROPE_DIFFERENTIAL_SEED={seed})") from e
     print(f"seed {seed}: {dict(sorted(run.seen.items()))}")
+
+
+def test_integer_extremes_as_arguments_agree_with_the_model():
+    """EXTREME_OPERATIONS operations over the seeds, 0 mismatches: each refusal of the
+    right type naming its argument, the state unchanged; each accepted extreme acting as
+    its Python int."""
+    seen: Dict[str, int] = {}
+    per_seed = -(-EXTREME_OPERATIONS // len(SEEDS))
+    for seed in SEEDS:
+        run = _ingested(seed, ExtremeRun)
+        for i in range(per_seed):
+            try:
+                run.step()
+                if i % AGREE_EVERY == 0:
+                    run.agree()
+            except AssertionError as e:
+                raise AssertionError(f"seed {seed}, step {i}: {e} (replay with "
+                                     f"JAXROPE_DIFFERENTIAL_SEED={seed})") from e
+        run.agree()
+        for key, count in run.seen.items():
+            seen[key] = seen.get(key, 0) + count
+    assert sum(seen.values()) >= EXTREME_OPERATIONS * 0.9, seen
+    for key in ("ingest extreme", "ingest extreme refused (type)",
+                "ingest extreme refused (position)", "rollback extreme",
+                "rollback extreme refused (type)", "plan extreme", "plan extreme refused (type)",
+                "plan extreme refused (range)", "plan extreme refused (bound)",
+                "commit extreme", "commit extreme refused (type)",
+                "commit extreme refused (accepted)"):
+        assert seen.get(key, 0) > 0, (key, seen)
 
 
 def test_the_random_runs_reach_every_rule():

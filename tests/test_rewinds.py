@@ -278,8 +278,11 @@ def test_merging_publications_refuses_conflicting_rewinds():
 
 
 def test_writer_ids_are_checked_and_default_to_distinct_random_ones():
-    for bad in (0, 2**32, -1, True, 1.5):
+    for bad in (0, 2**32, -1):
         with pytest.raises(ValueError, match=r"writer=.* must be an int in \[1, 4294967295\]"):
+            make(bad)
+    for bad in (True, 1.5, np.bool_(True)):
+        with pytest.raises(TypeError, match=r"writer=.* must be an int"):
             make(bad)
     writers = {PositionManager(PositionConfig(), "cpu").writer for _ in range(8)}
     assert len(writers) == 8 and all(1 <= w < 2**32 for w in writers)

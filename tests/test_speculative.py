@@ -110,7 +110,7 @@ def test_valid_trees_masks_views_under_jit_where_plan_tree_cannot_raise():
 def test_tree_depths_and_accept_refuse_what_would_wrap_or_loop():
     with pytest.raises(ValueError, match=r"parents\[1\]=1 must be -1 \(a root\) or an earlier token"):
         speculative_positions.tree_depths(jnp.array([-1, 1], jnp.int32))
-    with pytest.raises(ValueError, match=r"accepted has values in \[-1, 0\]"):
+    with pytest.raises(ValueError, match=r"accepted\[0\]=-1 must lie in \[0, 2147483646\]"):
         speculative_positions.accept(_table([5, 9]), jnp.array([0, 1], jnp.int32), np.array([-1, 0]))
     with pytest.raises(ValueError, match="18446744073709551615"):
         speculative_positions.accept(_table([5]), jnp.array([0], jnp.int32), np.array([2 ** 64 - 1], np.uint64))

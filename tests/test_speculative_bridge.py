@@ -233,7 +233,7 @@ def test_streams_named_again_with_a_bad_count_are_refused_as_the_first_time(coun
         mgr.commit(step, ctx("a", "b"), accepted={("a", "text"): 1, ("b", "text"): np.int32(0)})
     mgr.plan(step, ctx("a", "b"))
     before = mgr.state_snapshot()
-    with pytest.raises(ValueError, match=r"accepted\[\('b', 'text'\)\]=.* must be an int"):
+    with pytest.raises(TypeError, match=r"accepted\[\('b', 'text'\)\]=.* must be an int"):
         mgr.commit(step, ctx("a", "b"), accepted={("a", "text"): 1, ("b", "text"): count})
     assert mgr.state_snapshot() == before
     mgr.commit(step, ctx("a", "b"), accepted={("a", "text"): 1, ("b", "text"): 0})
@@ -348,8 +348,9 @@ def test_an_array_tree_names_each_stream_once():
 
 
 @pytest.mark.parametrize("depth,error,fragment", [
-    (np.uint64(2 ** 64 - 1), ValueError, "step.draft_depth=18446744073709551615 must be in [0, max_seq_len=256]"),
-    (-1, ValueError, "step.draft_depth=-1 must be in [0, max_seq_len=256]"),
+    (np.uint64(2 ** 64 - 1), ValueError,
+     "step.draft_depth=18446744073709551615 must be an int in [0, 256] (max_seq_len=256)"),
+    (-1, ValueError, "step.draft_depth=-1 must be an int in [0, 256] (max_seq_len=256)"),
     (True, TypeError, "step.draft_depth=True must be an int"),
     (1.0, TypeError, "step.draft_depth=1.0 must be an int"),
 ])
@@ -469,3 +470,19 @@ def test_accepted_counts_name_the_tree_streams_in_any_order_or_after_a_remove():
     ingest(mgr, a=40)                 # a new request under the old id: outside this plan
     mgr.commit(step, ctx("a", "b"), accepted={("a", "text"): 0, ("b", "text"): 1})
     assert (mgr.position("a", "text"), mgr.position("b", "text"), mgr.position("c", "text")) == (40, 25, 30)
+
+
+def test_a_tree_count_past_its_depth_is_refused_by_name_after_another_request_left():
+    # The plan's tree depths cover both requests; with b removed only a's are compared.
+    mgr = make()
+    ingest(mgr, a=10, b=20)
+    step = PositionStep((Segment("a", "text", 4), Segment("b", "text", 2)),
+                        tree={("a", "text"): (0, 1, 1, 2), ("b", "text"): (0, 1)})
+    mgr.plan(step, ctx("a", "b"))
+    mgr.remove_request("b")
+    before = mgr.state_snapshot()
+    with pytest.raises(ValueError, match=r"accepted\[\('a', 'text'\)\]=3 must be in \[0, 2\]"):
+        mgr.commit(step, ctx("a", "b"), accepted={("a", "text"): 3})
+    assert mgr.state_snapshot() == before
+    mgr.commit(step, ctx("a", "b"), accepted={("a", "text"): 2})
+    assert mgr.position("a", "text") == 13

@@ -30,6 +30,8 @@ from typing import Any, Hashable, Mapping, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from jaxrope.numbers import INT32_MAX, as_int
+
 __all__ = [
     "AdmitOutcome",
     "EngineInfo",
@@ -176,6 +178,38 @@ class GraphSlot(NamedTuple):
 
     bucket: GraphBucket
     slot: int
+
+
+def check_graph_slot(graph: Any) -> Optional[GraphSlot]:
+    """``ctx.graph_slot`` checked: None, or a :class:`GraphSlot` of a :class:`GraphBucket`
+    whose ``batch_size``, ``num_tokens`` and ``slot`` are ints in ``[0, 2**31 - 1]``, as
+    Python ints (the lease keys the graph buffers)
+    (:func:`jaxrope.numbers.as_int`: a bool or float is refused even where it equals an
+    int, so it never finds the buffer of an equal int lease).
+
+    Example:
+      >>> check_graph_slot(GraphSlot(GraphBucket(None, batch_size=1, num_tokens=2.5), slot=0))
+      Traceback (most recent call last):
+      ...
+      TypeError: ctx.graph_slot.bucket.num_tokens=2.5 must be an int (Python or numpy integer), got float
+    """
+    if graph is None:
+        return None
+    if not isinstance(graph, GraphSlot):
+        raise TypeError(f"ctx.graph_slot must be a GraphSlot or None, got {type(graph).__name__}")
+    if not isinstance(graph.bucket, GraphBucket):
+        raise TypeError(f"ctx.graph_slot.bucket must be a GraphBucket, got "
+                        f"{type(graph.bucket).__name__}")
+    bucket = graph.bucket
+    if type(bucket.batch_size) is type(bucket.num_tokens) is type(graph.slot) is int:
+        if 0 <= min(bucket.batch_size, bucket.num_tokens, graph.slot) and max(
+                bucket.batch_size, bucket.num_tokens, graph.slot) <= INT32_MAX:
+            return graph
+    # The lease keys the graph buffers: rebuilt of Python ints, so that it hashes.
+    return GraphSlot(GraphBucket(
+        bucket.walk, as_int(bucket.batch_size, "ctx.graph_slot.bucket.batch_size", 0, INT32_MAX),
+        as_int(bucket.num_tokens, "ctx.graph_slot.bucket.num_tokens", 0, INT32_MAX)),
+        as_int(graph.slot, "ctx.graph_slot.slot", 0, INT32_MAX))
 
 
 PosIds = Union[None, torch.Tensor, Mapping[str, torch.Tensor]]

@@ -35,8 +35,10 @@ import torch
 
 from jaxrope.positions import PositionTable
 from torch_bridge.config import PositionConfig
-from torch_bridge.engine_types import (AdmitOutcome, BatchCheck, EngineInfo, GraphSlot,
-                                       PositionStep, Resource, ResourceSpec, StepContext)
+from jaxrope.numbers import INT32_MAX, PLAIN_INTS, as_int
+from torch_bridge.engine_types import (AdmitOutcome, BatchCheck, EngineInfo,
+                                       PositionStep, Resource, ResourceSpec, StepContext,
+                                       check_graph_slot)
 from torch_bridge.locking import serialized
 from torch_bridge.plans import Plan, StepPlans
 from torch_bridge.publish_admit import PublishAdmit, RecordArgs, Snapshot, writer_id
@@ -52,7 +54,7 @@ __all__ = ["PositionManager"]
 _FINGERPRINT_VERSION = b"jaxrope.positions/1"
 _INITIAL_SLOTS = 256
 # Positions are int32 on the device.
-_MAX_SEQ_LEN = int(np.iinfo(np.int32).max)
+_MAX_SEQ_LEN = INT32_MAX
 
 
 @serialized
@@ -103,14 +105,12 @@ class PositionManager(Resource):
         if not isinstance(config, PositionConfig):
             raise TypeError(f"config must be a torch_bridge.PositionConfig, got "
                             f"{type(config).__name__}")
-        if (not isinstance(max_seq_len, (int, np.integer)) or isinstance(max_seq_len, bool)
-                or not 0 < max_seq_len <= _MAX_SEQ_LEN):
-            raise ValueError(f"max_seq_len={max_seq_len!r} must be a positive int <= {_MAX_SEQ_LEN} "
-                             "(positions are int32 on the device)")
+        max_seq_len = as_int(max_seq_len, "max_seq_len", 1, _MAX_SEQ_LEN,
+                             " (positions are int32 on the device)")
         self.writer = writer_id(writer)
         self.config = config
         self.device = _torch_device(device)
-        self.max_seq_len = int(max_seq_len)
+        self.max_seq_len = max_seq_len
         self._labels = config.labels
         self._plan_labels_seen = set(config.labels)
         # M-RoPE (config.rope.mrope_section): every position tensor is [3, n], t, h, w rows.
@@ -278,14 +278,12 @@ class PositionManager(Resource):
           RuntimeError: called on CUDA under CUDA-graph capture (nothing changes; plan
             outside the capture into a graph slot, replay reads its buffer).
         """
+        graph = check_graph_slot(ctx.graph_slot if isinstance(ctx, StepContext) else None)
         arrays = self._reader.read(step, ctx, device=self.device, max_seq_len=self.max_seq_len)
         self._batch.check(ctx, step.segments)
         if step.draft_depth is not None or step.tree is not None:
             arrays = speculative_steps.attach(self._reader, step, arrays, self.config.scheme,
                                         self.max_seq_len)
-        graph = ctx.graph_slot
-        if graph is not None and not isinstance(graph, GraphSlot):
-            raise TypeError(f"ctx.graph_slot must be a GraphSlot or None, got {type(graph).__name__}")
         self._upload.check_not_capturing()
         self._plans.check_graph_slot(graph, ctx.is_preplan)
         base = self._plans.base_counters(arrays, ctx.is_preplan)
@@ -326,6 +324,9 @@ class PositionManager(Resource):
         if accepted is None and not self._plans.next_commit_is_speculative():
             self._plans.commit(step)
             return
+        if isinstance(accepted, Mapping) and not PLAIN_INTS.issuperset(map(type, accepted.values())):
+            for stream, value in accepted.items():   # the type first, as every integer argument
+                as_int(value, f"accepted[{stream!r}]")
         self._plans.commit(step, lambda plan, staged: speculative_steps.accepted_commit(
             self._reader, plan, accepted, staged))
 

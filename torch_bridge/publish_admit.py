@@ -34,6 +34,7 @@ from typing import Callable, Dict, Hashable, Optional, Tuple, Union
 import numpy as np
 
 from jaxrope import wire
+from jaxrope.numbers import UINT32_MAX, as_int
 from jaxrope.wire import MAX_EPOCH, MAX_WRITERS, Rewinds, WireFormatError
 from torch_bridge.engine_types import AdmitOutcome
 from torch_bridge.plans import StepPlans
@@ -41,13 +42,14 @@ from torch_bridge.published import PublishedPositionInfo, conflict_message, epoc
 from torch_bridge.step_arrays import StepReader, check_hashable, unknown_request
 from torch_bridge.streams import StreamTable
 
-__all__ = ["PublishAdmit", "RecordArgs", "RecordArgumentError", "REFUSED", "check_unfrozen",
+__all__ = ["PublishAdmit", "RecordArgs", "RecordArgumentError", "RecordTypeError", "REFUSED",
+           "check_unfrozen",
            "writer_id"]
 
 # How every refusal of admit_retrieve starts: f"{REFUSED} (<check>): <why>".
 REFUSED = "published record refused"
 Snapshot = Tuple[Tuple[int, int, int, Rewinds], ...]
-_MAX_WRITER = 2**32 - 1
+_MAX_WRITER = UINT32_MAX
 
 
 class RecordArgumentError(ValueError):
@@ -57,6 +59,11 @@ class RecordArgumentError(ValueError):
     def __init__(self, check: str, message: str):
         super().__init__(message)
         self.check = check
+
+
+class RecordTypeError(RecordArgumentError, TypeError):
+    """A ``{label: value}`` value of the wrong type (a bool, a float): a TypeError, and a
+    :class:`RecordArgumentError` so that admit reports it as every other refusal."""
 
 
 class RecordArgs:
@@ -117,11 +124,12 @@ class RecordArgs:
               why: str) -> Dict[int, int]:
         out = {}
         for index, label, value in self._entries(values, name, check):
-            if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
-                    or not low <= value <= high):
-                raise RecordArgumentError(check, f"{name}[{label!r}]={value!r} must be an int in "
-                                                 f"[{low}, {high}] {why}".rstrip())
-            out[index] = int(value)
+            try:
+                out[index] = as_int(value, f"{name}[{label!r}]", low, high, f" {why}".rstrip())
+            except TypeError as e:
+                raise RecordTypeError(check, str(e)) from None
+            except ValueError as e:
+                raise RecordArgumentError(check, str(e)) from None
         return out
 
     def _entries(self, values: Mapping, name: str, what: str):
@@ -145,11 +153,7 @@ def writer_id(writer: Optional[int]) -> int:
     """
     if writer is None:
         return 1 + secrets.randbelow(_MAX_WRITER)
-    if (not isinstance(writer, (int, np.integer)) or isinstance(writer, bool)
-            or not 1 <= writer <= _MAX_WRITER):
-        raise ValueError(f"writer={writer!r} must be an int in [1, {_MAX_WRITER}] (u32 on the "
-                         "wire; 0 is the unnamed writer)")
-    return int(writer)
+    return as_int(writer, "writer", 1, _MAX_WRITER, " (u32 on the wire; 0 is the unnamed writer)")
 
 
 def _refused(check: str, why: str) -> AdmitOutcome:

@@ -16,6 +16,7 @@ from typing import Any, Dict, Hashable, Optional, Tuple
 import torch
 
 from jaxrope.config import RopeConfig
+from jaxrope.ops.rope_append_kv.api import check_slots
 from torch_bridge import custom_ops, kv_append
 from torch_bridge.config import PositionConfig
 from torch_bridge.dlpack import jax_device
@@ -289,6 +290,10 @@ class RopeManager(PositionManager):
         if padded:
             n = plan.limits[label]
             q3, k3, v3, slots = q3[:n], k3[:n], v3[:n], slots[:n]
+        if slots.device.type == "cpu":
+            # The eager rule of jaxrope.apply_rope_and_append_kv, where the values are on
+            # the host; a CUDA launch reads them on the device and skips those outside.
+            check_slots(slots.numpy(), geometry.num_slots)
         self._plans.promote()
         if q3.shape[0] == 0:
             return q, kv_cache

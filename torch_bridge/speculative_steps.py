@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, NamedTuple, Optional
 
 import numpy as np
 
+from jaxrope.numbers import INT64_MAX, as_int
 from jaxrope.positions import Scheme
 from torch_bridge import draft_trees
 from torch_bridge import streams as rules
@@ -125,16 +126,13 @@ def attach(reader: "StepReader", step: PositionStep, arrays: "StepArrays", schem
 
 
 def _draft_depth(step: PositionStep, max_seq_len: int) -> int:
-    depth = step.draft_depth
-    if not isinstance(depth, (int, np.integer)) or isinstance(depth, (bool, np.bool_)):
-        raise TypeError(f"step.draft_depth={depth!r} must be an int (a draft step at counter + "
-                        "draft_depth)")
-    if not 0 <= int(depth) <= max_seq_len:   # at max_seq_len every token is past the end
-        raise ValueError(f"step.draft_depth={int(depth)} must be in [0, max_seq_len={max_seq_len}]")
+    # At max_seq_len every token is past the end.
+    depth = as_int(step.draft_depth, "step.draft_depth", 0, max_seq_len,
+                   f" (max_seq_len={max_seq_len})")
     if step.advance is not None:
         raise ValueError(f"step.advance={step.advance!r}: a draft step (step.draft_depth) commits "
                          "nothing; leave advance None")
-    return int(depth)
+    return depth
 
 
 def positions(base: Columns, arrays: "StepArrays", plan_label: str, max_seq_len: int,
@@ -237,7 +235,8 @@ def accepted_commit(reader: "StepReader", plan: Any, accepted: Any,
     spans = commit.spans if every else _spans(plan, stream, slots)
     deepest = spans - 1
     if len(trees):
-        if np.array_equal(trees, slots):   # the tree's streams, in its order
+        # The tree's streams, in its order (and none dropped: the depths are the plan's).
+        if trees is spec.tree_slots and np.array_equal(trees, slots):
             deepest = spec.tree_depths
         else:
             _tree_depths_into(deepest, slots, spec)
@@ -270,7 +269,7 @@ def accepted_commit(reader: "StepReader", plan: Any, accepted: Any,
 
 
 # Accepted counts are compared as Python ints before the int64 cast: nothing wraps into range.
-_COUNT_BOUND = int(np.iinfo(np.int64).max)
+_COUNT_BOUND = INT64_MAX
 
 
 def _accepted_array(plan: Any, accepted: np.ndarray):
@@ -317,13 +316,12 @@ def _accepted_mapping(reader: "StepReader", plan: Any, accepted: Mapping):
         except OverflowError:
             pass
     if values is None:
-        for stream, value in zip(named, counts):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
-                raise ValueError(f"accepted[{stream!r}]={value!r} must be an int")
-            if not -_COUNT_BOUND <= int(value) <= _COUNT_BOUND:
-                raise ValueError(f"accepted[{stream!r}]={int(value)} must be in [0, the drafts of "
+        checked = [as_int(value, f"accepted[{stream!r}]") for stream, value in zip(named, counts)]
+        for stream, value in zip(named, checked):
+            if not -_COUNT_BOUND <= value <= _COUNT_BOUND:
+                raise ValueError(f"accepted[{stream!r}]={value} must be in [0, the drafts of "
                                  "its view]")
-        values = np.fromiter(map(int, counts), np.int64, len(counts))
+        values = np.asarray(checked, np.int64)
     if plan.dropped:
         kept = [i for i, stream in enumerate(named) if not _dropped(plan, stream[0])]
         named, values = [named[i] for i in kept], values[kept]

@@ -14,7 +14,11 @@ stream label is its own plan label.
 
 A continuous batch sends the same views step after step until a request joins or
 leaves, so a plan label's arrays are cached: an equal tuple of views under the same
-slot version costs one comparison instead of a lookup per stream.
+slot version costs one comparison instead of a lookup per stream. Equal is not the
+same argument (``True == 1``, ``1.0 == 1``, and numpy compares ``np.uint8(255) ==
+2**64 - 1`` at its own width): only views whose counts are all Python ints are cached,
+and a hit needs the new views' counts to be Python ints too (one C-level pass over
+their types).
 
 Example:
   >>> from torch_bridge.engine_types import PositionStep, Segment, StepContext
@@ -29,12 +33,14 @@ Example:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from typing import Any, Dict, Hashable, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from jaxrope.numbers import INT32_MAX, as_int
 from torch_bridge.engine_types import Fork, KVPlanOutput, PositionStep, StepContext
 from torch_bridge.streams import EMPTY, CommitArrays, StreamTable
 
@@ -42,6 +48,8 @@ __all__ = ["LabelArrays", "StepArrays", "StepReader", "check_hashable"]
 
 # Plan labels whose last views are remembered before the cache starts over.
 _MAX_CACHED_LABELS = 1024
+_COUNT = operator.itemgetter(2)
+_PYTHON_INT = frozenset({int})
 
 
 class LabelArrays(NamedTuple):
@@ -114,7 +122,7 @@ class StepReader:
         """int64 slots of streams ``zip(rids, labels)``; ValueError naming an unknown one."""
         try:
             return self._streams.lookup(rids, labels)
-        except (KeyError, TypeError):
+        except (ValueError, TypeError):
             for rid, label in zip(rids, labels):
                 self.slot(rid, label)
             raise
@@ -138,15 +146,17 @@ class StepReader:
             raise ValueError(unknown_request(self._streams, rid))
         return slots
 
-    def records(self, records: Sequence[Any], what: str) -> Tuple[np.ndarray, np.ndarray]:
-        """Slots and counts of ``(request_id, label, count)`` records (segments, views)."""
+    def records(self, records: Sequence[Any], what: str, field: str = "span"
+                ) -> Tuple[np.ndarray, np.ndarray]:
+        """Slots and counts of ``(request_id, label, count)`` records (segments, views);
+        ``field``: the count's name in a record, for messages."""
         if not records:
             return EMPTY, EMPTY
         try:
             rids, labels, counts = zip(*records)
         except (TypeError, ValueError) as e:
             raise TypeError(f"{what} must be (request_id, label, count) tuples: {e}") from e
-        return self.slots(rids, labels), _counts(counts, f"the counts of {what}")
+        return self.slots(rids, labels), _counts(counts, what, field)
 
     def forks(self, forks: Sequence[Any], name: str) -> Tuple[np.ndarray, np.ndarray]:
         """``(src, dst)`` slots of fork records; one source per target."""
@@ -188,8 +198,9 @@ class StepReader:
         reuse = None
         if len(groups) == 1:
             (plan_label, views), = groups.items()
-            plain = self._last_views[plan_label][1]
-            if len(views) == len(step.segments) and plain == step.segments:
+            plain = self._last_views.get(plan_label, (None, None))[1]
+            if plain is not None and len(views) == len(step.segments) and (views is step.segments or (
+                    plain == step.segments and _plain_counts(step.segments))):
                 reuse = labels[plan_label]
         commit = self.commit(step.segments, step.advance, post_forks, reuse)
         return StepArrays(groups, labels, pre_forks, post_forks, pre_src, pre_dst, commit, explicit)
@@ -260,9 +271,11 @@ class StepReader:
     def _label_arrays(self, plan_label: str, views: Tuple[Any, ...]) -> LabelArrays:
         cached = self._last_views.get(plan_label)
         # The cache holds plain tuples: a record that is a list (mutable) never equals it.
-        if cached is not None and cached[0] == self._streams.slot_version and cached[1] == views:
+        if (cached is not None and cached[0] == self._streams.slot_version and cached[1] == views
+                and _plain_counts(views)):
             return cached[2]
-        slots, counts = self.records(views, f"the views of plan label {plan_label!r}")
+        field = getattr(views[0], "_fields", ("", "", "count"))[2] if views else "count"
+        slots, counts = self.records(views, f"the views of plan label {plan_label!r}", field)
         if len(set(slots.tolist())) != len(slots):
             _reject_repeated_stream(slots, views, plan_label)
         for array in (slots, counts):
@@ -270,8 +283,11 @@ class StepReader:
         arrays = LabelArrays(slots, counts, int(counts.sum()))
         if len(self._last_views) >= _MAX_CACHED_LABELS:
             self._last_views.clear()
-        self._last_views[plan_label] = (self._streams.slot_version, tuple(map(tuple, views)),
-                                        arrays)
+        if _plain_counts(views):
+            self._last_views[plan_label] = (self._streams.slot_version,
+                                            tuple(map(tuple, views)), arrays)
+        else:
+            self._last_views.pop(plan_label, None)
         return arrays
 
     def _explicit(self, given: Any, labels: Mapping[str, LabelArrays],
@@ -325,19 +341,29 @@ class StepReader:
             raise ValueError(f"{where}.shape={shape} must be {want} (the plan label's tokens)")
 
 
-def _counts(values: Sequence[Any], name: str) -> np.ndarray:
-    array = np.asarray(values)
-    if array.dtype.kind not in "iu":
-        raise ValueError(f"{name} must be ints, got {list(values[:4])!r}...")
-    if len(array) and array.min() < 0:
-        raise ValueError(f"{name} must be >= 0, got {int(array.min())}")
-    return array.astype(np.int64, copy=False)
+def _plain_counts(records: Sequence[Any]) -> bool:
+    """Every record's count is a Python int: one C-level pass over the types, the price
+    of a cache hit being the same answer as a miss (``True == 1`` would hit otherwise)."""
+    return _PYTHON_INT.issuperset(map(type, map(_COUNT, records)))
+
+
+def _counts(values: Sequence[Any], what: str, field: str) -> np.ndarray:
+    """int64 counts in ``[0, 2**31 - 1]``: Python ints in one vectorised pass, anything
+    else (a numpy integer, a 0-d tensor, a bool, a float) one by one through
+    :func:`as_int`, which names ``what[i].field``."""
+    if _PYTHON_INT.issuperset(map(type, values)):
+        array = np.asarray(values)
+        if array.dtype == np.int64 and not (len(array) and (array.min() < 0
+                                                            or array.max() > INT32_MAX)):
+            return array
+    return np.asarray([as_int(v, f"{what}[{i}].{field}", 0, INT32_MAX)
+                       for i, v in enumerate(values)], np.int64)
 
 
 def _amount(value: Any, name: str) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name}={value!r} must be an int >= 0")
-    return int(value)
+    # An amount is int32, as a counter: counter + amount (int64) cannot wrap, and the
+    # commit compares it with max_seq_len before storing it.
+    return as_int(value, name, 0, INT32_MAX)
 
 
 def _reject_repeated_stream(slots: np.ndarray, views: Sequence[Any], plan_label: str) -> None:

@@ -413,6 +413,6 @@ class StreamTable:
         """int64 slots of the streams ``zip(rids, labels)``.
 
         Raises:
-          KeyError: a stream is unknown (the caller names it).
+          ValueError: a stream is unknown (the caller names it).
         """
         return self.row_map.lookup(rids, labels)

@@ -49,6 +49,8 @@ from typing import Iterator, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from jaxrope.numbers import INT32_MAX, as_int
+
 __all__ = ["ADVANCES", "FAMILIES", "Image", "Text", "Video", "rope_index"]
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v")
@@ -58,13 +60,11 @@ _FRAME_SPLIT = ("qwen3_vl", "glm4v")
 
 
 def _check_grid(owner: str, grid) -> Tuple[int, int, int]:
-    if (not isinstance(grid, (tuple, list)) or len(grid) != 3
-            or any(not isinstance(g, (int, np.integer)) or isinstance(g, bool) for g in grid)):
+    if not isinstance(grid, (tuple, list)) or len(grid) != 3:
         raise TypeError(f"{owner}.grid={grid!r} must be three ints (t, h, w)")
-    grid = tuple(int(g) for g in grid)
-    if min(grid) <= 0:
-        raise ValueError(f"{owner}.grid={grid} must be positive (t, h, w patches)")
-    return grid
+    # Each side is a patch count; the positions it spans are checked against int32 below.
+    return tuple(as_int(g, f"{owner}.grid[{i}]", 1, INT32_MAX, " (t, h, w patches)")
+                 for i, g in enumerate(grid))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +80,7 @@ class Text:
     length: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.length, (int, np.integer)) or isinstance(self.length, bool):
-            raise TypeError(f"Text.length={self.length!r} must be an int")
-        if self.length < 0:
-            raise ValueError(f"Text.length={self.length} must be >= 0")
-        object.__setattr__(self, "length", int(self.length))
+        object.__setattr__(self, "length", as_int(self.length, "Text.length", 0, INT32_MAX))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,8 +202,7 @@ def rope_index(prompt: Sequence[Part], *, family: str, spatial_merge_size: int,
     if advance not in ADVANCES:
         raise ValueError(f"advance={advance!r} must be one of {ADVANCES}")
     m = spatial_merge_size
-    if not isinstance(m, (int, np.integer)) or isinstance(m, bool) or m <= 0:
-        raise ValueError(f"spatial_merge_size={m!r} must be a positive int")
+    m = as_int(m, "spatial_merge_size", 1, INT32_MAX)
     blocks = []
     start, top = 0, -1  # the next part's start; the largest position so far
     for part in _pieces(prompt, family):
@@ -230,6 +225,6 @@ def rope_index(prompt: Sequence[Part], *, family: str, spatial_merge_size: int,
             top = max(top, int(block.max()))
         start = top + 1 if advance == "max" else start + step
     positions = np.concatenate(blocks, axis=1) if blocks else np.zeros((3, 0), np.int64)
-    if top >= np.iinfo(np.int32).max:
+    if top >= INT32_MAX:
         raise ValueError(f"the prompt's largest position {top} does not fit int32")
     return positions.astype(np.int32), top + 1 - positions.shape[1]

@@ -31,17 +31,43 @@ staged plan. The rules:
   positions past ``max_seq_len`` -> "position", epochs past int32 -> "epoch", an unknown
   request -> "request". A refusal changes nothing.
 - ``remove``: the request leaves both plans (they still commit, without it).
+- Integer arguments (:func:`integer_argument`): a Python int, a numpy integer scalar or
+  0-d integer array, a 0-d integer torch tensor, read as the Python int it holds; any
+  other type (bool, ``np.bool_``, a float, a bool or float tensor) is refused with
+  ``"type"``; spans and accepted counts past int32 / int64 with ``"range"`` before any
+  rule above sees them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["MAX_EPOCH", "ModelPlan", "NodeModel", "Refused"]
+__all__ = ["INT32_MAX", "MAX_EPOCH", "ModelPlan", "NodeModel", "Refused", "integer_argument"]
 
-MAX_EPOCH = 2**31 - 1
+MAX_EPOCH = INT32_MAX = 2**31 - 1
 Stream = Tuple[str, str]
+# Integer dtypes by name (numpy's scalar types and torch's dtypes spell them alike).
+_INTEGER_NAMES = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
+
+
+def integer_argument(value: Any, low: Optional[int] = None, high: Optional[int] = None) -> int:
+    """The Python int an integer argument holds, recognised by its type's name (no numpy
+    or torch imported); ``Refused("type")`` for any other type, ``Refused("range")``
+    outside ``[low, high]``."""
+    kind, module = type(value).__name__, type(value).__module__.split(".")[0]
+    if type(value) is int:
+        number = value
+    elif module == "numpy" and kind in _INTEGER_NAMES:
+        number = int(value)
+    elif (module in ("numpy", "torch") and kind in ("ndarray", "Tensor") and value.ndim == 0
+          and str(value.dtype).split(".")[-1] in _INTEGER_NAMES):
+        number = int(value.item())
+    else:
+        raise Refused("type")
+    if (low is not None and number < low) or (high is not None and number > high):
+        raise Refused("range")
+    return number
 
 
 class Refused(Exception):

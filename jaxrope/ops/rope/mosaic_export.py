@@ -8,7 +8,7 @@ function (what ``jax.experimental.pallas.mosaic_gpu.as_torch_kernel`` does once 
 on torch's default stream). :func:`export` lowers the kernel built with a run-time token
 count (:func:`jaxrope.ops.rope.mosaic.build` with ``count=None``) for CUDA, which needs no
 GPU, and returns that module (:func:`jaxrope.ops.mosaic_common.export_module`);
-``torch_bridge.mosaic_launch`` compiles it once and launches it on torch's current stream.
+``torch_bridge.launch.mosaic`` compiles it once and launches it on torch's current stream.
 """
 
 from __future__ import annotations

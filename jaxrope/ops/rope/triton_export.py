@@ -4,7 +4,7 @@ A PyTorch engine calling RoPE through JAX pays for a DLPack import and a jitted 
 layer, many times the kernel's own time. The kernel itself is a Triton kernel: Pallas
 lowers it to a Triton MLIR module and hands XLA the bytecode. :func:`export` captures
 that module's text while JAX lowers the kernel
-(:func:`jaxrope.ops.triton_common.capture`), so ``torch_bridge.triton_launch`` can
+(:func:`jaxrope.ops.triton_common.capture`), so ``torch_bridge.launch.triton`` can
 compile it with Triton and launch it on torch's stream.
 """
 

@@ -143,6 +143,31 @@ def _in_cache(slots, num_slots: int):
     return ok
 
 
+def check_slots(values: np.ndarray, num_slots: int) -> None:
+    """The rule for slots whose values are on the host (every eager call: numpy, a JAX
+    array outside ``jit``, a torch CPU tensor through the bridge): a slot in
+    ``[num_slots, inf)`` is refused, a negative one is padding (skipped), and no slot of
+    the cache appears twice. Compared at the values' own width.
+
+    Raises:
+      ValueError: naming the largest slot, or the repeated ones.
+
+    Example:
+      >>> check_slots(np.array([3, -1, 2**32 + 3], np.int64), 16)
+      Traceback (most recent call last):
+      ...
+      ValueError: slots must be < 16 (pages * page_size) or negative (skipped), got a maximum of 4294967299
+    """
+    inside = _in_cache(values, num_slots)
+    if (~inside & (values >= 0)).any():
+        raise ValueError(f"slots must be < {num_slots} (pages * page_size) or negative "
+                         f"(skipped), got a maximum of {int(values.max())}")
+    unique, counts = np.unique(values[inside], return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"slots must not repeat a slot (which write would win is "
+                         f"undefined), got {unique[counts > 1][:8].tolist()} more than once")
+
+
 def _slots(slots, num_tokens: int, num_slots: int):
     """``slots`` as the int32 ``[T]`` the kernels read, each outside the cache still outside it.
 
@@ -166,15 +191,7 @@ def _slots(slots, num_tokens: int, num_slots: int):
     if not _visible(slots):
         _checks.slots(slots, num_slots)
     elif num_tokens:
-        values = np.asarray(slots)
-        inside = _in_cache(values, num_slots)
-        if (~inside & (values >= 0)).any():
-            raise ValueError(f"slots must be < {num_slots} (pages * page_size) or negative "
-                             f"(skipped), got a maximum of {int(values.max())}")
-        unique, counts = np.unique(values[inside], return_counts=True)
-        if (counts > 1).any():
-            raise ValueError(f"slots must not repeat a slot (which write would win is "
-                             f"undefined), got {unique[counts > 1][:8].tolist()} more than once")
+        check_slots(np.asarray(slots), num_slots)
     if slots.dtype == np.int32:
         return jnp.asarray(slots)
     ok = _in_cache(slots, num_slots)

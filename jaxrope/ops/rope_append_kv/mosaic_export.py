@@ -1,7 +1,7 @@
 """Export the Mosaic GPU kernel of the fused RoPE + KV append as a Mosaic module, for
 launching outside JAX dispatch: the append's twin of :mod:`jaxrope.ops.rope.mosaic_export`
 (the same lowering, :func:`jaxrope.ops.mosaic_common.export_module`), which
-``torch_bridge.mosaic_launch`` compiles once and launches on torch's current stream.
+``torch_bridge.launch.mosaic`` compiles once and launches on torch's current stream.
 """
 
 from __future__ import annotations

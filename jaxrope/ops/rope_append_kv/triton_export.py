@@ -1,5 +1,5 @@
 """Export the Triton-lowered kernel of the fused RoPE + KV append as Triton IR, for
-``torch_bridge.kv_launch``: the append's twin of :mod:`jaxrope.ops.rope.triton_export`
+``torch_bridge.launch.triton``: the append's twin of :mod:`jaxrope.ops.rope.triton_export`
 (the same capture, :func:`jaxrope.ops.triton_common.capture_one`).
 """
 
