@@ -296,11 +296,24 @@ def test_rope_op_rotates_as_the_manager(rng):
 def test_rope_append_kv_op_writes_what_the_manager_writes(rng):
     mgr, _ = _planned_pair(5)
     a = _append_args(q=torch.randn(5, HQ, D), k=torch.randn(5, HK, D), v=torch.randn(5, HK, D),
-                     slots=torch.tensor([3, 17, -1, 40, 2 ** 33]))
+                     slots=torch.tensor([3, 17, -1, 40, -2 ** 33]))
     q2, cache2 = a["q"].clone(), a["cache"].clone()
     mgr.apply_qk_and_append_kv(a["q"], a["k"], a["v"], "text", a["cache"], a["slots"])
     torch.ops.jaxrope.rope_append_kv_(q2, a["k"], a["v"], mgr.pos_ids("text"), cache2, None,
                                       a["slots"], custom_ops.config_key(ROPE), "NHD", None, None)
+    assert torch.equal(q2, a["q"]) and torch.equal(cache2, a["cache"])
+    # A slot past the cache is refused by both, with the same message, nothing written.
+    past = a["slots"].clone()
+    past[-1] = 2 ** 33
+    refusals = []
+    for call in (lambda: mgr.apply_qk_and_append_kv(q2, a["k"], a["v"], "text", cache2, past),
+                 lambda: torch.ops.jaxrope.rope_append_kv_(
+                     q2, a["k"], a["v"], mgr.pos_ids("text"), cache2, None, past,
+                     custom_ops.config_key(ROPE), "NHD", None, None)):
+        with pytest.raises(ValueError, match="slots must be < ") as raised:
+            call()
+        refusals.append(str(raised.value))
+    assert refusals[0] == refusals[1]
     assert torch.equal(q2, a["q"]) and torch.equal(cache2, a["cache"])
 
 

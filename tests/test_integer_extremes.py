@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrope import positions, speculative
+from jaxrope import positions
+from jaxrope import speculative_positions as speculative
 from jaxrope.mrope import Text
 from jaxrope.testing.stream_model import Refused, integer_argument
 

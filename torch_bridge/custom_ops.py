@@ -59,6 +59,7 @@ from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 import torch
 
 from jaxrope.ops.rope.api import _check_pos_shape
+from jaxrope.ops.rope_append_kv.api import check_slots
 from jaxrope.config import RopeConfig
 from torch_bridge import kv_append
 from torch_bridge.dlpack import jax_device
@@ -326,6 +327,8 @@ def _append_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids:
     caches, geometry, scales = kv_append.check_call(k3, v3, kv_cache, slots, layout,
                                                     k_quant_scale, v_quant_scale, q.device)
     pos = _check_positions(pos_ids, q3.shape[0], cfg, q.device)
+    if slots.device.type == "cpu":
+        check_slots(slots.numpy(), geometry.num_slots)  # as the manager's method does
     if q3.shape[0]:
         runtime = _runtime(q.device)
         _staged((q3, k3, v3), (True, False, False), lambda a, b, c: runtime.append(

@@ -49,6 +49,28 @@ __all__ = [
 ]
 
 _REQUEST = operator.itemgetter(0)
+_COUNT = operator.itemgetter(2)
+_PYTHON_INT = frozenset({int})
+
+
+def _counted(records: Any, name: str, field: str, record: Any) -> Tuple[Any, ...]:
+    """``records`` as a tuple whose counts (each record's third field) are Python ints.
+
+    The one place a span or ``to_compute`` is converted: a numpy or 0-d tensor integer
+    becomes the int it holds (as a ``record``), a bool, float or other type raises
+    ``TypeError`` naming ``name[i].field``. The manager trusts these records from here
+    on, so a cache hit on an equal step cannot take ``True`` or ``1.0`` for ``1``. The
+    range (``[0, 2**31 - 1]``) and the records' shape are checked when a step is read.
+    """
+    records = records if isinstance(records, tuple) else tuple(records)
+    try:
+        if _PYTHON_INT.issuperset(map(type, map(_COUNT, records))):
+            return records
+        counts = list(map(_COUNT, records))
+    except (TypeError, IndexError, KeyError):
+        return records  # not (request_id, label, count) records: the step's reader names it
+    return tuple(r if type(c) is int else record(r[0], r[1], as_int(c, f"{name}[{i}].{field}"))
+                 for i, (r, c) in enumerate(zip(records, counts)))
 
 
 class Segment(NamedTuple):
@@ -130,7 +152,8 @@ class KVPlanOutput:
     post_forks: Tuple[Fork, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("views", "pre_forks", "post_forks"):
+        object.__setattr__(self, "views", _counted(self.views, "views", "to_compute", KVView))
+        for name in ("pre_forks", "post_forks"):
             value = getattr(self, name)
             if not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(value))
@@ -222,7 +245,9 @@ class PositionStep:
     """What a step adds to each stream, plus optional explicit positions and advance.
 
     Attributes:
-      segments: ordered :class:`Segment` s (a list is converted to a tuple).
+      segments: ordered :class:`Segment` s (a list is converted to a tuple; a span that
+        is a numpy or 0-d tensor integer becomes the Python int it holds, any other
+        non-int span raises ``TypeError`` here).
       pos_ids: explicit positions that win over the counters: ``{plan_label: int
         tensor [n]}``, or one int tensor when the step has a single plan label. ``n``
         is the plan label's live token count. int32 or int64, on the manager's device.
@@ -264,8 +289,8 @@ class PositionStep:
     tree: Tree = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.segments, tuple):
-            object.__setattr__(self, "segments", tuple(self.segments))
+        object.__setattr__(self, "segments", _counted(self.segments, "step.segments", "span",
+                                                      Segment))
         if self.draft_depth is not None and self.tree is not None:
             raise ValueError(f"draft_depth={self.draft_depth!r} and tree= are both set: a step "
                              "is a draft step or a tree verify, not both")

@@ -49,7 +49,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
-__all__ = ["serialized"]
+__all__ = ["serialized", "traceable"]
 
 T = TypeVar("T", bound=type)
 
@@ -67,13 +67,11 @@ class _Default:
 # The wrapper's source: the method's own parameters, so that a call binds them once (a
 # ``*args, **kwargs`` wrapper builds a tuple and a dict per call, twice the cost), and
 # acquire / release rather than a ``with`` statement (whose ``__exit__`` call costs as much
-# again). Every plan and commit pays this. Under torch.compile the lock is not taken while
-# tracing (Dynamo cannot trace a lock, and would break the graph there): the method then
-# records a custom op, whose implementation calls the method again at run time, and that
-# call takes the lock.
-_WRAPPER = """def {name}{parameters}:
-    if _compiling():
-        return _serialized_method({arguments})
+# again). Every plan and commit pays this. A method marked :func:`traceable` takes no lock
+# while torch.compile traces it (Dynamo cannot trace a lock and would break the graph
+# there): the method then records a custom op, whose implementation calls the method
+# again at run time, and that call takes the lock.
+_WRAPPER = """def {name}{parameters}:{compile_check}
     _serialized_lock = {instance}._lock
     _serialized_lock.acquire()
     try:
@@ -89,6 +87,9 @@ def _locked(method: Optional[Callable[..., Any]]) -> Optional[Callable[..., Any]
     if method is None or getattr(method, "__serialized__", False):
         return method
     namespace: dict = {"_serialized_method": method, "_compiling": torch.compiler.is_compiling}
+    compile_check = ""
+    if getattr(method, "__traceable__", False):
+        compile_check = "\n    if _compiling():\n        return _serialized_method({arguments})"
     parameters, arguments = [], []
     for i, parameter in enumerate(inspect.signature(method).parameters.values()):
         if parameter.default is not parameter.empty:
@@ -99,11 +100,23 @@ def _locked(method: Optional[Callable[..., Any]]) -> Optional[Callable[..., Any]
         keyword = parameter.kind is parameter.KEYWORD_ONLY
         arguments.append(f"{parameter.name}={parameter.name}" if keyword else star + parameter.name)
     signature = inspect.Signature(parameters)
-    exec(_WRAPPER.format(name=method.__name__, parameters=signature,  # noqa: S102 - our source
-                         instance=parameters[0].name, arguments=", ".join(arguments)), namespace)
+    arguments = ", ".join(arguments)
+    exec(_WRAPPER.format(  # noqa: S102 - our own source
+        name=method.__name__, parameters=signature, instance=parameters[0].name,
+        arguments=arguments, compile_check=compile_check.format(arguments=arguments)), namespace)
     locked = functools.wraps(method)(namespace[method.__name__])
     locked.__serialized__ = True  # type: ignore[attr-defined]
     return locked
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def traceable(method: F) -> F:
+    """Mark a public method that ``torch.compile`` may trace (one that records a custom op
+    when compiling): its lock wrapper then takes no lock while tracing."""
+    method.__traceable__ = True  # type: ignore[attr-defined]
+    return method
 
 
 def serialized(cls: T) -> T:

@@ -21,6 +21,7 @@ from torch_bridge import custom_ops, kv_append
 from torch_bridge.config import PositionConfig
 from torch_bridge.dlpack import jax_device
 from torch_bridge.engine_types import EngineInfo
+from torch_bridge.locking import traceable
 from torch_bridge.launch.dispatch import FastPath, resolve_launchers
 from torch_bridge.manager import PositionManager
 from torch_bridge.plans import Plan
@@ -129,6 +130,7 @@ class RopeManager(PositionManager):
     def _fingerprint_payload(self) -> bytes:
         return super()._fingerprint_payload() + b"|" + self.rope.fingerprint()
 
+    @traceable
     def apply_qk(self, q: torch.Tensor, k: torch.Tensor, label: str,
                  rotary_dim: Optional[int] = None, interleave: Optional[bool] = None,
                  rope_scale: Optional[float] = None, rope_theta: Optional[float] = None,
@@ -197,6 +199,7 @@ class RopeManager(PositionManager):
         self._jax_rotation()(q3, k3, plan.tensors[label], cfg, allow_copy=self.allow_copy)
         return q, k
 
+    @traceable
     def apply_qk_and_append_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                label: str, kv_cache: Any, slots: torch.Tensor, *,
                                layout: str = "NHD", k_quant_scale: Optional[float] = None,

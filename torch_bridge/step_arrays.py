@@ -16,9 +16,9 @@ A continuous batch sends the same views step after step until a request joins or
 leaves, so a plan label's arrays are cached: an equal tuple of views under the same
 slot version costs one comparison instead of a lookup per stream. Equal is not the
 same argument (``True == 1``, ``1.0 == 1``, and numpy compares ``np.uint8(255) ==
-2**64 - 1`` at its own width): only views whose counts are all Python ints are cached,
-and a hit needs the new views' counts to be Python ints too (one C-level pass over
-their types).
+2**64 - 1`` at its own width), so the comparison is safe only because every count
+is a Python int by then: ``PositionStep`` and ``KVPlanOutput`` convert or refuse each
+span and ``to_compute`` when they are built.
 
 Example:
   >>> from torch_bridge.engine_types import PositionStep, Segment, StepContext
@@ -33,7 +33,6 @@ Example:
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 from typing import Any, Dict, Hashable, NamedTuple, Optional, Sequence, Tuple
 
@@ -48,7 +47,6 @@ __all__ = ["LabelArrays", "StepArrays", "StepReader", "check_hashable"]
 
 # Plan labels whose last views are remembered before the cache starts over.
 _MAX_CACHED_LABELS = 1024
-_COUNT = operator.itemgetter(2)
 _PYTHON_INT = frozenset({int})
 
 
@@ -199,8 +197,8 @@ class StepReader:
         if len(groups) == 1:
             (plan_label, views), = groups.items()
             plain = self._last_views.get(plan_label, (None, None))[1]
-            if plain is not None and len(views) == len(step.segments) and (views is step.segments or (
-                    plain == step.segments and _plain_counts(step.segments))):
+            if plain is not None and len(views) == len(step.segments) and (
+                    views is step.segments or plain == step.segments):
                 reuse = labels[plan_label]
         commit = self.commit(step.segments, step.advance, post_forks, reuse)
         return StepArrays(groups, labels, pre_forks, post_forks, pre_src, pre_dst, commit, explicit)
@@ -271,8 +269,7 @@ class StepReader:
     def _label_arrays(self, plan_label: str, views: Tuple[Any, ...]) -> LabelArrays:
         cached = self._last_views.get(plan_label)
         # The cache holds plain tuples: a record that is a list (mutable) never equals it.
-        if (cached is not None and cached[0] == self._streams.slot_version and cached[1] == views
-                and _plain_counts(views)):
+        if cached is not None and cached[0] == self._streams.slot_version and cached[1] == views:
             return cached[2]
         field = getattr(views[0], "_fields", ("", "", "count"))[2] if views else "count"
         slots, counts = self.records(views, f"the views of plan label {plan_label!r}", field)
@@ -283,11 +280,8 @@ class StepReader:
         arrays = LabelArrays(slots, counts, int(counts.sum()))
         if len(self._last_views) >= _MAX_CACHED_LABELS:
             self._last_views.clear()
-        if _plain_counts(views):
-            self._last_views[plan_label] = (self._streams.slot_version,
-                                            tuple(map(tuple, views)), arrays)
-        else:
-            self._last_views.pop(plan_label, None)
+        self._last_views[plan_label] = (self._streams.slot_version, tuple(map(tuple, views)),
+                                        arrays)
         return arrays
 
     def _explicit(self, given: Any, labels: Mapping[str, LabelArrays],
@@ -339,12 +333,6 @@ class StepReader:
                              f"{want}")
         if shape != ((3, num_tokens) if self._mrope else (num_tokens,)):
             raise ValueError(f"{where}.shape={shape} must be {want} (the plan label's tokens)")
-
-
-def _plain_counts(records: Sequence[Any]) -> bool:
-    """Every record's count is a Python int: one C-level pass over the types, the price
-    of a cache hit being the same answer as a miss (``True == 1`` would hit otherwise)."""
-    return _PYTHON_INT.issuperset(map(type, map(_COUNT, records)))
 
 
 def _counts(values: Sequence[Any], what: str, field: str) -> np.ndarray:
