@@ -76,6 +76,21 @@ CLAIMS = [
      "test_a_bad_bridge_call_raises_naming_its_argument_and_changes_nothing"),
     ("KV slots of\n  any integer width outside the cache are skipped on the device",
      "test_a_bridge_kv_slot_of_any_width_outside_the_cache_is_refused_on_cpu"),
+    # The claims of the later sections are exercised by their own files.
+    ("checked once, where it enters, by one rule",
+     "tests/test_integer_extremes.py::test_every_extreme_is_refused_naming_the_argument_or_acts_as_its_python_int"),
+    ("a cached step never takes `True` for `1`",
+     "tests/test_integer_extremes.py::test_a_cached_step_never_takes_an_equal_bool_float_or_wide_count_for_an_int"),
+    ("that commit is the\nonly thing that moves the stream's counter",
+     "tests/test_frozen_streams.py::test_the_issue_scenarios_end_where_the_kv_ends"),
+    ("A preplan may not take the CUDA-graph slot",
+     "tests/test_frozen_streams.py::test_a_preplan_takes_the_other_graph_slot_and_leaves_the_current_buffers"),
+    ("each call is atomic",
+     "tests/test_manager_threads.py::test_an_engine_thread_and_a_transfer_thread_agree_with_the_model"),
+    ("a call whose values break one raises `ValueError`",
+     "tests/test_checked.py::test_a_bad_value_under_jit_raises_naming_it_when_checked"),
+    ("the default\nstep's jaxpr and HLO are the same as without it",
+     "tests/test_checked.py::test_the_default_path_lowers_as_if_the_checks_did_not_exist"),
 ]
 
 
@@ -84,7 +99,12 @@ def test_every_claim_is_in_the_readme_and_has_its_test():
     tests = {name for name in globals() if name.startswith("test_")}
     for phrase, test in CLAIMS:
         assert " ".join(phrase.split()) in text, phrase
-        assert test in tests, test
+        if "::" in test:  # a test of another file
+            path, name = test.split("::")
+            source = (pathlib.Path(__file__).resolve().parents[1] / path).read_text()
+            assert f"def {name}" in source, test
+        else:
+            assert test in tests, test
 
 
 # -- a bad argument per core entry point --------------------------------------------

@@ -221,3 +221,29 @@ def test_the_table_covers_every_width_and_both_answers():
     answers = {expected(e, v) if isinstance(expected(e, v), str) else "accepted"
                for e in ENTRIES for v in EXTREMES}
     assert answers == {"type", "range", "accepted"}
+
+
+def test_a_cached_step_never_takes_an_equal_bool_float_or_wide_count_for_an_int():
+    # The view cache compares records by value, where True == 1, 1.0 == 1 and numpy's
+    # np.uint8(255) == 2**64 - 1: every count is a Python int before a step reaches it.
+    from torch_bridge import KVPlanOutput, KVView
+
+    mgr = PositionManager(PositionConfig(), "cpu", max_seq_len=MAX_SEQ_LEN)
+    mgr.ingest_request("a")
+    for _ in range(2):   # the second plan is a cache hit
+        step = PositionStep([Segment("a", "text", 1)])
+        mgr.plan(step, StepContext(("a",)))
+        mgr.commit(step, StepContext(("a",)))
+    before = mgr.state_snapshot()
+    for bad in (True, 1.0, np.bool_(True), torch.tensor(True)):
+        with pytest.raises(TypeError, match=r"step\.segments\[0\]\.span"):
+            PositionStep([Segment("a", "text", bad)])
+        with pytest.raises(TypeError, match=r"views\[0\]\.to_compute"):
+            KVPlanOutput([KVView("a", "text", bad)])
+    wide = PositionStep([Segment("a", "text", np.uint64(2**64 - 1))])
+    assert type(wide.segments[0].span) is int and wide.segments[0].span == 2**64 - 1
+    with pytest.raises(ValueError, match=r"2147483647"):
+        mgr.plan(wide, StepContext(("a",)))
+    narrow = PositionStep([("a", "text", np.int8(1))])
+    assert narrow.segments[0] == ("a", "text", 1) and type(narrow.segments[0][2]) is int
+    assert mgr.state_snapshot() == before
