@@ -329,8 +329,10 @@ def plan_draft(table: PositionTable, slots: jax.Array, counts: jax.Array, out: j
         step = as_int(step, "step", 0, INT32_MAX)
     if not isinstance(max_seq_len, jax.core.Tracer):
         max_seq_len = as_int(max_seq_len, "max_seq_len", 1, INT32_MAX)
-    offset = as_int(offset, "offset", -1, 0)
-    _step_fits(table, slots, offset + step if isinstance(step, int) else None)
+    if not isinstance(offset, jax.core.Tracer):
+        offset = as_int(offset, "offset", -1, 0)
+    _step_fits(table, slots, offset + step if isinstance(step, int) and isinstance(offset, int)
+               else None)
     n = out.shape[-1]
     # offset + step is in [0, INT32_MAX]; counter + it is checked by positions.plan.
     depth = jnp.full((n,), offset, jnp.int32) + jnp.asarray(step, jnp.int32)

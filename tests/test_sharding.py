@@ -100,7 +100,7 @@ def _lowered_for_cuda(monkeypatch, devices: int, spec):
     # The arrays are abstract, so apply_rope would take the default backend's device: a
     # CUDA device of unknown compute capability instead, whose "auto" is the Triton-lowered
     # kernel (tests/gpu/test_sharding_gpu.py runs the real device's choice).
-    monkeypatch.setattr(jaxrope.ops.rope.api, "_device", lambda x: types.SimpleNamespace(platform="cuda"))
+    monkeypatch.setattr(jaxrope.ops.backends, "device_of", lambda x: types.SimpleNamespace(platform="cuda"))
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
                                          platform="cuda")
     grid = jax.sharding.AbstractMesh((devices,), ("model",), axis_types=(AxisType.Explicit,),
