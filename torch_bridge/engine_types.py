@@ -356,14 +356,17 @@ class StepContext:
 class BatchCheck:
     """:meth:`StepContext.check_segments` over a manager's steps, keeping the last batch's
     set: a continuous batch sends the same ids step after step, so an unchanged batch
-    costs one tuple compare and a superset test."""
+    costs one tuple compare and a superset test, and segments equal to ones this batch
+    already passed (``known``, the step reader's cached views they equal) cost nothing."""
 
     def __init__(self) -> None:
         self._ids: Tuple[Hashable, ...] = ()
         self._batch: set = set()
+        self._known: Any = None
 
-    def check(self, ctx: StepContext, segments: Sequence[Segment]) -> None:
-        """``ctx.check_segments(segments)``.
+    def check(self, ctx: StepContext, segments: Sequence[Segment], known: Any = None) -> None:
+        """``ctx.check_segments(segments)``; ``known``: an object that ``segments`` equal,
+        the same object each time they do (None: unknown).
 
         Raises:
           ValueError: a segment naming a request outside a non-empty ``ctx.request_ids``.
@@ -372,9 +375,12 @@ class BatchCheck:
         if not ids:
             return
         if ids != self._ids:
-            self._ids, self._batch = ids, set(ids)
+            self._ids, self._batch, self._known = ids, set(ids), None
+        elif known is not None and known is self._known:
+            return
         if not self._batch.issuperset(map(_REQUEST, segments)):
             ctx.check_segments(segments)
+        self._known = known
 
 
 class AdmitOutcome(NamedTuple):

@@ -280,7 +280,7 @@ class PositionManager(Resource):
         """
         graph = check_graph_slot(ctx.graph_slot if isinstance(ctx, StepContext) else None)
         arrays = self._reader.read(step, ctx, device=self.device, max_seq_len=self.max_seq_len)
-        self._batch.check(ctx, step.segments)
+        self._batch.check(ctx, step.segments, self._reader.segments_equal)
         if step.draft_depth is not None or step.tree is not None:
             arrays = speculative_steps.attach(self._reader, step, arrays, self.config.scheme,
                                         self.max_seq_len)

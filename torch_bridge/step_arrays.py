@@ -113,6 +113,9 @@ class StepReader:
         self._kv_resource = kv_resource
         self._mrope = mrope
         self._last_views: Dict[str, Tuple[int, Tuple[Any, ...], LabelArrays]] = {}
+        # After read(): the cached views tuple the step's segments equal (the same object
+        # while the cache keeps hitting), or None; BatchCheck skips segments it has passed.
+        self.segments_equal: Optional[Tuple[Any, ...]] = None
 
     # -- slots of records ----------------------------------------------------------
 
@@ -193,13 +196,13 @@ class StepReader:
         pre_src, pre_dst = self.forks(pre_forks, "pre_forks")
         # A decode step's segments usually are its views: reuse their arrays. Compared
         # with the cached plain tuples that equal the views (faster than record vs record).
-        reuse = None
+        reuse = self.segments_equal = None
         if len(groups) == 1:
             (plan_label, views), = groups.items()
             plain = self._last_views.get(plan_label, (None, None))[1]
             if plain is not None and len(views) == len(step.segments) and (
                     views is step.segments or plain == step.segments):
-                reuse = labels[plan_label]
+                reuse, self.segments_equal = labels[plan_label], plain
         commit = self.commit(step.segments, step.advance, post_forks, reuse)
         return StepArrays(groups, labels, pre_forks, post_forks, pre_src, pre_dst, commit, explicit)
 
