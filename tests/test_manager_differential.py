@@ -298,9 +298,17 @@ class ExtremeRun(Run):
             return
         rid, value, preplan = str(self.rng.choice(rids)), self.value(), self.rng.random() < 0.4
         draft = self.rng.random() < 0.3
-        step = PositionStep([Segment(rid, "text", 1 if draft else value)],
-                            draft_depth=value if draft else None)
+        try:   # a span is converted or refused where the step is built
+            step = PositionStep([Segment(rid, "text", 1 if draft else value)],
+                                draft_depth=value if draft else None)
+        except TypeError as e:
+            step = e
         ctx = StepContext((rid,), is_preplan=preplan)
+
+        def planned():
+            if isinstance(step, TypeError):
+                raise step
+            return node.mgr.plan(step, ctx)
 
         def expect():
             if draft:
@@ -308,7 +316,7 @@ class ExtremeRun(Run):
                 return node.model.plan({(rid, "text"): ("draft", (1, depth))}, preplan, step)
             span = integer_argument(value, 0, INT32_MAX)
             return node.model.plan({(rid, "text"): ("span", span)}, preplan, step)
-        plan, tensors = self.call(node, expect, lambda: node.mgr.plan(step, ctx),
+        plan, tensors = self.call(node, expect, planned,
                                   "plan extreme", "step.draft_depth=" if draft else ".span=",
                                   f"{value!r} as {'step.draft_depth' if draft else 'span'}")
         if plan is not None:
