@@ -35,6 +35,7 @@ import torch
 from jaxrope.ops import backends as _backend
 from jaxrope.config import RopeConfig
 from jaxrope.ops.rope_append_kv.api import LAYOUTS, apply_rope_and_append_kv
+from jaxrope.ops.rope_append_kv import cache_layout
 from torch_bridge.dlpack import InPlace, pad_tokens, read_only, token_bucket, write_back
 from torch_bridge.launch.runtime import int32_slots
 from torch_bridge.rotate import torch_capability
@@ -96,11 +97,6 @@ class CacheGeometry:
         return self.dtype == FP8
 
 
-def _layout_text(layout: str, combined: bool) -> str:
-    rows = "page_size, Hk, D" if layout == "NHD" else "Hk, page_size, D"
-    return f"[pages, {'2, ' if combined else ''}{rows}] ({layout=})"
-
-
 def _check_tensor(name: str, x: torch.Tensor, device: torch.device) -> None:
     if x.device != device:
         raise ValueError(f"{name} is on {x.device}, expected {device} (the manager's device)")
@@ -119,12 +115,7 @@ def _caches(kv_cache: Any, layout: str, k: torch.Tensor,
         k_cache, v_cache = kv_cache
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
             _check_tensor(name, c, device)
-            if c.ndim != 4:
-                raise ValueError(f"{name}.shape={tuple(c.shape)} must be rank 4: "
-                                 f"{_layout_text(layout, False)}")
-        if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-            raise ValueError(f"v_cache ({tuple(v_cache.shape)}, {v_cache.dtype}) must match "
-                             f"k_cache ({tuple(k_cache.shape)}, {k_cache.dtype})")
+        cache_layout.check_pair(k_cache, v_cache, layout)
         if share_memory(k_cache, v_cache):
             raise ValueError("kv_cache's k_cache and v_cache share memory (one tensor twice, or "
                              "overlapping views): the values would overwrite the rotated keys; "
@@ -135,7 +126,8 @@ def _caches(kv_cache: Any, layout: str, k: torch.Tensor,
         _check_tensor("kv_cache", kv_cache, device)
         if kv_cache.ndim != 5 or kv_cache.shape[1] != 2:
             raise ValueError(f"kv_cache.shape={tuple(kv_cache.shape)} must be "
-                             f"{_layout_text(layout, True)} (or pass a (k_cache, v_cache) pair)")
+                             f"{cache_layout.layout_text(layout, True)} "
+                             "(or pass a (k_cache, v_cache) pair)")
         caches, combined, name = (kv_cache,), True, "kv_cache"
         view = (2 * kv_cache.shape[0], *kv_cache.shape[2:])
     else:
@@ -144,7 +136,7 @@ def _caches(kv_cache: Any, layout: str, k: torch.Tensor,
     geometry = CacheGeometry(layout, combined, view, caches[0].dtype)
     if geometry.k_heads != k.shape[1] or view[3] != k.shape[2]:
         raise ValueError(f"{name}.shape={tuple(caches[0].shape)} must be "
-                         f"{_layout_text(layout, combined)} with Hk={k.shape[1]} and "
+                         f"{cache_layout.layout_text(layout, combined)} with Hk={k.shape[1]} and "
                          f"D={k.shape[2]} (k's heads and head_dim)")
     if geometry.dtype not in (k.dtype, FP8):
         raise ValueError(f"{name}.dtype={geometry.dtype} must be k's dtype ({k.dtype}) or "

@@ -85,13 +85,7 @@ def _caches(kv_cache, layout: str, k) -> Tuple[Tuple, bool, cache_layout.CacheRo
             raise ValueError("kv_cache=(c, c) passes one array as both k_cache and v_cache: "
                              "keys and values need separate caches; pass two arrays or one "
                              "[pages, 2, ...] array")
-        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if c.ndim != 4:
-                raise ValueError(f"{name}.shape={tuple(c.shape)} must be rank 4: "
-                                 f"{_layout_text(layout, False)}")
-        if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-            raise ValueError(f"v_cache ({tuple(v_cache.shape)}, {v_cache.dtype}) must match "
-                             f"k_cache ({tuple(k_cache.shape)}, {k_cache.dtype})")
+        cache_layout.check_pair(k_cache, v_cache, layout)
         caches, combined, name = (k_cache, v_cache), False, "k_cache"
     elif _is_array(kv_cache):
         if cache_layout.axes(layout, True) is None:
@@ -100,7 +94,7 @@ def _caches(kv_cache, layout: str, k) -> Tuple[Tuple, bool, cache_layout.CacheRo
                              "arrays")
         if kv_cache.ndim != len(cache_layout.axes(layout, True)) + 1:
             raise ValueError(f"kv_cache.shape={tuple(kv_cache.shape)} must be "
-                             f"{_layout_text(layout, True)} (or pass a (k_cache, v_cache) pair)")
+                             f"{cache_layout.layout_text(layout, True)} (or pass a (k_cache, v_cache) pair)")
         caches, combined, name = (kv_cache,), True, "kv_cache"
     else:
         raise TypeError(f"kv_cache must be a (k_cache, v_cache) pair of arrays or one array, "
@@ -108,7 +102,7 @@ def _caches(kv_cache, layout: str, k) -> Tuple[Tuple, bool, cache_layout.CacheRo
     shape = tuple(caches[0].shape)
     pages, page_size = cache_layout.geometry(layout, combined, shape)
     if shape != cache_layout.shape(layout, combined, pages, page_size, *k.shape[1:]):
-        raise ValueError(f"{name}.shape={shape} must be {_layout_text(layout, combined)} with "
+        raise ValueError(f"{name}.shape={shape} must be {cache_layout.layout_text(layout, combined)} with "
                          f"Hk={k.shape[1]} and D={k.shape[2]} (k's heads and head_dim)")
     # The kernels address a cache as [rows, D] with int32 row numbers.
     if math.prod(shape[:-1]) >= 2 ** 31:
@@ -123,10 +117,6 @@ def _caches(kv_cache, layout: str, k) -> Tuple[Tuple, bool, cache_layout.CacheRo
                 raise ValueError(f"{name} is on {c.devices()} but k is on {k.devices()}; "
                                  "put them on one device")
     return caches, combined, cache_layout.cache_rows(layout, combined, pages, page_size, k.shape[1])
-
-
-def _layout_text(layout: str, combined: bool) -> str:
-    return f"{cache_layout.describe(layout, combined)} ({layout=})"
 
 
 def _in_cache(slots, num_slots: int):

@@ -101,6 +101,27 @@ def describe(layout: str, combined: bool) -> str:
     return f"[{', '.join(words + ['D'])}]"
 
 
+def layout_text(layout: str, combined: bool) -> str:
+    """The expected shape for a message, e.g. ``"[pages, page_size, Hk, D] (layout='NHD')"``."""
+    return f"{describe(layout, combined)} ({layout=})"
+
+
+def check_pair(k_cache, v_cache, layout: str) -> None:
+    """A ``(k_cache, v_cache)`` pair of JAX, numpy or torch arrays: each of rank 4, both of
+    one shape and dtype (the one rule of the JAX op and the torch bridge).
+
+    Raises:
+      ValueError: naming the cache and the shape expected.
+    """
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.ndim != 4:
+            raise ValueError(f"{name}.shape={tuple(c.shape)} must be rank 4: "
+                             f"{layout_text(layout, False)}")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache ({tuple(v_cache.shape)}, {v_cache.dtype}) must match "
+                         f"k_cache ({tuple(k_cache.shape)}, {k_cache.dtype})")
+
+
 def shape(layout: str, combined: bool, num_pages: int, page_size: int, k_heads: int,
           head_dim: int) -> Tuple[int, ...]:
     """The shape of one cache array of this geometry."""
