@@ -15,7 +15,7 @@ import numpy as np
 from jaxrope import RopeConfig
 from jaxrope.scaling import Llama3
 
-__all__ = ["cos_sin_cache", "flashinfer_call", "hf_rope", "warm_flashinfer"]
+__all__ = ["cos_sin_cache", "cos_sin_table", "flashinfer_call", "hf_rope", "warm_flashinfer"]
 
 
 def warm_flashinfer(torch, fi) -> None:
@@ -46,20 +46,25 @@ def hf_rope(torch, q, k, pos, cfg: RopeConfig) -> Callable[[], Any]:
     return run
 
 
-def cos_sin_cache(torch, cfg: RopeConfig, device, positions: int):
-    """FlashInfer's cache ``[positions, rotary_dim]`` float32, cos then sin, from float64.
+def cos_sin_table(cfg: RopeConfig, positions: int) -> np.ndarray:
+    """FlashInfer's cos/sin cache ``[positions, rotary_dim]`` as float32, cos then sin,
+    computed in float64.
 
     Example:
-      >>> import torch
       >>> from jaxrope import RopeConfig
-      >>> cache = cos_sin_cache(torch, RopeConfig(head_dim=8), "cpu", 16)
-      >>> tuple(cache.shape), cache[0].tolist()   # position 0: cos 1, sin 0
+      >>> table = cos_sin_table(RopeConfig(head_dim=8), 16)
+      >>> table.shape, table[0].tolist()   # position 0: cos 1, sin 0
       ((16, 8), [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
     """
     inv_freq, attention = cfg.serving_frequencies()
     angle = np.arange(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
     table = np.concatenate([np.cos(angle), np.sin(angle)], axis=1) * attention
-    return torch.from_numpy(table.astype(np.float32)).to(device)
+    return table.astype(np.float32)
+
+
+def cos_sin_cache(torch, cfg: RopeConfig, device, positions: int):
+    """:func:`cos_sin_table` as a torch tensor on ``device``."""
+    return torch.from_numpy(cos_sin_table(cfg, positions)).to(device)
 
 
 def flashinfer_call(torch, fi, cfg: RopeConfig, q, k, pos, use_cache: bool,
