@@ -145,9 +145,9 @@ class RopeManager(PositionManager):
             splitting the frequencies over them). ``T`` may be less than the planned
             tokens (the first ``T`` are used) or more (an engine's padded batch): tokens
             past the planned ones are left untouched.
-          rotary_dim, interleave, rope_scale, rope_theta, low_freq_factor,
-            high_freq_factor, old_context_len: per-call overrides with FlashInfer's
-            meaning (see :class:`torch_bridge.rotate.ConfigCache`).
+          rotary_dim: with ``interleave``, ``rope_scale``, ``rope_theta`` and the keywords
+            ``low_freq_factor``, ``high_freq_factor``, ``old_context_len``: per-call
+            overrides with FlashInfer's meaning (see :class:`torch_bridge.rotate.ConfigCache`).
 
         Returns:
           ``(q, k)``: the same tensors, rotated. Dims ``[rotary_dim, D)`` are untouched.
