@@ -24,11 +24,11 @@ a :class:`jaxrope.RopeConfig` or a manager reaches an op as a string key of this
 module's registry: :func:`config_key` (the config's fingerprint, equal for equal
 configs) and :func:`manager_key` (given to each manager at construction, held weakly).
 
-**Eager calls keep the direct path.** A custom op call costs ~11 us of dispatch on
-CPU even with an empty body (torch 2.13), more than the whole bound launch of
-``apply_qk`` at 64 tokens (7 us on the H200), so the manager's methods and
+**Eager calls keep the direct path.** A custom op's dispatch alone, with an empty
+body, costs more than the whole bound launch of ``apply_qk`` at decode sizes
+(bench/RESULTS.md), so the manager's methods and
 :class:`torch_bridge.rotary_layer.RotaryEmbedding` call the op only while
-``torch.compiler.is_compiling()`` (0.1 us a check) and run the same implementation
+``torch.compiler.is_compiling()`` (a flag read) and run the same implementation
 directly otherwise: compiled and eager calls share every check and launch.
 
 **Refusals.** The ops' implementations are the methods' (``apply_qk``,

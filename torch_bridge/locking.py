@@ -20,8 +20,7 @@ while the lock is held, and a transfer thread waits that long.
 
 Its cost is one Python call with the method's own signature (built once, as
 ``dataclasses`` builds ``__init__``) and one uncontended ``RLock`` acquire and release
-per public call, about half a microsecond per call, beside plan + commit's tens of
-microseconds for 256 decode requests.
+per public call: small beside a plan + commit (bench/RESULTS.md has both).
 
 Example:
   >>> import threading
