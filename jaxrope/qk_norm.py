@@ -95,6 +95,15 @@ class QKNorm:
     Raises:
       TypeError: ``eps`` is not a number, ``per_head`` not a bool.
       ValueError: ``eps`` <= 0, infinite or NaN; an unknown ``convention``.
+
+    Example:
+      >>> olmo2 = QKNorm(eps=1e-5, per_head=False)
+      >>> olmo2.weight_length(heads=32, head_dim=128), QKNorm(eps=1e-5) == olmo2
+      (4096, False)
+      >>> QKNorm(eps=0.0)
+      Traceback (most recent call last):
+      ...
+      ValueError: eps=0.0 must be finite and > 0 (rms_norm_eps: 1e-6 for Qwen3 and Gemma 3, 1e-5 for OLMo 2)
     """
 
     eps: float = 1e-6
