@@ -37,7 +37,8 @@ import numpy as np
 
 from jaxrope.hf_source import load_config
 
-__all__ = ["CONVENTIONS", "MODEL_NORMS", "QKNorm", "check_weight", "missing", "normalize"]
+__all__ = ["CONVENTIONS", "MODEL_NORMS", "QKNorm", "check_weight", "missing", "norm_asked",
+           "normalize"]
 
 # "rmsnorm": y = x_hat * w; "gemma": y = x_hat * (1 + w).
 CONVENTIONS = ("rmsnorm", "gemma")
@@ -193,6 +194,30 @@ def check_weight(name: str, weight: Any, x: Any, qk_norm: Optional[QKNorm]) -> N
     if jnp.dtype(weight.dtype) not in WEIGHT_DTYPES:
         raise ValueError(f"{name}.dtype={weight.dtype} must be one of "
                          f"{[d.name for d in WEIGHT_DTYPES]}")
+
+
+def norm_asked(q: Any, k: Any, q_norm_weight: Any, k_norm_weight: Any,
+               qk_norm: Optional[QKNorm], backend: str) -> bool:
+    """Whether a call of the fused append normalises q or k; its norm arguments checked.
+
+    The weights need only ``shape`` and ``dtype`` here (the torch bridge passes stand-ins).
+
+    Raises:
+      TypeError, ValueError: as :func:`check_weight`; ``qk_norm`` without a weight.
+      NotImplementedError: a weight with ``backend`` "mosaic", "triton" or "interpret".
+    """
+    if q_norm_weight is None and k_norm_weight is None:
+        if qk_norm is not None:
+            raise ValueError(f"qk_norm={qk_norm!r} is given without q_norm_weight or "
+                             "k_norm_weight: pass the weights to normalise, or leave it None")
+        return False
+    for name, weight, x in (("q_norm_weight", q_norm_weight, q),
+                            ("k_norm_weight", k_norm_weight, k)):
+        if weight is not None:
+            check_weight(name, weight, x, qk_norm)
+    if backend in ("mosaic", "triton", "interpret"):
+        raise NotImplementedError(missing(backend))
+    return True
 
 
 def normalize(x: jax.Array, weight: jax.Array, qk_norm: QKNorm) -> jax.Array:

@@ -56,7 +56,7 @@ from jaxrope.ops.constants import kernel_constants, kernel_options
 from jaxrope.ops.rope.api import validate
 from jaxrope.ops.rope_append_kv import cache_layout
 from jaxrope.ops.rope_append_kv.reference import FP8
-from jaxrope.qk_norm import QKNorm, check_weight, missing
+from jaxrope.qk_norm import QKNorm, norm_asked
 
 # FlashInfer's layouts, which the torch bridge's append takes too.
 LAYOUTS = ("NHD", "HND")
@@ -214,22 +214,6 @@ def _scale(name: str, value, quantized: bool):
     return jnp.asarray(value, jnp.float32)
 
 
-def _norm(q, k, q_norm_weight, k_norm_weight, qk_norm, backend: str) -> dict:
-    """The norm keywords every implementation takes; checked, {} when no norm is asked."""
-    if q_norm_weight is None and k_norm_weight is None:
-        if qk_norm is not None:
-            raise ValueError(f"qk_norm={qk_norm!r} is given without q_norm_weight or "
-                             "k_norm_weight: pass the weights to normalise, or leave it None")
-        return {}
-    for name, weight, x in (("q_norm_weight", q_norm_weight, q),
-                            ("k_norm_weight", k_norm_weight, k)):
-        if weight is not None:
-            check_weight(name, weight, x, qk_norm)
-    if backend in ("mosaic", "triton", "interpret"):
-        raise NotImplementedError(missing(backend))
-    return dict(q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, qk_norm=qk_norm)
-
-
 def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: RopeConfig, *,
                              layout: str = "NHD", k_quant_scale=None, v_quant_scale=None,
                              q_norm_weight=None, k_norm_weight=None,
@@ -336,7 +320,8 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
         raise ValueError(f"v is on {v.devices()} but k is on {k.devices()}; put them on one device")
     if layout not in LAYOUTS + JAX_LAYOUTS:
         raise ValueError(f"layout={layout!r} must be one of {LAYOUTS + JAX_LAYOUTS}")
-    norm = _norm(q, k, q_norm_weight, k_norm_weight, qk_norm, backend)
+    norm = (dict(q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, qk_norm=qk_norm)
+            if norm_asked(q, k, q_norm_weight, k_norm_weight, qk_norm, backend) else {})
     caches, combined, rows = _caches(kv_cache, layout, k)
     num_slots = rows.num_slots
     if num_slots >= 2 ** 31:
