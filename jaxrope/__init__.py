@@ -7,7 +7,8 @@ The public API is exactly what ``__all__`` lists, by one rule:
   :func:`apply_rope_and_append_kv`, :func:`checked` (``jax.jit`` of a step
   with every range check on), :class:`RopeConfig` and its scaling variants
   (:class:`Linear`, :class:`DynamicNTK`, :class:`Yarn`, :class:`LongRope`,
-  :class:`Llama3`, :class:`Proportional`), the backends (:data:`BACKENDS`,
+  :class:`Llama3`, :class:`Proportional`), :class:`QKNorm` (the norm before RoPE
+  that :func:`apply_rope_and_append_kv` can apply), the backends (:data:`BACKENDS`,
   :class:`BackendUnavailable`), and the position state's types (:class:`PositionTable`,
   :class:`Scheme`, :class:`RowMap`, also reachable through :mod:`jaxrope.positions`);
 - every other public name belongs to a subject and is reached through its module, each
@@ -21,7 +22,7 @@ The public API is exactly what ``__all__`` lists, by one rule:
 Every other module is private: importable, but its names may change without notice.
 They are the implementation of the above (``ops``, one folder per op with its public
 function, reference, kernels, tunings and exports; ``config``, ``cos_sin_cache``,
-``checks``, ``errors``, ``frequencies``, ``int_arrays``, ``numbers``, ``row_map``, ``scaling``,
+``checks``, ``errors``, ``frequencies``, ``int_arrays``, ``numbers``, ``qk_norm``, ``row_map``, ``scaling``,
 ``sharding``; ``hf_source``,
 ``hf_layers``, ``hf_fields`` and ``hf_examples`` behind :mod:`jaxrope.hf` and
 :mod:`jaxrope.models`), ``layer_reference`` (the float64 layer the demos and the cache
@@ -50,6 +51,7 @@ from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 from jaxrope.ops.rope_append_kv.api import apply_rope_and_append_kv
 from jaxrope.positions import PositionTable, RowMap, Scheme
+from jaxrope.qk_norm import QKNorm
 from jaxrope.scaling import DynamicNTK, Linear, Llama3, LongRope, Proportional, Yarn
 
 __version__ = "0.1.0"
@@ -63,6 +65,7 @@ __all__ = [
     "LongRope",
     "PositionTable",
     "Proportional",
+    "QKNorm",
     "RopeConfig",
     "RowMap",
     "Scheme",

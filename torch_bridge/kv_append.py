@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Dict, Hashable, Sequence, Tuple
+from typing import Any, Dict, Hashable, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ from jaxrope.ops import backends as _backend
 from jaxrope.config import RopeConfig
 from jaxrope.ops.rope_append_kv.api import LAYOUTS, apply_rope_and_append_kv
 from jaxrope.ops.rope_append_kv import cache_layout
+from jaxrope.qk_norm import QKNorm, norm_asked
 from torch_bridge.dlpack import InPlace, pad_tokens, read_only, token_bucket, write_back
 from torch_bridge.launch.runtime import int32_slots
 from torch_bridge.rotate import torch_capability
@@ -274,16 +275,55 @@ def call_signature(label: Hashable, q: torch.Tensor, k: torch.Tensor, v: torch.T
             slots.dtype, slots.device, layout, k_quant_scale, v_quant_scale)
 
 
-def _rope_and_append(q, *rest, cfg: RopeConfig, layout: str, backend: str, fp8: bool):
-    # rest: the caches (rewritten in place), then k, v, pos_ids, slots, scales.
-    caches, (k, v, pos_ids, slots, scales) = rest[:-5], rest[-5:]
+# The weight dtypes the JAX path imports (jaxrope.qk_norm.WEIGHT_DTYPES, in torch's names).
+NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+Norm = Tuple[Optional[torch.Tensor], Optional[torch.Tensor], QKNorm]
+
+
+def check_norm(q: torch.Tensor, k: torch.Tensor, q_norm_weight: Any, k_norm_weight: Any,
+               qk_norm: Any, device: torch.device, backend: str) -> Optional[Norm]:
+    """A call's QK-norm, checked by the core's rule (:func:`jaxrope.qk_norm.norm_asked`) on
+    ``[T, H, D]`` q and k: None when none is asked, else ``(q_norm_weight, k_norm_weight,
+    qk_norm)`` with the weights detached (a model's ``nn.Parameter`` is only read).
+
+    Raises:
+      TypeError: a weight that is not a tensor, ``qk_norm`` not a :class:`jaxrope.QKNorm`.
+      ValueError: a weight of the wrong shape, dtype or device; a weight without
+        ``qk_norm`` or ``qk_norm`` without one.
+      NotImplementedError: a weight with ``backend`` "mosaic", "triton" or "interpret".
+    """
+    stand_ins = []
+    for name, weight in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if weight is None:
+            stand_ins.append(None)
+            continue
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(weight).__name__}")
+        if weight.dtype not in NORM_DTYPES:
+            raise ValueError(f"{name}.dtype={weight.dtype} must be one of {NORM_DTYPES}")
+        if weight.device != device:
+            raise ValueError(f"{name} is on {weight.device}, expected {device} (the manager's "
+                             "device)")
+        stand_ins.append(jax.ShapeDtypeStruct(tuple(weight.shape), jnp.float32))
+    if not norm_asked(q, k, *stand_ins, qk_norm, backend):
+        return None
+    return (None if q_norm_weight is None else q_norm_weight.detach(),
+            None if k_norm_weight is None else k_norm_weight.detach(), qk_norm)
+
+
+def _rope_and_append(q, *rest, cfg: RopeConfig, layout: str, backend: str, fp8: bool,
+                     qk_norm: Optional[QKNorm] = None):
+    # rest: the caches (rewritten in place), then k, v, pos_ids, slots, scales and the
+    # norm weights (None without a norm).
+    caches, (k, v, pos_ids, slots, scales, q_w, k_w) = rest[:-7], rest[-7:]
     if fp8:
         # Imported as uint8 (DLPack's float8 support varies across torch versions).
         caches = [jax.lax.bitcast_convert_type(c, jnp.float8_e4m3fn) for c in caches]
     k_scale, v_scale = scales if fp8 else (None, None)
     q, kv_cache = apply_rope_and_append_kv(
         q, k, v, pos_ids, caches[0] if len(caches) == 1 else tuple(caches), slots,
-        cfg, layout=layout, k_quant_scale=k_scale, v_quant_scale=v_scale, backend=backend)
+        cfg, layout=layout, k_quant_scale=k_scale, v_quant_scale=v_scale, q_norm_weight=q_w,
+        k_norm_weight=k_w, qk_norm=qk_norm, backend=backend)
     out = jax.tree.leaves(kv_cache)
     if fp8:
         out = [jax.lax.bitcast_convert_type(c, jnp.uint8) for c in out]
@@ -334,12 +374,13 @@ class JaxAppend:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  caches: Sequence[torch.Tensor], geometry: CacheGeometry, pos_ids: torch.Tensor,
                  slots: torch.Tensor, cfg: RopeConfig, scales: Tuple[float, float],
-                 allow_copy: bool = True) -> None:
+                 allow_copy: bool = True, norm: Optional[Norm] = None) -> None:
         """Rotate ``q [T, Hq, D]`` in place at ``pos_ids[..., :T]`` and write k, v into ``caches``.
 
         ``pos_ids`` int32 ``[N >= T]``, or ``[3, N]`` for an M-RoPE ``cfg``, on q's device.
 
-        ``caches``, ``geometry`` and ``scales`` as :func:`check_call` returns them.
+        ``caches``, ``geometry`` and ``scales`` as :func:`check_call` returns them;
+        ``norm`` as :func:`check_norm` returns it (q and k normalised before the rotation).
         """
         if geometry.quantized:
             caches = [c.view(torch.uint8) for c in caches]
@@ -347,14 +388,17 @@ class JaxAppend:
         if call is None:
             call = self._calls[len(caches)] = InPlace(
                 _rope_and_append, 1 + len(caches),
-                static_argnames=("cfg", "layout", "backend", "fp8"))
+                static_argnames=("cfg", "layout", "backend", "fp8", "qk_norm"))
         size = token_bucket(q.shape[0]) if allow_copy else q.shape[0]
         staged = pad_tokens(q, size)
         k, v, slots = (read_only(pad_tokens(x, size, fill=fill), allow_copy)
                        for x, fill in ((k, 0), (v, 0),
                                        (int32_slots(slots, geometry.num_slots), -1)))
-        # Scales are traced arguments (one compile serves every layer's), fp8 caches only.
+        q_w, k_w, qk_norm = norm or (None, None, None)
+        weights = [None if w is None else read_only(w, True) for w in (q_w, k_w)]
+        # Scales and norm weights are traced arguments (one compile serves every layer's).
         call([staged, *caches], k, v, read_only(pad_tokens(pos_ids, size, dim=-1), True), slots,
-             scales if geometry.quantized else None, allow_copy=allow_copy, cfg=cfg,
-             layout=geometry.layout, backend=self.backend, fp8=geometry.quantized)
+             scales if geometry.quantized else None, *weights, allow_copy=allow_copy, cfg=cfg,
+             layout=geometry.layout, backend=self.backend, fp8=geometry.quantized,
+             qk_norm=qk_norm)
         write_back(q, staged)

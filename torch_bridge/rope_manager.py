@@ -17,6 +17,7 @@ import torch
 
 from jaxrope.config import RopeConfig
 from jaxrope.ops.rope_append_kv.api import check_slots
+from jaxrope.qk_norm import QKNorm
 from torch_bridge import custom_ops, kv_append
 from torch_bridge.config import PositionConfig
 from torch_bridge.dlpack import jax_device
@@ -203,7 +204,10 @@ class RopeManager(PositionManager):
     def apply_qk_and_append_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                label: str, kv_cache: Any, slots: torch.Tensor, *,
                                layout: str = "NHD", k_quant_scale: Optional[float] = None,
-                               v_quant_scale: Optional[float] = None) -> Tuple[torch.Tensor, Any]:
+                               v_quant_scale: Optional[float] = None,
+                               q_norm_weight: Optional[torch.Tensor] = None,
+                               k_norm_weight: Optional[torch.Tensor] = None,
+                               qk_norm: Optional[QKNorm] = None) -> Tuple[torch.Tensor, Any]:
         """``apply_qk`` fused with the paged KV-cache append: q rotated in place, k and v cached.
 
         One launch on CUDA (:mod:`torch_bridge.launch`) where an engine runs two
@@ -236,6 +240,12 @@ class RopeManager(PositionManager):
             stores ``e4m3(clip(x * scale, -448, 448))`` of the float32 rotated k (and v),
             FlashInfer's ``quant_scale_kv`` (vLLM's ``k_scale`` divides: pass its
             reciprocal); floats, default 1.
+          q_norm_weight, k_norm_weight, qk_norm: QK-norm before the rotation, as
+            :func:`jaxrope.apply_rope_and_append_kv` takes them (weights ``[D]``, or
+            ``[H * D]`` for ``qk_norm.per_head=False``, float32/bfloat16/float16 tensors
+            on ``device``, a model's ``q_norm.weight`` as it is). The CUDA launchers
+            have no norm yet: such a call takes the JAX path (not under CUDA-graph
+            capture, nor under ``torch.compile``).
 
         Returns:
           ``(q, kv_cache)``: the objects given, q rotated and the cache written at every
@@ -255,9 +265,12 @@ class RopeManager(PositionManager):
           ValueError: as ``apply_qk`` for label, q and k; v unlike k; an unknown layout;
             a cache of the wrong rank, heads, head size, dtype or device; a
             ``(k_cache, v_cache)`` pair sharing memory; slots of the wrong shape, dtype
-            or device; a scale given for a cache in k's dtype, or not finite and > 0.
+            or device; a scale given for a cache in k's dtype, or not finite and > 0; a
+            norm weight of the wrong shape, dtype or device, or one without ``qk_norm``.
           TypeError: a tensor argument of the wrong type, the cache neither a pair nor a
-            tensor, or a scale that is not a number.
+            tensor, a scale that is not a number, or ``qk_norm`` not a QKNorm.
+          NotImplementedError: a norm under ``torch.compile``, or with the manager's
+            backend "mosaic", "triton" or "interpret".
           RuntimeError: called under CUDA-graph capture without a launcher that accepts
             the call.
 
@@ -276,17 +289,24 @@ class RopeManager(PositionManager):
           (True, [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 64.0)
           >>> mgr.commit(step, ctx)
         """
+        normed = not (q_norm_weight is None and k_norm_weight is None and qk_norm is None)
         if torch.compiler.is_compiling():  # what the graph records: see torch_bridge.custom_ops
+            if normed:
+                raise NotImplementedError("apply_qk_and_append_kv's torch.compile op carries "
+                                          "no QK-norm yet: call it outside torch.compile")
             return custom_ops.traced_apply_qk_and_append_kv(
                 self, q, k, v, label, kv_cache, slots, layout, k_quant_scale, v_quant_scale)
         plan = self._plans.peek()
         signature = lambda: kv_append.call_signature(  # noqa: E731
             label, q, k, v, kv_cache, slots, layout, k_quant_scale, v_quant_scale)
-        if self._run_bound(self._kv_path, plan, label, q, signature,
-                           lambda run, pos: run(q, k, v, pos, kv_cache, slots)):
+        # A bound launch has no norm: a normalised call takes the full path.
+        if not normed and self._run_bound(self._kv_path, plan, label, q, signature,
+                                          lambda run, pos: run(q, k, v, pos, kv_cache, slots)):
             return q, kv_cache
         q3, k3 = self._checked_qk(q, k, label, plan)
         v3 = self._heads(v, "v")
+        norm = kv_append.check_norm(q3, k3, q_norm_weight, k_norm_weight, qk_norm, self.device,
+                                    self._backend)
         caches, geometry, scales = kv_append.check_call(k3, v3, kv_cache, slots, layout,
                                                         k_quant_scale, v_quant_scale, self.device)
         padded = q3.shape[0] > plan.limits[label]
@@ -298,22 +318,30 @@ class RopeManager(PositionManager):
             # the host; a CUDA launch reads them on the device and skips those outside.
             check_slots(slots.numpy(), geometry.num_slots)
         self._plans.promote()
-        if q3.shape[0] == 0:
-            return q, kv_cache
-        launched = self._kv_path.launch(
+        if q3.shape[0]:
+            self._append_kv(q3, k3, v3, plan.tensors[label], caches, slots, geometry, scales,
+                            None if padded else signature, norm)
+        return q, kv_cache
+
+    def _append_kv(self, q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor,
+                   pos_ids: torch.Tensor, caches: Tuple[torch.Tensor, ...], slots: torch.Tensor,
+                   geometry: kv_append.CacheGeometry, scales: Tuple[float, float], signature,
+                   norm: Optional[kv_append.Norm]) -> None:
+        """The checked call on the launcher, else on the JAX path (a norm: always there).
+        ``signature`` None: a padded call, which must not be bound."""
+        launched = norm is None and self._kv_path.launch(
             lambda launcher: launcher.rotate_and_append_kv_(
-                q3, k3, v3, plan.tensors[label], caches, slots, self.rope, geometry, scales),
-            None if padded else lambda bind: bind(q3, k3, v3, caches, slots, self.rope,
-                                                  geometry, scales),
+                q3, k3, v3, pos_ids, caches, slots, self.rope, geometry, scales),
+            None if signature is None else lambda bind: bind(q3, k3, v3, caches, slots,
+                                                             self.rope, geometry, scales),
             signature)
         if launched:
-            return q, kv_cache
+            return
         self._kv_path.refuse_under_capture(self.device)
         if self._kv_jax is None:
             self._kv_jax = kv_append.JaxAppend(self.device, self._backend)
-        self._kv_jax(q3, k3, v3, caches, geometry, plan.tensors[label], slots, self.rope, scales,
-                     allow_copy=self.allow_copy)
-        return q, kv_cache
+        self._kv_jax(q3, k3, v3, caches, geometry, pos_ids, slots, self.rope, scales,
+                     allow_copy=self.allow_copy, norm=norm)
 
     def _checked_qk(self, q: torch.Tensor, k: torch.Tensor, label: Hashable,
                     plan: Optional[Plan]) -> Tuple[torch.Tensor, torch.Tensor]:

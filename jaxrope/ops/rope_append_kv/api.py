@@ -34,12 +34,16 @@ Vocabulary and conventions:
   ``quant_scale_kv`` multiplies (vLLM's ``k_scale`` divides: pass its reciprocal).
   FlashInfer's op also quantizes q into a new fp8 buffer; here q keeps its dtype and is
   rotated in place.
+- **QK-norm** (Qwen3, Gemma 3, OLMo 2): ``q_norm_weight`` / ``k_norm_weight`` with a
+  :class:`jaxrope.QKNorm` normalise q / k before the rotation, in the same pass, in
+  float32 (:mod:`jaxrope.qk_norm`); the XLA form only for now: "auto" takes XLA for
+  such a call, and the Mosaic GPU and Triton kernels raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +56,7 @@ from jaxrope.ops.constants import kernel_constants, kernel_options
 from jaxrope.ops.rope.api import validate
 from jaxrope.ops.rope_append_kv import cache_layout
 from jaxrope.ops.rope_append_kv.reference import FP8
+from jaxrope.qk_norm import QKNorm, norm_asked
 
 # FlashInfer's layouts, which the torch bridge's append takes too.
 LAYOUTS = ("NHD", "HND")
@@ -211,7 +216,8 @@ def _scale(name: str, value, quantized: bool):
 
 def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: RopeConfig, *,
                              layout: str = "NHD", k_quant_scale=None, v_quant_scale=None,
-                             backend: str = "auto"):
+                             q_norm_weight=None, k_norm_weight=None,
+                             qk_norm: Optional[QKNorm] = None, backend: str = "auto"):
     """Rotate q and k by their positions and write the rotated k and the v into a paged cache.
 
     Args:
@@ -237,6 +243,14 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
       k_quant_scale, v_quant_scale: fp8 caches only (None otherwise): the cache stores
         ``e4m3(clip(x * scale, -448, 448))``, FlashInfer's ``quant_scale_kv``; a float or
         a scalar array (may be traced); default 1.
+      q_norm_weight, k_norm_weight: QK-norm weights (None: that one is not normalised),
+        each ``[D]`` (``[Hq * D]`` / ``[Hk * D]`` when ``qk_norm.per_head`` is False),
+        float32, bfloat16 or float16, may be traced: q (k) is RMS-normalised by
+        ``qk_norm`` with it, in float32, before the rotation, exactly as
+        :func:`jaxrope.qk_norm.normalize`; the model's ``q_norm.weight`` and
+        ``k_norm.weight`` as they are (Gemma's too: the convention adds the 1).
+      qk_norm: the :class:`jaxrope.QKNorm` (``eps``, convention, span; static under
+        ``jit``), required with a weight; :meth:`jaxrope.QKNorm.from_hf` reads a model's.
       backend: "auto" (the Mosaic GPU kernel on Hopper or newer with JAX 0.11, the
         Triton-lowered Pallas kernel on other GPUs, XLA elsewhere:
         :func:`jaxrope.ops.backends.backend_name`; XLA when that kernel declines), "mosaic",
@@ -253,12 +267,16 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
       arrays never change.
 
     Raises:
-      TypeError: ``cfg`` is not a RopeConfig, or an input is not an array (or a pair).
+      TypeError: ``cfg`` is not a RopeConfig, ``qk_norm`` not a QKNorm, or an input is
+        not an array (or a pair).
       ValueError: a shape, dtype, device, layout, visible position, slot or scale is
         invalid, ``pos_ids [T]`` for an M-RoPE config or ``[3, T]`` for a 1-D one, or
         ``kv_cache=(c, c)`` names one array twice (seen outside ``jit``, and inside it
         for one traced value; two ``jit`` arguments holding one buffer are distinct
-        tracers there, and donating both is refused by JAX itself).
+        tracers there, and donating both is refused by JAX itself); a norm weight of the
+        wrong shape or dtype, a weight without ``qk_norm`` or ``qk_norm`` without one.
+      NotImplementedError: a norm weight with ``backend`` "mosaic", "triton" or
+        "interpret" (their kernels have no QK-norm yet).
       BackendUnavailable: ``backend="triton"`` off GPU or on an fp8 cache of 2-4 GiB
         (:func:`jaxrope.ops.rope_append_kv.triton.unsupported`; "auto" takes the XLA path
         there), ``"mosaic"`` off a CUDA GPU or with a JAX without Mosaic GPU's API.
@@ -283,6 +301,14 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
       ...                              (k_cache, v_cache), slots, cfg=vl)
       >>> float(k_cache[2, 8, 0, 0])   # position 0 on every row: k as is
       1.0
+      >>> gemma = jr.QKNorm(eps=1e-6, convention="gemma")   # Gemma 3: x_hat * (1 + w)
+      >>> q = jnp.full((3, 4, 64), 5.0, jnp.bfloat16)
+      >>> zero = jnp.zeros(64, jnp.bfloat16)
+      >>> q, (k_cache, v_cache) = step(q, 3 * k, v, jnp.zeros(3, jnp.int32), (k_cache, v_cache),
+      ...                              slots, cfg=cfg, q_norm_weight=zero, k_norm_weight=zero,
+      ...                              qk_norm=gemma)
+      >>> float(q[0, 0, 0]), float(k_cache[1, 1, 0, 0])   # each head scaled to RMS 1
+      (1.0, 1.0)
     """
     validate(q, k, pos_ids, cfg)
     if not _is_array(v):
@@ -294,6 +320,8 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
         raise ValueError(f"v is on {v.devices()} but k is on {k.devices()}; put them on one device")
     if layout not in LAYOUTS + JAX_LAYOUTS:
         raise ValueError(f"layout={layout!r} must be one of {LAYOUTS + JAX_LAYOUTS}")
+    norm = (dict(q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, qk_norm=qk_norm)
+            if norm_asked(q, k, q_norm_weight, k_norm_weight, qk_norm, backend) else {})
     caches, combined, rows = _caches(kv_cache, layout, k)
     num_slots = rows.num_slots
     if num_slots >= 2 ** 31:
@@ -308,8 +336,8 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
     args = (q, k, v, jnp.asarray(pos_ids, jnp.int32), jnp.asarray(slots, jnp.int32),
             jnp.asarray(tables), scales, views)
     # The device's compute capability decides "auto" between Mosaic GPU and Triton; "auto"
-    # takes XLA when the kernel declines (an fp8 cache of 2-4 GiB for Triton).
+    # takes XLA when the kernel declines (an fp8 cache of 2-4 GiB for Triton, a QK-norm).
     q, views = backends.run(backend, "rope_append_kv", q,
-                            lambda impl: impl(*args, rows=rows, **kernel_options(cfg)))
+                            lambda impl: impl(*args, rows=rows, **kernel_options(cfg), **norm))
     written = tuple(view.reshape(c.shape) for view, c in zip(views, caches))
     return q, written[0] if combined else written

@@ -58,6 +58,7 @@ from jaxrope.ops.mosaic_common import (broadcast, floor, kernel, load, slot_row_
 from jaxrope.ops.rope_append_kv.cache_layout import CacheRows
 from jaxrope.ops.rope_append_kv.reference import FP8, to_cache_dtype
 from jaxrope.ops.rope_append_kv.tuning import AppendMosaicTuning, Piece, append_mosaic_tuning
+from jaxrope.qk_norm import QKNorm, missing
 
 _THREADS = 128      # a warpgroup
 
@@ -375,7 +376,9 @@ def rope_append_kv_mosaic(q, k, v, pos_ids, slots, tables, scales, caches, *, ro
                           rotary_dim: int, interleave: bool, attention_factor: float,
                           mrope_section: Optional[Tuple[int, int, int]] = None,
                           mrope_interleaved: bool = False, interpret: bool = False,
-                          tuning: Optional[AppendMosaicTuning] = None):
+                          tuning: Optional[AppendMosaicTuning] = None,
+                          q_norm_weight=None, k_norm_weight=None,
+                          qk_norm: Optional[QKNorm] = None):
     """Rotate q in place and write rotated k and v into the paged ``caches``, in one kernel.
 
     Arguments as :func:`jaxrope.ops.rope_append_kv.reference.rope_append_kv_reference`
@@ -385,7 +388,10 @@ def rope_append_kv_mosaic(q, k, v, pos_ids, slots, tables, scales, caches, *, ro
 
     Raises:
       BackendUnavailable: a JAX :func:`jaxrope.ops.mosaic_common.unavailable` names.
+      NotImplementedError: a norm weight is given (the kernel has no QK-norm).
     """
+    if q_norm_weight is not None or k_norm_weight is not None:
+        raise NotImplementedError(missing("mosaic"))
     reason = unavailable()
     if reason:
         raise BackendUnavailable(reason)

@@ -17,6 +17,10 @@ k's dtype holds exactly what ``apply_rope`` returns for k. An ``float8_e4m3fn`` 
 rotated k (or v) and ``scale`` from ``scales = [k_scale, v_scale]``, rounded to nearest
 even: FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache`` (multiply, then a
 saturating ``__NV_SATFINITE`` conversion).
+
+QK-norm (``qk_norm`` with ``q_norm_weight`` and/or ``k_norm_weight``): q and k are
+normalised in float32 (:func:`jaxrope.qk_norm.normalize`), rotated in float32 and rounded
+once, to q's dtype for q and to the cache's for k.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import jax.numpy as jnp
 
 from jaxrope.ops.rope_append_kv.cache_layout import CacheRows
 from jaxrope.ops.rope.reference import rope_reference
+from jaxrope.qk_norm import QKNorm, normalize
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 # The largest finite float8_e4m3fn; converting past it would give NaN (the format has no
@@ -44,17 +49,24 @@ def to_cache_dtype(x, scale, dtype):
 def rope_append_kv_reference(q, k, v, pos_ids, slots, tables, scales, caches, *, rows: CacheRows,
                              rotary_dim: int, interleave: bool, attention_factor: float,
                              mrope_section: Optional[Tuple[int, int, int]] = None,
-                             mrope_interleaved: bool = False):
+                             mrope_interleaved: bool = False, q_norm_weight=None,
+                             k_norm_weight=None, qk_norm: Optional[QKNorm] = None):
     """Rotate ``q`` and ``k`` at ``pos_ids``; write k and v into ``caches`` at ``slots``.
 
     ``q [T, Hq, D]``, ``k, v [T, Hk, D]``, ``pos_ids`` int32 ``[T]`` (M-RoPE: ``[3,
     T]``), ``slots`` int32 ``[T]``, ``tables`` float32 ``[3, R/2]``, ``scales`` float32
-    ``[2]`` (used by fp8 caches only), ``caches`` ``[rows, D]`` views.
+    ``[2]`` (used by fp8 caches only), ``caches`` ``[rows, D]`` views; ``q_norm_weight``,
+    ``k_norm_weight`` (``[D]``, or ``[H * D]`` when ``qk_norm.per_head`` is False) with
+    ``qk_norm``: normalise q, k before the rotation (each weight None: that one as is).
     """
-    q, k_rotated = rope_reference(q, k.astype(jnp.float32), pos_ids, tables,
+    q_in = q if q_norm_weight is None else normalize(q, q_norm_weight, qk_norm)
+    k_in = (k.astype(jnp.float32) if k_norm_weight is None
+            else normalize(k, k_norm_weight, qk_norm))
+    q_rotated, k_rotated = rope_reference(q_in, k_in, pos_ids, tables,
                                   rotary_dim=rotary_dim, interleave=interleave,
                                   attention_factor=attention_factor, mrope_section=mrope_section,
                                   mrope_interleaved=mrope_interleaved)
+    q = q_rotated.astype(q.dtype)
     valid = (slots >= 0) & (slots < rows.num_slots)
     safe = jnp.where(valid, slots, 0)[:, None]
     key_rows = rows.row(safe // rows.page_size, safe % rows.page_size,

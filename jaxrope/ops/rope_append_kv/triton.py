@@ -61,6 +61,7 @@ from jaxrope.ops.rope_append_kv.reference import FP8, to_cache_dtype
 from jaxrope.ops.rope_append_kv.tuning import (AppendTritonTuning, append_triton_tuning, grid,
                                                head_programs)
 from jaxrope.ops.triton_common import lanes_for, next_pow2, sin_cos_approx
+from jaxrope.qk_norm import QKNorm, missing
 
 def unsupported(cache) -> str | None:
     """Why the Triton lowering cannot address ``cache``, or None when it can.
@@ -220,7 +221,9 @@ def rope_append_kv_triton(q, k, v, pos_ids, slots, tables, scales, caches, *, ro
                           rotary_dim: int, interleave: bool, attention_factor: float,
                           mrope_section: Optional[Tuple[int, int, int]] = None,
                           mrope_interleaved: bool = False, interpret: bool = False,
-                          tuning: Optional[AppendTritonTuning] = None):
+                          tuning: Optional[AppendTritonTuning] = None,
+                          q_norm_weight=None, k_norm_weight=None,
+                          qk_norm: Optional[QKNorm] = None):
     """Rotate q in place and write rotated k and v into the paged ``caches``, in one launch.
 
     Arguments as :func:`jaxrope.ops.rope_append_kv.reference.rope_append_kv_reference`
@@ -228,7 +231,13 @@ def rope_append_kv_triton(q, k, v, pos_ids, slots, tables, scales, caches, *, ro
     (``input_output_aliases``): in place when they are donated. ``tuning``: the launch
     shape (default: :func:`jaxrope.ops.rope_append_kv.tuning.append_triton_tuning` of the
     shapes; sweeps pass others).
+
+    Raises:
+      BackendUnavailable: :func:`unsupported` declines the cache.
+      NotImplementedError: a norm weight is given (the kernel has no QK-norm).
     """
+    if q_norm_weight is not None or k_norm_weight is not None:
+        raise NotImplementedError(missing("interpret" if interpret else "triton"))
     num_tokens, q_heads, head_dim = q.shape
     k_heads = k.shape[1]
     declined = unsupported(caches[0])
