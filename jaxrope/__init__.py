@@ -22,9 +22,8 @@ The public API is exactly what ``__all__`` lists, by one rule:
 Every other module is private: importable, but its names may change without notice.
 They are the implementation of the above (``ops``, one folder per op with its public
 function, reference, kernels, tunings and exports; ``config``, ``cos_sin_cache``,
-``checks``, ``errors``, ``frequencies``, ``int_arrays``, ``numbers``, ``qk_norm``, ``row_map``, ``scaling``,
-``sharding``; ``hf_source``,
-``hf_layers``, ``hf_fields`` and ``hf_examples`` behind :mod:`jaxrope.hf` and
+``checks``, ``errors``, ``frequencies``, ``int_arrays``, ``numbers``, ``qk_norm``,
+``row_map``, ``scaling``, ``sharding``, ``sums``; ``hf_source``, ``hf_layers``, ``hf_fields`` and ``hf_examples`` behind :mod:`jaxrope.hf` and
 :mod:`jaxrope.models`), ``layer_reference`` (the float64 layer the demos and the cache
 readers' tests check against), the JAX engine demo (``demo``, run as
 ``python -m jaxrope.demo``, and ``engine_demo``, its trace),

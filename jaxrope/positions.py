@@ -81,6 +81,7 @@ import numpy as np
 from jaxrope import checks as _checks
 from jaxrope import paging as _paging
 from jaxrope import sharding as _sharding
+from jaxrope import sums as _sums
 from jaxrope.int_arrays import INT32 as _INT32
 from jaxrope.int_arrays import NO_WRAP as _NO_WRAP
 from jaxrope.int_arrays import IntArray
@@ -198,50 +199,9 @@ def _rows(name: str, rows, table: PositionTable, *, distinct: bool = False) -> j
 
 
 def _no_overflow(name: str, table: PositionTable, rows: jax.Array, amounts: jax.Array) -> None:
-    """Concrete counters plus ``amounts`` at ``rows`` stay within int32."""
-    _checks.no_overflow(name, table.counters, rows, amounts)  # traced, checked mode only
-    counters, rows, amounts = _host(table.counters), _host(rows), _host(amounts)
-    if counters is None or rows is None or amounts is None:
-        return
-    live = rows != PAD
-    after = counters.astype(np.int64)
-    np.add.at(after, rows[live], amounts[live].astype(np.int64))
-    if (after > _INT32.max).any():
-        row = int(np.flatnonzero(after > _INT32.max)[0])
-        raise ValueError(f"{name} would carry row {row} from {counters[row]} to {after[row]}, "
-                         f"past the int32 counters' {_INT32.max}")
-
-
-def _plan_fits(table: PositionTable, rows: jax.Array, counts: jax.Array,
-               depths: Optional[jax.Array], sequential: bool, mrope: bool) -> None:
-    """Concrete positions a plan forms (counter, + delta, + index or depth) fit int32:
-    computed in int64 on the host before the int32 arithmetic could wrap."""
-    columns = [_host(table.counters)] + ([_host(table.deltas)] if mrope else [])
-    rows, counts = _host(rows), _host(counts)
-    given = None if depths is None else _host(depths)
-    if rows is None or counts is None or any(c is None for c in columns) or (
-            depths is not None and given is None):
-        return
-    live = np.flatnonzero((rows != PAD) & (counts > 0))
-    if not live.size:
-        return
-    base = sum(c[rows[live]].astype(np.int64) for c in columns)
-    if given is not None:
-        view = np.repeat(np.arange(live.size), counts[live])
-        starts = np.concatenate([[0], np.cumsum(counts)])[live]
-        token = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts[live])])
-        low = high = base[view] + given[token].astype(np.int64)
-        live = live[view]
-    else:
-        low = base
-        high = base + (counts[live].astype(np.int64) - 1 if sequential else 0)
-    bad = np.flatnonzero((high > _INT32.max) | (low < _INT32.min))
-    if bad.size:
-        i, v = bad[0], live[bad[0]]
-        what = "counts" if depths is None else "depths"
-        at = high[i] if high[i] > _INT32.max else low[i]
-        raise ValueError(f"{what} would number row {rows[v]} (counts[{v}]={counts[v]}) at "
-                         f"{at}, outside the int32 positions [{_INT32.min}, {_INT32.max}]")
+    """Counters plus ``amounts`` at ``rows`` stay within int32 (traced: checked mode)."""
+    _checks.no_overflow(name, table.counters, rows, amounts)
+    _sums.counters_fit(name, table.counters, rows, amounts, PAD)
 
 
 # -- the transitions ------------------------------------------------------------------
@@ -346,7 +306,8 @@ def plan(table: PositionTable, rows: IntArray, counts: IntArray, out: IntArray, 
         if empty.size:
             raise ValueError(f"counts[{empty[0]}]={host_counts[empty[0]]} for a PAD view: "
                              f"a padding view has 0 tokens")
-    _plan_fits(table, rows, counts, depths, sequential, out.ndim == 2)
+    _sums.plan_fits(table.counters, table.deltas if out.ndim == 2 else None, rows, counts,
+                    depths, sequential, PAD)
     _checks.plan_counts(rows, counts, out.shape[-1], PAD)  # checked mode only
     ends = jnp.cumsum(counts)
     starts = ends - counts

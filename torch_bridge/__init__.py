@@ -35,12 +35,12 @@ except ModuleNotFoundError as e:
 
 from torch_bridge import custom_ops, dlpack, handoff
 from torch_bridge.config import PositionConfig
-from torch_bridge.engine_types import (AdmitOutcome, EngineInfo, Fork, GraphBucket, GraphSlot,
-                                       KVPlanOutput, KVView, PositionStep, PublishedInfo, Resource,
-                                       ResourceSpec, Segment, StepContext)
+from torch_bridge.engine_types import (AdmitOutcome, Fork, GraphBucket, GraphSlot, KVPlanOutput,
+                                       KVView, PositionStep, PublishedInfo, Segment, StepContext)
 from torch_bridge.launch.dispatch import KVLauncher, Launcher
 from torch_bridge.manager import PositionManager
 from torch_bridge.published import PublishedPositionInfo
+from torch_bridge.resource import EngineInfo, Resource, ResourceSpec
 from torch_bridge.rope_manager import RopeManager
 from torch_bridge.rotary_layer import RotaryEmbedding
 

@@ -36,9 +36,9 @@ import torch
 from jaxrope.positions import PositionTable
 from torch_bridge.config import PositionConfig
 from jaxrope.numbers import INT32_MAX, PLAIN_INTS, as_int
-from torch_bridge.engine_types import (AdmitOutcome, BatchCheck, EngineInfo,
-                                       PositionStep, Resource, ResourceSpec, StepContext,
+from torch_bridge.engine_types import (AdmitOutcome, BatchCheck, PositionStep, StepContext,
                                        check_graph_slot)
+from torch_bridge.resource import EngineInfo, Resource, ResourceSpec
 from torch_bridge.locking import serialized
 from torch_bridge.plans import Plan, StepPlans
 from torch_bridge.publish_admit import PublishAdmit, RecordArgs, Snapshot, writer_id

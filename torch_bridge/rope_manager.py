@@ -21,7 +21,7 @@ from jaxrope.qk_norm import QKNorm
 from torch_bridge import custom_ops, kv_append
 from torch_bridge.config import PositionConfig
 from torch_bridge.dlpack import jax_device
-from torch_bridge.engine_types import EngineInfo
+from torch_bridge.resource import EngineInfo
 from torch_bridge.locking import traceable
 from torch_bridge.launch.dispatch import FastPath, resolve_launchers
 from torch_bridge.manager import PositionManager
