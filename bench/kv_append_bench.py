@@ -90,7 +90,10 @@ class Inputs:
     pages: int
 
 
-def make_inputs(rng: np.random.Generator, tokens: int, max_cached: int = 4096) -> Inputs:
+def paged_layout(rng: np.random.Generator, tokens: int, max_cached: int = 4096,
+                 page_size: int = PAGE_SIZE):
+    """``(batch, pages)``: up to ``DECODE_MAX`` tokens one per request on ``[0, max_cached)``
+    cached ones, else prefill chunks of ``PREFILL_CHUNK`` from 0; pages drawn at random."""
     if tokens <= DECODE_MAX:
         append = [1] * tokens
         cached = rng.integers(0, max_cached, tokens).tolist()
@@ -98,8 +101,12 @@ def make_inputs(rng: np.random.Generator, tokens: int, max_cached: int = 4096) -
         append = [PREFILL_CHUNK] * (tokens // PREFILL_CHUNK) + (
             [tokens % PREFILL_CHUNK] if tokens % PREFILL_CHUNK else [])
         cached = [0] * len(append)
-    pages = sum(-(-(c + a) // PAGE_SIZE) for c, a in zip(cached, append)) + 16
-    batch = flashinfer_kv.paged_batch(rng, append, cached, pages, PAGE_SIZE)
+    pages = sum(-(-(c + a) // page_size) for c, a in zip(cached, append)) + 16
+    return flashinfer_kv.paged_batch(rng, append, cached, pages, page_size), pages
+
+
+def make_inputs(rng: np.random.Generator, tokens: int, max_cached: int = 4096) -> Inputs:
+    batch, pages = paged_layout(rng, tokens, max_cached)
     bf16 = jnp.bfloat16
 
     def normal(heads):
@@ -182,11 +189,23 @@ def jax_runs(x: Inputs, fp8: bool, backend: str, label: str, rep_seconds: float,
     if ceiling and not fp8:
         # No kernel time: each unrolled copy of x * s is a fusion of its own name, run
         # fewer times than the applications, like the loop counter.
-        elements = x.q.size + x.k.size + x.v.size
-        ceiling = timing.JaxLoop(lambda b, s: (b * s,), (jnp.ones(elements, jnp.bfloat16),),
-                                 (jnp.asarray(1.0, jnp.bfloat16),), iters=loop.n)
-        out.append(row("xla_ceiling", ceiling.time(reps)))
+        out.append(row("xla_ceiling", xla_ceiling(x.q.size + x.k.size + x.v.size,
+                                                  loop.n).time(reps)))
     return out
+
+
+def xla_ceiling(elements: int, iters: int) -> timing.JaxLoop:
+    """The byte ceiling in JAX: a jitted in-place ``x * s`` over ``elements`` bf16 values
+    (reads and writes 4 bytes an element), ``iters`` times a loop."""
+    return timing.JaxLoop(lambda b, s: (b * s,), (jnp.ones(elements, jnp.bfloat16),),
+                          (jnp.asarray(1.0, jnp.bfloat16),), iters=iters)
+
+
+def torch_ceiling(elements: int, dev) -> Callable[[], Any]:
+    """The byte ceiling in torch: one in-place ``mul_(1.0)`` over ``elements`` bf16 values."""
+    import torch
+    buf = torch.ones(elements, dtype=torch.bfloat16, device=dev)
+    return lambda: buf.mul_(1.0)
 
 
 def bridge_step(x: Inputs, dev):
@@ -271,10 +290,10 @@ def torch_runs(x: Inputs, rep_seconds: float, reps: int, notes: List[str]) -> Li
             quantize_dtype=torch.float8_e4m3fn, quant_scale_kv=FP8_SCALE, page_size=PAGE_SIZE,
             kv_layout="NHD", q_rope_out=q_out, q_nope_out=nope_out)
 
-    buf = torch.ones(q.numel() + k.numel() + v.numel(), dtype=torch.bfloat16, device=dev)
+    ceiling = torch_ceiling(q.numel() + k.numel() + v.numel(), dev)
     out = []
     for label, fn, wall in (("flashinfer_pair", pair, True), ("flashinfer_fp8", fused_fp8, False),
-                            ("ceiling", lambda: buf.mul_(1.0), False)):
+                            ("ceiling", ceiling, False)):
         try:
             out.append(torch_row(label, fn, rep_seconds, reps, on_gpu=True, wall=wall))
         except Exception as e:  # noqa: BLE001 - measure the rest, say why

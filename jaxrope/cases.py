@@ -8,6 +8,10 @@ the rest; ``default_d128`` (Llama-3-8B's heads, no scaling) is the benchmarks' t
 ``MROPE_CASES`` are the M-RoPE layouts (``pos_ids [3, T]``): sectioned, interleaved,
 GLM-4.1V's partial GPT-J pairs, partial NeoX halves, odd sizes.
 
+``FUSED_CASES`` are issue 46's fused family (QK-norm -> RoPE -> fp8 -> paged append):
+Qwen3-8B's GQA shape with its QK-norm, bf16 and fp8, and DeepSeek-V3's MLA (q_pe,
+k_pe, ckv), bf16 and fp8; benchmarks run them at :data:`FUSED_BENCH_TOKENS`.
+
 ``APPEND_CASES`` extend some of them with the paged KV cache that
 :func:`jaxrope.apply_rope_and_append_kv` writes: layout, page size, a combined
 ``[pages, 2, ...]`` array or a pair, fp8, and how many tokens are padding (slot -1);
@@ -22,14 +26,17 @@ Example:
   (16, 24, 24)
   >>> APPEND_BY_NAME["llama3_hnd_p16"].case.name, APPEND_BY_NAME["llama3_hnd_p16"].layout
   ('llama3_8b', 'HND')
+  >>> FUSED_BY_NAME["deepseek_v3_mla_fp8"].kv_lora_rank, FUSED_BY_NAME["qwen3_8b_norm_bf16"].mla
+  (512, False)
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Tuple
+from typing import Optional, Tuple
 
 from jaxrope.config import RopeConfig
+from jaxrope.qk_norm import QKNorm
 from jaxrope.scaling import DynamicNTK, Linear, Llama3, LongRope, Proportional, Yarn
 
 
@@ -166,3 +173,73 @@ MROPE_APPEND_CASES: Tuple[AppendCase, ...] = (
 )
 
 APPEND_BY_NAME = {case.name: case for case in APPEND_CASES + MROPE_APPEND_CASES}
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedCase:
+    """One call of issue 46's fused family at a model's shape.
+
+    GQA (``kv_lora_rank == 0``): :func:`jaxrope.apply_rope_and_append_kv` on ``q [T,
+    q_heads, D]``, ``k`` and ``v [T, k_heads, D]``, NHD pages. MLA (``kv_lora_rank > 0``):
+    :func:`jaxrope.apply_mla_rope_and_append` on ``q_pe [T, q_heads, r]``, ``k_pe [T, r]``
+    and ``ckv [T, kv_lora_rank]`` (``r = cfg.head_dim``), plus ``q_nope [T, q_heads,
+    q_nope_dim]`` when ``q_nope_dim``, into the ``(ckv_cache, kpe_cache)`` pair.
+    ``fp8``: q comes out and the cache is stored as float8_e4m3fn. ``qk_norm``: q and k
+    normalised per head before the rotation (weights ``[D]`` from the caller).
+    ``tokens`` is the CPU size; benchmarks replace it.
+    """
+
+    name: str
+    cfg: RopeConfig
+    q_heads: int
+    k_heads: int = 0
+    kv_lora_rank: int = 0
+    q_nope_dim: int = 0
+    fp8: bool = False
+    qk_norm: Optional[QKNorm] = None
+    tokens: int = 17
+    page_size: int = 16
+
+    def __post_init__(self) -> None:
+        if (self.k_heads > 0) == (self.kv_lora_rank > 0):
+            raise ValueError(f"{self.name}: give k_heads (GQA) or kv_lora_rank (MLA), "
+                             f"not {self.k_heads=} with {self.kv_lora_rank=}")
+        if self.kv_lora_rank > 0 and self.qk_norm is not None:
+            raise ValueError(f"{self.name}: MLA has no QK-norm in this op")
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.cfg.head_dim
+
+
+# Qwen3-8B: 32 q heads, 8 kv heads, head_dim 128, theta 1e6, rms_norm_eps 1e-6 on per-head
+# q_norm / k_norm. max_position is widened from its 40960 so tests reach 2**20.
+_QWEN3_8B = RopeConfig(head_dim=128, theta=1e6, max_position=1 << 20)
+_QWEN3_NORM = QKNorm(eps=1e-6)
+# DeepSeek-V3: qk_rope_head_dim 64 in GPT-J pairs, YaRN factor 40 over 4096 positions,
+# mscale = mscale_all_dim = 1 (attention factor 1); 128 heads, kv_lora_rank 512.
+# max_position widened from 163840 likewise.
+_DEEPSEEK_V3 = RopeConfig(head_dim=64, interleave=True, max_position=1 << 20,
+                          scaling=Yarn(factor=40.0, original_max_position=4096, mscale=1.0,
+                                       mscale_all_dim=1.0))
+
+FUSED_CASES: Tuple[FusedCase, ...] = (
+    FusedCase("qwen3_8b_norm_bf16", _QWEN3_8B, 32, k_heads=8, qk_norm=_QWEN3_NORM),
+    # FlashInfer's fused fp8 op has no norm: this one is like for like with it.
+    FusedCase("qwen3_8b_fp8", _QWEN3_8B, 32, k_heads=8, fp8=True),
+    FusedCase("qwen3_8b_norm_fp8", _QWEN3_8B, 32, k_heads=8, fp8=True, qk_norm=_QWEN3_NORM),
+    FusedCase("deepseek_v3_mla_bf16", _DEEPSEEK_V3, 128, kv_lora_rank=512),
+    # q_nope as the absorbed decode query, [T, H, kv_lora_rank]: FlashInfer's MLA mode
+    # quantises it with q_pe.
+    FusedCase("deepseek_v3_mla_fp8", _DEEPSEEK_V3, 128, kv_lora_rank=512, q_nope_dim=512,
+              fp8=True),
+)
+
+FUSED_BY_NAME = {case.name: case for case in FUSED_CASES}
+
+# Issue 46's token counts: 512 decode tokens (one per request), 16k and 64k in prefill chunks.
+FUSED_BENCH_TOKENS: Tuple[int, ...] = (512, 16384, 65536)
