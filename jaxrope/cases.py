@@ -209,10 +209,12 @@ class FusedCase:
 
     @property
     def mla(self) -> bool:
+        """True for an MLA case (``kv_lora_rank > 0``)."""
         return self.kv_lora_rank > 0
 
     @property
     def head_dim(self) -> int:
+        """GQA's ``D``, MLA's rotary width ``r``: ``cfg.head_dim``."""
         return self.cfg.head_dim
 
 

@@ -13,6 +13,7 @@ import pytest
 # JAX and torch share the GPU: JAX must not take 75% of its memory up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+from jaxrope.ops import backends as backend_module  # noqa: E402
 from jaxrope.testing import flashinfer as fp  # noqa: E402
 
 
