@@ -26,8 +26,8 @@ The calls on both sides are ``jaxrope.testing.fused_family``'s:
 
 Times per application, medians of ``--reps`` repeats, through ``bench/timing.py``:
 ``loop_us`` (JAX loop / CUDA graph), ``kernel_us`` on the GPU (profiler kernel
-durations). Derived: ``tbps``, ``ceiling_fraction`` (ceiling time / ours) and
-``vs_peer`` (ours / FlashInfer's). A case or backend this jaxrope cannot run (a part of
+durations). Derived: ``tbps``, ``ceiling_fraction`` (ceiling time / ours, and
+FlashInfer's too) and ``vs_peer`` (ours / FlashInfer's). A case or backend this jaxrope cannot run (a part of
 the round's contract not built yet, a kernel declining) gives a row with
 ``"unavailable": <reason>`` and the run goes on. Targets (issue 46; :data:`TARGETS`)
 sit beside each row; the ceiling target applies at 16k tokens and up, as in
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import math
 import os
@@ -52,6 +53,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import jaxrope as jr  # noqa: E402
 from bench import kv_append_bench as kvb  # noqa: E402
 from bench import timing  # noqa: E402
 from jaxrope import cases  # noqa: E402
@@ -110,9 +112,16 @@ def make_inputs(case: cases.FusedCase, tokens: int, seed: int, max_cached: int) 
     DeepSeek-V3's q_nope are 4G values: too many to draw on the host)."""
     rng = np.random.default_rng([seed, tokens, cases.FUSED_CASES.index(case)])
     batch, pages = kvb.paged_layout(rng, tokens, max_cached, case.page_size)
-    key = jax.random.key(int(rng.integers(1 << 31)))
+    shapes = tuple(sorted(ff.input_shapes(case, tokens).items()))
+    arrays = _draw(jax.random.key(int(rng.integers(1 << 31))), shapes)
+    return Inputs(case, arrays, batch.positions.astype(np.int32), batch, pages)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _draw(key: jax.Array, shapes: Tuple[Tuple[str, Tuple[int, ...]], ...]) -> Dict[str, jax.Array]:
+    """bf16 arrays by name: 2 N(0, 1), norm weights 1 + N(0, 0.1**2); one compile."""
     arrays = {}
-    for i, (name, shape) in enumerate(sorted(ff.input_shapes(case, tokens).items())):
+    for i, (name, shape) in enumerate(shapes):
         # At most DRAWN rows drawn, then repeated: one draw stays far below 2**32 values
         # (DeepSeek-V3's q_nope at 64k tokens is exactly 2**32), and times do not
         # depend on the values.
@@ -122,7 +131,7 @@ def make_inputs(case: cases.FusedCase, tokens: int, seed: int, max_cached: int) 
         if drawn[0] < shape[0]:
             x = jnp.tile(x, (-(-shape[0] // drawn[0]),) + (1,) * (len(shape) - 1))[:shape[0]]
         arrays[name] = x
-    return Inputs(case, arrays, batch.positions.astype(np.int32), batch, pages)
+    return arrays
 
 
 def _unavailable(label: str, reason: str) -> Dict[str, Any]:
@@ -130,9 +139,10 @@ def _unavailable(label: str, reason: str) -> Dict[str, Any]:
     return {"impl": label, "unavailable": reason}
 
 
-def jax_run(x: Inputs, backend: str, rep_seconds: float, reps: int,
-            kernel_times: bool) -> Dict[str, Any]:
-    """Ours on ``backend`` in a JaxLoop (a row, or an "unavailable" row saying why)."""
+def jax_run(x: Inputs, backend: str, rep_seconds: float, reps: int, kernel_times: bool,
+            iters: Optional[int] = None) -> Dict[str, Any]:
+    """Ours on ``backend`` in a JaxLoop of ``iters`` applications (default: sized to about
+    ``rep_seconds`` by a probe): a row, or an "unavailable" row saying why."""
     label = f"jaxrope_{backend}"
     case = x.case
     reason = ff.unavailable(case)
@@ -162,7 +172,8 @@ def jax_run(x: Inputs, backend: str, rep_seconds: float, reps: int,
             return (q_out, *new)
         carry, consts = (a["q"], *caches), args
     try:
-        loop = kvb.jax_loop(step, carry, consts, rep_seconds)
+        loop = (kvb.jax_loop(step, carry, consts, rep_seconds) if iters is None
+                else timing.JaxLoop(step, carry, consts, iters=iters))
         kernels = timing.kernel_durations(lambda: loop(1), loop.n) if kernel_times else None
         t = loop.time(reps)
     except Exception as e:  # noqa: BLE001 - a declining backend is a result, not a crash
@@ -220,9 +231,9 @@ def derive(rows: List[Dict[str, Any]], case: cases.FusedCase, tokens: int) -> No
         if "loop_us" not in r:
             continue
         r["tbps"] = r["bytes"] / r["loop_us"] / 1e6
+        if ceilings and (r["impl"].startswith("jaxrope_") or r is peer):
+            r["ceiling_fraction"] = min(ceilings) / r["loop_us"]
         if r["impl"].startswith("jaxrope_"):
-            if ceilings:
-                r["ceiling_fraction"] = min(ceilings) / r["loop_us"]
             if peer is not None:
                 r["vs_peer"] = r["loop_us"] / peer["loop_us"]
                 if r.get("kernel_us") and peer.get("kernel_us"):
@@ -304,6 +315,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     if args.label and not args.label.replace("_", "").isalnum():
         parser.error(f"--label={args.label!r} must be letters, digits and '_'")
     args.name = f"fused_family-{args.label}" if args.label else "fused_family"
+    if args.backends and not set(args.backends.split(",")) <= set(jr.BACKENDS):
+        parser.error(f"--backends={args.backends!r}: each must be one of {jr.BACKENDS}")
     unknown = [n for n in args.cases.split(",") if n not in cases.FUSED_BY_NAME]
     if unknown:
         parser.error(f"--cases: unknown {unknown}; known: {sorted(cases.FUSED_BY_NAME)}")
@@ -334,7 +347,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
               "run": timing.run_info("bench.fused_family_bench", argv),
               "env": {"jax": jax.__version__, "backend": jax.default_backend(),
                       "device": str(jax.devices()[0].device_kind)},
-              "backends": backends, "targets_by_case": TARGETS,
+              "backends": backends, "seed": args.seed, "targets_by_case": TARGETS,
               "scales": {"q": ff.Q_SCALE, "kv": ff.KV_SCALE}, "notes": notes,
               "results": results}
     for name in args.cases.split(","):
@@ -345,11 +358,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             rows: List[Dict[str, Any]] = []
             if flashinfer:  # torch first: a JAX compile meanwhile would disturb its timing
                 rows += torch_runs(x, args.rep_seconds, args.reps, notes)
+            # Quick runs skip the probes that size the loops: one compile each.
+            iters = kvb.UNROLL if args.quick else None
             for backend in backends:
                 rows.append(jax_run(x, backend, args.rep_seconds, args.reps,
-                                    on_gpu and not args.no_kernel_times))
-            rows.append(xla_ceiling_row(case, tokens, args.rep_seconds, args.reps,
-                                        8 if args.quick else None))
+                                    on_gpu and not args.no_kernel_times, iters))
+            rows.append(xla_ceiling_row(case, tokens, args.rep_seconds, args.reps, iters))
             derive(rows, case, tokens)
             results += rows
             del x

@@ -64,7 +64,7 @@ def test_arguments_are_checked_and_quick_mode_shrinks_the_run(tmp_path):
     assert args.token_counts == [512, 16384] and args.name == "fused_family"
     assert args.cases.split(",") == [c.name for c in cases.FUSED_CASES]
     for bad in (["--cases", "qwen3_8b_norm_bf16,llama"], ["--tokens", "5x"],
-                ["--tokens", "0"], ["--label", "a/b"]):
+                ["--tokens", "0"], ["--label", "a/b"], ["--backends", "mosaic,cuda"]):
         with pytest.raises(SystemExit):
             bench.parse_args(["--out", str(tmp_path), *bad])
 
@@ -108,6 +108,7 @@ def test_derive_and_table_put_ratio_ceiling_and_target_beside_each_row():
     assert ours["vs_peer"] == pytest.approx(0.7)
     assert ours["ceiling_fraction"] == pytest.approx(60 / 70)
     assert ours["tbps"] == pytest.approx(bench.op_bytes(case, 16384) / 70e6)
+    assert rows[0]["ceiling_fraction"] == pytest.approx(0.6) and "vs_peer" not in rows[0]
     text = bench.table(rows)
     assert "| qwen3_8b_fp8 | 16384 | jaxrope_mosaic | 70.00 | 69.00 |" in text
     assert "| 85.7 | 0.700 | <= 0.75x FI, >= 95% ceil |" in text
