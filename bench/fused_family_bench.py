@@ -27,11 +27,11 @@ The calls on both sides are ``jaxrope.testing.fused_family``'s:
 Times per application, medians of ``--reps`` repeats, through ``bench/timing.py``:
 ``loop_us`` (JAX loop / CUDA graph), ``kernel_us`` on the GPU (profiler kernel
 durations). Derived: ``tbps``, ``ceiling_fraction`` (ceiling time / ours, and
-FlashInfer's too) and ``vs_peer`` (ours / FlashInfer's). A case or backend this jaxrope cannot run (a part of
-the round's contract not built yet, a kernel declining) gives a row with
-``"unavailable": <reason>`` and the run goes on. Targets (issue 46; :data:`TARGETS`)
-sit beside each row; the ceiling target applies at 16k tokens and up, as in
-``bench.kv_append_bench``. Output: ``DIR/fused_family.json`` and ``DIR/fused_family.md``
+FlashInfer's too) and ``vs_peer`` (ours / FlashInfer's). A case or backend this jaxrope
+cannot run (a part of the round's contract not built yet, a kernel declining) gives a
+row with ``"unavailable": <reason>`` and the run goes on. Targets (issue 46;
+:data:`TARGETS`) sit beside each row; the ceiling target applies at 16k tokens and up,
+as in ``bench.kv_append_bench``. Output: ``DIR/fused_family.json`` and ``DIR/fused_family.md``
 (``fused_family-<label>.*`` with ``--label``, to split a run over two commands).
 """
 
@@ -197,7 +197,7 @@ def torch_runs(x: Inputs, rep_seconds: float, reps: int, notes: List[str]) -> Li
     out = []
     try:
         step, fi_out = ff.flashinfer_step(case, tensors, x.pos_ids, x.batch)
-        if fi_out["note"]:
+        if fi_out["note"] and fi_out["note"] not in notes:
             notes.append(fi_out["note"])
         out.append(kvb.torch_row("flashinfer", step, rep_seconds, reps, on_gpu=True))
     except Exception as e:  # noqa: BLE001 - measure the rest, say why

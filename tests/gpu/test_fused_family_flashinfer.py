@@ -97,8 +97,8 @@ def _ours(s: Setup, backend: str):
     q_out, nope_out, caches = jax.jit(call, donate_argnums=donate)(
         x["q"], x["k"], x["v"], x.get("q_nope"), x.get("wq"), x.get("wk"), jnp.asarray(s.pos),
         jnp.asarray(s.slots), tuple(jnp.asarray(c) for c in s.old))
-    return (np.asarray(q_out)[:s.tokens], None if nope_out is None else np.asarray(nope_out)[:s.tokens],
-            tuple(np.asarray(c) for c in caches))
+    nope = None if nope_out is None else np.asarray(nope_out)[:s.tokens]
+    return np.asarray(q_out)[:s.tokens], nope, tuple(np.asarray(c) for c in caches)
 
 
 def _flashinfer(s: Setup):
