@@ -55,7 +55,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 # JAX shares the GPU with torch here: it must not reserve most of the memory at start.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -91,7 +91,7 @@ class Inputs:
 
 
 def paged_layout(rng: np.random.Generator, tokens: int, max_cached: int = 4096,
-                 page_size: int = PAGE_SIZE):
+                 page_size: int = PAGE_SIZE) -> Tuple[flashinfer_kv.PagedBatch, int]:
     """``(batch, pages)``: up to ``DECODE_MAX`` tokens one per request on ``[0, max_cached)``
     cached ones, else prefill chunks of ``PREFILL_CHUNK`` from 0; pages drawn at random."""
     if tokens <= DECODE_MAX:
