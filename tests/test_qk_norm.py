@@ -125,23 +125,26 @@ def test_qk_norm_is_a_static_jit_argument_and_each_value_compiles_its_own(rng):
 
 
 def test_auto_falls_through_to_xla_when_the_kernel_declines_a_norm(monkeypatch, rng):
+    # The Triton kernel normalises per head; a per-token norm (OLMo 2) spans heads that
+    # several of its programs hold, so it declines that one.
     cfg = jr.RopeConfig(head_dim=64)
     q, k = (jnp.asarray(rng.standard_normal((3, 2, 64)), jnp.float32) for _ in "qk")
-    w = jnp.ones(64, jnp.float32)
+    w = jnp.ones(2 * 64, jnp.float32)
     args = (q, k, k, jnp.arange(3), _caches(jnp.float32, 2, 64), _slots(rng, 3), cfg)
-    want = jr.apply_rope_and_append_kv(*args, q_norm_weight=w, qk_norm=QWEN3, backend="xla")
+    want = jr.apply_rope_and_append_kv(*args, q_norm_weight=w, qk_norm=OLMO2, backend="xla")
     # "auto" as on a GPU: the Triton kernel first (its interpreter here), then XLA.
     monkeypatch.setattr(backends, "candidates", lambda *a: ("interpret", "xla"))
-    got = jr.apply_rope_and_append_kv(*args, q_norm_weight=w, qk_norm=QWEN3, backend="auto")
+    got = jr.apply_rope_and_append_kv(*args, q_norm_weight=w, qk_norm=OLMO2, backend="auto")
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     rows = jr.ops.rope_append_kv.cache_layout.cache_rows("NHD", False, PAGES, PAGE_SIZE, 2)
-    with pytest.raises(NotImplementedError, match="backend='interpret' does not normalise"):
+    with pytest.raises(NotImplementedError, match="backend='interpret' normalises q and k per "
+                                                  "head only: qk_norm.per_head=False"):
         triton_append.rope_append_kv_triton(
             q, k, k, jnp.arange(3), args[5], jnp.zeros((3, 32), jnp.float32),
             jnp.ones(2, jnp.float32), tuple(c.reshape(-1, 64) for c in args[4]), rows=rows,
             rotary_dim=64, interleave=False, attention_factor=1.0, interpret=True,
-            q_norm_weight=w, qk_norm=QWEN3)
+            q_norm_weight=w, qk_norm=OLMO2)
 
 
 # --- refusals -----------------------------------------------------------------------------
