@@ -31,6 +31,7 @@ from jaxrope.ops import backends
 from jaxrope.ops.rope_append_kv import triton as triton_append
 from jaxrope.qk_norm import normalize
 from jaxrope.testing import oracle
+from jaxrope.testing.kv_norm import norm_oracle as _norm_oracle
 
 REQUIRE_ENV = "JAXROPE_REQUIRE_TRANSFORMERS"
 PAGES, PAGE_SIZE = 4, 16
@@ -45,16 +46,6 @@ def _module(name):
         return importlib.import_module(name)
     return pytest.importorskip(name, reason=f"needs {name} ({REQUIRE_ENV}=1 makes its "
                                             "absence a failure)")
-
-
-def _norm_oracle(x, weight, qk_norm: jr.QKNorm) -> np.ndarray:
-    """float64 ``[T, H, D]``: the RMSNorm written from its formula."""
-    x = np.asarray(x, np.float64)
-    w = np.asarray(weight, np.float64)
-    axes = (-1,) if qk_norm.per_head else (-2, -1)
-    w = w if qk_norm.per_head else w.reshape(x.shape[-2:])
-    w = 1.0 + w if qk_norm.convention == "gemma" else w
-    return x / np.sqrt(np.mean(x * x, axis=axes, keepdims=True) + qk_norm.eps) * w
 
 
 def _caches(dtype, k_heads, head_dim):
