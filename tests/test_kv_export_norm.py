@@ -105,6 +105,7 @@ def test_the_launcher_declines_cpu_tensors_and_a_per_token_norm():
     args = (q, k, k, torch.zeros(3, dtype=torch.int32), caches,
             torch.tensor([0, 1, -1], dtype=torch.int32), c.cfg, _geometry(case))
     launcher = TritonKVLauncher()
+    assert launcher.accepts == {"norm", "q_out"}
     with pytest.raises(jr.BackendUnavailable, match="q is on cpu: the launcher needs CUDA"):
         launcher.rotate_and_append_kv_(*args, (1.0, 1.0), norm=(w, None, QWEN3))
     olmo = jr.QKNorm(eps=1e-5, per_head=False)

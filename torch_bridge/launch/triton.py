@@ -295,6 +295,10 @@ class TritonKVLauncher:
       >>> launcher = TritonKVLauncher()          # on CUDA, "auto" makes one  # doctest: +SKIP
     """
 
+    # The keywords rotate_and_append_kv_ takes beyond the plain call: a caller offers a
+    # normalised or fp8-q call only to a launcher that lists them (others lack them).
+    accepts = frozenset({"norm", "q_out"})
+
     def __init__(self, *, target: Any = None):
         self._kernels = KernelCache("rope_append_kv", target)
         self._tables = AngleTables()
