@@ -27,15 +27,20 @@ GEMMA = jr.QKNorm(eps=1e-6, convention="gemma")
 BASE = ["i32", "i32", "i32", "f32", "f32", "bf16", "bf16", "bf16"]
 
 
-@pytest.mark.parametrize("norm, weights, q_out", [
-    (NormOperands("bfloat16", "float32", QWEN3, fp8_q=True), ["bf16", "f32"], "f8E4M3FN"),
-    (NormOperands(k_weight="float16", qk_norm=GEMMA), ["f16"], "bf16"),
-    (NormOperands(fp8_q=True), [], "f8E4M3FN")], ids=["both-fp8-q", "k-only", "fp8-q-only"])
-def test_the_weights_sit_after_v_and_an_fp8_q_is_its_own_output(norm, weights, q_out):
-    exported, _ = _export("partial_half_fp8_hnd_combined", norm=norm)
+@pytest.mark.parametrize("name, norm, weights, q_out, caches", [
+    ("partial_half_fp8_hnd_combined", NormOperands("bfloat16", "float32", QWEN3, fp8_q=True),
+     ["bf16", "f32"], "f8E4M3FN", ["f8E4M3FN"]),
+    # Interleaved pairs, D 96 of which 48 rotate: pieces (and weights) running past D.
+    ("interleave_d96_nhd_p1", NormOperands(k_weight="float16", qk_norm=GEMMA), ["f16"], "bf16",
+     ["bf16", "bf16"]),
+    ("partial_half_fp8_hnd_combined", NormOperands(fp8_q=True), [], "f8E4M3FN", ["f8E4M3FN"])],
+    ids=["both-fp8-q", "k-only-d96", "fp8-q-only"])
+def test_the_weights_sit_after_v_and_an_fp8_q_is_its_own_output(name, norm, weights, q_out,
+                                                                 caches):
+    exported, _ = _export(name, norm=norm)
     assert (exported.num_weights, exported.fp8_q) == (len(weights), norm.fp8_q)
-    inputs = BASE + weights + ["f8E4M3FN"]
-    assert _signature(exported.ttir) == [(t, "32") for t in inputs + [q_out, "f8E4M3FN"]]
+    inputs = BASE + weights + caches
+    assert _signature(exported.ttir) == [(t, "32") for t in inputs + [q_out, *caches]]
 
 
 def test_the_norm_is_in_the_ir_only_when_a_weight_is_exported():

@@ -64,8 +64,10 @@ SPECS: Dict[str, Spec] = {
     # Qwen3 (Hq 4, Hk 2 of its GQA ratio), bf16 weights as the checkpoint holds them.
     "qwen3_bf16": Spec(jr.RopeConfig(head_dim=128, theta=1e6), jnp.bfloat16, QWEN3, True, True,
                        jnp.bfloat16, num_scales=2),
-    "gemma_partial_hnd_combined": Spec(jr.RopeConfig(head_dim=64, rotary_dim=32), jnp.float32,
-                                       GEMMA, True, True, layout="HND", combined=True),
+    # Passthrough dims [40, 80) loaded as a 64-lane piece running past D, weights too.
+    "gemma_d80_partial_hnd_combined": Spec(jr.RopeConfig(head_dim=80, rotary_dim=40),
+                                           jnp.float32, GEMMA, True, True, layout="HND",
+                                           combined=True),
     # q not normalised but quantised: its passthrough dims scaled and stored too.
     "interleave_k_only_f16_fp8_q": Spec(jr.RopeConfig(head_dim=64, rotary_dim=32, interleave=True),
                                         jnp.float16, QWEN3, False, True, jnp.bfloat16,
