@@ -31,6 +31,7 @@ from jaxrope.ops import backends
 from jaxrope.ops.rope_append_kv import triton as triton_append
 from jaxrope.qk_norm import normalize
 from jaxrope.testing import oracle
+from jaxrope.testing.kv_norm import norm_oracle as _norm_oracle
 
 REQUIRE_ENV = "JAXROPE_REQUIRE_TRANSFORMERS"
 PAGES, PAGE_SIZE = 4, 16
@@ -45,16 +46,6 @@ def _module(name):
         return importlib.import_module(name)
     return pytest.importorskip(name, reason=f"needs {name} ({REQUIRE_ENV}=1 makes its "
                                             "absence a failure)")
-
-
-def _norm_oracle(x, weight, qk_norm: jr.QKNorm) -> np.ndarray:
-    """float64 ``[T, H, D]``: the RMSNorm written from its formula."""
-    x = np.asarray(x, np.float64)
-    w = np.asarray(weight, np.float64)
-    axes = (-1,) if qk_norm.per_head else (-2, -1)
-    w = w if qk_norm.per_head else w.reshape(x.shape[-2:])
-    w = 1.0 + w if qk_norm.convention == "gemma" else w
-    return x / np.sqrt(np.mean(x * x, axis=axes, keepdims=True) + qk_norm.eps) * w
 
 
 def _caches(dtype, k_heads, head_dim):
@@ -125,23 +116,26 @@ def test_qk_norm_is_a_static_jit_argument_and_each_value_compiles_its_own(rng):
 
 
 def test_auto_falls_through_to_xla_when_the_kernel_declines_a_norm(monkeypatch, rng):
+    # The Triton kernel normalises per head; a per-token norm (OLMo 2) spans heads that
+    # several of its programs hold, so it declines that one.
     cfg = jr.RopeConfig(head_dim=64)
     q, k = (jnp.asarray(rng.standard_normal((3, 2, 64)), jnp.float32) for _ in "qk")
-    w = jnp.ones(64, jnp.float32)
+    w = jnp.ones(2 * 64, jnp.float32)
     args = (q, k, k, jnp.arange(3), _caches(jnp.float32, 2, 64), _slots(rng, 3), cfg)
-    want = jr.apply_rope_and_append_kv(*args, q_norm_weight=w, qk_norm=QWEN3, backend="xla")
+    want = jr.apply_rope_and_append_kv(*args, q_norm_weight=w, qk_norm=OLMO2, backend="xla")
     # "auto" as on a GPU: the Triton kernel first (its interpreter here), then XLA.
     monkeypatch.setattr(backends, "candidates", lambda *a: ("interpret", "xla"))
-    got = jr.apply_rope_and_append_kv(*args, q_norm_weight=w, qk_norm=QWEN3, backend="auto")
+    got = jr.apply_rope_and_append_kv(*args, q_norm_weight=w, qk_norm=OLMO2, backend="auto")
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     rows = jr.ops.rope_append_kv.cache_layout.cache_rows("NHD", False, PAGES, PAGE_SIZE, 2)
-    with pytest.raises(NotImplementedError, match="backend='interpret' does not normalise"):
+    with pytest.raises(NotImplementedError, match="backend='interpret' normalises q and k per "
+                                                  "head only: qk_norm.per_head=False"):
         triton_append.rope_append_kv_triton(
             q, k, k, jnp.arange(3), args[5], jnp.zeros((3, 32), jnp.float32),
             jnp.ones(2, jnp.float32), tuple(c.reshape(-1, 64) for c in args[4]), rows=rows,
             rotary_dim=64, interleave=False, attention_factor=1.0, interpret=True,
-            q_norm_weight=w, qk_norm=QWEN3)
+            q_norm_weight=w, qk_norm=OLMO2)
 
 
 # --- refusals -----------------------------------------------------------------------------

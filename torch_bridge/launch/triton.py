@@ -15,6 +15,11 @@ host sync, in place on the engine's tensors, capturable in a ``torch.cuda.CUDAGr
   remembered) and :class:`KernelLaunch` (one compiled kernel bound to a grid, launched
   through Triton's C entry point).
 
+QK-norm and fp8 q: ``rotate_and_append_kv_(..., norm=, q_out=)`` launches the kernel
+exported with the norm weights (per head) and an fp8 q output
+(:class:`jaxrope.ops.rope_append_kv.triton_export.NormOperands`, part of the kernel's key);
+a per-token norm is declined (the JAX path serves it). ``bind`` serves the plain call.
+
 The token count is read by the kernel from a device array, so one compiled kernel serves
 every T (:class:`torch_bridge.launch.runtime.CountTable`); the cache geometry (pages, page
 size, layout, dtype) is part of the fused kernel, which an engine fixes once. Slots of
@@ -48,13 +53,15 @@ from jaxrope.errors import BackendUnavailable
 from jaxrope.ops.rope import triton_export
 from jaxrope.ops.rope.tuning import TritonTuning, triton_tuning
 from jaxrope.ops.rope_append_kv import triton_export as append_triton_export
+from jaxrope.ops.rope_append_kv.triton_export import NormOperands
 from jaxrope.ops.rope_append_kv.tuning import AppendTritonTuning, append_triton_tuning
 from jaxrope.ops.triton_common import lanes_for
 from torch_bridge.dlpack import jax_dtype_name
 from torch_bridge.kv_append import CacheGeometry
 from torch_bridge.launch.runtime import (ALIGN, AngleTables, CountTable, LaunchRecords,
-                                         ScaleTables, append_record, bound_append,
-                                         check_launchable, launch_append, mrope_block)
+                                         ScaleTables, append_operands, append_record,
+                                         bound_append, check_launchable, launch_append,
+                                         mrope_block)
 
 __all__ = ["KernelCache", "KernelLaunch", "TritonKVLauncher", "TritonLauncher", "import_triton"]
 
@@ -288,6 +295,10 @@ class TritonKVLauncher:
       >>> launcher = TritonKVLauncher()          # on CUDA, "auto" makes one  # doctest: +SKIP
     """
 
+    # The keywords rotate_and_append_kv_ takes beyond the plain call: a caller offers a
+    # normalised or fp8-q call only to a launcher that lists them (others lack them).
+    accepts = frozenset({"norm", "q_out"})
+
     def __init__(self, *, target: Any = None):
         self._kernels = KernelCache("rope_append_kv", target)
         self._tables = AngleTables()
@@ -297,24 +308,29 @@ class TritonKVLauncher:
         self._launches = LaunchRecords(_MAX_LAUNCHES)
 
     def kernel(self, q_heads: int, dtype: torch.dtype, cfg: RopeConfig, geometry: CacheGeometry,
-               block: AppendTritonTuning) -> Tuple[Any, append_triton_export.AppendKernel]:
-        """``(compiled, exported)``: the kernel for this layout, exported and compiled once.
+               block: AppendTritonTuning, norm: NormOperands = NormOperands()
+               ) -> Tuple[Any, append_triton_export.AppendKernel]:
+        """``(compiled, exported)``: the kernel for this layout (and ``norm``: QK-norm
+        weights, fp8 q), exported and compiled once.
 
         Raises:
           BackendUnavailable: the export failed (for this key it is not tried again).
         """
-        return self._kernels.get((q_heads, dtype, cfg, geometry, block), lambda: (
+        return self._kernels.get((q_heads, dtype, cfg, geometry, block, norm), lambda: (
             append_triton_export.export_append_kv(
                 q_heads=q_heads, k_heads=geometry.k_heads, head_dim=cfg.head_dim,
                 dtype=jax_dtype_name(dtype), cache_shape=geometry.view_shape,
                 cache_dtype=jax_dtype_name(geometry.dtype), layout=geometry.layout,
-                components=geometry.components, block=block, **kernel_options(cfg))))
+                components=geometry.components, block=block, norm=norm,
+                **kernel_options(cfg))))
 
     def rotate_and_append_kv_(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               pos_ids: torch.Tensor, caches: Sequence[torch.Tensor],
                               slots: torch.Tensor, cfg: RopeConfig, geometry: CacheGeometry,
-                              scales: Tuple[float, float],
-                              block: Optional[AppendTritonTuning] = None) -> None:
+                              scales: Tuple[float, ...],
+                              block: Optional[AppendTritonTuning] = None, *,
+                              norm: Optional[Tuple[Any, Any, Any]] = None,
+                              q_out: Optional[torch.Tensor] = None) -> None:
         """Rotate ``q [T, Hq, D]`` in place at ``pos_ids[:T]``; write k, v into ``caches`` at ``slots``.
 
         ``k, v [T, Hk, D]``, ``pos_ids`` int32 ``[>= T]`` (M-RoPE: ``[3, N >= T]``, its
@@ -326,12 +342,35 @@ class TritonKVLauncher:
         shapes, dtypes and devices; this checks only what the compiled kernel assumes.
         ``block`` overrides the launch-shape heuristic (benchmarks sweep it).
 
+        ``norm``: ``(q_norm_weight, k_norm_weight, qk_norm)`` as
+        :func:`torch_bridge.kv_append.check_norm` returns it (weights ``[D]``, either
+        None), q and k normalised per head in the kernel before the rotation. ``q_out``: a
+        float8_e4m3fn tensor shaped like q, written with ``e4m3(clip(rot(q) * scales[2],
+        -448, 448))`` of every dim, q then left unchanged; ``scales`` is ``(k_scale,
+        v_scale, q_scale)`` with it.
+
         Raises:
           BackendUnavailable: a tensor off CUDA or breaking the kernel's layout
-            assumptions (contiguous, 32-byte aligned), or an export that fails.
+            assumptions (contiguous, 32-byte aligned), a per-token norm (the kernel
+            normalises per head), or an export that fails.
+          ValueError: ``q_out`` not float8_e4m3fn shaped like q, or without a q scale.
         """
-        launch_append(self._launches, self._prepare, q, k, v, pos_ids, caches, slots, cfg,
-                      geometry, scales, block)
+        extras = _norm_operands(q, norm, q_out, scales)
+        if extras == NormOperands():
+            launch_append(self._launches, self._prepare, q, k, v, pos_ids, caches, slots, cfg,
+                          geometry, scales, (block, extras))
+            return
+        if q.shape[0] == 0:
+            return
+        pos_ids, slots = append_operands(q, k, v, pos_ids, slots, caches, cfg, geometry)
+        weights = tuple(w for w in norm[:2] if w is not None) if norm else ()
+        outputs = () if q_out is None else (("q_out", q_out),)
+        check_launchable((*(("norm weight", w) for w in weights), *outputs))
+        launch = append_record(self._launches, self._prepare, q, cfg, geometry, scales,
+                               (block, extras))
+        launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), pos_ids.data_ptr(), slots.data_ptr(),
+               tuple(c.data_ptr() for c in caches), tuple(w.data_ptr() for w in weights),
+               None if q_out is None else q_out.data_ptr())
 
     def bind(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              caches: Sequence[torch.Tensor], slots: torch.Tensor, cfg: RopeConfig,
@@ -346,14 +385,16 @@ class TritonKVLauncher:
         refuses an overlapping pair).
         """
         return bound_append(append_record(self._launches, self._prepare, q, cfg, geometry,
-                                          scales, None), geometry, cfg, caches)
+                                          scales, (None, NormOperands())), geometry, cfg, caches)
 
     def _prepare(self, tokens: int, q_heads: int, dtype: torch.dtype, device: torch.device,
-                 cfg: RopeConfig, geometry: CacheGeometry, scales: Tuple[float, float],
-                 block: Optional[AppendTritonTuning]) -> Callable[..., None]:
+                 cfg: RopeConfig, geometry: CacheGeometry, scales: Tuple[float, ...],
+                 shape: Tuple[Optional[AppendTritonTuning], NormOperands]) -> Callable[..., None]:
+        # shape: the launch-shape override (or None) and the kernel's norm and q operands.
+        block, norm = shape
         lanes = lanes_for(cfg.rotary_dim)
         block = block or append_triton_tuning(tokens, q_heads, geometry.k_heads, lanes)
-        compiled, exported = self.kernel(q_heads, dtype, cfg, geometry, block)
+        compiled, exported = self.kernel(q_heads, dtype, cfg, geometry, block, norm)
         kernel = KernelLaunch(compiled, exported.grid(tokens), device)
         counts = self._counts.get(device)
         if counts is None:
@@ -362,7 +403,35 @@ class TritonKVLauncher:
         tables_ptr = self._tables.get(cfg, device, lanes).data_ptr()
         scales_ptr = self._scales.pointer(scales, device)
 
-        def launch(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cache_ptrs):
+        def launch(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cache_ptrs, weight_ptrs=(),
+                   q_out_ptr=None):
+            # q_out aliases q unless the kernel writes a new fp8 q.
             kernel(count_ptr, pos_ptr, slot_ptr, tables_ptr, scales_ptr, q_ptr, k_ptr, v_ptr,
-                   *cache_ptrs, q_ptr, *cache_ptrs)
+                   *weight_ptrs, *cache_ptrs, q_ptr if q_out_ptr is None else q_out_ptr,
+                   *cache_ptrs)
         return launch
+
+
+def _norm_operands(q: torch.Tensor, norm: Optional[Tuple[Any, Any, Any]],
+                   q_out: Optional[torch.Tensor], scales: Tuple[float, ...]) -> NormOperands:
+    """The kernel's norm and q operands for a call (:class:`NormOperands`).
+
+    Raises:
+      BackendUnavailable: a per-token norm (a program holds a subset of a token's heads).
+      ValueError: ``q_out`` not float8_e4m3fn shaped like q, or ``scales`` without a q scale.
+    """
+    if q_out is not None:
+        if q_out.dtype != torch.float8_e4m3fn or q_out.numel() != q.numel() or (
+                q_out.shape[0] != q.shape[0]):
+            raise ValueError(f"q_out ({tuple(q_out.shape)}, {q_out.dtype}) must be "
+                             f"torch.float8_e4m3fn shaped like q ({tuple(q.shape)})")
+        if len(scales) != 3:
+            raise ValueError(f"scales={scales!r} must be (k_scale, v_scale, q_scale) with q_out")
+    if norm is None:
+        return NormOperands(fp8_q=q_out is not None)
+    q_w, k_w, qk_norm = norm
+    if not qk_norm.per_head:
+        raise BackendUnavailable("the Triton append kernel normalises per head only: a "
+                                 "per-token norm (qk_norm.per_head=False) takes the JAX path")
+    return NormOperands(*(None if w is None else jax_dtype_name(w.dtype) for w in (q_w, k_w)),
+                        qk_norm=qk_norm, fp8_q=q_out is not None)
