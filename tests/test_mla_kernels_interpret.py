@@ -32,7 +32,7 @@ from jaxrope.ops.mla_rope_append import triton as mla_triton
 from jaxrope.ops.mla_rope_append import tuning as mla_tuning
 from jaxrope.testing import kv_oracle, oracle
 from jaxrope.testing.kv_oracle import bits
-from jaxrope.testing.lowering import cuda_target
+from jaxrope.testing.lowering import cuda_target, triton_modules
 
 MISSING = mosaic_common.unavailable()
 needs_mosaic = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
@@ -42,6 +42,8 @@ needs_lowering = pytest.mark.skipif(LOWERING is not None, reason=str(LOWERING))
 _CONFIG = pathlib.Path(__file__).parent / "data" / "hf_configs" / "deepseek-ai__DeepSeek-V3.json"
 DEEPSEEK = jr.RopeConfig.from_hf(json.loads(_CONFIG.read_text())["config"])
 NEOX = dataclasses.replace(DEEPSEEK, interleave=False)
+# An M-RoPE config with MLA's rotary width (no model ships one): positions [3, T].
+MROPE = jr.RopeConfig(head_dim=64, rotary_dim=64, interleave=True, mrope_section=(16, 8, 8))
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 Q_SCALE, KV_SCALE = 0.75, 1.5
 
@@ -56,7 +58,7 @@ class MlaCase(NamedTuple):
     fp8_q: bool = False
     nope_dim: int = 0         # q_nope's N (0: no q_nope)
     heads: int = 4
-    tokens: int = 7
+    tokens: int = 5
     attention_factor: Optional[float] = None  # overrides the config's
 
 
@@ -66,10 +68,15 @@ CASES = [
     MlaCase("deepseek_combined_bf16_nope_kept", DEEPSEEK, jnp.bfloat16, True, 40, nope_dim=128),
     MlaCase("deepseek_pair_fp8_q_bf16_cache", DEEPSEEK, jnp.bfloat16, False, 40, fp8_q=True,
             heads=8, tokens=5),
-    MlaCase("neox_pair_fp8_q_nope128", NEOX, jnp.bfloat16, False, 40, True, True, 128),
+    MlaCase("neox_pair_fp8_q_nope128", NEOX, jnp.bfloat16, False, 40, True, True, 128, heads=6),
     MlaCase("neox_combined_f32_factor", NEOX, jnp.float32, True, 48, tokens=9,
             attention_factor=1.25),
+    MlaCase("mrope_combined_bf16", MROPE, jnp.bfloat16, True, 40),
 ]
+# DeepSeek-V3's own sizes (H 128, N 512, L 512), lowered only: the interpreters would
+# take minutes.
+FULL = MlaCase("deepseek_v3_full_fp8", DEEPSEEK, jnp.bfloat16, True, 512, True, True, 512,
+               heads=128, tokens=64)
 BY_NAME = {c.name: c for c in CASES}
 TOLERANCE = oracle.RELATIVE_TOLERANCE
 
@@ -84,7 +91,7 @@ class Inputs(NamedTuple):
     caches: tuple  # [rows, width] matrices
 
 
-def _inputs(rng, case: MlaCase, pages: int = 6, page_size: int = 4) -> Inputs:
+def _inputs(rng, case: MlaCase, page_size: int = 4) -> Inputs:
     r, t, h, L = case.cfg.rotary_dim, case.tokens, case.heads, case.kv_lora_rank
     dtype = jnp.dtype(case.dtype)
 
@@ -93,17 +100,19 @@ def _inputs(rng, case: MlaCase, pages: int = 6, page_size: int = 4) -> Inputs:
 
     ckv = normal(t, L)
     ckv[0, :3] = np.array([600.0, -1000.0, 300.0], np.float32).astype(dtype)  # saturates fp8
-    rows = pages * page_size
+    rows = max(6, -(-2 * t // page_size)) * page_size   # whole pages, half of them named
     slots = rng.permutation(rows)[:t].astype(np.int32)
     slots[1] = -1                       # padding
     slots[t - 2] = rows + 3             # past the cache (a traced slot): skipped
+    pos_shape = (3, t) if case.cfg.mrope_section else (t,)
     widths = (L + r,) if case.combined else (L, r)
     cache_dtype = FP8 if case.fp8_cache else dtype
     caches = tuple(np.asarray(rng.standard_normal((rows, w)), np.float32).astype(cache_dtype)
                    for w in widths)
     return Inputs(normal(t, h, r), normal(t, r), ckv,
                   normal(t, h, case.nope_dim) if case.nope_dim else None,
-                  rng.integers(0, case.cfg.max_position, t).astype(np.int32), slots, caches)
+                  rng.integers(0, case.cfg.max_position, pos_shape).astype(np.int32), slots,
+                  caches)
 
 
 def _attention(case: MlaCase) -> float:
@@ -112,7 +121,14 @@ def _attention(case: MlaCase) -> float:
 
 def _rotate64(x, pos, case: MlaCase) -> np.ndarray:
     inv_freq, _ = case.cfg.serving_frequencies()
-    angle = pos.astype(np.float64)[:, None] * np.asarray(inv_freq, np.float64)[None, :]
+    slot_pos = pos.astype(np.float64)[:, None]
+    if case.cfg.mrope_section:
+        # Sectioned M-RoPE: the first s_t frequency slots take the t row, the next s_h
+        # the h row, the rest the w row.
+        s_t, s_h, _ = case.cfg.mrope_section
+        rows = np.repeat([0, 1, 2], [s_t, s_h, len(inv_freq) - s_t - s_h])
+        slot_pos = pos[rows].T.astype(np.float64)
+    angle = slot_pos * np.asarray(inv_freq, np.float64)[None, :]
     cos, sin = (f(angle) * _attention(case) for f in (np.cos, np.sin))
     x = np.asarray(x, np.float64)
     if x.ndim == 3:
@@ -206,9 +222,10 @@ def test_triton_body_matches_the_oracle_in_the_interpreter(case, rng):
 
 
 @pytest.mark.parametrize("name, tuning", [
-    # Programs walking 4 tokens over 7 (a partial last walk), groups of 2 heads.
-    ("deepseek_combined_fp8_q_nope512", mla_tuning.MlaTritonTuning(2, 1, 2, token_loop=4)),
-    ("neox_pair_fp8_q_nope128", mla_tuning.MlaTritonTuning(1, 2, 4, token_loop=3))])
+    # Programs walking 4 tokens over 9 (a partial last walk), groups of 1 head, 2 q_nope
+    # heads a program.
+    ("neox_combined_f32_factor", mla_tuning.MlaTritonTuning(1, 2, 4, token_loop=4)),
+    ("neox_pair_fp8_q_nope128", mla_tuning.MlaTritonTuning(2, 1, 4, token_loop=3))])
 def test_triton_launch_shapes_cover_every_token_and_head_once(name, tuning, rng):
     case = BY_NAME[name]
     x = _inputs(rng, case)
@@ -242,15 +259,16 @@ def test_the_triton_heuristic_splits_deepseek_v3_as_documented():
 
 
 def _lower(impl, case: MlaCase, x: Inputs, donate, **kw):
-    tables = jnp.asarray(kernel_constants(case.cfg)[0])
+    tables = kernel_constants(case.cfg)[0]  # numpy: no eager JAX op under cuda_target
     fn = jax.jit(lambda q_pe, k_pe, ckv, q_nope, pos, slots, caches: impl(
         q_pe, k_pe, ckv, q_nope, pos, slots, tables, _scales(case), caches,
         **_options(case), **kw), donate_argnums=donate)
-    return fn.trace(x.q_pe, x.k_pe, x.ckv, x.q_nope, x.pos, x.slots, x.caches).lower(
-        lowering_platforms=("cuda",)).as_text()
+    # Shapes only: JAX 0.11 lowers no concrete array under cuda_target's abstract mesh.
+    specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tuple(x))
+    return fn.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CASES + [FULL], ids=lambda c: c.name)
 def test_triton_kernel_lowers_for_cuda_with_q_pe_and_the_caches_aliased(case, rng):
     x = _inputs(rng, case)
     with cuda_target():
@@ -311,10 +329,32 @@ def test_mosaic_reads_the_token_count_at_run_time(name, grid, rng):
 
 @needs_mosaic
 @needs_lowering
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CASES + [FULL], ids=lambda c: c.name)
 def test_mosaic_kernel_lowers_for_cuda(case, rng):
     # Off a GPU the Mosaic GPU lowering still runs: a layout it cannot transfer or a
     # broadcast its layouts do not allow fails here.
     x = _inputs(rng, case)
     text = _lower(mla_mosaic.mla_rope_append_mosaic, case, x, (0, 6), interpret=False)
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.requires_triton
+def test_the_triton_kernel_compiles_to_ptx_for_sm90(tmp_path):
+    # Triton's own passes (TTIR -> PTX for sm_90) run on the CPU, at DeepSeek-V3's sizes:
+    # the hardware sine/cosine, the saturating e4m3 conversion (fp8 q and cache) and
+    # vector stores.
+    import triton
+    from triton.backends.compiler import GPUTarget
+    x = _inputs(np.random.default_rng(0), FULL)
+    tables = kernel_constants(FULL.cfg)[0]
+    block = mla_tuning.mla_triton_tuning(FULL.tokens, FULL.heads, 32, FULL.nope_dim)
+    specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tuple(x))
+    [ttir] = triton_modules(lambda *a: mla_triton.mla_rope_append_triton(
+        *a[:6], tables, _scales(FULL), a[6], **_options(FULL), tuning=block), *specs)
+    path = tmp_path / "kernel.ttir"
+    path.write_text(ttir)
+    ptx = triton.compile(str(path), target=GPUTarget("cuda", 90, 32), options={
+        "num_warps": block.num_warps, "num_stages": block.num_stages}).asm["ptx"]
+    assert "sin.approx.f32" in ptx and "cos.approx.f32" in ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert re.search(r"st\.global\.v[24]", ptx), "rows should be stored in vectors"
