@@ -358,3 +358,17 @@ def test_the_triton_kernel_compiles_to_ptx_for_sm90(tmp_path):
     assert "sin.approx.f32" in ptx and "cos.approx.f32" in ptx
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert re.search(r"st\.global\.v[24]", ptx), "rows should be stored in vectors"
+
+
+def test_an_fp8_q_nope_of_2_to_4_gib_is_declined():
+    # JAX's Triton lowering would address it with wrapping int32 offsets: the kernel
+    # declines (BackendUnavailable), so "auto" takes XLA. Shapes only, nothing allocated.
+    sds = jax.ShapeDtypeStruct
+    tokens, heads = 3 << 14, 128   # q_nope_out: 3 * 2**30 bytes of fp8
+    args = (sds((tokens, heads, 64), jnp.bfloat16), sds((tokens, 64), jnp.bfloat16),
+            sds((tokens, 512), jnp.bfloat16), sds((tokens, heads, 512), jnp.bfloat16),
+            sds((tokens,), jnp.int32), sds((tokens,), jnp.int32), sds((3, 32), jnp.float32),
+            sds((2,), jnp.float32), (sds((64, 576), jnp.bfloat16),))
+    with pytest.raises(jr.BackendUnavailable, match="the fp8 q_nope"):
+        jax.eval_shape(lambda *a: mla_triton.mla_rope_append_triton(
+            *a, **dict(_options(FULL), q_dtype=FP8)), *args)

@@ -225,18 +225,24 @@ def mla_rope_append_triton(q_pe, k_pe, ckv, q_nope, pos_ids, slots, tables, scal
 
     Raises:
       BackendUnavailable: :func:`jaxrope.ops.rope_append_kv.triton.unsupported` declines
-        a cache (an fp8 one of 2-4 GiB).
+        a 1-byte array it writes (an fp8 cache, or fp8 q_pe or q_nope, of 2-4 GiB).
       NotImplementedError: ``rotary_dim`` is not q_pe's last dim (MLA rotates all of it).
     """
     num_tokens, heads, rope_dim = q_pe.shape
     if rotary_dim != rope_dim:
         raise NotImplementedError(f"rotary_dim={rotary_dim} must be q_pe's last dim "
                                   f"{rope_dim}: the MLA kernel rotates the whole of it")
-    for cache in caches:
-        declined = unsupported(cache)
-        if declined:
-            raise BackendUnavailable(declined)
     quantize_q = q_dtype is not None and jnp.dtype(q_dtype) == FP8
+    # Every 1-byte array the kernel writes: an fp8 cache, and with an fp8 q its new
+    # outputs (q_nope's reaches 2 GiB at 32768 DeepSeek-V3 tokens).
+    written = [("a cache", c) for c in caches]
+    if quantize_q:
+        written += [(f"the fp8 {name}", jax.ShapeDtypeStruct(x.shape, FP8))
+                    for name, x in (("q_pe", q_pe), ("q_nope", q_nope)) if x is not None]
+    for name, x in written:
+        declined = unsupported(x)
+        if declined:
+            raise BackendUnavailable(f"{name} {tuple(x.shape)}: {declined}")
     kv_lora_rank = ckv.shape[-1]
     if num_tokens == 0:
         empty = (lambda x: jnp.zeros(x.shape, FP8)) if quantize_q else (lambda x: x)
