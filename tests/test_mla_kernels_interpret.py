@@ -91,7 +91,7 @@ class Inputs(NamedTuple):
     caches: tuple  # [rows, width] matrices
 
 
-def _inputs(rng, case: MlaCase, page_size: int = 4) -> Inputs:
+def make_inputs(rng, case: MlaCase, page_size: int = 4) -> Inputs:
     r, t, h, L = case.cfg.rotary_dim, case.tokens, case.heads, case.kv_lora_rank
     dtype = jnp.dtype(case.dtype)
 
@@ -102,8 +102,9 @@ def _inputs(rng, case: MlaCase, page_size: int = 4) -> Inputs:
     ckv[0, :3] = np.array([600.0, -1000.0, 300.0], np.float32).astype(dtype)  # saturates fp8
     rows = max(6, -(-2 * t // page_size)) * page_size   # whole pages, half of them named
     slots = rng.permutation(rows)[:t].astype(np.int32)
-    slots[1] = -1                       # padding
-    slots[t - 2] = rows + 3             # past the cache (a traced slot): skipped
+    if t > 2:
+        slots[1] = -1                   # padding
+        slots[t - 2] = rows + 3         # past the cache (a traced slot): skipped
     pos_shape = (3, t) if case.cfg.mrope_section else (t,)
     widths = (L + r,) if case.combined else (L, r)
     cache_dtype = FP8 if case.fp8_cache else dtype
@@ -168,7 +169,7 @@ def _options(case: MlaCase):
     return dict(options, q_dtype=FP8 if case.fp8_q else None)
 
 
-def _call(impl, case: MlaCase, x: Inputs, **kw):
+def call(impl, case: MlaCase, x: Inputs, **kw):
     tables = jnp.asarray(kernel_constants(case.cfg)[0])
     fn = jax.jit(lambda q_pe, k_pe, ckv, q_nope, pos, slots, caches: impl(
         q_pe, k_pe, ckv, q_nope, pos, slots, tables, _scales(case), caches,
@@ -186,7 +187,7 @@ def _close(actual, expected, label: str, dtype) -> None:
         assert error < TOLERANCE[jnp.dtype(dtype).name], f"{label}: relative error {error}"
 
 
-def _check(case: MlaCase, x: Inputs, out) -> None:
+def check(case: MlaCase, x: Inputs, out) -> None:
     q_pe, q_nope, caches = out
     want_q, want_nope, written, want_ckv, want_kpe = _oracle(case, x)
     assert np.asarray(q_pe).dtype == (FP8 if case.fp8_q else jnp.dtype(case.dtype))
@@ -217,8 +218,8 @@ def _check(case: MlaCase, x: Inputs, out) -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_triton_body_matches_the_oracle_in_the_interpreter(case, rng):
-    x = _inputs(rng, case)
-    _check(case, x, _call(mla_triton.mla_rope_append_triton, case, x, interpret=True))
+    x = make_inputs(rng, case)
+    check(case, x, call(mla_triton.mla_rope_append_triton, case, x, interpret=True))
 
 
 @pytest.mark.parametrize("name, tuning", [
@@ -228,20 +229,20 @@ def test_triton_body_matches_the_oracle_in_the_interpreter(case, rng):
     ("neox_pair_fp8_q_nope128", mla_tuning.MlaTritonTuning(2, 1, 4, token_loop=3))])
 def test_triton_launch_shapes_cover_every_token_and_head_once(name, tuning, rng):
     case = BY_NAME[name]
-    x = _inputs(rng, case)
-    _check(case, x, _call(mla_triton.mla_rope_append_triton, case, x, interpret=True,
+    x = make_inputs(rng, case)
+    check(case, x, call(mla_triton.mla_rope_append_triton, case, x, interpret=True,
                           tuning=tuning))
 
 
 @pytest.mark.parametrize("impl", ["triton", pytest.param("mosaic", marks=needs_mosaic)])
 def test_no_tokens_returns_the_inputs_and_empty_fp8(impl, rng):
     case = BY_NAME["deepseek_combined_fp8_q_nope512"]
-    x = _inputs(rng, case)
+    x = make_inputs(rng, case)
     empty = Inputs(x.q_pe[:0], x.k_pe[:0], x.ckv[:0], x.q_nope[:0], x.pos[:0], x.slots[:0],
                    x.caches)
     fn = (mla_triton.mla_rope_append_triton if impl == "triton"
           else mla_mosaic.mla_rope_append_mosaic)
-    q_pe, q_nope, caches = _call(fn, case, empty, interpret=True)
+    q_pe, q_nope, caches = call(fn, case, empty, interpret=True)
     assert q_pe.shape == empty.q_pe.shape and q_pe.dtype == FP8 and q_nope.dtype == FP8
     for a, b in zip(caches, x.caches):
         np.testing.assert_array_equal(bits(a), bits(b))
@@ -270,7 +271,7 @@ def _lower(impl, case: MlaCase, x: Inputs, donate, **kw):
 
 @pytest.mark.parametrize("case", CASES + [FULL], ids=lambda c: c.name)
 def test_triton_kernel_lowers_for_cuda_with_q_pe_and_the_caches_aliased(case, rng):
-    x = _inputs(rng, case)
+    x = make_inputs(rng, case)
     with cuda_target():
         text = _lower(mla_triton.mla_rope_append_triton, case, x, (0, 6))
     assert "__gpu$xla.gpu.triton" in text and "jaxrope_mla_rope_append" in text
@@ -281,8 +282,8 @@ def test_triton_kernel_lowers_for_cuda_with_q_pe_and_the_caches_aliased(case, rn
 @needs_mosaic
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_mosaic_body_matches_the_oracle_in_its_interpreter(case, rng):
-    x = _inputs(rng, case)
-    _check(case, x, _call(mla_mosaic.mla_rope_append_mosaic, case, x, interpret=True))
+    x = make_inputs(rng, case)
+    check(case, x, call(mla_mosaic.mla_rope_append_mosaic, case, x, interpret=True))
 
 
 @needs_mosaic
@@ -292,7 +293,7 @@ def test_mosaic_reads_the_token_count_at_run_time(name, grid, rng):
     # count=None: a grid of `grid` blocks walks the first n tokens' pieces; q_pe past n
     # and every row not named by those tokens keep their bits.
     case = BY_NAME[name]
-    x = _inputs(rng, case)
+    x = make_inputs(rng, case)
     n = case.tokens - 2
     work = mla_tuning.mla_mosaic_tuning(case.heads, case.cfg.rotary_dim, 2,
                                         case.nope_dim if case.fp8_q else 0)
@@ -322,7 +323,7 @@ def test_mosaic_reads_the_token_count_at_run_time(name, grid, rng):
     q_pe, q_nope, caches = jax.jit(call)(*(x[:3]), x.q_nope, x.pos, x.slots, x.caches)
     head = Inputs(x.q_pe[:n], x.k_pe[:n], x.ckv[:n], None if x.q_nope is None else x.q_nope[:n],
                   x.pos[:n], x.slots[:n], x.caches)
-    _check(case, head, (q_pe[:n], None if q_nope is None else q_nope[:n], caches))
+    check(case, head, (q_pe[:n], None if q_nope is None else q_nope[:n], caches))
     if not case.fp8_q:
         np.testing.assert_array_equal(bits(q_pe[n:]), bits(x.q_pe[n:]))
 
@@ -333,7 +334,7 @@ def test_mosaic_reads_the_token_count_at_run_time(name, grid, rng):
 def test_mosaic_kernel_lowers_for_cuda(case, rng):
     # Off a GPU the Mosaic GPU lowering still runs: a layout it cannot transfer or a
     # broadcast its layouts do not allow fails here.
-    x = _inputs(rng, case)
+    x = make_inputs(rng, case)
     text = _lower(mla_mosaic.mla_rope_append_mosaic, case, x, (0, 6), interpret=False)
     assert "mosaic_gpu" in text
 
@@ -345,7 +346,7 @@ def test_the_triton_kernel_compiles_to_ptx_for_sm90(tmp_path):
     # vector stores.
     import triton
     from triton.backends.compiler import GPUTarget
-    x = _inputs(np.random.default_rng(0), FULL)
+    x = make_inputs(np.random.default_rng(0), FULL)
     tables = kernel_constants(FULL.cfg)[0]
     block = mla_tuning.mla_triton_tuning(FULL.tokens, FULL.heads, 32, FULL.nope_dim)
     specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tuple(x))
@@ -372,3 +373,30 @@ def test_an_fp8_q_nope_of_2_to_4_gib_is_declined():
     with pytest.raises(jr.BackendUnavailable, match="the fp8 q_nope"):
         jax.eval_shape(lambda *a: mla_triton.mla_rope_append_triton(
             *a, **dict(_options(FULL), q_dtype=FP8)), *args)
+
+
+def _gpu_backend(impl: str):
+    # The implementation to compile on this machine's GPU, or a skip saying why not.
+    try:
+        device = jax.devices("gpu")[0]
+    except RuntimeError as e:
+        pytest.skip(f"JAX has no GPU backend ({e}); run with JAXROPE_GPU_TESTS=1 and jax[cuda]")
+    if impl == "triton":
+        return mla_triton.mla_rope_append_triton
+    capability = getattr(device, "compute_capability", None) or "0"
+    if LOWERING or int(capability.split(".")[0]) < 9:
+        pytest.skip(f"Mosaic GPU on {device.device_kind} ({capability}): {LOWERING or 'needs 9.0'}")
+    return mla_mosaic.mla_rope_append_mosaic
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "mosaic"])
+@pytest.mark.parametrize("tokens", [1, 17, 4099])
+@pytest.mark.parametrize("case", CASES + [FULL], ids=lambda c: c.name)
+def test_the_compiled_kernel_matches_the_oracle_on_the_gpu(case, tokens, impl, rng):
+    # The GPU suite (bench/gpu_suite.sh, -m gpu) runs these: the kernels compiled, the
+    # hardware sine and cosine, at decode, odd and prefill sizes.
+    fn = _gpu_backend(impl)
+    case = case._replace(tokens=tokens)
+    x = make_inputs(rng, case)
+    check(case, x, call(fn, case, x))

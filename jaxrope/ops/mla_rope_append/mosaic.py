@@ -211,6 +211,8 @@ def mla_rope_append_mosaic(q_pe, k_pe, ckv, q_nope, pos_ids, slots, tables, scal
     row_table = slot_row_table(rotary_dim // 2, mrope_section, mrope_interleaved)
     q_view = _pairs(q_pe, interleave)
     if quantize_q:
+        # The new fp8 outputs are refs the kernel fills: mosaic_common.kernel declares no
+        # out_type, so they are allocated here, and XLA writes their zeros first.
         outs = [jax.new_ref(jnp.zeros(q_view.shape, FP8))]
         outs += [jax.new_ref(jnp.zeros(q_nope.shape, FP8))] if nope else []
         q_in = q_view
