@@ -93,7 +93,8 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
         return to_cache_dtype(x.astype(jnp.float32), scale, dtype) if quantize else x.astype(dtype)
 
     def block(n, refs, t, piece: MlaPiece):
-        pos_ref, slot_ref, tables_ref, rows_ref, scale_ref, q_pe_ref, k_pe_ref, ckv_ref, *rest = refs
+        (pos_ref, slot_ref, tables_ref, rows_ref, scale_ref, q_pe_ref, k_pe_ref, ckv_ref,
+         *rest) = refs
         q_nope_ref = rest.pop(0) if nope_dim else None
         q_out_ref = rest.pop(0) if quantize_q else q_pe_ref
         q_nope_out_ref = rest.pop(0) if nope_dim else None
@@ -222,7 +223,8 @@ def mla_rope_append_mosaic(q_pe, k_pe, ckv, q_nope, pos_ids, slots, tables, scal
     cache_refs = [jax.new_ref(_pairs(c[:, None, :], interleave and (combined or i == 1)))
                   for i, c in enumerate(caches)]
     kernel_fn(pos_ids.reshape(-1), slots, tables, row_table, scales, q_in,
-              _pairs(k_pe[:, None, :], interleave), _pairs(ckv[:, None, :], combined and interleave),
+              _pairs(k_pe[:, None, :], interleave),
+              _pairs(ckv[:, None, :], combined and interleave),
               *((q_nope,) if nope else ()), *outs, *cache_refs)
     q_out = jax.freeze(outs[0] if quantize_q else q_in).reshape(q_pe.shape)
     q_nope_out = jax.freeze(outs[1]) if nope else q_nope

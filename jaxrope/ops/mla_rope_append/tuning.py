@@ -130,4 +130,5 @@ def mla_mosaic_tuning(heads: int, rotary_dim: int, itemsize: int, nope_dim: int 
     (:func:`jaxrope.ops.rope_append_kv.tuning.append_mosaic_tuning`): pieces of at most
     ``piece_bytes`` (4 KB, 32 bytes a thread) a token, vectors of at most
     ``vector_bytes`` (8) a thread, one token a block."""
-    return MlaMosaicTuning(mla_pieces(heads, rotary_dim, itemsize, nope_dim, piece_bytes), vector_bytes)
+    return MlaMosaicTuning(mla_pieces(heads, rotary_dim, itemsize, nope_dim, piece_bytes),
+                           vector_bytes)
