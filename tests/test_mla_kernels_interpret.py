@@ -8,7 +8,9 @@ at each position by ``cfg.serving_frequencies()`` (GPT-J pairs or NeoX halves) t
 attention factor; ckv copied; the cache row ``slot`` of the ``[rows, width]`` view gets
 ckv at ``[:L]`` and k_pe at ``[L:]`` (one array) or each in its own array (a pair);
 fp8 values are ``e4m3(clip(x * scale))``. Configs: DeepSeek-V3's (``RopeConfig.from_hf``
-of its config.json: YaRN, GPT-J pairs) and the same with NeoX halves.
+of its config.json: YaRN, GPT-J pairs), the same with NeoX halves, and a sectioned M-RoPE
+one. The tests marked ``gpu`` (run by bench/gpu_suite.sh) compile both kernels on a GPU
+against the same oracle.
 """
 
 from __future__ import annotations
