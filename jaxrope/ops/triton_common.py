@@ -1,5 +1,5 @@
-"""What both Triton-lowered kernels share: block extents, the small-T rule of their launch
-shapes, the GPU's approximate sine and cosine, and the capture of a kernel's Triton IR
+"""What the Triton-lowered kernels share: block extents, the small-T rule of their launch
+shapes, the GPU's approximate sine and cosine, one token's angle, and the capture of a kernel's Triton IR
 for a launch outside JAX.
 
 The capture relies on private JAX API (``jax._src.pallas.triton``), checked against JAX
@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Callable, List, TypeVar
+from typing import Callable, List, Optional, Tuple, TypeVar
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
 from jaxrope.errors import BackendUnavailable
+from jaxrope.ops.angle import cos_sin
 
 _Tuning = TypeVar("_Tuning")   # a kernel's launch-shape dataclass (shrink_to_fill)
 _CAPTURE_LOCK = threading.Lock()
@@ -55,6 +56,24 @@ def sin_cos_approx(angle):
         f"{op}.approx.f32 $0, $1;", args=[angle], constraints="=r,r", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(angle.shape, jnp.float32)])[0]
         for op in ("sin", "cos"))
+
+
+def token_angle(pos_ref, t, count, turns, attention_factor: float, *,
+                mrope_section: Optional[Tuple[int, int, int]], mrope_interleaved: bool,
+                approx_trig: bool):
+    """``(cos, sin)`` as ``[1, R/2]`` float32 rows for token ``t`` of a kernel that walks one
+    token at a time (the fused appends): its position read as a scalar (M-RoPE: its three
+    rows of the flattened ``[3, count]`` positions, row ``r`` at ``r * count + t``) and the
+    angle every backend shares (:func:`jaxrope.ops.angle.cos_sin`), so M-RoPE changes only
+    this function."""
+    if mrope_section is None:
+        pos = plgpu.load(pos_ref.at[t])
+    else:
+        pos = tuple(plgpu.load(pos_ref.at[row * count + t]) for row in range(3))
+    trig = {"sin_cos": sin_cos_approx} if approx_trig else {}
+    cos, sin = cos_sin(pos, *turns, attention_factor, mrope_section=mrope_section,
+                       mrope_interleaved=mrope_interleaved, **trig)
+    return cos[None, :], sin[None, :]
 
 
 def capture(fn, *specs) -> List[str]:

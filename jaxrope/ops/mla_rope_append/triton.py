@@ -45,12 +45,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxrope.errors import BackendUnavailable
-from jaxrope.ops.angle import cos_sin
 from jaxrope.ops.mla_rope_append.tuning import MlaTritonTuning, mla_grid, mla_programs, \
     mla_triton_tuning
 from jaxrope.ops.rope_append_kv.reference import FP8, to_cache_dtype
 from jaxrope.ops.rope_append_kv.triton import unsupported
-from jaxrope.ops.triton_common import lanes_for, next_pow2, sin_cos_approx
+from jaxrope.ops.triton_common import lanes_for, next_pow2, token_angle
 
 
 def _mla_rope_append_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, q_pe_ref,
@@ -112,14 +111,9 @@ def _mla_rope_append_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref,
         return [plgpu.load(tables_ref.at[jnp.int32(i)]) for i in range(3)]
 
     def angle(t, turns):
-        if mrope_section is None:
-            pos = plgpu.load(pos_ref.at[t])
-        else:
-            pos = tuple(plgpu.load(pos_ref.at[row * count + t]) for row in range(3))
-        trig = {"sin_cos": sin_cos_approx} if approx_trig else {}
-        cos, sin = cos_sin(pos, *turns, attention_factor, mrope_section=mrope_section,
-                           mrope_interleaved=mrope_interleaved, **trig)
-        return cos[None, :], sin[None, :]
+        return token_angle(pos_ref, t, count, turns, attention_factor,
+                           mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
+                           approx_trig=approx_trig)
 
     def each_token(body):
         # body(t, token_ok) for this program's tokens; t is clamped to a real token so its

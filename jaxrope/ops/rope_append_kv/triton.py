@@ -72,12 +72,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxrope.errors import BackendUnavailable
-from jaxrope.ops.angle import cos_sin
 from jaxrope.ops.rope_append_kv.cache_layout import CacheRows
 from jaxrope.ops.rope_append_kv.reference import FP8, to_cache_dtype
 from jaxrope.ops.rope_append_kv.tuning import (AppendTritonTuning, append_triton_tuning, grid,
                                                head_programs)
-from jaxrope.ops.triton_common import lanes_for, next_pow2, sin_cos_approx
+from jaxrope.ops.triton_common import lanes_for, next_pow2, token_angle
 from jaxrope.qk_norm import QKNorm
 
 def unsupported(cache) -> str | None:
@@ -172,15 +171,9 @@ def _rope_append_kv_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, 
         return [a * cos - b * sin, b * cos + a * sin]
 
     def angle(t, turns):
-        # The one place a token's angle is formed (M-RoPE changes only this).
-        if mrope_section is None:
-            pos = plgpu.load(pos_ref.at[t])
-        else:
-            pos = tuple(plgpu.load(pos_ref.at[row * count + t]) for row in range(3))
-        trig = {"sin_cos": sin_cos_approx} if approx_trig else {}
-        cos, sin = cos_sin(pos, *turns, attention_factor, mrope_section=mrope_section,
-                           mrope_interleaved=mrope_interleaved, **trig)
-        return cos[None, :], sin[None, :]
+        return token_angle(pos_ref, t, count, turns, attention_factor,
+                           mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
+                           approx_trig=approx_trig)
 
     def cache_slot(t, token_ok):
         slot = plgpu.load(slot_ref.at[t])
