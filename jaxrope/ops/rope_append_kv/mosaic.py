@@ -2,8 +2,9 @@
 
 The Mosaic GPU twin of :mod:`jaxrope.ops.rope_append_kv.triton` (same contract: read
 :func:`jaxrope.ops.rope_append_kv.reference.rope_append_kv_reference`): q is rotated in
-place, the rotated k and the v are written into the paged cache at each token's slot, in
-one ``plgpu.kernel``. Its split is a
+place (or, quantized, into a new float8_e4m3fn q), the rotated k and the v are written
+into the paged cache at each token's slot, in one ``plgpu.kernel``, q and k optionally
+RMS-normalised per head first. Its split is a
 :class:`jaxrope.ops.rope_append_kv.tuning.AppendMosaicTuning`, an argument of
 :func:`build_append`.
 
@@ -13,17 +14,34 @@ moves one token at a time. A token's work is one piece, or several for blocks of
 own when its bytes are many (:func:`jaxrope.ops.rope_append_kv.tuning.pieces`: chunks
 of q's heads, and k with v). A piece holds q's and k's rotary halves as ``[H, R/2]``
 arrays, k's dims past ``R`` as ``[Hk, D - R]`` and v as ``[Hk, D]``, each in a Mosaic
-GPU ``TiledLayout`` (:func:`row_layout`) whose lanes run along a head's dims
+GPU ``TiledLayout`` (:func:`jaxrope.ops.rope_append_kv.mosaic_layout.row_layout`) whose
+lanes run along a head's dims
 (coalesced: a head's ``D`` values are contiguous in every cache layout) and whose
 remaining lanes and warps split the heads. Removing the head axis of a piece's halves'
 layout gives one ``[R/2]`` layout, where the angle
 (:func:`jaxrope.ops.angle.angle_cos_sin`, the accurate one every backend shares) is
 broadcast to the heads for free; it is formed once per token and piece, one element a
-thread (:func:`angle_split`), and passed to that layout through SMEM when that layout
+thread (:func:`jaxrope.ops.rope_append_kv.mosaic_layout.angle_split`), and passed to that layout through SMEM when that layout
 would form each element on more threads. A token of one piece shares one layout between
 q's and k's halves (its head tile divides both head counts), so it forms the angle once
 for both. A block walks ``tokens_per_block`` tokens unrolled, each token's loads issued
 before the previous token's stores.
+
+A per-head QK-norm (:class:`jaxrope.QKNorm`, Qwen3's ``x_hat * w`` or Gemma 3's ``x_hat
+* (1 + w)``) needs the mean square over each head's whole ``D`` in float32: the squares
+of its halves summed along the lanes (``jnp.sum`` over the width axis: warp shuffles,
+and Mosaic GPU's SMEM reduction scratch where a head spans warps) give an ``[H]`` array
+in the halves' layout less its width axis, which is broadcast back to the halves; the
+weight's halves are read in the angle's layout and broadcast like it. With partial
+rotary the dims past ``R`` (q's too: read only when normalised or quantized) have a
+layout of their own, so the two partial sums of each head meet through a small SMEM
+buffer and each side adds the other's (the same float32 sum on both). Then the rotation
+in float32 and one rounding at the store. A norm over a token's heads together
+(``per_head=False``) is declined: a block holds a piece of a token's heads.
+
+An fp8 q (``q_dtype=float8_e4m3fn``) stores every dim of q (rotated, normalised where
+asked) as ``to_cache_dtype(x, scales[2], float8_e4m3fn)`` into a new array; q itself
+is then only read.
 
 Caches arrive as ``[rows // (Hk * hs), Hk, hs, D]`` views of the ``[rows, D]`` matrices
 (``hs`` = :attr:`CacheRows.head_stride`): every layout's head axis is one axis of
@@ -41,9 +59,7 @@ On CPU it runs in Mosaic GPU's interpreter (``interpret=True``), for tests.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from typing import Optional, Tuple
 
 import jax
@@ -54,101 +70,15 @@ from jax.experimental import pallas as pl
 from jaxrope.errors import BackendUnavailable
 from jaxrope.ops.angle import angle_cos_sin
 from jaxrope.ops.mosaic_common import (broadcast, floor, kernel, load, slot_row_table, store,
-                                       tiled, unavailable, walk, walks)
+                                       unavailable, walk, walks)
 from jaxrope.ops.rope_append_kv.cache_layout import CacheRows
+# The layout helpers are this kernel's vocabulary: re-exported for its tests and sweeps.
+from jaxrope.ops.rope_append_kv.mosaic_layout import (RowSplit, angle_split,  # noqa: F401
+                                                      rotary_split, row_layout, row_split,
+                                                      shares_angle)
 from jaxrope.ops.rope_append_kv.reference import FP8, to_cache_dtype
 from jaxrope.ops.rope_append_kv.tuning import AppendMosaicTuning, Piece, append_mosaic_tuning
-from jaxrope.qk_norm import QKNorm, missing
-
-_THREADS = 128      # a warpgroup
-
-
-@dataclasses.dataclass(frozen=True)
-class RowSplit:
-    """How 128 threads split a ``[heads, width]`` array (:func:`row_split`)."""
-
-    vec: int          # elements per thread vector
-    width_lanes: int  # lanes along the width (the minor lanes: coalesced)
-    width_warps: int
-    head_lanes: int
-    head_warps: int   # the rest of the lanes and warps hold copies
-
-    @property
-    def head_tile(self) -> int:
-        return self.head_lanes * self.head_warps
-
-    @property
-    def copies(self) -> int:
-        """Threads holding each element: the lanes and warps the split leaves over."""
-        return (4 // (self.head_warps * self.width_warps)) * (32 // (self.head_lanes *
-                                                                     self.width_lanes))
-
-
-def row_split(heads: int, width: int, itemsize: int, align: int, interleave: bool,
-              vector_bytes: int) -> RowSplit:
-    """The one heuristic for a per-token array ``[H, width]`` with ``heads`` dividing ``H``.
-
-    - Vectors: the widest (at most ``vector_bytes``) dividing ``width`` and ``align`` (the
-      element offset the row's piece starts at) that still give every thread of the
-      warpgroup a vector of ``heads`` heads; the widest dividing ones when even single
-      elements leave threads over (those then hold copies). GPT-J pairs take single
-      elements (even and odd elements are not contiguous).
-    - Lanes along the width first (coalesced), then warps (width over 32 vectors), then
-      the heads' lanes and warps, all powers of two dividing what they split.
-    """
-    fits = [v for v in (8, 4, 2, 1) if v * itemsize <= vector_bytes and not width % v
-            and not align % v] if not interleave else [1]
-    filled = [v for v in fits if heads * (width // v) >= _THREADS]
-    vec = max(filled or fits)
-    columns = width // vec
-    width_lanes = math.gcd(columns, 32)
-    width_warps = math.gcd(columns // width_lanes, 4)
-    head_lanes = math.gcd(heads, 32 // width_lanes)
-    head_warps = math.gcd(heads // head_lanes, 4 // width_warps)
-    return RowSplit(vec, width_lanes, width_warps, head_lanes, head_warps)
-
-
-def angle_split(half: int) -> RowSplit:
-    """One float32 element of a ``[half]`` angle a thread, over as many threads as it has
-    elements (the rest hold copies): the fewest angle evaluations a thread."""
-    lanes = math.gcd(half, 32)
-    return RowSplit(1, lanes, math.gcd(half // lanes, 4), 1, 1)
-
-
-def rotary_split(piece: Piece, k_heads: int, half: int, itemsize: int, interleave: bool,
-                 vector_bytes: int) -> RowSplit:
-    """How ``piece``'s rotary halves (``[heads, half]``) are split: q's and k's share one
-    layout when one block rotates both (its head tile divides both head counts), so the
-    angle is formed once for both."""
-    heads = math.gcd(piece.q_heads, k_heads) if piece.kv else piece.q_heads
-    return row_split(heads, half, itemsize, half, interleave, vector_bytes)
-
-
-def shares_angle(rotary: RowSplit, half: int, share_angle: bool) -> bool:
-    """Whether a piece whose halves ``rotary`` splits forms its angle in
-    :func:`angle_split`'s layout and passes it on through SMEM: when ``share_angle``
-    (:attr:`AppendMosaicTuning.share_angle`) and ``rotary`` would form each element on
-    more threads."""
-    own = angle_split(half)
-    return share_angle and (own.width_lanes * own.width_warps
-                             > rotary.width_lanes * rotary.width_warps)
-
-
-def row_layout(s: RowSplit):
-    """The ``TiledLayout`` of ``[H, width]`` arrays split by ``s``.
-
-    Tiled by ``(head_tile, W)``, ``(head_lanes, L)`` and ``(1, vec)`` with ``L =
-    width_lanes * vec`` and ``W = width_warps * L``, the tiled shape ends ``[head_warps,
-    width_warps, head_lanes, width_lanes, 1, vec]``; what is left of the lanes and warps
-    replicates (a store of a copy writes the same value).
-    """
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    lanes = s.width_lanes * s.vec
-    copies_w, copies_l = 4 // (s.head_warps * s.width_warps), 32 // (s.head_lanes * s.width_lanes)
-    warp_dims = (-6, -5) + ((fa.Replicated(copies_w),) if copies_w > 1 else ())
-    lane_dims = ((fa.Replicated(copies_l),) if copies_l > 1 else ()) + (-4, -3)
-    return tiled(((s.head_tile, s.width_warps * lanes), (s.head_lanes, lanes), (1, s.vec)),
-                 warp_dims, lane_dims)
+from jaxrope.qk_norm import QKNorm
 
 
 def _dim_refs(x_ref, start: int, width: int, interleave: bool, heads: bool = True):
