@@ -320,8 +320,10 @@ class MosaicKVLauncher:
         capability = _hopper_capability(device)
         # One token a block, a block for each piece of each token of the count's next
         # power of two (a grid override smaller than that walks).
+        # A norm or an fp8 q reads every dim of q (build_append's default tuning).
+        reads_q = options.q_fp8 or options.q_weight_dtype is not None
         tuning = append_mosaic_tuning(q_heads, geometry.k_heads, cfg.head_dim, cfg.rotary_dim,
-                                      dtype.itemsize)
+                                      dtype.itemsize, q_width=cfg.head_dim if reads_q else None)
         shape = launch_shape(tokens, tuning.tokens_per_block, len(tuning.pieces), 1)
         rows = cache_rows(geometry.layout, geometry.combined,
                           geometry.view_shape[0] // geometry.components,

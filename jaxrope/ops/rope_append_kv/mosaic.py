@@ -151,9 +151,12 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
     mrope = mrope_section is not None
     q_fp8 = fp8_q(q_dtype)
     width = (lambda w: w // 2) if interleave else (lambda w: w)
-    tuning = tuning or append_mosaic_tuning(q_heads, k_heads, head_dim, rotary_dim, itemsize)
-    work, tokens, vector_bytes = tuning.pieces, tuning.tokens_per_block, tuning.vector_bytes
     passing = head_dim - rotary_dim
+    # q's dims past R are read when they change: normalised, or quantized into q_out.
+    q_rest_read = bool(passing) and (norm_q or q_fp8)
+    tuning = tuning or append_mosaic_tuning(q_heads, k_heads, head_dim, rotary_dim, itemsize,
+                                            q_width=head_dim if q_rest_read else None)
+    work, tokens, vector_bytes = tuning.pieces, tuning.tokens_per_block, tuning.vector_bytes
 
     def rest_split(heads: int) -> RowSplit:  # [heads, D - R] from dim R
         return row_split(heads, width(passing), itemsize, width(rotary_dim), interleave,
@@ -167,8 +170,6 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
     # one token (every item a block runs or walks is below the count's): no clamps, no
     # guards.
     whole_blocks = tokens == 1 or (count is not None and count % tokens == 0)
-    # q's dims past R are read when they change: normalised, or quantized into q_out.
-    q_rest_read = bool(passing) and (norm_q or q_fp8)
     # A head's mean square over its rotary dims and its dims past R, two layouts: each
     # part's sum goes through SMEM to the other's layout.
     exchange = bool(passing) and (norm_q or norm_k)

@@ -9,6 +9,11 @@ every cache layout) and splits the heads over the remaining lanes and warps. Rem
 the head axis of such a layout gives the ``[width]`` layout in which a per-dim value
 (the angle, a norm weight) is broadcast to the heads for free; removing the width axis
 gives the ``[H]`` layout of a per-head value (a norm's mean square).
+
+Example:
+  >>> s = row_split(8, 64, 2, 64, False, 8)   # Llama 3's k halves in bf16: no copies
+  >>> (s.vec, s.width_lanes, s.head_lanes, s.head_warps, s.copies)
+  (4, 16, 2, 4, 1)
 """
 
 from __future__ import annotations
