@@ -11,13 +11,15 @@
   quantized; with fp8 and bf16 caches; padding slots write nothing.
 - Norm weights in another dtype than q's, widened in the kernel.
 - ``qk_norm.per_head=False`` is refused with its reason.
-- The export for the torch launch takes the weights and the fp8 q's buffer.
+- The launch's form (a run-time count, the fp8 q's buffer an operand) writes its tokens
+  only; the export for the torch launch takes the weights and the fp8 q's buffer.
 
 Skipped with the reason on JAX 0.10 (no mutable refs, no GPU interpreter).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Optional
 
 import jax
@@ -201,6 +203,44 @@ def test_norm_and_fp8_q_match_the_oracle_and_the_reference_in_the_interpreter(ca
             # D where the kernel multiplies by 1 / D: the norm's factor may differ by an ulp
             # or two, then the rotation rounds as tests/test_kv_mosaic_interpret.py allows.
             assert kv_oracle.row_ulps(a, b).max(initial=0) <= 4
+
+
+@needs_mosaic
+def test_a_run_time_count_normalises_and_quantizes_its_tokens_only(rng):
+    # The launch's kernel (count=None, the fp8 q's buffer an operand after the caches): a
+    # grid of 3 blocks walks the count's blocks of 2 tokens, each forming its angle and
+    # exchanging its partial sums again; q_out past the count and the cache rows of the
+    # slots past it keep what they held.
+    case = APPEND_BY_NAME["partial_half_fp8_hnd_combined"]
+    x = make_inputs(rng, case, jnp.bfloat16)
+    n, norm = 11, Norm(QWEN3, True, True, True)
+    weights = _weights(rng, norm, x)
+    cfg = case.case.cfg
+    caches, _, rows = kv_api._caches(x.kv_cache, case.layout, x.k)
+    tables, attention = kernel_constants(cfg)
+    tuning = append_tuning.append_mosaic_tuning(32, 8, 128, 64, 2, tokens_per_block=2,
+                                                q_width=128)
+    kernel = mosaic_append.build_append(
+        q_heads=32, k_heads=8, head_dim=128, itemsize=2, rotary_dim=64, interleave=False,
+        attention_factor=attention, rows=rows, quantize=True, grid=3 * len(tuning.pieces),
+        interpret=True, tuning=tuning, qk_norm=QWEN3, norm_q=True, norm_k=True, q_dtype=FP8)
+    q_old = jnp.asarray(rng.standard_normal(x.q.shape), jnp.float32).astype(FP8)
+
+    def call(q, k, v, q_w, k_w, cache, q_out):
+        cache_ref = jax.new_ref(mosaic_append.cache_view(cache.reshape(-1, 128), rows, 8, False))
+        q_out_ref = jax.new_ref(q_out)
+        kernel(jnp.asarray([n], jnp.int32), jnp.asarray(x.pos), jnp.asarray(x.slots),
+               jnp.asarray(tables), mosaic_common.slot_row_table(32, None, False),
+               jnp.asarray(SCALES, jnp.float32), q, k, v, q_w, k_w, cache_ref, q_out_ref)
+        return jax.freeze(q_out_ref), jax.freeze(cache_ref).reshape(cache.shape)
+
+    q_out, cache = jax.jit(call)(x.q, x.k, x.v, *weights, caches[0], q_old)
+    np.testing.assert_array_equal(bits(q_out)[n:], bits(q_old)[n:])
+    first = dataclasses.replace(x, q=x.q[:n], k=x.k[:n], v=x.v[:n], pos=x.pos[:n],
+                                slots=x.slots[:n])
+    case = dataclasses.replace(case, padding=int((first.slots < 0).sum()))
+    _check_against_oracle(case, first, (q_out[:n], cache), weights, norm,
+                          oracle.RELATIVE_TOLERANCE["bfloat16"])
 
 
 @needs_mosaic
