@@ -109,3 +109,27 @@ def test_a_normalised_fp8_q_launch_writes_what_the_reference_writes(
         _close(q, on_device(want_q), "q")
     for i, (got, want) in enumerate(zip(caches, want_caches)):
         _close(got, on_device(want), f"cache {i}" + (" fp8" if fp8_cache else ""))
+
+
+def test_a_per_token_norm_is_declined_and_a_wrong_q_out_refused(hopper, device):
+    # A per-token norm goes back to the manager's JAX path (BackendUnavailable); a q_out
+    # the kernel would write past is refused before any launch.
+    import jaxrope as jr
+    from torch_bridge.kv_append import check_call
+    from torch_bridge.launch.mosaic import MosaicKVLauncher
+    cfg = jr.RopeConfig(head_dim=128)
+    q, k, v = (torch.zeros(4, h, 128, device=device, dtype=torch.bfloat16) for h in (32, 8, 8))
+    kv_cache = tuple(torch.zeros(2, 16, 8, 128, device=device, dtype=torch.bfloat16)
+                     for _ in "kv")
+    slots = torch.arange(4, device=device)
+    pos = torch.arange(4, device=device, dtype=torch.int32)
+    caches, geometry, scales = check_call(k, v, kv_cache, slots, "NHD", None, None, device)
+    launcher = MosaicKVLauncher()
+    olmo2 = (torch.ones(32 * 128, device=device), None, jr.QKNorm(eps=1e-5, per_head=False))
+    with pytest.raises(jr.BackendUnavailable, match="per_head=False"):
+        launcher.rotate_and_append_kv_(q, k, v, pos, caches, slots, cfg, geometry, scales,
+                                       norm=olmo2)
+    short = torch.empty(3, 32, 128, device=device, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="q_out"):
+        launcher.rotate_and_append_kv_(q, k, v, pos, caches, slots, cfg, geometry,
+                                       (*scales, 1.0), q_out=short)

@@ -36,6 +36,7 @@ from jaxrope.ops import mosaic_common
 from jaxrope.ops.mosaic_common import MosaicModule, slot_row_table
 from jaxrope.ops.rope import mosaic_export
 from jaxrope.ops.rope.tuning import head_splits, mosaic_tuning
+from jaxrope.ops.rope_append_kv import mosaic as append_mosaic
 from jaxrope.ops.rope_append_kv import mosaic_export as append_export
 from jaxrope.ops.rope_append_kv.cache_layout import cache_rows
 from jaxrope.ops.rope_append_kv.tuning import append_mosaic_tuning
@@ -374,18 +375,30 @@ class MosaicKVLauncher:
 
         Raises:
           BackendUnavailable: a tensor off CUDA or breaking the kernel's layout
-            assumptions, a GPU before Hopper, or a kernel this JAX cannot export.
-          NotImplementedError: a norm with ``qk_norm.per_head`` False.
+            assumptions, a GPU before Hopper, a kernel this JAX cannot export, or a norm
+            with ``qk_norm.per_head`` False (the JAX path normalises those).
+          ValueError: a norm weight not ``[D]``, a ``q_out`` not float8_e4m3fn shaped
+            like q, or ``q_out`` without three scales.
         """
         if norm is None and q_out is None:
             launch_append(self._launches, self._prepare, q, k, v, pos_ids, caches, slots, cfg,
                           geometry, scales, AppendOptions(grid))
             return
+        if norm is not None and not norm[2].per_head:
+            raise BackendUnavailable(append_mosaic.per_token_norm())
+        weights = [w for w in (norm or (None, None))[:2] if w is not None]
+        # What the kernel reads and writes past the checks the manager made: a wrong size
+        # here would read or write past a buffer.
+        if any(w.numel() != cfg.head_dim for w in weights):
+            raise ValueError(f"norm weights must be [{cfg.head_dim}] (per head), got "
+                             f"{[tuple(w.shape) for w in weights]}")
+        if q_out is not None and (q_out.dtype != torch.float8_e4m3fn or q_out.shape != q.shape
+                                  or len(scales) != 3):
+            raise ValueError(f"q_out ({q_out.dtype}, {tuple(q_out.shape)}) must be "
+                             f"float8_e4m3fn shaped like q {tuple(q.shape)}, with scales "
+                             f"(k, v, q), got {scales}")
         if q.shape[0] == 0:
             return
-        if q_out is not None and len(scales) != 3:
-            raise BackendUnavailable(f"an fp8 q_out needs scales (k, v, q), got {scales}")
-        weights = [w for w in (norm or (None, None))[:2] if w is not None]
         check_launchable([*(("norm weight", w) for w in weights),
                           *([("q_out", q_out)] if q_out is not None else [])])
         pos_ids, slots = append_operands(q, k, v, pos_ids, slots, caches, cfg, geometry)

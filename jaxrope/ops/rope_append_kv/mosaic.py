@@ -21,8 +21,8 @@ remaining lanes and warps split the heads. Removing the head axis of a piece's h
 layout gives one ``[R/2]`` layout, where the angle
 (:func:`jaxrope.ops.angle.angle_cos_sin`, the accurate one every backend shares) is
 broadcast to the heads for free; it is formed once per token and piece, one element a
-thread (:func:`jaxrope.ops.rope_append_kv.mosaic_layout.angle_split`), and passed to that layout through SMEM when that layout
-would form each element on more threads. A token of one piece shares one layout between
+thread (:func:`jaxrope.ops.rope_append_kv.mosaic_layout.angle_split`), and passed to
+that layout through SMEM when that layout would form each element on more threads. A token of one piece shares one layout between
 q's and k's halves (its head tile divides both head counts), so it forms the angle once
 for both. A block walks ``tokens_per_block`` tokens unrolled, each token's loads issued
 before the previous token's stores.
