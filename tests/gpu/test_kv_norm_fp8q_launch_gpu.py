@@ -1,9 +1,17 @@
-"""The Mosaic GPU fused append launched from torch with a per-head QK-norm and an fp8 q
-(``MosaicKVLauncher.rotate_and_append_kv_(..., norm=, q_out=)``), against the XLA
-reference (:func:`jaxrope.ops.rope_append_kv.reference.rope_append_kv_reference`) on
-the same inputs: q (in place, or quantized into ``q_out`` with q left as it was) and
-every cache entry, bf16 and fp8 caches, a pair and a combined array, both conventions,
-partial rotary, M-RoPE, tokens past a block and padding slots.
+"""The Mosaic GPU fused append with a per-head QK-norm and an fp8 q, compiled on the
+GPU, against the XLA reference
+(:func:`jaxrope.ops.rope_append_kv.reference.rope_append_kv_reference`) on the same
+inputs:
+
+- launched from torch (``MosaicKVLauncher.rotate_and_append_kv_(..., norm=, q_out=)``):
+  q (in place, or quantized into ``q_out`` with q left as it was) and every cache entry,
+  bf16 and fp8 caches, a pair and a combined array, both conventions, partial rotary,
+  M-RoPE, tokens past a block and padding slots; a per-token norm declined, a wrong
+  ``q_out`` refused;
+- through JAX (``rope_append_kv_mosaic``, the fp8 q the kernel's result) on named cases.
+
+The CPU suite runs the same kernel body in Mosaic GPU's interpreter
+(tests/test_kv_norm_fp8q_mosaic.py).
 """
 
 from __future__ import annotations
@@ -133,3 +141,52 @@ def test_a_per_token_norm_is_declined_and_a_wrong_q_out_refused(hopper, device):
     with pytest.raises(ValueError, match="q_out"):
         launcher.rotate_and_append_kv_(q, k, v, pos, caches, slots, cfg, geometry,
                                        (*scales, 1.0), q_out=short)
+
+
+@pytest.mark.parametrize("name, convention, q_fp8", [
+    ("llama3_fp8_nhd", "rmsnorm", True), ("llama3_hnd_p16", "gemma", False),
+    ("partial_half_fp8_hnd_combined", "rmsnorm", True), ("gptj_interleave_hnd_combined",
+                                                         "gemma", True),
+    ("glm41v_pairs_fp8_hnd", "rmsnorm", False), ("head_dim_512_hnd", "gemma", True)])
+def test_the_jax_path_kernel_normalises_and_quantizes_as_the_reference(hopper, name,
+                                                                        convention, q_fp8):
+    # The compiled kernel through rope_append_kv_mosaic (static T, q_out its result)
+    # against the XLA reference on the same device: the hardware sine and rsqrt against
+    # XLA's, within two bf16 ulps of a row's scale, fp8 within an e4m3 ulp.
+    import jax
+    import jax.numpy as jnp
+    import jaxrope as jr
+    from jaxrope.cases import APPEND_BY_NAME
+    from jaxrope.ops.constants import kernel_constants, kernel_options
+    from jaxrope.ops.rope_append_kv import api as kv_api
+    from jaxrope.ops.rope_append_kv.mosaic import rope_append_kv_mosaic
+    from jaxrope.ops.rope_append_kv.reference import (FP8, rope_append_kv_reference,
+                                                      to_cache_dtype)
+    from jaxrope.testing import kv_oracle
+    from jaxrope.testing.kv_inputs import make_inputs
+    case = APPEND_BY_NAME[name]
+    rng = np.random.default_rng(sum(map(ord, name)) + q_fp8)
+    x = make_inputs(rng, case, jnp.bfloat16)
+    head_dim = case.case.head_dim
+    centre = 0.0 if convention == "gemma" else 1.0
+    weights = [jnp.asarray(centre + 0.5 * rng.standard_normal(head_dim), dtype)
+               for dtype in (jnp.bfloat16, jnp.float32)]
+    caches, _, rows = kv_api._caches(x.kv_cache, case.layout, x.k)
+    tables, _ = kernel_constants(case.case.cfg)
+    options = dict(rows=rows, q_norm_weight=weights[0], k_norm_weight=weights[1],
+                   qk_norm=jr.QKNorm(eps=1e-6, convention=convention),
+                   **kernel_options(case.case.cfg))
+    scales = jnp.asarray([0.75, 150.0, 40.0], jnp.float32)
+    views = tuple(c.reshape(-1, c.shape[-1]) for c in caches)
+    args = (x.k, x.v, jnp.asarray(x.pos), jnp.asarray(x.slots), jnp.asarray(tables), scales,
+            views)
+    ours = jax.jit(lambda q, *a: rope_append_kv_mosaic(
+        q, *a, q_dtype=FP8 if q_fp8 else None, **options))(x.q, *args)
+    theirs = jax.jit(lambda q, *a: rope_append_kv_reference(q, *a, **options))(
+        x.q.astype(jnp.float32) if q_fp8 else x.q, *args)
+    if q_fp8:
+        theirs = (to_cache_dtype(theirs[0], scales[2], FP8), theirs[1])
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+        a, b = np.asarray(a), np.asarray(b)
+        worst = (kv_oracle.ulps(a, b) if a.dtype == FP8 else kv_oracle.row_ulps(a, b)).max()
+        assert worst <= (1 if a.dtype == FP8 else 2), f"{name}: {worst} ulps apart"
