@@ -254,6 +254,19 @@ def test_a_per_token_norm_is_refused_with_its_reason(rng):
 
 
 @needs_mosaic
+def test_an_fp8_q_needs_three_scales_and_a_known_q_dtype(rng):
+    case = APPEND_BY_NAME["llama3_nhd_p16"]
+    x = make_inputs(rng, case, jnp.bfloat16)
+    args, options, _, _ = _args(x, case, (None, None), Norm(None, False, False, True))
+    two = args[:6] + (jnp.ones(2, jnp.float32),) + args[7:]
+    with pytest.raises(ValueError, match=r"scales.shape=\(2,\) must be \(3,\)"):
+        mosaic_append.rope_append_kv_mosaic(*two, q_dtype=FP8, interpret=True, **options)
+    with pytest.raises(ValueError, match="q_dtype=float16 must be None"):
+        mosaic_append.rope_append_kv_mosaic(*args, q_dtype=jnp.float16, interpret=True,
+                                            **options)
+
+
+@needs_mosaic
 @needs_lowering
 @pytest.mark.parametrize("case, dtype, norm", CASES + SLOW_CASES, ids=_ids)
 def test_norm_and_fp8_q_lower_for_cuda(case, dtype, norm, rng):

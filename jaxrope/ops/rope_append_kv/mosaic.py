@@ -22,9 +22,9 @@ layout gives one ``[R/2]`` layout, where the angle
 (:func:`jaxrope.ops.angle.angle_cos_sin`, the accurate one every backend shares) is
 broadcast to the heads for free; it is formed once per token and piece, one element a
 thread (:func:`jaxrope.ops.rope_append_kv.mosaic_layout.angle_split`), and passed to
-that layout through SMEM when that layout would form each element on more threads. A token of one piece shares one layout between
-q's and k's halves (its head tile divides both head counts), so it forms the angle once
-for both. A block walks ``tokens_per_block`` tokens unrolled, each token's loads issued
+that layout through SMEM when that layout would form each element on more threads. A
+token of one piece shares one layout between q's and k's halves (its head tile divides
+both head counts), so it forms the angle once for both. A block walks ``tokens_per_block`` tokens unrolled, each token's loads issued
 before the previous token's stores.
 
 A per-head QK-norm (:class:`jaxrope.QKNorm`, Qwen3's ``x_hat * w`` or Gemma 3's ``x_hat
@@ -457,15 +457,19 @@ def rope_append_kv_mosaic(q, k, v, pos_ids, slots, tables, scales, caches, *, ro
       BackendUnavailable: a JAX :func:`jaxrope.ops.mosaic_common.unavailable` names.
       NotImplementedError: a norm weight with ``qk_norm.per_head`` False
         (:func:`per_token_norm`).
-      ValueError: ``q_dtype`` neither None, q's dtype nor float8_e4m3fn.
+      ValueError: ``q_dtype`` neither None, q's dtype nor float8_e4m3fn; an fp8 q with
+        ``scales`` not ``[3]``.
     """
     norm_q, norm_k = q_norm_weight is not None, k_norm_weight is not None
     if (norm_q or norm_k) and not qk_norm.per_head:
         raise NotImplementedError(per_token_norm())
     if q_dtype is not None and jnp.dtype(q_dtype) not in (jnp.dtype(q.dtype), FP8):
-        raise ValueError(f"q_dtype={q_dtype} must be None, q's dtype ({q.dtype}) or "
+        raise ValueError(f"q_dtype={jnp.dtype(q_dtype)} must be None, q's dtype ({q.dtype}) or "
                          "float8_e4m3fn")
     q_fp8 = fp8_q(q_dtype)
+    if q_fp8 and tuple(scales.shape) != (3,):
+        raise ValueError(f"scales.shape={tuple(scales.shape)} must be (3,) ([k, v, q]) for an "
+                         "fp8 q: the kernel reads q's scale at scales[2]")
     reason = unavailable()
     if reason:
         raise BackendUnavailable(reason)
