@@ -24,8 +24,9 @@ broadcast to the heads for free; it is formed once per token and piece, one elem
 thread (:func:`jaxrope.ops.rope_append_kv.mosaic_layout.angle_split`), and passed to
 that layout through SMEM when that layout would form each element on more threads. A
 token of one piece shares one layout between q's and k's halves (its head tile divides
-both head counts), so it forms the angle once for both. A block walks ``tokens_per_block`` tokens unrolled, each token's loads issued
-before the previous token's stores.
+both head counts), so it forms the angle once for both. A block walks
+``tokens_per_block`` tokens unrolled, each token's loads issued before the previous
+token's stores.
 
 A per-head QK-norm (:class:`jaxrope.QKNorm`, Qwen3's ``x_hat * w`` or Gemma 3's ``x_hat
 * (1 + w)``) needs the mean square over each head's whole ``D`` in float32: the squares
