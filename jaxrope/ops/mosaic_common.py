@@ -146,9 +146,10 @@ def walk(items, grid: int, one_item, most_items: Optional[int] = None) -> None:
 
 
 def kernel(body, grid: int, name: str, interpret: bool, warpgroups: int = 1,
-           scratch=()):
-    """The ``plgpu.kernel`` of a body over GMEM refs (then the ``scratch`` types' refs),
-    with the compiler parameters every kernel here uses; ``name`` is what profilers show.
+           scratch=(), out_type=()):
+    """The ``plgpu.kernel`` of a body over GMEM refs (the operands', then ``out_type``'s
+    results', then the ``scratch`` types' refs), with the compiler parameters every
+    kernel here uses; ``name`` is what profilers show.
     ``warpgroups`` > 1 runs that many warpgroups a block, ``jax.lax.axis_index
     ("warpgroup")`` telling them apart (both kernels here ran slower so, bench/RESULTS.md);
     not with ``scratch``, which the warpgroups would share while
@@ -159,7 +160,7 @@ def kernel(body, grid: int, name: str, interpret: bool, warpgroups: int = 1,
                          "block shares SMEM scratch safely, several do not")
     threads = dict(num_threads=warpgroups, thread_name="warpgroup") if warpgroups > 1 else {}
     return plgpu.kernel(
-        body, out_type=(), scratch_types=scratch, grid=(grid,), grid_names=("block",),
+        body, out_type=out_type, scratch_types=scratch, grid=(grid,), grid_names=("block",),
         kernel_name=name, **threads,
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane,

@@ -31,20 +31,23 @@ import torch
 from jaxrope.ops.constants import kernel_options
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
+from jaxrope.qk_norm import QKNorm
 from jaxrope.ops import mosaic_common
 from jaxrope.ops.mosaic_common import MosaicModule, slot_row_table
 from jaxrope.ops.rope import mosaic_export
 from jaxrope.ops.rope.tuning import head_splits, mosaic_tuning
+from jaxrope.ops.rope_append_kv import mosaic as append_mosaic
 from jaxrope.ops.rope_append_kv import mosaic_export as append_export
 from jaxrope.ops.rope_append_kv.cache_layout import cache_rows
 from jaxrope.ops.rope_append_kv.tuning import append_mosaic_tuning
 from torch_bridge.dlpack import jax_dtype_name
-from torch_bridge.kv_append import CacheGeometry
+from torch_bridge.kv_append import CacheGeometry, Norm
 from torch_bridge.launch.runtime import (ALIGN, AngleTables, CountTable, LaunchRecords,
-                                         ScaleTables, append_record, bound_append,
-                                         check_launchable, launch_append, mrope_block)
+                                         ScaleTables, append_operands, append_record,
+                                         bound_append, check_launchable, launch_append,
+                                         mrope_block)
 
-__all__ = ["LaunchShape", "MosaicKVLauncher", "MosaicLauncher", "launch_shape"]
+__all__ = ["AppendOptions", "LaunchShape", "MosaicKVLauncher", "MosaicLauncher", "launch_shape"]
 
 # Tokens the refs are declared with at least (the kernel never reads past the count).
 _MIN_CAPACITY = 1 << 16
@@ -269,6 +272,26 @@ class MosaicLauncher:
         self._run(self._launch_for(q, k, cfg, grid), q, k, pos_ids)
 
 
+class AppendOptions(NamedTuple):
+    """What a fused-append launch compiles beyond its shapes: the launch's block count
+    override (None: :func:`launch_shape`'s), the per-head norm (its :class:`jaxrope.QKNorm`
+    and the dtype name of each weight passed, None for none) and whether q goes to an fp8
+    ``q_out``; part of the launch record's key."""
+
+    grid: Optional[int] = None
+    qk_norm: Optional[QKNorm] = None
+    q_weight_dtype: Optional[str] = None
+    k_weight_dtype: Optional[str] = None
+    q_fp8: bool = False
+
+
+def _append_options(grid: Optional[int], norm: Optional[Norm],
+                    q_out: Optional[torch.Tensor]) -> AppendOptions:
+    q_w, k_w, qk_norm = norm or (None, None, None)
+    return AppendOptions(grid, qk_norm, *(None if w is None else jax_dtype_name(w.dtype)
+                                          for w in (q_w, k_w)), q_out is not None)
+
+
 class MosaicKVLauncher:
     """Compiles and launches the Mosaic GPU fused RoPE + paged KV append
     (:mod:`jaxrope.ops.rope_append_kv.mosaic`) on torch's current CUDA stream.
@@ -291,14 +314,17 @@ class MosaicKVLauncher:
         self._launches = LaunchRecords(_MAX_LAUNCHES)
 
     def _prepare(self, tokens: int, q_heads: int, dtype: torch.dtype, device: torch.device,
-                 cfg: RopeConfig, geometry: CacheGeometry, scales: Tuple[float, float],
-                 grid: Optional[int]):
+                 cfg: RopeConfig, geometry: CacheGeometry, scales: Tuple[float, ...],
+                 options: AppendOptions):
+        grid = options.grid
         rope = self._rope
         capability = _hopper_capability(device)
         # One token a block, a block for each piece of each token of the count's next
         # power of two (a grid override smaller than that walks).
+        # A norm or an fp8 q reads every dim of q (build_append's default tuning).
+        reads_q = options.q_fp8 or options.q_weight_dtype is not None
         tuning = append_mosaic_tuning(q_heads, geometry.k_heads, cfg.head_dim, cfg.rotary_dim,
-                                      dtype.itemsize)
+                                      dtype.itemsize, q_width=cfg.head_dim if reads_q else None)
         shape = launch_shape(tokens, tuning.tokens_per_block, len(tuning.pieces), 1)
         rows = cache_rows(geometry.layout, geometry.combined,
                           geometry.view_shape[0] // geometry.components,
@@ -308,6 +334,9 @@ class MosaicKVLauncher:
                              cache_dtype=jax_dtype_name(geometry.dtype), rows=rows,
                              components=1 if geometry.combined else 2, capacity=shape.capacity,
                              grid=grid or shape.grid, max_count=shape.max_count,
+                             qk_norm=options.qk_norm, q_weight_dtype=options.q_weight_dtype,
+                             k_weight_dtype=options.k_weight_dtype,
+                             q_dtype="float8_e4m3fn" if options.q_fp8 else None,
                              **kernel_options(cfg))
         module = rope.compiled(("append", capability, *export_kwargs.items()),
                                lambda: append_export.export_append(**export_kwargs))
@@ -317,30 +346,74 @@ class MosaicKVLauncher:
         tables_ptr, rows_ptr = rope.table_pointers(cfg, device)
         scales_ptr = self._scales.pointer(scales, device)
 
-        def launch(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cache_ptrs):
+        q_fp8 = options.q_fp8
+
+        def launch(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cache_ptrs, weight_ptrs=(),
+                   q_out_ptr=None):
+            # The operands (append_export.APPEND_OPERANDS), then the results' pointers:
+            # what the kernel writes, in operand order (q or q_out, and the caches).
+            written = (*cache_ptrs, q_out_ptr) if q_fp8 else (*cache_ptrs,)
             module(stream(index), count_ptr, pos_ptr, slot_ptr, tables_ptr, rows_ptr, scales_ptr,
-                   q_ptr, k_ptr, v_ptr, *cache_ptrs, q_ptr, *cache_ptrs)
+                   q_ptr, k_ptr, v_ptr, *weight_ptrs, *written,
+                   *(written if q_fp8 else (q_ptr, *cache_ptrs)))
         return launch
 
     def rotate_and_append_kv_(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               pos_ids: torch.Tensor, caches: Sequence[torch.Tensor],
                               slots: torch.Tensor, cfg: RopeConfig, geometry: CacheGeometry,
-                              scales: Tuple[float, float], grid: Optional[int] = None) -> None:
+                              scales: Tuple[float, ...], grid: Optional[int] = None, *,
+                              norm: Optional[Norm] = None,
+                              q_out: Optional[torch.Tensor] = None) -> None:
         """:class:`torch_bridge.launch.dispatch.KVLauncher`'s method, launching this kernel;
         ``grid`` overrides the launch's block count (benchmarks sweep it).
 
+        ``norm``: ``(q_norm_weight, k_norm_weight, qk_norm)`` as
+        :func:`torch_bridge.kv_append.check_norm` returns it (per head; weights ``[D]``),
+        normalised in the kernel. ``q_out``: a float8_e4m3fn ``[T, Hq, D]`` tensor that
+        receives q rotated (normalised) and quantized by ``scales[2]`` (``scales`` then
+        ``(k_scale, v_scale, q_scale)``), q left as it is.
+
         Raises:
           BackendUnavailable: a tensor off CUDA or breaking the kernel's layout
-            assumptions, a GPU before Hopper, or a kernel this JAX cannot export.
+            assumptions, a GPU before Hopper, a kernel this JAX cannot export, or a norm
+            with ``qk_norm.per_head`` False (the JAX path normalises those).
+          ValueError: a norm weight not ``[D]``, a ``q_out`` not float8_e4m3fn shaped
+            like q, or ``q_out`` without three scales.
         """
-        launch_append(self._launches, self._prepare, q, k, v, pos_ids, caches, slots, cfg,
-                      geometry, scales, grid)
+        if norm is None and q_out is None:
+            launch_append(self._launches, self._prepare, q, k, v, pos_ids, caches, slots, cfg,
+                          geometry, scales, AppendOptions(grid))
+            return
+        if norm is not None and not norm[2].per_head:
+            raise BackendUnavailable(append_mosaic.per_token_norm())
+        weights = [w for w in (norm or (None, None))[:2] if w is not None]
+        # What the kernel reads and writes past the checks the manager made: a wrong size
+        # here would read or write past a buffer.
+        if any(w.numel() != cfg.head_dim for w in weights):
+            raise ValueError(f"norm weights must be [{cfg.head_dim}] (per head), got "
+                             f"{[tuple(w.shape) for w in weights]}")
+        if q_out is not None and (q_out.dtype != torch.float8_e4m3fn or q_out.shape != q.shape
+                                  or len(scales) != 3):
+            raise ValueError(f"q_out ({q_out.dtype}, {tuple(q_out.shape)}) must be "
+                             f"float8_e4m3fn shaped like q {tuple(q.shape)}, with scales "
+                             f"(k, v, q), got {scales}")
+        if q.shape[0] == 0:
+            return
+        check_launchable([*(("norm weight", w) for w in weights),
+                          *([("q_out", q_out)] if q_out is not None else [])])
+        pos_ids, slots = append_operands(q, k, v, pos_ids, slots, caches, cfg, geometry)
+        launch = append_record(self._launches, self._prepare, q, cfg, geometry, tuple(scales),
+                               _append_options(grid, norm, q_out))
+        launch(q.data_ptr(), k.data_ptr(), v.data_ptr(), pos_ids.data_ptr(), slots.data_ptr(),
+               tuple(c.data_ptr() for c in caches), tuple(w.data_ptr() for w in weights),
+               None if q_out is None else q_out.data_ptr())
 
     def bind(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              caches: Sequence[torch.Tensor], slots: torch.Tensor, cfg: RopeConfig,
              geometry: CacheGeometry, scales: Tuple[float, float]) -> Callable[..., bool]:
         """:class:`torch_bridge.launch.dispatch.KVLauncher`'s ``bind``: per call ``run`` checks
         only contiguity, 32-byte alignment and that a pair's two tensors do not overlap
-        (:func:`torch_bridge.launch.runtime.bound_append`)."""
+        (:func:`torch_bridge.launch.runtime.bound_append`). For calls without a norm or a
+        ``q_out`` (a bound ``run`` takes neither)."""
         return bound_append(append_record(self._launches, self._prepare, q, cfg, geometry,
-                                          scales, None), geometry, cfg, caches)
+                                          scales, AppendOptions()), geometry, cfg, caches)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 from jaxrope.ops.triton_common import next_pow2, shrink_to_fill
 
@@ -44,33 +44,39 @@ class AppendMosaicTuning:
 
 
 def pieces(q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, itemsize: int,
-           piece_bytes: int) -> Tuple[Piece, ...]:
+           piece_bytes: int, q_width: Optional[int] = None) -> Tuple[Piece, ...]:
     """A token's work, split among blocks.
 
-    One piece when q's rotary dims, k and v fit ``piece_bytes``; else q's heads in equal
-    chunks (the most heads within ``piece_bytes``, dividing the head count, one head at
-    least) and one piece for k and v, whatever their size (for Hk near Hq, as in
-    multi-head attention, that piece is the larger: k and v are not split).
+    One piece when q's ``q_width`` dims a head (default ``rotary_dim``: the dims past it
+    stay in place; ``head_dim`` when a norm or an fp8 q reads them all), k and v fit
+    ``piece_bytes``; else q's heads in equal chunks (the most heads within
+    ``piece_bytes``, dividing the head count, one head at least) and one piece for k and
+    v, whatever their size (for Hk near Hq, as in multi-head attention, that piece is
+    the larger: k and v are not split).
 
     Example:
       >>> [tuple(p) for p in pieces(32, 8, 128, 128, 2, 4096)]  # Llama 3, bf16
       [(0, 16, False), (16, 16, False), (0, 0, True)]
       >>> pieces(8, 1, 64, 64, 2, 4096)
       (Piece(q_first=0, q_heads=8, kv=True),)
+      >>> len(pieces(16, 2, 128, 64, 2, 4096)), len(pieces(16, 2, 128, 64, 2, 4096, q_width=128))
+      (1, 2)
     """
-    if (q_heads * rotary_dim + 2 * k_heads * head_dim) * itemsize <= piece_bytes:
+    q_width = q_width or rotary_dim
+    if (q_heads * q_width + 2 * k_heads * head_dim) * itemsize <= piece_bytes:
         return (Piece(0, q_heads, True),)
     chunk = max(c for c in range(1, q_heads + 1)
-                if q_heads % c == 0 and (c == 1 or c * rotary_dim * itemsize <= piece_bytes))
+                if q_heads % c == 0 and (c == 1 or c * q_width * itemsize <= piece_bytes))
     return tuple(Piece(h, chunk, False) for h in range(0, q_heads, chunk)) + (Piece(0, 0, True),)
 
 
 def append_mosaic_tuning(q_heads: int, k_heads: int, head_dim: int, rotary_dim: int,
                          itemsize: int, *, piece_bytes: int = 4096, vector_bytes: int = 8,
-                         tokens_per_block: int = 1,
-                         share_angle: bool = True) -> AppendMosaicTuning:
+                         tokens_per_block: int = 1, share_angle: bool = True,
+                         q_width: Optional[int] = None) -> AppendMosaicTuning:
     """The one heuristic for the Mosaic GPU kernel of the fused op; the keywords are its
-    rules' sizes (a sweep passes others).
+    rules' sizes (a sweep passes others), and ``q_width`` the dims of a q head the
+    kernel reads (:func:`pieces`).
 
     - Pieces of at most ``piece_bytes`` (4 KB: 32 bytes a thread, where the rope kernel
       moves bytes fastest; larger and smaller pieces ran slower) of q, k and v a token
@@ -82,7 +88,8 @@ def append_mosaic_tuning(q_heads: int, k_heads: int, head_dim: int, rotary_dim: 
       layout would form each element on several threads.
     """
     return AppendMosaicTuning(pieces(q_heads, k_heads, head_dim, rotary_dim, itemsize,
-                                     piece_bytes), vector_bytes, tokens_per_block, share_angle)
+                                     piece_bytes, q_width), vector_bytes, tokens_per_block,
+                              share_angle)
 
 
 @dataclasses.dataclass(frozen=True)
