@@ -317,7 +317,7 @@ def test_mosaic_reads_the_token_count_at_run_time(name, grid, rng):
         kernel(jnp.asarray([n], jnp.int32), pos, slots, kernel_constants(case.cfg)[0],
                mosaic_common.slot_row_table(case.cfg.rotary_dim // 2, None, False),
                _scales(case), q_in, pairs(k_pe[:, None, :], ilv), ckv[:, None, :],
-               *((q_nope,) if case.fp8_q else ()), *outs, *refs)
+               *((q_nope,) if case.fp8_q else ()), *refs, *outs)
         q = jax.freeze(outs[0] if case.fp8_q else q_in).reshape(q_pe.shape)
         nope = jax.freeze(outs[1]) if case.fp8_q else None
         return q, nope, tuple(jax.freeze(r).reshape(c.shape) for r, c in zip(refs, caches))

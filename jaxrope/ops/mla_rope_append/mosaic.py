@@ -54,14 +54,15 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
     """The ``plgpu.kernel`` of the MLA op for one head count and cache form.
 
     Operands: ``(pos_ids, slots, tables, rows, scales, q_pe, k_pe, ckv, [q_nope],
-    [q_pe_out, [q_nope_out]], *caches)``: ``pos_ids`` flat int32 (M-RoPE: row ``r`` of
+    *caches, [q_pe_out, [q_nope_out]])``: ``pos_ids`` flat int32 (M-RoPE: row ``r`` of
     token ``t`` at ``r * count + t``), ``slots`` int32 ``[T]``, ``tables`` ``[3, r/2]``,
     ``rows`` :func:`jaxrope.ops.mosaic_common.slot_row_table`, ``scales`` float32 ``[2]``
     = ``[q_scale, kv_scale]``, ``q_pe`` ``[T, H, r]`` (a mutable ref unless
-    ``quantize_q``: then the mutable fp8 ``q_pe_out`` follows), ``k_pe [T, 1, r]``,
-    ``ckv [T, 1, L]``, ``q_nope [T, H, N]`` and its mutable fp8 output when ``nope_dim``
-    (only with ``quantize_q``), ``caches`` mutable ``[rows, 1, width]`` views (ckv's then
-    k_pe's, or the one array when ``combined``). GPT-J pairs (``interleave``): ``[...,
+    ``quantize_q``), ``k_pe [T, 1, r]``, ``ckv [T, 1, L]``, ``q_nope [T, H, N]`` when
+    ``nope_dim`` (only with ``quantize_q``), ``caches`` mutable ``[rows, 1, width]`` views
+    (ckv's then k_pe's, or the one array when ``combined``); with ``quantize_q`` the fp8
+    ``q_pe_out`` (and ``q_nope_out`` when ``nope_dim``) are the kernel's results with a
+    static ``count``, mutable operands after the caches without one. GPT-J pairs (``interleave``): ``[...,
     r/2, 2]`` views of q_pe, k_pe, q_pe_out and k_pe's cache (and, ``combined``, of ckv
     and the cache). ``count``: the static T, one block per token and piece;
     ``count=None``: an int32 ``count`` operand comes first, read at run time, and
@@ -96,9 +97,10 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
         (pos_ref, slot_ref, tables_ref, rows_ref, scale_ref, q_pe_ref, k_pe_ref, ckv_ref,
          *rest) = refs
         q_nope_ref = rest.pop(0) if nope_dim else None
-        q_out_ref = rest.pop(0) if quantize_q else q_pe_ref
-        q_nope_out_ref = rest.pop(0) if nope_dim else None
-        ckv_cache, kpe_cache = rest[0], rest[-1]
+        cache_refs, outs = rest[:num_caches], rest[num_caches:]
+        ckv_cache, kpe_cache = cache_refs[0], cache_refs[-1]
+        q_out_ref = outs[0] if quantize_q else q_pe_ref
+        q_nope_out_ref = outs[1] if nope_dim else None
         q_scale = scale_ref.at[0][...] if quantize_q else None
         chunk = pl.ds(piece.first, piece.heads)
         if piece.kind == "q_nope":
@@ -162,9 +164,17 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
             one_item(count, operands, jax.lax.axis_index("block"))
 
     work = tuning.pieces
+    num_caches = 1 if combined else 2
+    out_type = ()
     if count is not None:
         grid = count * len(work)
-    return kernel(body, grid, "jaxrope_mla_rope_append_mosaic", interpret)
+        # With a static T the fp8 q outputs are the kernel's results (nothing to clear
+        # first); a launch outside JAX passes its buffers as the last operands instead.
+        if quantize_q:
+            last = (half, 2) if interleave else (rotary_dim,)
+            out_type = ((jax.ShapeDtypeStruct((count, heads, *last), FP8),) + (
+                (jax.ShapeDtypeStruct((count, heads, nope_dim), FP8),) if nope_dim else ()))
+    return kernel(body, grid, "jaxrope_mla_rope_append_mosaic", interpret, out_type=out_type)
 
 
 def _pairs(x, interleave: bool):
@@ -211,22 +221,14 @@ def mla_rope_append_mosaic(q_pe, k_pe, ckv, q_nope, pos_ids, slots, tables, scal
         interpret=interpret, tuning=tuning)
     row_table = slot_row_table(rotary_dim // 2, mrope_section, mrope_interleaved)
     q_view = _pairs(q_pe, interleave)
-    if quantize_q:
-        # The new fp8 outputs are refs the kernel fills: mosaic_common.kernel declares no
-        # out_type, so they are allocated here, and XLA writes their zeros first.
-        outs = [jax.new_ref(jnp.zeros(q_view.shape, FP8))]
-        outs += [jax.new_ref(jnp.zeros(q_nope.shape, FP8))] if nope else []
-        q_in = q_view
-    else:
-        outs = []
-        q_in = jax.new_ref(q_view)
+    q_in = q_view if quantize_q else jax.new_ref(q_view)
     cache_refs = [jax.new_ref(_pairs(c[:, None, :], interleave and (combined or i == 1)))
                   for i, c in enumerate(caches)]
-    kernel_fn(pos_ids.reshape(-1), slots, tables, row_table, scales, q_in,
-              _pairs(k_pe[:, None, :], interleave),
-              _pairs(ckv[:, None, :], combined and interleave),
-              *((q_nope,) if nope else ()), *outs, *cache_refs)
-    q_out = jax.freeze(outs[0] if quantize_q else q_in).reshape(q_pe.shape)
-    q_nope_out = jax.freeze(outs[1]) if nope else q_nope
+    outs = kernel_fn(pos_ids.reshape(-1), slots, tables, row_table, scales, q_in,
+                     _pairs(k_pe[:, None, :], interleave),
+                     _pairs(ckv[:, None, :], combined and interleave),
+                     *((q_nope,) if nope else ()), *cache_refs)
+    q_out = (outs[0] if quantize_q else jax.freeze(q_in)).reshape(q_pe.shape)
+    q_nope_out = outs[1] if nope else q_nope
     return q_out, q_nope_out, tuple(jax.freeze(r).reshape(c.shape)
                                     for r, c in zip(cache_refs, caches))
