@@ -36,10 +36,12 @@ class KvCall:
                          kv_cache=tuple(torch.randn(3, 4, 2, HEAD_DIM, generator=gen)
                                         for _ in "kv"),
                          slots=torch.tensor([0, 5, 9, -1], dtype=torch.int32))
+        # A valid fp8 q for the cases that vary its scale; it must not change either.
+        self.q_out = torch.full((4, 3, HEAD_DIM), 3.0, dtype=torch.float8_e4m3fn)
 
     def tensors(self):
         a = self.args
-        return [a["q"], a["k"], a["v"], *a["kv_cache"], a["slots"]]
+        return [a["q"], a["k"], a["v"], *a["kv_cache"], a["slots"], self.q_out]
 
     def run(self, **changes):
         a = {**self.args, **changes}
@@ -154,6 +156,36 @@ def _kv_cases():
             "k_quant_scale must be a float"),
         Bad("append with an fp8 scale as a bool", lambda c: c.run(kv_cache=fp8, v_quant_scale=True),
             TypeError, "v_quant_scale must be a float"),
+        *_q_out_cases(),
+    ]
+
+
+def _q_out_cases():
+    fp8 = torch.float8_e4m3fn
+    return [
+        Bad("append with q_out of q's dtype", lambda c: c.run(q_out=torch.zeros(4, 3, HEAD_DIM)),
+            ValueError, "q_out.dtype=torch.float32 must be torch.float8_e4m3fn"),
+        Bad("append with q_out of other heads",
+            lambda c: c.run(q_out=torch.zeros(4, 2, HEAD_DIM, dtype=fp8)), ValueError,
+            "q_out.shape=(4, 2, 16) must be q's shape (4, 3, 16)"),
+        Bad("append with q_out flat for a 3-D q",
+            lambda c: c.run(q_out=torch.zeros(4, 3 * HEAD_DIM, dtype=fp8)), ValueError,
+            "q_out.shape=(4, 48) must be q's shape (4, 3, 16)"),
+        Bad("append with q_out on another device",
+            lambda c: c.run(q_out=torch.empty(4, 3, HEAD_DIM, dtype=fp8, device="meta")),
+            ValueError, "q_out is on meta, expected cpu"),
+        Bad("append with q_out a numpy array",
+            lambda c: c.run(q_out=np.zeros((4, 3, HEAD_DIM), np.uint8)), TypeError,
+            "q_out must be a torch.float8_e4m3fn tensor shaped like q, got ndarray"),
+        Bad("append with a q scale without q_out", lambda c: c.run(q_quant_scale=2.0), ValueError,
+            "q_quant_scale=2.0 applies only to q_out (a float8_e4m3fn tensor)"),
+        Bad("append with a q scale of 0", lambda c: c.run(q_out=c.q_out, q_quant_scale=0.0),
+            ValueError, "q_quant_scale=0.0 must be finite and > 0"),
+        Bad("append with a NaN q scale",
+            lambda c: c.run(q_out=c.q_out, q_quant_scale=float("nan")), ValueError,
+            "q_quant_scale=nan must be finite and > 0"),
+        Bad("append with a q scale as a string", lambda c: c.run(q_out=c.q_out, q_quant_scale="2"),
+            TypeError, "q_quant_scale must be a float"),
     ]
 
 

@@ -12,7 +12,8 @@ count ``T`` traces as a symbol:
 ``jaxrope::apply_qk(q!, k!, manager, ...)``  :meth:`RopeManager.apply_qk` at the planned
                                              positions of ``label``
 ``jaxrope::apply_qk_and_append_kv(...)``     :meth:`RopeManager.apply_qk_and_append_kv`
-                                             (q rotated, ``k_cache!``, ``v_cache!``)
+                                             (q rotated, ``k_cache!``, ``v_cache!``;
+                                             an fp8 q into ``q_out!``)
 ==========================================  =============================================
 
 Every op runs on CPU (the JAX path through DLPack) and CUDA (the Mosaic GPU or
@@ -221,14 +222,17 @@ class _Runtime:
 
     def append(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: torch.Tensor,
                caches: Tuple[torch.Tensor, ...], slots: torch.Tensor, cfg: RopeConfig,
-               geometry: kv_append.CacheGeometry, scales: Tuple[float, float]) -> None:
-        if self.kv.launch(lambda launcher: launcher.rotate_and_append_kv_(
+               geometry: kv_append.CacheGeometry, scales: Tuple[float, float],
+               q_out: Optional[torch.Tensor], q_scale: float) -> None:
+        # The launchers have no fp8 q: a call with q_out takes the JAX path.
+        if q_out is None and self.kv.launch(lambda launcher: launcher.rotate_and_append_kv_(
                 q, k, v, pos_ids, caches, slots, cfg, geometry, scales), None, lambda: None):
             return
         self.kv.refuse_under_capture(self.device)
         if self._kv_jax is None:
             self._kv_jax = kv_append.JaxAppend(self.device)
-        self._kv_jax(q, k, v, caches, geometry, pos_ids, slots, cfg, scales)
+        self._kv_jax(q, k, v, caches, geometry, pos_ids, slots, cfg, scales, q_out=q_out,
+                     q_scale=q_scale)
 
 
 _RUNTIMES: Dict[torch.device, _Runtime] = {}
@@ -317,7 +321,8 @@ def rope_(q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor, config: str) 
 def _append_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: Optional[torch.Tensor], slots: torch.Tensor,
                      config: str, layout: str, k_quant_scale: Optional[float],
-                     v_quant_scale: Optional[float]) -> None:
+                     v_quant_scale: Optional[float], q_out: Optional[torch.Tensor],
+                     q_quant_scale: Optional[float]) -> None:
     cfg = config_of(config)
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
@@ -326,42 +331,49 @@ def _append_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids:
     kv_cache = k_cache if v_cache is None else (k_cache, v_cache)
     caches, geometry, scales = kv_append.check_call(k3, v3, kv_cache, slots, layout,
                                                     k_quant_scale, v_quant_scale, q.device)
+    out3, q_scale = kv_append.check_q_out(q, q3, q_out, q_quant_scale, q.device, "q's device")
     pos = _check_positions(pos_ids, q3.shape[0], cfg, q.device)
     if slots.device.type == "cpu":
         check_slots(slots.numpy(), geometry.num_slots)  # as the manager's method does
     if q3.shape[0]:
         runtime = _runtime(q.device)
         _staged((q3, k3, v3), (True, False, False), lambda a, b, c: runtime.append(
-            a, b, c, pos, caches, slots, cfg, geometry, scales))
+            a, b, c, pos, caches, slots, cfg, geometry, scales, out3, q_scale))
 
 
-@torch.library.custom_op("jaxrope::rope_append_kv_", mutates_args=("q", "k_cache", "v_cache"),
+@torch.library.custom_op("jaxrope::rope_append_kv_",
+                         mutates_args=("q", "k_cache", "v_cache", "q_out"),
                          device_types=("cpu", "cuda"))
 def _rope_append_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: Optional[torch.Tensor], slots: torch.Tensor,
                     config: str, layout: str, k_quant_scale: Optional[float],
-                    v_quant_scale: Optional[float]) -> None:
+                    v_quant_scale: Optional[float], q_out: Optional[torch.Tensor] = None,
+                    q_quant_scale: Optional[float] = None) -> None:
     _append_explicit(q, k, v, pos_ids, k_cache, v_cache, slots, config, layout, k_quant_scale,
-                     v_quant_scale)
+                     v_quant_scale, q_out, q_quant_scale)
 
 
 @_rope_append_op.register_fake
-def _(q, k, v, pos_ids, k_cache, v_cache, slots, config, layout, k_quant_scale, v_quant_scale):
+def _(q, k, v, pos_ids, k_cache, v_cache, slots, config, layout, k_quant_scale, v_quant_scale,
+      q_out=None, q_quant_scale=None):
     return None
 
 
 def rope_append_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: torch.Tensor,
                     kv_cache: Any, slots: torch.Tensor, config: str, *, layout: str = "NHD",
                     k_quant_scale: Optional[float] = None,
-                    v_quant_scale: Optional[float] = None) -> None:
+                    v_quant_scale: Optional[float] = None,
+                    q_out: Optional[torch.Tensor] = None,
+                    q_quant_scale: Optional[float] = None) -> None:
     """Rotate ``q`` in place at ``pos_ids`` and write the rotated ``k`` and the ``v`` into
     the paged ``kv_cache`` at ``slots``: :meth:`RopeManager.apply_qk_and_append_kv` with
     explicit positions (as :func:`rope_`) and no manager.
 
-    ``kv_cache``, ``slots``, ``layout`` and the scales as the method takes them (a
-    ``(k_cache, v_cache)`` pair or one ``[pages, 2, ...]`` tensor; any integer slots,
-    -1 or any slot outside the cache skipping the token); ``pos_ids`` and ``config`` as
-    :func:`rope_`. Under ``torch.compile`` this is the ``jaxrope::rope_append_kv_`` op.
+    ``kv_cache``, ``slots``, ``layout``, the scales and ``q_out`` (the fp8 q, q then
+    unchanged) as the method takes them (a ``(k_cache, v_cache)`` pair or one ``[pages,
+    2, ...]`` tensor; any integer slots, -1 or any slot outside the cache skipping the
+    token); ``pos_ids`` and ``config`` as :func:`rope_`. Under ``torch.compile`` this is
+    the ``jaxrope::rope_append_kv_`` op.
 
     Raises:
       TypeError, ValueError: as the method refuses each argument (devices: q's), and
@@ -381,7 +393,8 @@ def rope_append_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: 
     else:
         k_cache, v_cache = kv_cache, None
     call = torch.ops.jaxrope.rope_append_kv_ if torch.compiler.is_compiling() else _append_explicit
-    call(q, k, v, pos_ids, k_cache, v_cache, slots, config, layout, k_quant_scale, v_quant_scale)
+    call(q, k, v, pos_ids, k_cache, v_cache, slots, config, layout, k_quant_scale, v_quant_scale,
+         q_out, q_quant_scale)
 
 
 # -- the manager's methods as ops ----------------------------------------------------------
@@ -407,21 +420,24 @@ def _(q, k, manager, label, rotary_dim, interleave, rope_scale, rope_theta, low_
     return None
 
 
-@torch.library.custom_op("jaxrope::apply_qk_and_append_kv", mutates_args=("q", "k_cache", "v_cache"),
+@torch.library.custom_op("jaxrope::apply_qk_and_append_kv",
+                         mutates_args=("q", "k_cache", "v_cache", "q_out"),
                          device_types=("cpu", "cuda"))
 def _append_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: Optional[torch.Tensor], slots: torch.Tensor, manager: str, label: str,
-               layout: str, k_quant_scale: Optional[float],
-               v_quant_scale: Optional[float]) -> None:
+               layout: str, k_quant_scale: Optional[float], v_quant_scale: Optional[float],
+               q_out: Optional[torch.Tensor] = None,
+               q_quant_scale: Optional[float] = None) -> None:
     mgr = manager_of(manager)
     kv_cache = k_cache if v_cache is None else (k_cache, v_cache)
     _staged((q, k, v), (True, False, False), lambda a, b, c: mgr.apply_qk_and_append_kv(
         a, b, c, label, kv_cache, slots, layout=layout, k_quant_scale=k_quant_scale,
-        v_quant_scale=v_quant_scale))
+        v_quant_scale=v_quant_scale, q_out=q_out, q_quant_scale=q_quant_scale))
 
 
 @_append_op.register_fake
-def _(q, k, v, k_cache, v_cache, slots, manager, label, layout, k_quant_scale, v_quant_scale):
+def _(q, k, v, k_cache, v_cache, slots, manager, label, layout, k_quant_scale, v_quant_scale,
+      q_out=None, q_quant_scale=None):
     return None
 
 
@@ -458,9 +474,11 @@ def _op_scale(name: str, value: Any) -> Optional[float]:
 def traced_apply_qk_and_append_kv(manager: Any, q: torch.Tensor, k: torch.Tensor,
                                   v: torch.Tensor, label: Hashable, kv_cache: Any,
                                   slots: torch.Tensor, layout: str, k_quant_scale: Any,
-                                  v_quant_scale: Any) -> Tuple[torch.Tensor, Any]:
+                                  v_quant_scale: Any, q_out: Optional[torch.Tensor] = None,
+                                  q_quant_scale: Any = None) -> Tuple[torch.Tensor, Any]:
     """``manager.apply_qk_and_append_kv`` as ``torch.compile`` records it: the
-    ``jaxrope::apply_qk_and_append_kv`` op (the cache a tensor or a pair).
+    ``jaxrope::apply_qk_and_append_kv`` op (the cache a tensor or a pair); returns what the
+    method returns (``q_out`` in q's place when given).
 
     Raises:
       TypeError: ``label`` is not a str, the cache neither a tensor nor a pair, or a
@@ -476,5 +494,6 @@ def traced_apply_qk_and_append_kv(manager: Any, q: torch.Tensor, k: torch.Tensor
                         f"got {type(kv_cache).__name__}")
     torch.ops.jaxrope.apply_qk_and_append_kv(
         q, k, v, k_cache, v_cache, slots, manager._op_key, _op_label(label), layout,
-        _op_scale("k_quant_scale", k_quant_scale), _op_scale("v_quant_scale", v_quant_scale))
-    return q, kv_cache
+        _op_scale("k_quant_scale", k_quant_scale), _op_scale("v_quant_scale", v_quant_scale),
+        q_out, _op_scale("q_quant_scale", q_quant_scale))
+    return q if q_out is None else q_out, kv_cache

@@ -9,6 +9,7 @@ what the method needs beyond ``apply_qk``'s checks of q and k:
   ...]`` tensor, its layout, heads, head size, dtype and device), the slots and the fp8
   scales, checked from their static properties once per call signature; it returns the
   :class:`CacheGeometry` both paths address the cache by;
+- :func:`check_q_out`: the fp8 q a call may ask for (``q_out``, ``q_quant_scale``);
 - slots as the kernels read them, the range decided at their own width on the device,
   come from :func:`torch_bridge.launch.runtime.int32_slots` (shared with the launchers);
 - :class:`JaxAppend`: the JAX path, the core op on DLPack imports with q and the cache
@@ -41,7 +42,8 @@ from torch_bridge.dlpack import InPlace, pad_tokens, read_only, token_bucket, wr
 from torch_bridge.launch.runtime import int32_slots
 from torch_bridge.rotate import torch_capability
 
-__all__ = ["CacheGeometry", "JaxAppend", "call_signature", "check_call", "share_memory"]
+__all__ = ["CacheGeometry", "JaxAppend", "call_signature", "check_call", "check_q_out",
+           "share_memory"]
 
 FP8 = torch.float8_e4m3fn
 SLOT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16,
@@ -148,17 +150,21 @@ def _caches(kv_cache: Any, layout: str, k: torch.Tensor,
     return caches, geometry
 
 
-def _scale(name: str, value: Any, quantized: bool) -> float:
+# What each scale applies to, for the refusal of one given without it.
+_CACHE_ONLY = "a float8_e4m3fn cache; leave it None for a cache in k's dtype"
+_Q_OUT_ONLY = "q_out (a float8_e4m3fn tensor); leave it None when q is rotated in place"
+
+
+def _scale(name: str, value: Any, quantized: bool, applies_to: str = _CACHE_ONLY) -> float:
     if not quantized:
         if value is not None:
-            raise ValueError(f"{name}={value!r} applies only to a float8_e4m3fn cache; leave it "
-                             "None for a cache in k's dtype")
+            raise ValueError(f"{name}={value!r} applies only to {applies_to}")
         return 1.0
     if value is None:
         return 1.0
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a float (the cache stores x * {name}, FlashInfer's "
-                        f"quant_scale_kv), got {type(value).__name__}")
+        raise TypeError(f"{name} must be a float (fp8 stores x * {name}, FlashInfer's "
+                        f"quant_scale_q / quant_scale_kv), got {type(value).__name__}")
     number = float(value)
     if not (math.isfinite(number) and number > 0):
         raise ValueError(f"{name}={number!r} must be finite and > 0")
@@ -206,6 +212,46 @@ def check_call(k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slots: Any, layo
     scales = (_scale("k_quant_scale", k_quant_scale, geometry.quantized),
               _scale("v_quant_scale", v_quant_scale, geometry.quantized))
     return caches, geometry, scales
+
+
+def check_q_out(q: torch.Tensor, q3: torch.Tensor, q_out: Any, q_quant_scale: Any,
+                device: torch.device, owner: str = "the manager's device"
+                ) -> Tuple[Optional[torch.Tensor], float]:
+    """The fp8 q of a call: ``(q_out as [T, Hq, D], q_scale)``, or ``(None, 1.0)`` without one.
+
+    ``q`` is the tensor given, ``q3`` its ``[T, Hq, D]`` view; ``q_out`` must be a
+    ``torch.float8_e4m3fn`` tensor of q's shape on ``device`` (FlashInfer's
+    ``q_rope_out``), ``q_quant_scale`` a float (default 1), given only with ``q_out``.
+
+    Raises:
+      TypeError: ``q_out`` not a tensor, or the scale not a number.
+      ValueError: ``q_out`` of another dtype, shape or device; a scale without
+        ``q_out``, or not finite and > 0.
+
+    Example:
+      >>> q = torch.ones(3, 2 * 8)
+      >>> q_out, scale = check_q_out(q, q.view(3, 2, 8), torch.empty(3, 16, dtype=FP8), 0.5,
+      ...                            q.device)
+      >>> tuple(q_out.shape), scale
+      ((3, 2, 8), 0.5)
+    """
+    scale = _scale("q_quant_scale", q_quant_scale, q_out is not None, _Q_OUT_ONLY)
+    if q_out is None:
+        return None, scale
+    if not isinstance(q_out, torch.Tensor):
+        raise TypeError(f"q_out must be a torch.float8_e4m3fn tensor shaped like q, got "
+                        f"{type(q_out).__name__}")
+    if q_out.dtype != FP8:
+        raise ValueError(f"q_out.dtype={q_out.dtype} must be {FP8} (the fp8 q is written there)")
+    if q_out.shape != q.shape:
+        raise ValueError(f"q_out.shape={tuple(q_out.shape)} must be q's shape {tuple(q.shape)}")
+    if q_out.device != device:
+        raise ValueError(f"q_out is on {q_out.device}, expected {device} ({owner})")
+    try:
+        return q_out.view(q3.shape), scale
+    except RuntimeError as e:
+        raise ValueError(f"q_out.shape={tuple(q_out.shape)} with stride={q_out.stride()} cannot "
+                         f"be viewed as {list(q3.shape)}: {e}") from e
 
 
 def _span(t: torch.Tensor) -> Tuple[int, int]:
@@ -311,22 +357,28 @@ def check_norm(q: torch.Tensor, k: torch.Tensor, q_norm_weight: Any, k_norm_weig
             None if k_norm_weight is None else k_norm_weight.detach(), qk_norm)
 
 
-def _rope_and_append(q, *rest, cfg: RopeConfig, layout: str, backend: str, fp8: bool,
+def _rope_and_append(target, *rest, cfg: RopeConfig, layout: str, backend: str, fp8: bool,
                      qk_norm: Optional[QKNorm] = None):
-    # rest: the caches (rewritten in place), then k, v, pos_ids, slots, scales and the
-    # norm weights (None without a norm).
-    caches, (k, v, pos_ids, slots, scales, q_w, k_w) = rest[:-7], rest[-7:]
+    # target: q, rotated in place; or, with an fp8 q, the q_out buffer (uint8, overwritten
+    # whole). rest: the caches (rewritten in place), then q (None: it is the target), k, v,
+    # pos_ids, slots, the cache scales, q's scale (None: q keeps its dtype) and the norm
+    # weights (None without a norm).
+    caches, (q, k, v, pos_ids, slots, scales, q_scale, q_w, k_w) = rest[:-9], rest[-9:]
+    # fp8 arrays cross DLPack as uint8 (its float8 support varies across torch versions).
     if fp8:
-        # Imported as uint8 (DLPack's float8 support varies across torch versions).
         caches = [jax.lax.bitcast_convert_type(c, jnp.float8_e4m3fn) for c in caches]
     k_scale, v_scale = scales if fp8 else (None, None)
+    q_dtype = None if q_scale is None else jnp.float8_e4m3fn
     q, kv_cache = apply_rope_and_append_kv(
-        q, k, v, pos_ids, caches[0] if len(caches) == 1 else tuple(caches), slots,
-        cfg, layout=layout, k_quant_scale=k_scale, v_quant_scale=v_scale, q_norm_weight=q_w,
-        k_norm_weight=k_w, qk_norm=qk_norm, backend=backend)
+        target if q_scale is None else q, k, v, pos_ids,
+        caches[0] if len(caches) == 1 else tuple(caches), slots, cfg, layout=layout,
+        k_quant_scale=k_scale, v_quant_scale=v_scale, q_norm_weight=q_w, k_norm_weight=k_w,
+        qk_norm=qk_norm, q_dtype=q_dtype, q_quant_scale=q_scale, backend=backend)
     out = jax.tree.leaves(kv_cache)
     if fp8:
         out = [jax.lax.bitcast_convert_type(c, jnp.uint8) for c in out]
+    if q_dtype is not None:
+        q = jax.lax.bitcast_convert_type(q, jnp.uint8)
     return (q, *out)
 
 
@@ -374,13 +426,16 @@ class JaxAppend:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  caches: Sequence[torch.Tensor], geometry: CacheGeometry, pos_ids: torch.Tensor,
                  slots: torch.Tensor, cfg: RopeConfig, scales: Tuple[float, float],
-                 allow_copy: bool = True, norm: Optional[Norm] = None) -> None:
+                 allow_copy: bool = True, norm: Optional[Norm] = None,
+                 q_out: Optional[torch.Tensor] = None, q_scale: float = 1.0) -> None:
         """Rotate ``q [T, Hq, D]`` in place at ``pos_ids[..., :T]`` and write k, v into ``caches``.
 
         ``pos_ids`` int32 ``[N >= T]``, or ``[3, N]`` for an M-RoPE ``cfg``, on q's device.
 
         ``caches``, ``geometry`` and ``scales`` as :func:`check_call` returns them;
-        ``norm`` as :func:`check_norm` returns it (q and k normalised before the rotation).
+        ``norm`` as :func:`check_norm` returns it (q and k normalised before the rotation);
+        ``q_out`` and ``q_scale`` as :func:`check_q_out` returns them: with a
+        ``q_out``, the fp8 q is written there and q is only read.
         """
         if geometry.quantized:
             caches = [c.view(torch.uint8) for c in caches]
@@ -390,15 +445,18 @@ class JaxAppend:
                 _rope_and_append, 1 + len(caches),
                 static_argnames=("cfg", "layout", "backend", "fp8", "qk_norm"))
         size = token_bucket(q.shape[0]) if allow_copy else q.shape[0]
-        staged = pad_tokens(q, size)
+        # The tensor written: q in place, or the fp8 q_out (q then only read).
+        target = q if q_out is None else q_out.view(torch.uint8)
+        staged = pad_tokens(target, size)
+        q_read = None if q_out is None else read_only(pad_tokens(q, size), allow_copy)
         k, v, slots = (read_only(pad_tokens(x, size, fill=fill), allow_copy)
                        for x, fill in ((k, 0), (v, 0),
                                        (int32_slots(slots, geometry.num_slots), -1)))
         q_w, k_w, qk_norm = norm or (None, None, None)
         weights = [None if w is None else read_only(w, True) for w in (q_w, k_w)]
         # Scales and norm weights are traced arguments (one compile serves every layer's).
-        call([staged, *caches], k, v, read_only(pad_tokens(pos_ids, size, dim=-1), True), slots,
-             scales if geometry.quantized else None, *weights, allow_copy=allow_copy, cfg=cfg,
-             layout=geometry.layout, backend=self.backend, fp8=geometry.quantized,
-             qk_norm=qk_norm)
-        write_back(q, staged)
+        call([staged, *caches], q_read, k, v, read_only(pad_tokens(pos_ids, size, dim=-1), True),
+             slots, scales if geometry.quantized else None, None if q_out is None else q_scale,
+             *weights, allow_copy=allow_copy, cfg=cfg, layout=geometry.layout,
+             backend=self.backend, fp8=geometry.quantized, qk_norm=qk_norm)
+        write_back(target, staged)

@@ -207,7 +207,9 @@ class RopeManager(PositionManager):
                                v_quant_scale: Optional[float] = None,
                                q_norm_weight: Optional[torch.Tensor] = None,
                                k_norm_weight: Optional[torch.Tensor] = None,
-                               qk_norm: Optional[QKNorm] = None) -> Tuple[torch.Tensor, Any]:
+                               qk_norm: Optional[QKNorm] = None,
+                               q_out: Optional[torch.Tensor] = None,
+                               q_quant_scale: Optional[float] = None) -> Tuple[torch.Tensor, Any]:
         """``apply_qk`` fused with the paged KV-cache append: q rotated in place, k and v cached.
 
         One launch on CUDA (:mod:`torch_bridge.launch`) where an engine runs two
@@ -246,10 +248,20 @@ class RopeManager(PositionManager):
             on ``device``, a model's ``q_norm.weight`` as it is). The CUDA launchers
             have no norm yet: such a call takes the JAX path (not under CUDA-graph
             capture, nor under ``torch.compile``).
+          q_out: None (q rotated in place), or a ``torch.float8_e4m3fn`` tensor of q's
+            shape on ``device`` (FlashInfer's ``q_rope_out``): it receives
+            ``e4m3(clip(x * q_quant_scale, -448, 448))`` of the float32 rotated q, every
+            dim, and q itself is left unchanged (:func:`jaxrope.apply_rope_and_append_kv`'s
+            ``q_dtype=float8_e4m3fn``); rows past the planned tokens are left as they are.
+            The CUDA launchers have no fp8 q yet: such a call takes the JAX path (not
+            under CUDA-graph capture).
+          q_quant_scale: with ``q_out`` only: FlashInfer's ``quant_scale_q``, a float,
+            default 1.
 
         Returns:
           ``(q, kv_cache)``: the objects given, q rotated and the cache written at every
-          valid slot; every other cache entry, k and v unchanged.
+          valid slot; every other cache entry, k and v unchanged. With ``q_out``:
+          ``(q_out, kv_cache)``, q as it was.
 
         Ordering: on CUDA the launch runs after the work queued on torch's current stream
         and before whatever is queued next on it; no host sync. CUDA graphs: call once
@@ -266,7 +278,8 @@ class RopeManager(PositionManager):
             a cache of the wrong rank, heads, head size, dtype or device; a
             ``(k_cache, v_cache)`` pair sharing memory; slots of the wrong shape, dtype
             or device; a scale given for a cache in k's dtype, or not finite and > 0; a
-            norm weight of the wrong shape, dtype or device, or one without ``qk_norm``.
+            norm weight of the wrong shape, dtype or device, or one without ``qk_norm``;
+            ``q_out`` of another dtype, shape or device, or ``q_quant_scale`` without it.
           TypeError: a tensor argument of the wrong type, the cache neither a pair nor a
             tensor, a scale that is not a number, or ``qk_norm`` not a QKNorm.
           NotImplementedError: a norm under ``torch.compile``, or with the manager's
@@ -295,13 +308,15 @@ class RopeManager(PositionManager):
                 raise NotImplementedError("apply_qk_and_append_kv's torch.compile op carries "
                                           "no QK-norm yet: call it outside torch.compile")
             return custom_ops.traced_apply_qk_and_append_kv(
-                self, q, k, v, label, kv_cache, slots, layout, k_quant_scale, v_quant_scale)
+                self, q, k, v, label, kv_cache, slots, layout, k_quant_scale, v_quant_scale,
+                q_out, q_quant_scale)
         plan = self._plans.peek()
         signature = lambda: kv_append.call_signature(  # noqa: E731
             label, q, k, v, kv_cache, slots, layout, k_quant_scale, v_quant_scale)
-        # A bound launch has no norm: a normalised call takes the full path.
-        if not normed and self._run_bound(self._kv_path, plan, label, q, signature,
-                                          lambda run, pos: run(q, k, v, pos, kv_cache, slots)):
+        # A bound launch has no norm and no fp8 q: such a call takes the full path.
+        if not normed and q_out is None and q_quant_scale is None and self._run_bound(
+                self._kv_path, plan, label, q, signature,
+                lambda run, pos: run(q, k, v, pos, kv_cache, slots)):
             return q, kv_cache
         q3, k3 = self._checked_qk(q, k, label, plan)
         v3 = self._heads(v, "v")
@@ -309,10 +324,12 @@ class RopeManager(PositionManager):
                                     self._backend)
         caches, geometry, scales = kv_append.check_call(k3, v3, kv_cache, slots, layout,
                                                         k_quant_scale, v_quant_scale, self.device)
+        out3, q_scale = kv_append.check_q_out(q, q3, q_out, q_quant_scale, self.device)
         padded = q3.shape[0] > plan.limits[label]
         if padded:
             n = plan.limits[label]
             q3, k3, v3, slots = q3[:n], k3[:n], v3[:n], slots[:n]
+            out3 = None if out3 is None else out3[:n]
         if slots.device.type == "cpu":
             # The eager rule of jaxrope.apply_rope_and_append_kv, where the values are on
             # the host; a CUDA launch reads them on the device and skips those outside.
@@ -320,16 +337,17 @@ class RopeManager(PositionManager):
         self._plans.promote()
         if q3.shape[0]:
             self._append_kv(q3, k3, v3, plan.tensors[label], caches, slots, geometry, scales,
-                            None if padded else signature, norm)
-        return q, kv_cache
+                            None if padded else signature, norm, out3, q_scale)
+        return q if q_out is None else q_out, kv_cache
 
     def _append_kv(self, q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor,
                    pos_ids: torch.Tensor, caches: Tuple[torch.Tensor, ...], slots: torch.Tensor,
                    geometry: kv_append.CacheGeometry, scales: Tuple[float, float], signature,
-                   norm: Optional[kv_append.Norm]) -> None:
-        """The checked call on the launcher, else on the JAX path (a norm: always there).
-        ``signature`` None: a padded call, which must not be bound."""
-        launched = norm is None and self._kv_path.launch(
+                   norm: Optional[kv_append.Norm], q_out: Optional[torch.Tensor],
+                   q_scale: float) -> None:
+        """The checked call on the launcher, else on the JAX path (a norm or an fp8 q:
+        always there). ``signature`` None: a padded call, which must not be bound."""
+        launched = norm is None and q_out is None and self._kv_path.launch(
             lambda launcher: launcher.rotate_and_append_kv_(
                 q3, k3, v3, pos_ids, caches, slots, self.rope, geometry, scales),
             None if signature is None else lambda bind: bind(q3, k3, v3, caches, slots,
@@ -341,7 +359,7 @@ class RopeManager(PositionManager):
         if self._kv_jax is None:
             self._kv_jax = kv_append.JaxAppend(self.device, self._backend)
         self._kv_jax(q3, k3, v3, caches, geometry, pos_ids, slots, self.rope, scales,
-                     allow_copy=self.allow_copy, norm=norm)
+                     allow_copy=self.allow_copy, norm=norm, q_out=q_out, q_scale=q_scale)
 
     def _checked_qk(self, q: torch.Tensor, k: torch.Tensor, label: Hashable,
                     plan: Optional[Plan]) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,8 @@ padding tokens at slot -1 that FlashInfer never sees.
   conversion for fp8).
 - fp8 k rows: within one e4m3 ulp of FlashInfer's (it rotates with a float32 cos/sin
   table, we with the accurate angle; they round the same float32 product).
+- fp8 q (``q_dtype=float8_e4m3fn``, ``q_quant_scale``): within one e4m3 ulp of the q
+  FlashInfer's fused op quantizes (``quant_scale_q``), as for the k rows.
 - Every cache entry no token names (padding included): bit-identical to before.
 """
 
@@ -75,7 +77,8 @@ def _ours(cfg, q, k, v, pos_ids, slots, cache, layout, backend, scales):
         _JITTED[key] = jax.jit(
             lambda q, k, v, p, c, s, cfg, layout: jr.apply_rope_and_append_kv(
                 q, k, v, p, c, s, cfg, layout=layout, backend=backend, **scales),
-            static_argnums=(6, 7), donate_argnums=(0, 4))
+            # An fp8 q is a new array: q is only read then, and only the cache donated.
+            static_argnums=(6, 7), donate_argnums=(4,) if "q_dtype" in scales else (0, 4))
     q_out, (k_cache, v_cache) = _JITTED[key](
         jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos_ids),
         tuple(jnp.asarray(c) for c in cache), jnp.asarray(slots), cfg, layout)
@@ -140,3 +143,23 @@ def test_fp8_append_matches_flashinfers_fused_fp8_op(case, device, flashinfer, r
         for label, new, prev in (("k cache", ours_k, old[0]), ("v cache", ours_v, old[1]),
                                  ("FlashInfer k cache", fi_k, old[0])):
             kv_oracle.assert_untouched(f"{backend} {label}", new, prev, mask)
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=_id)
+def test_fp8_q_matches_the_q_flashinfers_fused_fp8_op_quantizes(case, device, flashinfer,
+                                                                 record_property):
+    layout = case[0]
+    scale_q, scale_kv = 0.8, 0.37
+    cfg, batch, q, k, v, pos, slots, old, t, _ = _setup(case, 100 + FP8_CASES.index(case),
+                                                        fp8=True)
+    fi_q, _, _ = flashinfer_kv.run_fp8_fused(cfg, q[:t], k[:t], v[:t], pos[:t], batch, *old,
+                                             layout, scale_q, scale_kv)
+    scales = {"k_quant_scale": scale_kv, "v_quant_scale": scale_kv,
+              "q_dtype": jnp.float8_e4m3fn, "q_quant_scale": scale_q}
+    for backend in BACKENDS:
+        ours_q, _, _ = _ours(cfg, q, k, v, pos, slots, old, layout, backend, scales)
+        assert ours_q.dtype == kv_oracle.E4M3, f"{backend}: q_out is {ours_q.dtype}"
+        distance = kv_oracle.ulps(ours_q[:t], fi_q)
+        record_property(f"{backend} fp8 q identical to FlashInfer", float((distance == 0).mean()))
+        assert distance.max() <= 1, f"{backend}: fp8 q {distance.max()} e4m3 ulps from FlashInfer"
+        assert (distance == 0).mean() > 0.99

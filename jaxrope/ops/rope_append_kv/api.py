@@ -32,8 +32,12 @@ Vocabulary and conventions:
   (rounded to nearest even) for the float32 rotated k, likewise v with
   ``v_quant_scale``: FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache``, whose
   ``quant_scale_kv`` multiplies (vLLM's ``k_scale`` divides: pass its reciprocal).
-  FlashInfer's op also quantizes q into a new fp8 buffer; here q keeps its dtype and is
-  rotated in place.
+- **fp8 q** (``q_dtype=jnp.float8_e4m3fn``): q comes back as a new ``float8_e4m3fn``
+  array ``e4m3(clip(x * q_quant_scale, -448, 448))`` of the float32 rotated q, every dim
+  (those past ``rotary_dim`` too), and q itself is left as it is: FlashInfer's
+  ``quant_scale_q``, whose kernel multiplies the float32 rotated q by it and stores with
+  the saturating e4m3 conversion (FlashInfer 0.5.3's
+  ``rope_quantize_fp8_append_paged_kv_cache``, ``q_nope`` scaled alike).
 - **QK-norm** (Qwen3, Gemma 3, OLMo 2): ``q_norm_weight`` / ``k_norm_weight`` with a
   :class:`jaxrope.QKNorm` normalise q / k before the rotation, in the same pass, in
   float32 (:mod:`jaxrope.qk_norm`); the XLA form only for now: "auto" takes XLA for
@@ -195,18 +199,23 @@ def _slots(slots, num_tokens: int, num_slots: int):
     return jnp.asarray(xp.where(ok, narrowed, np.int32(-1)))
 
 
-def _scale(name: str, value, quantized: bool):
+# What each scale applies to, for the refusal of one given without it.
+_CACHE_ONLY = "a float8_e4m3fn cache; leave it None for a cache in k's dtype"
+_FP8_Q_ONLY = "q_dtype=float8_e4m3fn; leave it None when q keeps its dtype"
+
+
+def _scale(name: str, value, quantized: bool, applies_to: str = _CACHE_ONLY):
+    """``value`` as a float32 scalar (1 when None); refused where nothing is quantized."""
     if not quantized:
         if value is not None:
-            raise ValueError(f"{name}={value!r} applies only to a float8_e4m3fn cache; "
-                             "leave it None for a cache in k's dtype")
+            raise ValueError(f"{name}={value!r} applies only to {applies_to}")
         return jnp.float32(1.0)
     if value is None:
         return jnp.float32(1.0)
     if isinstance(value, bool) or not (isinstance(value, (int, float)) or _is_array(value)):
         raise TypeError(f"{name} must be a float or a scalar array, got {type(value).__name__}")
     if _is_array(value) and value.shape != ():
-        raise ValueError(f"{name}.shape={tuple(value.shape)} must be () (one scale per cache)")
+        raise ValueError(f"{name}.shape={tuple(value.shape)} must be () (one scale per tensor)")
     if _visible(value):
         number = float(np.asarray(value))
         if not (math.isfinite(number) and number > 0):
@@ -214,10 +223,27 @@ def _scale(name: str, value, quantized: bool):
     return jnp.asarray(value, jnp.float32)
 
 
+def _q_dtype(q_dtype, q) -> Optional[np.dtype]:
+    """``q_dtype`` as the kernels take it: None (q rotated in its own dtype) or FP8."""
+    if q_dtype is None:
+        return None
+    expected = f"None, q's dtype ({q.dtype}) or float8_e4m3fn"
+    try:
+        dtype = jnp.dtype(q_dtype)
+    except TypeError as e:
+        raise TypeError(f"q_dtype={q_dtype!r} must be {expected}") from e
+    if dtype == FP8:
+        return FP8
+    if dtype == jnp.dtype(q.dtype):
+        return None
+    raise ValueError(f"q_dtype={dtype} must be {expected}")
+
+
 def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: RopeConfig, *,
                              layout: str = "NHD", k_quant_scale=None, v_quant_scale=None,
                              q_norm_weight=None, k_norm_weight=None,
-                             qk_norm: Optional[QKNorm] = None, backend: str = "auto"):
+                             qk_norm: Optional[QKNorm] = None, q_dtype=None, q_quant_scale=None,
+                             backend: str = "auto"):
     """Rotate q and k by their positions and write the rotated k and the v into a paged cache.
 
     Args:
@@ -251,6 +277,13 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
         ``k_norm.weight`` as they are (Gemma's too: the convention adds the 1).
       qk_norm: the :class:`jaxrope.QKNorm` (``eps``, convention, span; static under
         ``jit``), required with a weight; :meth:`jaxrope.QKNorm.from_hf` reads a model's.
+      q_dtype: None (default) or q's own dtype: q is rotated in its dtype;
+        ``jnp.float8_e4m3fn`` (or ``"float8_e4m3fn"``): q comes back as a new
+        ``float8_e4m3fn`` ``[T, Hq, D]`` array, ``e4m3(clip(x * q_quant_scale, -448,
+        448))`` of the float32 rotated (and normalised) q, every dim, rounded once;
+        FlashInfer's fp8 q. Static under ``jit``.
+      q_quant_scale: with ``q_dtype=float8_e4m3fn`` only (None otherwise): FlashInfer's
+        ``quant_scale_q``; a float or a scalar array (may be traced); default 1.
       backend: "auto" (the Mosaic GPU kernel on Hopper or newer with JAX 0.11, the
         Triton-lowered Pallas kernel on other GPUs, XLA elsewhere:
         :func:`jaxrope.ops.backends.backend_name`; XLA when that kernel declines), "mosaic",
@@ -264,17 +297,21 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
       k and v themselves are not returned. Under ``jax.jit`` with q and the cache donated
       (``donate_argnums=(0, 4)``) the outputs reuse their buffers: q is rotated and the
       cache written in place; without donation XLA copies them first, so the caller's
-      arrays never change.
+      arrays never change. With ``q_dtype=float8_e4m3fn`` the first output is the new
+      fp8 q and q itself is only read: donate the cache alone (``donate_argnums=4``).
 
     Raises:
-      TypeError: ``cfg`` is not a RopeConfig, ``qk_norm`` not a QKNorm, or an input is
-        not an array (or a pair).
+      TypeError: ``cfg`` is not a RopeConfig, ``qk_norm`` not a QKNorm, ``q_dtype`` not
+        a dtype, a scale neither a float nor an array, or an input is not an array (or
+        a pair).
       ValueError: a shape, dtype, device, layout, visible position, slot or scale is
         invalid, ``pos_ids [T]`` for an M-RoPE config or ``[3, T]`` for a 1-D one, or
         ``kv_cache=(c, c)`` names one array twice (seen outside ``jit``, and inside it
         for one traced value; two ``jit`` arguments holding one buffer are distinct
         tracers there, and donating both is refused by JAX itself); a norm weight of the
-        wrong shape or dtype, a weight without ``qk_norm`` or ``qk_norm`` without one.
+        wrong shape or dtype, a weight without ``qk_norm`` or ``qk_norm`` without one;
+        ``q_dtype`` other than None, q's dtype or float8_e4m3fn, or ``q_quant_scale``
+        without an fp8 ``q_dtype``.
       NotImplementedError: a norm weight with ``backend`` "mosaic", "triton" or
         "interpret" (their kernels have no QK-norm yet).
       BackendUnavailable: ``backend="triton"`` off GPU or on an fp8 cache of 2-4 GiB
@@ -309,6 +346,12 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
       ...                              qk_norm=gemma)
       >>> float(q[0, 0, 0]), float(k_cache[1, 1, 0, 0])   # each head scaled to RMS 1
       (1.0, 1.0)
+      >>> q = jnp.full((3, 4, 64), 3.0, jnp.bfloat16)     # fp8 q: a new array, q only read
+      >>> q8, _ = jr.apply_rope_and_append_kv(q, k, v, jnp.zeros(3, jnp.int32), (k_cache, v_cache),
+      ...                                     slots, cfg, q_dtype=jnp.float8_e4m3fn,
+      ...                                     q_quant_scale=200.0)
+      >>> q8.dtype, float(q8[0, 0, 0]), float(q[0, 0, 0])   # 3 * 200 saturates at 448
+      (dtype(float8_e4m3fn), 448.0, 3.0)
     """
     validate(q, k, pos_ids, cfg)
     if not _is_array(v):
@@ -328,8 +371,12 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
         raise ValueError(f"the cache has {num_slots} slots; slots are int32, at most 2**31 - 1")
     slots = _slots(slots, q.shape[0], num_slots)
     quantized = jnp.dtype(caches[0].dtype) == FP8
+    q_dtype = _q_dtype(q_dtype, q)
     scales = jnp.stack([_scale("k_quant_scale", k_quant_scale, quantized),
-                        _scale("v_quant_scale", v_quant_scale, quantized)])
+                        _scale("v_quant_scale", v_quant_scale, quantized),
+                        _scale("q_quant_scale", q_quant_scale, q_dtype is not None, _FP8_Q_ONLY)])
+    # Only an fp8 q names q_dtype: a kernel without fp8 q never sees the keyword.
+    fp8_q = {} if q_dtype is None else {"q_dtype": q_dtype}
     tables, _ = kernel_constants(cfg)
     # The kernels see every layout as [rows, D] matrices, addressed by `rows`.
     views = tuple(c.reshape(-1, c.shape[-1]) for c in caches)
@@ -338,6 +385,7 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
     # The device's compute capability decides "auto" between Mosaic GPU and Triton; "auto"
     # takes XLA when the kernel declines (an fp8 cache of 2-4 GiB for Triton, a QK-norm).
     q, views = backends.run(backend, "rope_append_kv", q,
-                            lambda impl: impl(*args, rows=rows, **kernel_options(cfg), **norm))
+                            lambda impl: impl(*args, rows=rows, **kernel_options(cfg), **norm,
+                                              **fp8_q))
     written = tuple(view.reshape(c.shape) for view, c in zip(views, caches))
     return q, written[0] if combined else written

@@ -2,7 +2,8 @@
 
 Same signature as :func:`jaxrope.ops.rope_append_kv.triton.rope_append_kv_triton`:
 ``(q, k, v, pos_ids, slots, tables, scales, caches, *, rows, rotary_dim, interleave,
-attention_factor, mrope_section=None, mrope_interleaved=False) -> (q, caches)``, with
+attention_factor, mrope_section=None, mrope_interleaved=False, q_norm_weight=None,
+k_norm_weight=None, qk_norm=None, q_dtype=None) -> (q_out, caches)``, with
 ``pos_ids [T]``, or ``[3, T]`` (t, h, w rows) when ``mrope_section`` is given, and
 ``caches`` the layout's arrays (a ``(k, v)`` pair or one array) each seen as a ``[rows,
 D]`` matrix, addressed by ``rows`` (:class:`jaxrope.ops.rope_append_kv.cache_layout.CacheRows`, one
@@ -13,10 +14,13 @@ page ``slot // page_size``, entry ``slot % page_size``, i.e. head ``h`` of k to 
 ``rows.row(page, entry, h)`` of the first array and of v to ``rows.value_offset`` rows
 further in array ``rows.value_array``; any other slot (negative: padding) writes nothing.
 The rotation is :func:`jaxrope.ops.rope.reference.rope_reference` itself, so a cache in
-k's dtype holds exactly what ``apply_rope`` returns for k. An ``float8_e4m3fn`` cache stores ``e4m3(clip(x * scale, -448, 448))`` with ``x`` the float32
-rotated k (or v) and ``scale`` from ``scales = [k_scale, v_scale]``, rounded to nearest
-even: FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache`` (multiply, then a
-saturating ``__NV_SATFINITE`` conversion).
+k's dtype holds exactly what ``apply_rope`` returns for k. A ``float8_e4m3fn`` cache
+stores ``e4m3(clip(x * scale, -448, 448))`` with ``x`` the float32 rotated k (or v) and
+``scale`` from ``scales = [k_scale, v_scale, q_scale]``, rounded to nearest even:
+FlashInfer's ``rope_quantize_fp8_append_paged_kv_cache`` (multiply, then a saturating
+``__NV_SATFINITE`` conversion). With ``q_dtype`` float8_e4m3fn, q_out is a new array
+stored the same way from the float32 rotated q and ``q_scale``, every dim (FlashInfer
+scales and converts ``q_nope`` alike); otherwise ``scales[2]`` is not read.
 
 QK-norm (``qk_norm`` with ``q_norm_weight`` and/or ``k_norm_weight``): q and k are
 normalised in float32 (:func:`jaxrope.qk_norm.normalize`), rotated in float32 and rounded
@@ -50,23 +54,31 @@ def rope_append_kv_reference(q, k, v, pos_ids, slots, tables, scales, caches, *,
                              rotary_dim: int, interleave: bool, attention_factor: float,
                              mrope_section: Optional[Tuple[int, int, int]] = None,
                              mrope_interleaved: bool = False, q_norm_weight=None,
-                             k_norm_weight=None, qk_norm: Optional[QKNorm] = None):
+                             k_norm_weight=None, qk_norm: Optional[QKNorm] = None,
+                             q_dtype=None):
     """Rotate ``q`` and ``k`` at ``pos_ids``; write k and v into ``caches`` at ``slots``.
 
     ``q [T, Hq, D]``, ``k, v [T, Hk, D]``, ``pos_ids`` int32 ``[T]`` (M-RoPE: ``[3,
     T]``), ``slots`` int32 ``[T]``, ``tables`` float32 ``[3, R/2]``, ``scales`` float32
-    ``[2]`` (used by fp8 caches only), ``caches`` ``[rows, D]`` views; ``q_norm_weight``,
+    ``[3]`` (``[k_scale, v_scale, q_scale]``: an fp8 cache reads the first two, an fp8
+    q the third), ``caches`` ``[rows, D]`` views; ``q_norm_weight``,
     ``k_norm_weight`` (``[D]``, or ``[H * D]`` when ``qk_norm.per_head`` is False) with
-    ``qk_norm``: normalise q, k before the rotation (each weight None: that one as is).
+    ``qk_norm``: normalise q, k before the rotation (each weight None: that one as is);
+    ``q_dtype``: None (q_out in q's dtype) or float8_e4m3fn (a new fp8 q_out).
     """
-    q_in = q if q_norm_weight is None else normalize(q, q_norm_weight, qk_norm)
+    if q_norm_weight is not None:
+        q_in = normalize(q, q_norm_weight, qk_norm)
+    else:
+        # An fp8 q is rotated in float32 and rounded once, to e4m3.
+        q_in = q if q_dtype is None else q.astype(jnp.float32)
     k_in = (k.astype(jnp.float32) if k_norm_weight is None
             else normalize(k, k_norm_weight, qk_norm))
     q_rotated, k_rotated = rope_reference(q_in, k_in, pos_ids, tables,
                                   rotary_dim=rotary_dim, interleave=interleave,
                                   attention_factor=attention_factor, mrope_section=mrope_section,
                                   mrope_interleaved=mrope_interleaved)
-    q = q_rotated.astype(q.dtype)
+    q = (q_rotated.astype(q.dtype) if q_dtype is None
+         else to_cache_dtype(q_rotated, scales[2], q_dtype))
     valid = (slots >= 0) & (slots < rows.num_slots)
     safe = jnp.where(valid, slots, 0)[:, None]
     key_rows = rows.row(safe // rows.page_size, safe % rows.page_size,
