@@ -37,8 +37,8 @@ import numpy as np
 
 from jaxrope.hf_source import load_config
 
-__all__ = ["CONVENTIONS", "MODEL_NORMS", "QKNorm", "check_weight", "missing", "norm_asked",
-           "normalize"]
+__all__ = ["CONVENTIONS", "MODEL_NORMS", "QKNorm", "check_weight", "norm_asked",
+           "normalize", "per_token_norm"]
 
 # "rmsnorm": y = x_hat * w; "gemma": y = x_hat * (1 + w).
 CONVENTIONS = ("rmsnorm", "gemma")
@@ -161,12 +161,14 @@ class QKNorm:
                    per_head=row.per_head)
 
 
-def missing(backend: str) -> str:
-    """Why ``backend``'s kernel declines a normalised call: the message its
-    ``NotImplementedError`` carries."""
-    return (f"backend={backend!r} does not normalise q and k yet (q_norm_weight / "
-            "k_norm_weight / qk_norm): its kernel has no QK-norm; use backend='xla', or "
-            "'auto', which takes XLA for such a call")
+def per_token_norm(backend: str) -> str:
+    """Why ``backend``'s kernel declines ``per_head=False``: its ``NotImplementedError``'s
+    message. Both GPU kernels normalise per head only: OLMo 2/3's norm needs the mean
+    square over all of a token's heads, and a program (a block) holds a subset of them."""
+    return (f"backend={backend!r} normalises q and k per head only: qk_norm.per_head=False "
+            "(OLMo 2/3) normalises all of a token's heads together, and a program of this "
+            "kernel holds a subset of a token's heads; use backend='xla', or 'auto', which "
+            "takes XLA for such a call")
 
 
 def check_weight(name: str, weight: Any, x: Any, qk_norm: Optional[QKNorm]) -> None:
@@ -197,14 +199,13 @@ def check_weight(name: str, weight: Any, x: Any, qk_norm: Optional[QKNorm]) -> N
 
 
 def norm_asked(q: Any, k: Any, q_norm_weight: Any, k_norm_weight: Any,
-               qk_norm: Optional[QKNorm], backend: str) -> bool:
+               qk_norm: Optional[QKNorm]) -> bool:
     """Whether a call of the fused append normalises q or k; its norm arguments checked.
 
     The weights need only ``shape`` and ``dtype`` here (the torch bridge passes stand-ins).
 
     Raises:
       TypeError, ValueError: as :func:`check_weight`; ``qk_norm`` without a weight.
-      NotImplementedError: a weight with ``backend`` "mosaic", "triton" or "interpret".
     """
     if q_norm_weight is None and k_norm_weight is None:
         if qk_norm is not None:
@@ -215,8 +216,6 @@ def norm_asked(q: Any, k: Any, q_norm_weight: Any, k_norm_weight: Any,
                             ("k_norm_weight", k_norm_weight, k)):
         if weight is not None:
             check_weight(name, weight, x, qk_norm)
-    if backend in ("mosaic", "triton", "interpret"):
-        raise NotImplementedError(missing(backend))
     return True
 
 

@@ -10,9 +10,7 @@ q_quant_scale=s)``.
 - refusals at the boundary name the argument, the value and what it must be.
 
 The kernel backends ("interpret" here; the Mosaic GPU kernel in its interpreter on JAX
-0.11) run the same checks once their kernels take ``q_dtype``; until then a kernel that
-refuses the keyword (TypeError) or declines fp8 q (NotImplementedError) skips its test
-with that reason.
+0.11) run the same checks.
 """
 
 from __future__ import annotations
@@ -58,15 +56,9 @@ fused = jax.jit(jr.apply_rope_and_append_kv,
 
 
 def _call(x, case, backend, op=fused, **fp8_q):
-    """The jitted ``op`` on ``x``; a kernel backend without fp8 q skips, naming what it lacks."""
-    try:
-        return op(x.q, x.k, x.v, jnp.asarray(x.pos), x.kv_cache, jnp.asarray(x.slots),
-                     cfg=case.case.cfg, layout=case.layout, backend=backend, **x.scales,
-                     **fp8_q)
-    except (NotImplementedError, TypeError) as e:
-        if backend == "xla" or not fp8_q or (isinstance(e, TypeError) and "q_dtype" not in str(e)):
-            raise
-        pytest.skip(f"backend={backend!r}: its kernel has no fp8 q yet ({e})")
+    """The jitted ``op`` on ``x``."""
+    return op(x.q, x.k, x.v, jnp.asarray(x.pos), x.kv_cache, jnp.asarray(x.slots),
+              cfg=case.case.cfg, layout=case.layout, backend=backend, **x.scales, **fp8_q)
 
 
 def _want(cfg, q, pos, scale) -> np.ndarray:
@@ -120,14 +112,9 @@ def test_fp8_q_after_qk_norm_is_normalised_rotated_scaled_and_rounded_once(backe
     slots = jnp.asarray(rng.permutation(32)[:tokens], jnp.int32)
     step = jax.jit(jr.apply_rope_and_append_kv,
                    static_argnames=("cfg", "qk_norm", "q_dtype", "backend"))
-    try:
-        q_out, _ = step(q, k, v, jnp.asarray(pos), cache, slots, cfg, q_norm_weight=q_w,
-                        k_norm_weight=k_w, qk_norm=QWEN3, q_dtype=jnp.float8_e4m3fn,
-                        q_quant_scale=40.0, backend=backend)
-    except (NotImplementedError, TypeError) as e:
-        if backend == "xla":
-            raise
-        pytest.skip(f"backend={backend!r}: its kernel has no QK-norm or fp8 q yet ({e})")
+    q_out, _ = step(q, k, v, jnp.asarray(pos), cache, slots, cfg, q_norm_weight=q_w,
+                    k_norm_weight=k_w, qk_norm=QWEN3, q_dtype=jnp.float8_e4m3fn,
+                    q_quant_scale=40.0, backend=backend)
     _assert_fp8_q(q_out, _want(cfg, _norm_oracle(q, q_w, QWEN3), pos, 40.0), "normalised q")
 
 
@@ -221,12 +208,7 @@ def test_the_mosaic_kernel_in_its_interpreter_through_the_api(name, monkeypatch,
     x = make_inputs(rng, case, jnp.bfloat16)
     q_plain, kv_plain = _call(x, case, "xla", op)
     assert oracle.relative_error(q_plain, oracle.rope_of(case.case.cfg, x.q, x.pos)) < TOLERANCE
-    try:
-        q_out, kv_out = _call(x, case, "xla", op, q_dtype=FP8, q_quant_scale=0.75)
-    except (NotImplementedError, TypeError) as e:
-        if isinstance(e, TypeError) and "q_dtype" not in str(e):
-            raise
-        pytest.skip(f"the Mosaic GPU kernel has no fp8 q yet ({e})")
+    q_out, kv_out = _call(x, case, "xla", op, q_dtype=FP8, q_quant_scale=0.75)
     _assert_fp8_q(q_out, _want(case.case.cfg, x.q, x.pos, 0.75), name)
     for got, want in zip(split(kv_out), split(kv_plain)):
         np.testing.assert_array_equal(bits(got), bits(want), err_msg="the cache")

@@ -249,7 +249,7 @@ def test_a_per_token_norm_is_refused_with_its_reason(rng):
     x = make_inputs(rng, case, jnp.bfloat16)
     olmo2 = jr.QKNorm(eps=1e-5, per_head=False)
     weights = (jnp.ones(32 * 128, jnp.float32), None)
-    with pytest.raises(NotImplementedError, match="per_head=False .* a piece of a token's heads"):
+    with pytest.raises(NotImplementedError, match="per_head=False .* a subset of a token's heads"):
         _mosaic(x, case, weights, Norm(olmo2, True, False, False))
 
 

@@ -1,10 +1,11 @@
 """QK-norm through the torch bridge: ``RopeManager.apply_qk_and_append_kv(...,
 q_norm_weight=, k_norm_weight=, qk_norm=)`` on CPU.
 
-The launchers have no norm: a normalised call never reaches a launcher nor a bound
-launch, and takes the JAX path, whose result is the core's
-(:func:`jaxrope.apply_rope_and_append_kv` with the same norm). Bad norm arguments are
-refused before anything is written or the plan moves on.
+A launcher that does not declare the norm (``accepts``) never sees a normalised call, nor
+does a bound launch: the JAX path serves it, and its result is the core's
+(:func:`jaxrope.apply_rope_and_append_kv` with the same norm). A launcher that declares
+``norm`` and ``q_out`` (the CUDA ones) gets them, with the q scale third. Bad norm
+arguments are refused before anything is written or the plan moves on.
 """
 
 from __future__ import annotations
@@ -105,6 +106,45 @@ def test_a_normalised_call_skips_the_launchers_and_matches_the_core(qk_norm, rng
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6)
     plain_q, _ = _core(q, k, v, cache, slots)
     assert not np.allclose(want_q, plain_q, atol=1e-3)
+
+
+class _Accepting(_Launcher):
+    """A launcher that takes the norm and an fp8 q output, as the CUDA launchers do."""
+
+    accepts = frozenset({"norm", "q_out"})
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def rotate_and_append_kv_(self, q, k, v, pos_ids, caches, slots, cfg, geometry, scales, *,
+                              norm=None, q_out=None):
+        self.calls += 1
+        self.seen.append((norm is not None, q_out is not None, len(scales)))
+        self._jax(q, k, v, caches, geometry, pos_ids, slots, cfg, scales[:2], norm=norm,
+                  q_out=q_out, q_scale=scales[2] if q_out is not None else 1.0)
+
+
+def test_a_launcher_that_accepts_the_norm_and_q_out_gets_them(rng):
+    launcher = _Accepting()
+    mgr = _manager(launcher)
+    q, k, v, cache, slots = _inputs(rng)
+    weights = [torch.from_numpy((0.5 * rng.standard_normal(D)).astype(np.float32))
+               for _ in "qk"]
+    norm = dict(q_norm_weight=weights[0], k_norm_weight=weights[1], qk_norm=jr.QKNorm())
+    q_out = torch.zeros(TOKENS, HQ, D, dtype=torch.float8_e4m3fn)
+    step, ctx = _plan(mgr)
+    got_q, got_cache = q.clone(), tuple(c.clone() for c in cache)
+    mgr.apply_qk_and_append_kv(got_q, k, v, "text", got_cache, slots, q_out=q_out,
+                               q_quant_scale=2.0, **norm)
+    mgr.commit(step, ctx)
+    assert launcher.seen == [(True, True, 3)] and launcher.bound_calls == 0
+    torch.testing.assert_close(got_q, q, rtol=0, atol=0)   # q only read
+    want_q, want_cache = _core(q, k, v, cache, slots, q_dtype=jnp.float8_e4m3fn,
+                               q_quant_scale=2.0, **norm)
+    np.testing.assert_array_equal(q_out.view(torch.uint8).numpy(), want_q.view(np.uint8))
+    for got, want in zip(got_cache, want_cache):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6)
 
 
 W = torch.ones(D)

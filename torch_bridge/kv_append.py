@@ -327,7 +327,7 @@ Norm = Tuple[Optional[torch.Tensor], Optional[torch.Tensor], QKNorm]
 
 
 def check_norm(q: torch.Tensor, k: torch.Tensor, q_norm_weight: Any, k_norm_weight: Any,
-               qk_norm: Any, device: torch.device, backend: str) -> Optional[Norm]:
+               qk_norm: Any, device: torch.device) -> Optional[Norm]:
     """A call's QK-norm, checked by the core's rule (:func:`jaxrope.qk_norm.norm_asked`) on
     ``[T, H, D]`` q and k: None when none is asked, else ``(q_norm_weight, k_norm_weight,
     qk_norm)`` with the weights detached (a model's ``nn.Parameter`` is only read).
@@ -336,7 +336,6 @@ def check_norm(q: torch.Tensor, k: torch.Tensor, q_norm_weight: Any, k_norm_weig
       TypeError: a weight that is not a tensor, ``qk_norm`` not a :class:`jaxrope.QKNorm`.
       ValueError: a weight of the wrong shape, dtype or device; a weight without
         ``qk_norm`` or ``qk_norm`` without one.
-      NotImplementedError: a weight with ``backend`` "mosaic", "triton" or "interpret".
     """
     stand_ins = []
     for name, weight in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
@@ -351,7 +350,7 @@ def check_norm(q: torch.Tensor, k: torch.Tensor, q_norm_weight: Any, k_norm_weig
             raise ValueError(f"{name} is on {weight.device}, expected {device} (the manager's "
                              "device)")
         stand_ins.append(jax.ShapeDtypeStruct(tuple(weight.shape), jnp.float32))
-    if not norm_asked(q, k, *stand_ins, qk_norm, backend):
+    if not norm_asked(q, k, *stand_ins, qk_norm):
         return None
     return (None if q_norm_weight is None else q_norm_weight.detach(),
             None if k_norm_weight is None else k_norm_weight.detach(), qk_norm)

@@ -16,6 +16,7 @@ from typing import Any, Dict, Hashable, Optional, Tuple
 import torch
 
 from jaxrope.config import RopeConfig
+from jaxrope.errors import BackendUnavailable
 from jaxrope.ops.rope_append_kv.api import check_slots
 from jaxrope.qk_norm import QKNorm
 from torch_bridge import custom_ops, kv_append
@@ -246,15 +247,14 @@ class RopeManager(PositionManager):
             :func:`jaxrope.apply_rope_and_append_kv` takes them (weights ``[D]``, or
             ``[H * D]`` for ``qk_norm.per_head=False``, float32/bfloat16/float16 tensors
             on ``device``, a model's ``q_norm.weight`` as it is). The CUDA launchers
-            have no norm yet: such a call takes the JAX path (not under CUDA-graph
-            capture, nor under ``torch.compile``).
+            normalise per head in their kernel; a per-token norm (OLMo 2/3) takes the
+            JAX path (not under CUDA-graph capture). Not under ``torch.compile`` yet.
           q_out: None (q rotated in place), or a ``torch.float8_e4m3fn`` tensor of q's
             shape on ``device`` (FlashInfer's ``q_rope_out``): it receives
             ``e4m3(clip(x * q_quant_scale, -448, 448))`` of the float32 rotated q, every
             dim, and q itself is left unchanged (:func:`jaxrope.apply_rope_and_append_kv`'s
             ``q_dtype=float8_e4m3fn``); rows past the planned tokens are left as they are.
-            The CUDA launchers have no fp8 q yet: such a call takes the JAX path (not
-            under CUDA-graph capture).
+            The CUDA launchers write it in their kernel.
           q_quant_scale: with ``q_out`` only: FlashInfer's ``quant_scale_q``, a float,
             default 1.
 
@@ -282,8 +282,8 @@ class RopeManager(PositionManager):
             ``q_out`` of another dtype, shape or device, or ``q_quant_scale`` without it.
           TypeError: a tensor argument of the wrong type, the cache neither a pair nor a
             tensor, a scale that is not a number, or ``qk_norm`` not a QKNorm.
-          NotImplementedError: a norm under ``torch.compile``, or with the manager's
-            backend "mosaic", "triton" or "interpret".
+          NotImplementedError: a norm under ``torch.compile``, or a per-token norm with
+            the manager's backend "mosaic", "triton" or "interpret".
           RuntimeError: called under CUDA-graph capture without a launcher that accepts
             the call.
 
@@ -320,8 +320,7 @@ class RopeManager(PositionManager):
             return q, kv_cache
         q3, k3 = self._checked_qk(q, k, label, plan)
         v3 = self._heads(v, "v")
-        norm = kv_append.check_norm(q3, k3, q_norm_weight, k_norm_weight, qk_norm, self.device,
-                                    self._backend)
+        norm = kv_append.check_norm(q3, k3, q_norm_weight, k_norm_weight, qk_norm, self.device)
         caches, geometry, scales = kv_append.check_call(k3, v3, kv_cache, slots, layout,
                                                         k_quant_scale, v_quant_scale, self.device)
         out3, q_scale = kv_append.check_q_out(q, q3, q_out, q_quant_scale, self.device)
@@ -345,13 +344,24 @@ class RopeManager(PositionManager):
                    geometry: kv_append.CacheGeometry, scales: Tuple[float, float], signature,
                    norm: Optional[kv_append.Norm], q_out: Optional[torch.Tensor],
                    q_scale: float) -> None:
-        """The checked call on the launcher, else on the JAX path (a norm or an fp8 q:
-        always there). ``signature`` None: a padded call, which must not be bound."""
-        launched = norm is None and q_out is None and self._kv_path.launch(
-            lambda launcher: launcher.rotate_and_append_kv_(
-                q3, k3, v3, pos_ids, caches, slots, self.rope, geometry, scales),
-            None if signature is None else lambda bind: bind(q3, k3, v3, caches, slots,
-                                                             self.rope, geometry, scales),
+        """The checked call on the launcher, else on the JAX path. ``signature`` None: a
+        padded call, which must not be bound; nor is a call with a norm or an fp8 q (a
+        bound launch carries neither)."""
+        extras = {name: value for name, value in (("norm", norm), ("q_out", q_out))
+                  if value is not None}
+        if q_out is not None:
+            scales = (*scales, q_scale)
+
+        def call(launcher) -> None:
+            # A launcher serves a norm or an fp8 q only where it says so (KVLauncher.accepts).
+            if not set(extras) <= getattr(launcher, "accepts", frozenset()):
+                raise BackendUnavailable(f"the launcher takes no {sorted(extras)}")
+            launcher.rotate_and_append_kv_(q3, k3, v3, pos_ids, caches, slots, self.rope,
+                                           geometry, scales, **extras)
+
+        launched = self._kv_path.launch(
+            call, None if signature is None or extras else lambda bind: bind(
+                q3, k3, v3, caches, slots, self.rope, geometry, scales),
             signature)
         if launched:
             return

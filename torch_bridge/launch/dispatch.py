@@ -125,8 +125,15 @@ class KVLauncher(Protocol):
     def rotate_and_append_kv_(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               pos_ids: torch.Tensor, caches: Sequence[torch.Tensor],
                               slots: torch.Tensor, cfg: RopeConfig, geometry: CacheGeometry,
-                              scales: Tuple[float, float]) -> None:
+                              scales: Tuple[float, ...]) -> None:
         """Rotate q in place at ``pos_ids[:T]``; write the rotated k and the v at ``slots``.
+
+        A launcher whose class attribute ``accepts`` names ``"norm"`` and/or ``"q_out"``
+        is also called with those keywords: ``norm=(q_norm_weight, k_norm_weight,
+        qk_norm)`` (:func:`torch_bridge.kv_append.check_norm`), normalising q and k before
+        the rotation, and ``q_out``, a float8_e4m3fn tensor shaped like q that receives
+        ``e4m3(clip(rot(q) * scales[2], -448, 448))`` (``scales`` then ``(k, v, q)``), q
+        left unchanged. Other launchers never see such a call: the JAX path serves it.
 
         Raises:
           BackendUnavailable: to decline this call; the manager then runs the JAX path.

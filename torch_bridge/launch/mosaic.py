@@ -31,7 +31,7 @@ import torch
 from jaxrope.ops.constants import kernel_options
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
-from jaxrope.qk_norm import QKNorm
+from jaxrope.qk_norm import QKNorm, per_token_norm
 from jaxrope.ops import mosaic_common
 from jaxrope.ops.mosaic_common import MosaicModule, slot_row_table
 from jaxrope.ops.rope import mosaic_export
@@ -385,7 +385,7 @@ class MosaicKVLauncher:
                           geometry, scales, AppendOptions(grid))
             return
         if norm is not None and not norm[2].per_head:
-            raise BackendUnavailable(append_mosaic.per_token_norm())
+            raise BackendUnavailable(per_token_norm("mosaic"))
         weights = [w for w in (norm or (None, None))[:2] if w is not None]
         # What the kernel reads and writes past the checks the manager made: a wrong size
         # here would read or write past a buffer.

@@ -40,8 +40,9 @@ Vocabulary and conventions:
   ``rope_quantize_fp8_append_paged_kv_cache``, ``q_nope`` scaled alike).
 - **QK-norm** (Qwen3, Gemma 3, OLMo 2): ``q_norm_weight`` / ``k_norm_weight`` with a
   :class:`jaxrope.QKNorm` normalise q / k before the rotation, in the same pass, in
-  float32 (:mod:`jaxrope.qk_norm`); the XLA form only for now: "auto" takes XLA for
-  such a call, and the Mosaic GPU and Triton kernels raise ``NotImplementedError``.
+  float32 (:mod:`jaxrope.qk_norm`). The Mosaic GPU and Triton kernels normalise per
+  head (Qwen3, Gemma 3) in their pass; OLMo 2/3's norm over all of a token's heads runs on
+  XLA ("auto" takes XLA for such a call, the kernels raise ``NotImplementedError``).
 """
 
 from __future__ import annotations
@@ -312,8 +313,8 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
         wrong shape or dtype, a weight without ``qk_norm`` or ``qk_norm`` without one;
         ``q_dtype`` other than None, q's dtype or float8_e4m3fn, or ``q_quant_scale``
         without an fp8 ``q_dtype``.
-      NotImplementedError: a norm weight with ``backend`` "mosaic", "triton" or
-        "interpret" (their kernels have no QK-norm yet).
+      NotImplementedError: a norm with ``qk_norm.per_head`` False and ``backend``
+        "mosaic", "triton" or "interpret" (:func:`jaxrope.qk_norm.per_token_norm`).
       BackendUnavailable: ``backend="triton"`` off GPU or on an fp8 cache of 2-4 GiB
         (:func:`jaxrope.ops.rope_append_kv.triton.unsupported`; "auto" takes the XLA path
         there), ``"mosaic"`` off a CUDA GPU or with a JAX without Mosaic GPU's API.
@@ -364,7 +365,7 @@ def apply_rope_and_append_kv(q, k, v, pos_ids, kv_cache: Cache, slots, cfg: Rope
     if layout not in LAYOUTS + JAX_LAYOUTS:
         raise ValueError(f"layout={layout!r} must be one of {LAYOUTS + JAX_LAYOUTS}")
     norm = (dict(q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, qk_norm=qk_norm)
-            if norm_asked(q, k, q_norm_weight, k_norm_weight, qk_norm, backend) else {})
+            if norm_asked(q, k, q_norm_weight, k_norm_weight, qk_norm) else {})
     caches, combined, rows = _caches(kv_cache, layout, k)
     num_slots = rows.num_slots
     if num_slots >= 2 ** 31:

@@ -79,7 +79,7 @@ from jaxrope.ops.rope_append_kv.mosaic_layout import (RowSplit, angle_split,  # 
                                                       shares_angle)
 from jaxrope.ops.rope_append_kv.reference import FP8, to_cache_dtype
 from jaxrope.ops.rope_append_kv.tuning import AppendMosaicTuning, Piece, append_mosaic_tuning
-from jaxrope.qk_norm import QKNorm
+from jaxrope.qk_norm import QKNorm, per_token_norm
 
 
 def _dim_refs(x_ref, start: int, width: int, interleave: bool, heads: bool = True):
@@ -95,14 +95,6 @@ def _dim_refs(x_ref, start: int, width: int, interleave: bool, heads: bool = Tru
 def fp8_q(q_dtype) -> bool:
     """Whether ``q_dtype`` (None, q's own dtype or float8_e4m3fn) asks for an fp8 q."""
     return q_dtype is not None and jnp.dtype(q_dtype) == FP8
-
-
-def per_token_norm() -> str:
-    """Why the kernel declines ``qk_norm.per_head=False``: its ``NotImplementedError``."""
-    return ("backend='mosaic' normalises q and k per head only: qk_norm.per_head=False "
-            "(OLMo 2/3) needs the mean square over all of a token's heads, and a block of this "
-            "kernel holds a piece of a token's heads (q's heads split among blocks, k apart "
-            "from q); use backend='xla', or 'auto', which takes XLA for such a call")
 
 
 def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
@@ -143,11 +135,11 @@ def build_append(*, q_heads: int, k_heads: int, head_dim: int, itemsize: int,
     token block ``b`` or exits, with no walk.
 
     Raises:
-      NotImplementedError: ``qk_norm.per_head`` is False (:func:`per_token_norm`).
+      NotImplementedError: ``qk_norm.per_head`` is False (:func:`jaxrope.qk_norm.per_token_norm`).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
     if (norm_q or norm_k) and not qk_norm.per_head:
-        raise NotImplementedError(per_token_norm())
+        raise NotImplementedError(per_token_norm("mosaic"))
     half = rotary_dim // 2
     mrope = mrope_section is not None
     q_fp8 = fp8_q(q_dtype)
@@ -457,13 +449,13 @@ def rope_append_kv_mosaic(q, k, v, pos_ids, slots, tables, scales, caches, *, ro
     Raises:
       BackendUnavailable: a JAX :func:`jaxrope.ops.mosaic_common.unavailable` names.
       NotImplementedError: a norm weight with ``qk_norm.per_head`` False
-        (:func:`per_token_norm`).
+        (:func:`jaxrope.qk_norm.per_token_norm`).
       ValueError: ``q_dtype`` neither None, q's dtype nor float8_e4m3fn; an fp8 q with
         ``scales`` not ``[3]``.
     """
     norm_q, norm_k = q_norm_weight is not None, k_norm_weight is not None
     if (norm_q or norm_k) and not qk_norm.per_head:
-        raise NotImplementedError(per_token_norm())
+        raise NotImplementedError(per_token_norm("mosaic"))
     if q_dtype is not None and jnp.dtype(q_dtype) not in (jnp.dtype(q.dtype), FP8):
         raise ValueError(f"q_dtype={jnp.dtype(q_dtype)} must be None, q's dtype ({q.dtype}) or "
                          "float8_e4m3fn")

@@ -77,7 +77,7 @@ from jaxrope.ops.rope_append_kv.reference import FP8, to_cache_dtype
 from jaxrope.ops.rope_append_kv.tuning import (AppendTritonTuning, append_triton_tuning, grid,
                                                head_programs)
 from jaxrope.ops.triton_common import lanes_for, next_pow2, token_angle
-from jaxrope.qk_norm import QKNorm
+from jaxrope.qk_norm import QKNorm, per_token_norm
 
 def unsupported(cache) -> str | None:
     """Why the Triton lowering cannot address ``cache``, or None when it can.
@@ -263,14 +263,6 @@ def _rope_append_kv_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, 
                rows.value_offset, 1)
 
 
-def per_token_norm(backend: str) -> str:
-    """Why this kernel declines ``qk_norm.per_head=False``: its ``NotImplementedError``'s message."""
-    return (f"backend={backend!r} normalises q and k per head only: qk_norm.per_head=False "
-            "(OLMo 2/3) normalises all of a token's heads together, and a program of this "
-            "kernel holds a subset of a token's heads; use backend='xla', or 'auto', which "
-            "takes XLA for such a call")
-
-
 def wants_fp8_q(q_dtype, q, scales) -> bool:
     """Whether ``q_dtype`` asks for a new float8_e4m3fn q (False: q's own dtype, in place).
 
@@ -330,7 +322,7 @@ def rope_append_kv_triton(q, k, v, pos_ids, slots, tables, scales, caches, *, ro
     Raises:
       BackendUnavailable: :func:`unsupported` declines the cache.
       NotImplementedError: a per-token norm (``qk_norm.per_head=False``,
-        :func:`per_token_norm`).
+        :func:`jaxrope.qk_norm.per_token_norm`).
       ValueError: as :func:`wants_fp8_q`; a weight without ``qk_norm``.
     """
     weights = _norm_weights(q_norm_weight, k_norm_weight, qk_norm,

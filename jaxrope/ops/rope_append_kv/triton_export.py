@@ -18,7 +18,7 @@ from jaxrope.ops.rope_append_kv.cache_layout import cache_rows
 from jaxrope.ops.rope_append_kv import triton, tuning
 from jaxrope.ops.rope_append_kv.reference import FP8
 from jaxrope.ops.triton_common import capture_one
-from jaxrope.qk_norm import WEIGHT_DTYPES, QKNorm
+from jaxrope.qk_norm import WEIGHT_DTYPES, QKNorm, per_token_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,7 @@ class NormOperands:
       ValueError: a weight without ``qk_norm`` or ``qk_norm`` without a weight, or a
         weight dtype other than float32, bfloat16 and float16.
       NotImplementedError: a per-token ``qk_norm`` (the kernel normalises per head:
-        :func:`jaxrope.ops.rope_append_kv.triton.per_token_norm`).
+        :func:`jaxrope.qk_norm.per_token_norm`).
     """
 
     q_weight: Optional[str] = None
@@ -75,7 +75,7 @@ class NormOperands:
             raise ValueError(f"qk_norm={self.qk_norm!r} goes with a q or k weight dtype and only "
                              f"with one, got q_weight={self.q_weight!r}, k_weight={self.k_weight!r}")
         if self.qk_norm is not None and not self.qk_norm.per_head:
-            raise NotImplementedError(triton.per_token_norm("triton"))
+            raise NotImplementedError(per_token_norm("triton"))
         for field in ("q_weight", "k_weight"):
             name = getattr(self, field)
             if name is not None and jnp.dtype(name) not in WEIGHT_DTYPES:
