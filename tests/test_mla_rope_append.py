@@ -213,7 +213,8 @@ def test_the_cache_holds_what_apply_rope_returns(rng):
     cfg = CONFIGS["deepseek_v3"]
     x = make_inputs(rng, cfg, padding=0)
     q_pe, _, (_, kpe_cache) = run(x, cfg)
-    want_q, want_k = jr.apply_rope(x.q_pe, x.k_pe[:, None, :], jnp.asarray(x.pos), cfg)
+    want_q, want_k = jax.jit(jr.apply_rope, static_argnames="cfg")(
+        x.q_pe, x.k_pe[:, None, :], jnp.asarray(x.pos), cfg=cfg)
     np.testing.assert_array_equal(bits(q_pe), bits(want_q))
     np.testing.assert_array_equal(bits(np.asarray(kpe_cache).reshape(-1, 64)[x.slots]),
                                   bits(want_k[:, 0]))
