@@ -13,6 +13,8 @@ count ``T`` traces as a symbol:
                                              positions of ``label``
 ``jaxrope::apply_qk_and_append_kv(...)``     :meth:`RopeManager.apply_qk_and_append_kv`
                                              (q rotated, ``k_cache!``, ``v_cache!``)
+``jaxrope::apply_mla_and_append_kv(...)``    :meth:`RopeManager.apply_mla_and_append_kv`
+                                             (defined in :mod:`torch_bridge.mla_append`)
 ==========================================  =============================================
 
 Every op runs on CPU (the JAX path through DLPack) and CUDA (the Mosaic GPU or
@@ -167,18 +169,22 @@ def check_heads(x: Any, name: str, head_dim: int, device: torch.device,
 
 
 def check_qk(q: Any, k: Any, head_dim: int, device: torch.device,
-             owner: str = "the manager's device") -> Tuple[torch.Tensor, torch.Tensor]:
-    """``[T, H, D]`` views of q and k (:func:`check_heads`), one dtype and one ``T``.
+             owner: str = "the manager's device",
+             names: Tuple[str, str] = ("q", "k")) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``[T, H, D]`` views of q and k (:func:`check_heads`), one dtype and one ``T``;
+    ``names`` name them in errors (MLA's "q_pe", "k_pe").
 
     Raises:
       TypeError, ValueError: as :func:`check_heads`; k's dtype or token count unlike q's.
     """
-    q3, k3 = check_heads(q, "q", head_dim, device, owner), check_heads(k, "k", head_dim, device,
-                                                                        owner)
+    qn, kn = names
+    q3, k3 = check_heads(q, qn, head_dim, device, owner), check_heads(k, kn, head_dim, device,
+                                                                       owner)
     if q.dtype != k.dtype:
-        raise ValueError(f"k.dtype={k.dtype} must equal q.dtype={q.dtype}")
+        raise ValueError(f"{kn}.dtype={k.dtype} must equal {qn}.dtype={q.dtype}")
     if k3.shape[0] != q3.shape[0]:
-        raise ValueError(f"k.shape[0]={k3.shape[0]} must equal q.shape[0]={q3.shape[0]} (tokens)")
+        raise ValueError(f"{kn}.shape[0]={k3.shape[0]} must equal {qn}.shape[0]={q3.shape[0]} "
+                         "(tokens)")
     return q3, k3
 
 

@@ -41,7 +41,8 @@ from torch_bridge.dlpack import InPlace, pad_tokens, read_only, token_bucket, wr
 from torch_bridge.launch.runtime import int32_slots
 from torch_bridge.rotate import torch_capability
 
-__all__ = ["CacheGeometry", "JaxAppend", "call_signature", "check_call", "share_memory"]
+__all__ = ["CacheGeometry", "JaxAppend", "call_signature", "check_call", "check_slot_tensor",
+           "share_memory"]
 
 FP8 = torch.float8_e4m3fn
 SLOT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16,
@@ -193,6 +194,20 @@ def check_call(k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slots: Any, layo
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
     caches, geometry = _caches(kv_cache, layout, k, device)
+    check_slot_tensor(slots, k.shape[0], device)
+    scales = (_scale("k_quant_scale", k_quant_scale, geometry.quantized),
+              _scale("v_quant_scale", v_quant_scale, geometry.quantized))
+    return caches, geometry, scales
+
+
+def check_slot_tensor(slots: Any, tokens: int, device: torch.device) -> None:
+    """Slots' static properties, for every fused append: an integer tensor ``[T]`` on
+    ``device`` (its values are checked where they live: see the module docstring).
+
+    Raises:
+      TypeError: not a tensor.
+      ValueError: another device, a non-integer dtype, or a shape other than ``[T]``.
+    """
     if not isinstance(slots, torch.Tensor):
         raise TypeError(f"slots must be an integer torch.Tensor [T] (vLLM's slot_mapping, int64), "
                         f"got {type(slots).__name__}")
@@ -201,11 +216,8 @@ def check_call(k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slots: Any, layo
     if slots.dtype not in SLOT_DTYPES:
         raise ValueError(f"slots.dtype={slots.dtype} must be an integer dtype (vLLM passes "
                          f"torch.int64)")
-    if tuple(slots.shape) != (k.shape[0],):
-        raise ValueError(f"slots.shape={tuple(slots.shape)} must be [T] with T={k.shape[0]}")
-    scales = (_scale("k_quant_scale", k_quant_scale, geometry.quantized),
-              _scale("v_quant_scale", v_quant_scale, geometry.quantized))
-    return caches, geometry, scales
+    if tuple(slots.shape) != (tokens,):
+        raise ValueError(f"slots.shape={tuple(slots.shape)} must be [T] with T={tokens}")
 
 
 def _span(t: torch.Tensor) -> Tuple[int, int]:
