@@ -69,7 +69,8 @@ from torch_bridge.launch.dispatch import FastPath, resolve_launchers
 from torch_bridge.rotate import LLAMA31_PARAMS, TORCH_DTYPES, JaxRotation
 
 __all__ = ["check_heads", "check_qk", "config_key", "config_of", "manager_key", "manager_of",
-           "rope_", "rope_append_kv_", "traced_apply_qk", "traced_apply_qk_and_append_kv"]
+           "rope_", "rope_append_kv_", "split_cache", "traced_apply_qk",
+           "traced_apply_qk_and_append_kv"]
 
 # The launchers' alignment (torch_bridge.launch.runtime.ALIGN): a CUDA tensor is staged
 # when it is not contiguous or its address is not a multiple of this.
@@ -455,6 +456,22 @@ def traced_apply_qk(manager: Any, q: torch.Tensor, k: torch.Tensor, label: Hasha
     return q, k
 
 
+def split_cache(cache: Any, name: str,
+                parts: Tuple[str, str]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A cache argument as an op's schema takes it: ``(first, second)`` of a pair, ``(cache,
+    None)`` of one tensor.
+
+    Raises:
+      TypeError: neither a tensor nor a pair.
+    """
+    if isinstance(cache, torch.Tensor):
+        return cache, None
+    if isinstance(cache, (tuple, list)) and len(cache) == 2:
+        return cache[0], cache[1]
+    raise TypeError(f"{name} must be a ({parts[0]}, {parts[1]}) pair of tensors or one tensor, "
+                    f"got {type(cache).__name__}")
+
+
 def _op_scale(name: str, value: Any) -> Optional[float]:
     # The method's type and range refusal, before the op's schema (which would raise
     # its own RuntimeError); whether the cache takes a scale is the method's check.
@@ -473,13 +490,7 @@ def traced_apply_qk_and_append_kv(manager: Any, q: torch.Tensor, k: torch.Tensor
         scale that is not a number.
       ValueError: a scale not finite and > 0.
     """
-    if isinstance(kv_cache, torch.Tensor):
-        k_cache, v_cache = kv_cache, None
-    elif isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2:
-        k_cache, v_cache = kv_cache
-    else:
-        raise TypeError(f"kv_cache must be a (k_cache, v_cache) pair of tensors or one tensor, "
-                        f"got {type(kv_cache).__name__}")
+    k_cache, v_cache = split_cache(kv_cache, "kv_cache", ("k_cache", "v_cache"))
     torch.ops.jaxrope.apply_qk_and_append_kv(
         q, k, v, k_cache, v_cache, slots, manager._op_key, _op_label(label), layout,
         _op_scale("k_quant_scale", k_quant_scale), _op_scale("v_quant_scale", v_quant_scale))

@@ -42,7 +42,7 @@ from torch_bridge.launch.runtime import int32_slots
 from torch_bridge.rotate import torch_capability
 
 __all__ = ["CacheGeometry", "JaxAppend", "call_signature", "check_call", "check_slot_tensor",
-           "share_memory"]
+           "jax_backend", "share_memory"]
 
 FP8 = torch.float8_e4m3fn
 SLOT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16,
@@ -342,6 +342,19 @@ def _rope_and_append(q, *rest, cfg: RopeConfig, layout: str, backend: str, fp8: 
     return (q, *out)
 
 
+def jax_backend(backend: str, device: torch.device, op: str) -> str:
+    """The backend a JAX path passes to the core op ``op``: "auto" where it means a kernel
+    (the core keeps its fall-through to XLA), else the one
+    :func:`jaxrope.ops.backends.backend_name` picks for ``device``. Inside the jitted call
+    the core sees tracers, so an "auto" that means XLA is decided here.
+
+    Raises:
+      ValueError, BackendUnavailable: as :func:`jaxrope.ops.backends.backend_name`.
+    """
+    chosen = _backend.backend_name(backend, device.type, op, torch_capability(device))
+    return "auto" if backend == "auto" and chosen != "xla" else chosen
+
+
 class JaxAppend:
     """The JAX path: :func:`jaxrope.apply_rope_and_append_kv` on DLPack imports, in place.
 
@@ -378,9 +391,7 @@ class JaxAppend:
     """
 
     def __init__(self, device: torch.device, backend: str = "auto"):
-        chosen = _backend.backend_name(backend, device.type, "rope_append_kv",
-                                       torch_capability(device))
-        self.backend = "auto" if backend == "auto" and chosen != "xla" else chosen
+        self.backend = jax_backend(backend, device, "rope_append_kv")
         self._calls: Dict[int, InPlace] = {}
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

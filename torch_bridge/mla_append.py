@@ -29,12 +29,10 @@ import jax.numpy as jnp
 import torch
 
 from jaxrope.config import RopeConfig
-from jaxrope.ops import backends as _backend
 from jaxrope.ops.mla_rope_append.api import apply_mla_rope_and_append
 from torch_bridge import custom_ops, kv_append
 from torch_bridge.dlpack import InPlace, pad_tokens, read_only, token_bucket, write_back
 from torch_bridge.launch.runtime import int32_slots
-from torch_bridge.rotate import torch_capability
 
 __all__ = ["JaxMlaAppend", "MlaGeometry", "check_call", "traced_apply_mla_and_append_kv"]
 
@@ -233,9 +231,7 @@ class JaxMlaAppend:
     """
 
     def __init__(self, device: torch.device, backend: str = "auto"):
-        chosen = _backend.backend_name(backend, device.type, "mla_rope_append",
-                                       torch_capability(device))
-        self.backend = "auto" if backend == "auto" and chosen != "xla" else chosen
+        self.backend = kv_append.jax_backend(backend, device, "mla_rope_append")
         self._calls: Dict[int, InPlace] = {}
 
     def __call__(self, q_pe: torch.Tensor, k_pe: torch.Tensor, ckv: torch.Tensor,
@@ -308,13 +304,8 @@ def traced_apply_mla_and_append_kv(manager: Any, q_pe: torch.Tensor, k_pe: torch
         that is not a number.
       ValueError: a scale not finite and > 0.
     """
-    if isinstance(mla_cache, torch.Tensor):
-        ckv_cache, kpe_cache = mla_cache, None
-    elif isinstance(mla_cache, (tuple, list)) and len(mla_cache) == 2:
-        ckv_cache, kpe_cache = mla_cache
-    else:
-        raise TypeError(f"mla_cache must be a (ckv_cache, kpe_cache) pair of tensors or one "
-                        f"tensor, got {type(mla_cache).__name__}")
+    ckv_cache, kpe_cache = custom_ops.split_cache(mla_cache, "mla_cache",
+                                                  ("ckv_cache", "kpe_cache"))
     scales = [None if value is None else kv_append._scale(name, value, True)
               for name, value in (("q_quant_scale", q_quant_scale),
                                   ("kv_quant_scale", kv_quant_scale))]

@@ -32,7 +32,7 @@ Vocabulary and conventions:
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple, Union
+from typing import Tuple, Union
 
 import jax
 import jax.numpy as jnp
