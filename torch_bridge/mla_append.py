@@ -72,12 +72,14 @@ class MlaGeometry:
         return self.dtype == FP8
 
 
-def _tensor(name: str, x: Any, shape: Tuple[int, ...], dtype: torch.dtype,
+def _tensor(name: str, x: Any, shape: Tuple[Optional[int], ...], dtype: torch.dtype,
             device: torch.device, layout: str) -> torch.Tensor:
+    """``x`` checked: a tensor of ``shape`` (None: any size), ``dtype``, on ``device``."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if tuple(x.shape) != shape:
-        raise ValueError(f"{name}.shape={tuple(x.shape)} must be {layout} = {shape}")
+    if x.ndim != len(shape) or any(n is not None and n != m for n, m in zip(shape, x.shape)):
+        want = tuple("any" if n is None else n for n in shape)
+        raise ValueError(f"{name}.shape={tuple(x.shape)} must be {layout} = {want}")
     if x.dtype != dtype:
         raise ValueError(f"{name}.dtype={x.dtype} must be {dtype}")
     if x.device != device:
@@ -101,22 +103,22 @@ def _caches(mla_cache: Any, lora: int, rope: int, dtype: torch.dtype,
                              f"page_size, L] with L={lora}")
         pages, page_size = ckv_cache.shape[:2]
         caches = (ckv_cache, kpe_cache)
-        names, widths = ("ckv_cache", "kpe_cache"), (lora, rope)
+        names, widths = ("ckv_cache", "kpe_cache"), ((lora, "L"), (rope, "r"))
     elif isinstance(mla_cache, torch.Tensor):
         if mla_cache.ndim != 3:
             raise ValueError(f"mla_cache.shape={tuple(mla_cache.shape)} must be [pages, "
                              f"page_size, L + r] with L + r={lora + rope}")
         pages, page_size = mla_cache.shape[:2]
-        caches, names, widths = (mla_cache,), ("mla_cache",), (lora + rope,)
+        caches, names, widths = (mla_cache,), ("mla_cache",), ((lora + rope, "L + r"),)
     else:
         raise TypeError(f"mla_cache must be a (ckv_cache, kpe_cache) pair of tensors or one "
                         f"tensor, got {type(mla_cache).__name__}")
     cache_dtype = caches[0].dtype
     if cache_dtype not in (dtype, FP8):
         raise ValueError(f"{names[0]}.dtype={cache_dtype} must be k_pe's dtype ({dtype}) or {FP8}")
-    for name, c, width in zip(names, caches, widths):
+    for name, c, (width, label) in zip(names, caches, widths):
         _tensor(name, c, (pages, page_size, width), cache_dtype, device,
-                f"[pages, page_size, {'L + r' if len(caches) == 1 else name[:3].upper()}]")
+                f"[pages, page_size, {label}]")
     if len(caches) == 2 and kv_append.share_memory(*caches):
         raise ValueError("mla_cache's ckv_cache and kpe_cache share memory; pass two separate "
                          "tensors or one [pages, page_size, L + r] tensor")
@@ -158,10 +160,7 @@ def check_call(q_pe: torch.Tensor, k_pe: torch.Tensor, ckv: Any, q_nope: Any, ml
     dtype = q_pe.dtype
     if k_pe.ndim != 2 or k_pe.shape[1] != rope:
         raise ValueError(f"k_pe.shape={tuple(k_pe.shape)} must be [T, r] = {(tokens, rope)}")
-    if not isinstance(ckv, torch.Tensor) or ckv.ndim != 2:
-        raise (TypeError if not isinstance(ckv, torch.Tensor) else ValueError)(
-            f"ckv must be a [T, L] torch.Tensor, got {getattr(ckv, 'shape', type(ckv).__name__)}")
-    _tensor("ckv", ckv, (tokens, ckv.shape[1]), dtype, device, "[T, L]")
+    _tensor("ckv", ckv, (tokens, None), dtype, device, "[T, L]")
     fp8_q = q_pe_out is not None
     if fp8_q:
         _tensor("q_pe_out", q_pe_out, tuple(q_pe.shape), FP8, device, "q_pe's [T, H, r]")
@@ -169,11 +168,7 @@ def check_call(q_pe: torch.Tensor, k_pe: torch.Tensor, ckv: Any, q_nope: Any, ml
         if not fp8_q:
             raise ValueError("q_nope is only read to quantize it into q_nope_out: pass "
                              "q_pe_out and q_nope_out with it, or leave it None")
-        if not isinstance(q_nope, torch.Tensor) or q_nope.ndim != 3:
-            raise (TypeError if not isinstance(q_nope, torch.Tensor) else ValueError)(
-                f"q_nope must be a [T, H, N] torch.Tensor, got "
-                f"{getattr(q_nope, 'shape', type(q_nope).__name__)}")
-        _tensor("q_nope", q_nope, (tokens, heads, q_nope.shape[2]), dtype, device, "[T, H, N]")
+        _tensor("q_nope", q_nope, (tokens, heads, None), dtype, device, "[T, H, N]")
     if (q_nope_out is None) != (q_nope is None):
         raise ValueError("q_nope and q_nope_out go together (q_nope_out receives the fp8 "
                          f"q_nope), got q_nope={'a tensor' if q_nope is not None else None} and "
