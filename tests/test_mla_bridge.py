@@ -104,7 +104,6 @@ def _clone(x):
 
 CASES = {
     "one_buffer_bf16": dict(),
-    "pair_bf16": dict(combined=False),
     "pair_fp8_cache_fp8_q": dict(combined=False, cache_dtype=FP8, fp8_q=True,
                                  scales=dict(q_quant_scale=0.5, kv_quant_scale=2.0)),
     "one_buffer_float32_fp8_q": dict(dtype=torch.float32, fp8_q=True, scales={}),

@@ -353,6 +353,6 @@ def test_kernel_backends_without_an_mla_kernel_are_refused_and_auto_takes_xla(mo
         backend_module.backend_name("triton", "cuda", op)
     cfg = CONFIGS["deepseek_v3"]
     x = make_inputs(rng, cfg)
-    check(x, _call(x, backend="auto"), cfg)
+    check(x, run(x, cfg, backend="auto"), cfg)
     with pytest.raises(jr.BackendUnavailable):
-        _call(x, backend="interpret")
+        run(x, cfg, backend="interpret")
