@@ -356,3 +356,32 @@ def test_kernel_backends_without_an_mla_kernel_are_refused_and_auto_takes_xla(mo
     check(x, run(x, cfg, backend="auto"), cfg)
     with pytest.raises(jr.BackendUnavailable):
         run(x, cfg, backend="interpret")
+
+
+@pytest.mark.parametrize("combined", [False, True], ids=["pair", "one_buffer"])
+def test_a_backend_gets_the_contracts_operands(combined, monkeypatch, rng):
+    # What every MLA kernel is handed (jaxrope/ops/mla_rope_append/reference.py's docstring):
+    # int32 slots, float32 tables [3, r/2] and scales [2] = [q_scale, kv_scale], the cache
+    # as [rows, width] matrices told apart by their count, q_dtype static.
+    seen = {}
+
+    def spy(q_pe, k_pe, ckv, q_nope, pos_ids, slots, tables, scales, caches, **options):
+        seen.update(slots=slots, tables=tables, scales=scales, caches=caches, options=options)
+        return mla_rope_append_reference(q_pe, k_pe, ckv, q_nope, pos_ids, slots, tables, scales,
+                                         caches, **options)
+
+    op = backend_module.IMPLEMENTATIONS["mla_rope_append"]
+    monkeypatch.setitem(backend_module.IMPLEMENTATIONS, "mla_rope_append", {**op, "interpret": spy})
+    cfg = CONFIGS["deepseek_v3_mscale"]
+    x = make_inputs(rng, cfg, combined=combined, cache_dtype=FP8)
+    out = _call(x, cfg=cfg, q_dtype=jnp.float8_e4m3fn, q_quant_scale=0.5, kv_quant_scale=4.0,
+                backend="interpret")
+    check(x, out, cfg, q_scale=0.5, kv_scale=4.0)
+    assert seen["slots"].dtype == jnp.int32 and seen["slots"].shape == (11,)
+    assert seen["tables"].dtype == jnp.float32 and seen["tables"].shape == (3, 32)
+    assert seen["scales"].dtype == jnp.float32 and seen["scales"].tolist() == [0.5, 4.0]
+    widths = [(32, 576)] if combined else [(32, 512), (32, 64)]
+    assert [c.shape for c in seen["caches"]] == widths and all(c.dtype == FP8 for c in seen["caches"])
+    assert seen["options"] == dict(rotary_dim=64, interleave=True,
+                                   attention_factor=pytest.approx(1.3688879454113936),
+                                   mrope_section=None, mrope_interleaved=False, q_dtype=FP8)
