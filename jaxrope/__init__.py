@@ -3,8 +3,8 @@
 The public API is exactly what ``__all__`` lists, by one rule:
 
 - the top level holds what one call of the rotation needs, from its config to the state
-  its positions come from: the ops :func:`apply_rope` and
-  :func:`apply_rope_and_append_kv`, :func:`checked` (``jax.jit`` of a step
+  its positions come from: the ops :func:`apply_rope`, :func:`apply_rope_and_append_kv`
+  and :func:`apply_mla_rope_and_append` (MLA), :func:`checked` (``jax.jit`` of a step
   with every range check on), :class:`RopeConfig` and its scaling variants
   (:class:`Linear`, :class:`DynamicNTK`, :class:`Yarn`, :class:`LongRope`,
   :class:`Llama3`, :class:`Proportional`), :class:`QKNorm` (the norm before RoPE
@@ -48,6 +48,7 @@ from jaxrope.ops.rope.api import apply_rope
 from jaxrope.checks import checked
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
+from jaxrope.ops.mla_rope_append.api import apply_mla_rope_and_append
 from jaxrope.ops.rope_append_kv.api import apply_rope_and_append_kv
 from jaxrope.positions import PositionTable, RowMap, Scheme
 from jaxrope.qk_norm import QKNorm
@@ -69,6 +70,7 @@ __all__ = [
     "RowMap",
     "Scheme",
     "Yarn",
+    "apply_mla_rope_and_append",
     "apply_rope",
     "apply_rope_and_append_kv",
     "checked",

@@ -1,6 +1,6 @@
 """The bridge's rotations as torch custom ops: what ``torch.compile`` records for them.
 
-Three ops in the ``jaxrope`` library, each writing its first tensor arguments in place
+The ops of the ``jaxrope`` library, each writing its first tensor arguments in place
 and returning nothing, so their fake (meta) implementations are empty and any token
 count ``T`` traces as a symbol:
 
@@ -14,6 +14,8 @@ count ``T`` traces as a symbol:
 ``jaxrope::apply_qk_and_append_kv(...)``     :meth:`RopeManager.apply_qk_and_append_kv`
                                              (q rotated, ``k_cache!``, ``v_cache!``;
                                              an fp8 q into ``q_out!``)
+``jaxrope::apply_mla_and_append_kv(...)``    :meth:`RopeManager.apply_mla_and_append_kv`
+                                             (defined in :mod:`torch_bridge.mla_append`)
 ==========================================  =============================================
 
 Every op runs on CPU (the JAX path through DLPack) and CUDA (the Mosaic GPU or
@@ -68,7 +70,8 @@ from torch_bridge.launch.dispatch import FastPath, resolve_launchers
 from torch_bridge.rotate import LLAMA31_PARAMS, TORCH_DTYPES, JaxRotation
 
 __all__ = ["check_heads", "check_qk", "config_key", "config_of", "manager_key", "manager_of",
-           "rope_", "rope_append_kv_", "traced_apply_qk", "traced_apply_qk_and_append_kv"]
+           "rope_", "rope_append_kv_", "split_cache", "traced_apply_qk",
+           "traced_apply_qk_and_append_kv"]
 
 # The launchers' alignment (torch_bridge.launch.runtime.ALIGN): a CUDA tensor is staged
 # when it is not contiguous or its address is not a multiple of this.
@@ -168,18 +171,22 @@ def check_heads(x: Any, name: str, head_dim: int, device: torch.device,
 
 
 def check_qk(q: Any, k: Any, head_dim: int, device: torch.device,
-             owner: str = "the manager's device") -> Tuple[torch.Tensor, torch.Tensor]:
-    """``[T, H, D]`` views of q and k (:func:`check_heads`), one dtype and one ``T``.
+             owner: str = "the manager's device",
+             names: Tuple[str, str] = ("q", "k")) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``[T, H, D]`` views of q and k (:func:`check_heads`), one dtype and one ``T``;
+    ``names`` name them in errors (MLA's "q_pe", "k_pe").
 
     Raises:
       TypeError, ValueError: as :func:`check_heads`; k's dtype or token count unlike q's.
     """
-    q3, k3 = check_heads(q, "q", head_dim, device, owner), check_heads(k, "k", head_dim, device,
-                                                                        owner)
+    qn, kn = names
+    q3, k3 = check_heads(q, qn, head_dim, device, owner), check_heads(k, kn, head_dim, device,
+                                                                       owner)
     if q.dtype != k.dtype:
-        raise ValueError(f"k.dtype={k.dtype} must equal q.dtype={q.dtype}")
+        raise ValueError(f"{kn}.dtype={k.dtype} must equal {qn}.dtype={q.dtype}")
     if k3.shape[0] != q3.shape[0]:
-        raise ValueError(f"k.shape[0]={k3.shape[0]} must equal q.shape[0]={q3.shape[0]} (tokens)")
+        raise ValueError(f"{kn}.shape[0]={k3.shape[0]} must equal {qn}.shape[0]={q3.shape[0]} "
+                         "(tokens)")
     return q3, k3
 
 
@@ -465,6 +472,22 @@ def traced_apply_qk(manager: Any, q: torch.Tensor, k: torch.Tensor, label: Hasha
     return q, k
 
 
+def split_cache(cache: Any, name: str,
+                parts: Tuple[str, str]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A cache argument as an op's schema takes it: ``(first, second)`` of a pair, ``(cache,
+    None)`` of one tensor.
+
+    Raises:
+      TypeError: neither a tensor nor a pair.
+    """
+    if isinstance(cache, torch.Tensor):
+        return cache, None
+    if isinstance(cache, (tuple, list)) and len(cache) == 2:
+        return cache[0], cache[1]
+    raise TypeError(f"{name} must be a ({parts[0]}, {parts[1]}) pair of tensors or one tensor, "
+                    f"got {type(cache).__name__}")
+
+
 def _op_scale(name: str, value: Any) -> Optional[float]:
     # The method's type and range refusal, before the op's schema (which would raise
     # its own RuntimeError); whether the cache takes a scale is the method's check.
@@ -485,13 +508,7 @@ def traced_apply_qk_and_append_kv(manager: Any, q: torch.Tensor, k: torch.Tensor
         scale that is not a number.
       ValueError: a scale not finite and > 0.
     """
-    if isinstance(kv_cache, torch.Tensor):
-        k_cache, v_cache = kv_cache, None
-    elif isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2:
-        k_cache, v_cache = kv_cache
-    else:
-        raise TypeError(f"kv_cache must be a (k_cache, v_cache) pair of tensors or one tensor, "
-                        f"got {type(kv_cache).__name__}")
+    k_cache, v_cache = split_cache(kv_cache, "kv_cache", ("k_cache", "v_cache"))
     torch.ops.jaxrope.apply_qk_and_append_kv(
         q, k, v, k_cache, v_cache, slots, manager._op_key, _op_label(label), layout,
         _op_scale("k_quant_scale", k_quant_scale), _op_scale("v_quant_scale", v_quant_scale),

@@ -43,7 +43,7 @@ from torch_bridge.launch.runtime import int32_slots
 from torch_bridge.rotate import torch_capability
 
 __all__ = ["CacheGeometry", "JaxAppend", "call_signature", "check_call", "check_q_out",
-           "share_memory"]
+           "check_slot_tensor", "jax_backend", "share_memory"]
 
 FP8 = torch.float8_e4m3fn
 SLOT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16,
@@ -199,6 +199,20 @@ def check_call(k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slots: Any, layo
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
     caches, geometry = _caches(kv_cache, layout, k, device)
+    check_slot_tensor(slots, k.shape[0], device)
+    scales = (_scale("k_quant_scale", k_quant_scale, geometry.quantized),
+              _scale("v_quant_scale", v_quant_scale, geometry.quantized))
+    return caches, geometry, scales
+
+
+def check_slot_tensor(slots: Any, tokens: int, device: torch.device) -> None:
+    """Slots' static properties, for every fused append: an integer tensor ``[T]`` on
+    ``device`` (its values are checked where they live: see the module docstring).
+
+    Raises:
+      TypeError: not a tensor.
+      ValueError: another device, a non-integer dtype, or a shape other than ``[T]``.
+    """
     if not isinstance(slots, torch.Tensor):
         raise TypeError(f"slots must be an integer torch.Tensor [T] (vLLM's slot_mapping, int64), "
                         f"got {type(slots).__name__}")
@@ -207,11 +221,8 @@ def check_call(k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slots: Any, layo
     if slots.dtype not in SLOT_DTYPES:
         raise ValueError(f"slots.dtype={slots.dtype} must be an integer dtype (vLLM passes "
                          f"torch.int64)")
-    if tuple(slots.shape) != (k.shape[0],):
-        raise ValueError(f"slots.shape={tuple(slots.shape)} must be [T] with T={k.shape[0]}")
-    scales = (_scale("k_quant_scale", k_quant_scale, geometry.quantized),
-              _scale("v_quant_scale", v_quant_scale, geometry.quantized))
-    return caches, geometry, scales
+    if tuple(slots.shape) != (tokens,):
+        raise ValueError(f"slots.shape={tuple(slots.shape)} must be [T] with T={tokens}")
 
 
 def check_q_out(q: torch.Tensor, q3: torch.Tensor, q_out: Any, q_quant_scale: Any,
@@ -381,6 +392,19 @@ def _rope_and_append(target, *rest, cfg: RopeConfig, layout: str, backend: str, 
     return (q, *out)
 
 
+def jax_backend(backend: str, device: torch.device, op: str) -> str:
+    """The backend a JAX path passes to the core op ``op``: "auto" where it means a kernel
+    (the core keeps its fall-through to XLA), else the one
+    :func:`jaxrope.ops.backends.backend_name` picks for ``device``. Inside the jitted call
+    the core sees tracers, so an "auto" that means XLA is decided here.
+
+    Raises:
+      ValueError, BackendUnavailable: as :func:`jaxrope.ops.backends.backend_name`.
+    """
+    chosen = _backend.backend_name(backend, device.type, op, torch_capability(device))
+    return "auto" if backend == "auto" and chosen != "xla" else chosen
+
+
 class JaxAppend:
     """The JAX path: :func:`jaxrope.apply_rope_and_append_kv` on DLPack imports, in place.
 
@@ -417,9 +441,7 @@ class JaxAppend:
     """
 
     def __init__(self, device: torch.device, backend: str = "auto"):
-        chosen = _backend.backend_name(backend, device.type, "rope_append_kv",
-                                       torch_capability(device))
-        self.backend = "auto" if backend == "auto" and chosen != "xla" else chosen
+        self.backend = jax_backend(backend, device, "rope_append_kv")
         self._calls: Dict[int, InPlace] = {}
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

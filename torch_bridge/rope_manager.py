@@ -19,7 +19,7 @@ from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 from jaxrope.ops.rope_append_kv.api import check_slots
 from jaxrope.qk_norm import QKNorm
-from torch_bridge import custom_ops, kv_append
+from torch_bridge import custom_ops, kv_append, mla_append
 from torch_bridge.config import PositionConfig
 from torch_bridge.dlpack import jax_device
 from torch_bridge.resource import EngineInfo
@@ -101,6 +101,9 @@ class RopeManager(PositionManager):
         self._rope_path = FastPath("apply_qk", rope_launcher)
         self._kv_path = FastPath("apply_qk_and_append_kv", kv_launcher)
         self._kv_jax: Optional[kv_append.JaxAppend] = None
+        # No MLA launcher yet: the JAX path serves every device.
+        self._mla_path = FastPath("apply_mla_and_append_kv", None)
+        self._mla_jax: Optional[mla_append.JaxMlaAppend] = None
         self._configs = ConfigCache(rope)
         self._backend = backend
         JaxRotation.check_backend(backend, self.device)
@@ -371,14 +374,98 @@ class RopeManager(PositionManager):
         self._kv_jax(q3, k3, v3, caches, geometry, pos_ids, slots, self.rope, scales,
                      allow_copy=self.allow_copy, norm=norm, q_out=q_out, q_scale=q_scale)
 
+    @traceable
+    def apply_mla_and_append_kv(self, q_pe: torch.Tensor, k_pe: torch.Tensor, ckv: torch.Tensor,
+                                label: str, mla_cache: Any, slots: torch.Tensor, *,
+                                q_nope: Optional[torch.Tensor] = None,
+                                q_pe_out: Optional[torch.Tensor] = None,
+                                q_nope_out: Optional[torch.Tensor] = None,
+                                q_quant_scale: Optional[float] = None,
+                                kv_quant_scale: Optional[float] = None) -> Tuple[Any, Any, Any]:
+        """MLA's ``apply_qk`` fused with its paged cache append (DeepSeek-V2/V3):
+        :func:`jaxrope.apply_mla_rope_and_append` on the engine's own tensors.
+
+        Args:
+          q_pe: ``[T, H, r]`` (or ``[T, H * r]``), ``r == config.rope.head_dim``, rotated in
+            place at ``pos_ids(label)[:T]`` unless ``q_pe_out`` is given; tokens past the
+            planned ones (a padded batch) are neither rotated nor cached, as ``apply_qk``.
+          k_pe: ``[T, r]``, q_pe's dtype; read only (the cache gets it rotated).
+          ckv: ``[T, L]``, q_pe's dtype; cached as it is (read only).
+          label: a plan label of the current plan.
+          mla_cache: ``(ckv_cache [pages, page_size, L], kpe_cache [pages, page_size, r])``
+            (FlashInfer's) or one ``[pages, page_size, L + r]`` tensor (vLLM's), k_pe's
+            dtype or ``torch.float8_e4m3fn``; written in place.
+          slots: ``[T]`` of any integer dtype, as ``apply_qk_and_append_kv`` takes them.
+          q_pe_out: a ``[T, H, r]`` ``torch.float8_e4m3fn`` tensor (FlashInfer's
+            ``q_rope_out``): receives ``e4m3(clip(rot(q_pe) * q_quant_scale))``; q_pe is
+            then left unchanged.
+          q_nope, q_nope_out: ``[T, H, N]`` in q_pe's dtype and its fp8 output, both or
+            neither, only with ``q_pe_out``: q_nope quantized as q_pe.
+          q_quant_scale: with ``q_pe_out`` only, a float, default 1.
+          kv_quant_scale: fp8 caches only (ckv and k_pe), a float, default 1 (vLLM's
+            ``scale`` divides: pass its reciprocal).
+
+        Returns:
+          ``(q_pe, q_nope, mla_cache)``: the objects given (``q_pe_out`` and ``q_nope_out``
+          in place of q_pe and q_nope when given), rotated, quantized and written.
+
+        Raises:
+          ValueError: as ``apply_qk`` for label, q_pe and k_pe (k_pe as one head); a
+            tensor of the wrong shape, dtype or device; a pair of caches sharing memory;
+            q_nope or q_nope_out without q_pe_out; a scale where it does not apply, or
+            not finite and > 0; visible (CPU) slots past the cache or repeated.
+          TypeError: an argument of the wrong type, a scale that is not a number.
+          BackendUnavailable: the manager's backend has no MLA kernel ("mosaic",
+            "triton", "interpret"; "auto" and "xla" run).
+          RuntimeError: under CUDA-graph capture (the JAX path cannot be captured).
+
+        Example:
+          >>> import torch, jaxrope as jr
+          >>> from torch_bridge import PositionConfig, PositionStep, Segment, StepContext
+          >>> mgr = RopeManager(PositionConfig(rope=jr.RopeConfig(head_dim=8, interleave=True)),
+          ...                   "cpu")
+          >>> mgr.ingest_request("r0")
+          >>> step, ctx = PositionStep([Segment("r0", "text", 2)]), StepContext(("r0",))
+          >>> _ = mgr.plan(step, ctx)
+          >>> q_pe, k_pe, ckv = torch.randn(2, 4, 8), torch.ones(2, 8), torch.full((2, 16), 3.0)
+          >>> cache = torch.zeros(4, 4, 16 + 8)                   # 4 pages of 4, [L + r]
+          >>> out = mgr.apply_mla_and_append_kv(q_pe, k_pe, ckv, "text", cache, torch.tensor([5, -1]))
+          >>> out[0] is q_pe, cache[1, 1, :17].tolist() == [3.0] * 16 + [1.0], float(cache[0].sum())
+          (True, True, 0.0)
+          >>> mgr.commit(step, ctx)
+        """
+        if torch.compiler.is_compiling():  # what the graph records: see torch_bridge.custom_ops
+            return mla_append.traced_apply_mla_and_append_kv(
+                self, q_pe, k_pe, ckv, label, mla_cache, slots, q_nope, q_pe_out, q_nope_out,
+                q_quant_scale, kv_quant_scale)
+        plan = self._plans.peek()
+        q3, k3 = self._checked_qk(q_pe, k_pe, label, plan, ("q_pe", "k_pe"))
+        caches, geometry, scales = mla_append.check_call(
+            q3, k_pe, ckv, q_nope, mla_cache, slots, q_pe_out, q_nope_out, q_quant_scale,
+            kv_quant_scale, self.device)
+        q_outs = tuple(x for x in (q_pe_out, q_nope_out) if x is not None)
+        n = min(q3.shape[0], plan.limits[label])   # an engine's padded batch: cut the tail
+        if slots.device.type == "cpu":
+            check_slots(slots[:n].numpy(), geometry.num_slots)   # the core's eager rule
+        self._plans.promote()
+        if n:
+            self._mla_path.refuse_under_capture(self.device)
+            if self._mla_jax is None:
+                self._mla_jax = mla_append.JaxMlaAppend(self.device, self._backend)
+            self._mla_jax(q3[:n], k3[:n, 0], ckv[:n], None if q_nope is None else q_nope[:n],
+                          tuple(x[:n] for x in q_outs), caches, geometry, plan.tensors[label],
+                          slots[:n], self.rope, scales, allow_copy=self.allow_copy)
+        return mla_append.outputs(q_pe, q_nope, q_pe_out, q_nope_out, mla_cache)
+
     def _checked_qk(self, q: torch.Tensor, k: torch.Tensor, label: Hashable,
-                    plan: Optional[Plan]) -> Tuple[torch.Tensor, torch.Tensor]:
+                    plan: Optional[Plan],
+                    names: Tuple[str, str] = ("q", "k")) -> Tuple[torch.Tensor, torch.Tensor]:
         """``[T, H, D]`` views of q and k, checked for a ``label`` with positions in ``plan``."""
         check_hashable(label, "label")
         if plan is None or label not in plan.tensors:
             self._check_plan_label(label)
             raise ValueError(f"no positions planned for label={label!r}: call plan() for this step")
-        return custom_ops.check_qk(q, k, self.head_dim, self.device)
+        return custom_ops.check_qk(q, k, self.head_dim, self.device, names=names)
 
     def _run_bound(self, path: FastPath, plan: Optional[Plan], label: Hashable,
                    q: torch.Tensor, signature, run) -> bool:

@@ -3,7 +3,8 @@ that picks a backend for a device.
 
 Every RoPE implementation has the signature of
 :func:`jaxrope.ops.rope.reference.rope_reference`, every fused RoPE + KV-append one that
-of :func:`jaxrope.ops.rope_append_kv.reference.rope_append_kv_reference`. Adding a
+of :func:`jaxrope.ops.rope_append_kv.reference.rope_append_kv_reference`, every MLA
+one that of :func:`jaxrope.ops.mla_rope_append.reference.mla_rope_append_reference`. Adding a
 backend means one entry per op it implements in :data:`IMPLEMENTATIONS` and, if it should
 win somewhere, one line in :func:`backend_name`; adding an op, one row.
 
@@ -44,6 +45,9 @@ import jax
 
 from jaxrope.errors import BackendUnavailable
 from jaxrope.ops import mosaic_common
+from jaxrope.ops.mla_rope_append.mosaic import mla_rope_append_mosaic
+from jaxrope.ops.mla_rope_append.reference import mla_rope_append_reference
+from jaxrope.ops.mla_rope_append.triton import mla_rope_append_triton
 from jaxrope.ops.rope.mosaic import rope_mosaic
 from jaxrope.ops.rope.reference import rope_reference
 from jaxrope.ops.rope.triton import rope_triton
@@ -69,6 +73,12 @@ IMPLEMENTATIONS = {
         "triton": rope_append_kv_triton,
         "interpret": functools.partial(rope_append_kv_triton, interpret=True),
         "mosaic": rope_append_kv_mosaic,
+    },
+    "mla_rope_append": {
+        "xla": mla_rope_append_reference,
+        "triton": mla_rope_append_triton,
+        "interpret": functools.partial(mla_rope_append_triton, interpret=True),
+        "mosaic": mla_rope_append_mosaic,
     },
 }
 
@@ -116,8 +126,10 @@ def backend_name(backend: str, platform: str, op: str = "rope",
     if backend == "auto":
         if platform not in _GPU:
             return "xla"
-        mosaic = "mosaic" in implementations and _mosaic_runs(platform, compute_capability)
-        return "mosaic" if mosaic else "triton"
+        if "mosaic" in implementations and _mosaic_runs(platform, compute_capability):
+            return "mosaic"
+        # An op without a Triton-lowered kernel runs on XLA there.
+        return "triton" if "triton" in implementations else "xla"
     if backend == "triton" and platform not in _GPU:
         raise BackendUnavailable(
             f"backend='triton' needs a GPU, the arrays are on {platform!r}; use "
@@ -148,8 +160,9 @@ def resolve(backend: str, platform: str, op: str = "rope",
             compute_capability: Optional[str] = None) -> Callable:
     """The implementation of ``op`` for ``backend`` on ``platform`` (:func:`backend_name`).
 
-    ``op`` is "rope" (:func:`jaxrope.apply_rope`) or "rope_append_kv"
-    (:func:`jaxrope.apply_rope_and_append_kv`).
+    ``op`` is "rope" (:func:`jaxrope.apply_rope`), "rope_append_kv"
+    (:func:`jaxrope.apply_rope_and_append_kv`) or "mla_rope_append"
+    (:func:`jaxrope.apply_mla_rope_and_append`).
 
     Raises:
       ValueError, BackendUnavailable: as :func:`backend_name`.

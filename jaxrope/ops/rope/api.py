@@ -53,14 +53,21 @@ def validate(q, k, pos_ids, cfg: RopeConfig) -> None:
         raise ValueError(f"k.shape[0]={k.shape[0]} must equal q.shape[0]={q.shape[0]} (tokens)")
     if k.dtype != q.dtype:
         raise ValueError(f"k.dtype={k.dtype} must equal q.dtype={q.dtype}")
-    if not hasattr(pos_ids, "shape") or not hasattr(pos_ids, "dtype"):
-        raise TypeError(f"pos_ids must be an integer array, got {type(pos_ids).__name__}")
-    _check_pos_shape(tuple(pos_ids.shape), q.shape[0], cfg)
-    if not jnp.issubdtype(pos_ids.dtype, jnp.integer):
-        raise ValueError(f"pos_ids.dtype={pos_ids.dtype} must be an integer type (int32)")
     if isinstance(q, jax.Array) and isinstance(k, jax.Array) and not isinstance(
             q, jax.core.Tracer) and not isinstance(k, jax.core.Tracer) and q.devices() != k.devices():
         raise ValueError(f"q is on {q.devices()} but k is on {k.devices()}; put them on one device")
+    check_pos_ids(pos_ids, q.shape[0], cfg)
+
+
+def check_pos_ids(pos_ids, tokens: int, cfg: RopeConfig) -> None:
+    """The position checks of :func:`validate`, shared by every op: an integer array
+    ``[T]`` (``[3, T]`` for an M-RoPE ``cfg``) whose visible values lie in
+    ``[0, cfg.max_position)``; traced values get :func:`jaxrope.checks.in_range`."""
+    if not hasattr(pos_ids, "shape") or not hasattr(pos_ids, "dtype"):
+        raise TypeError(f"pos_ids must be an integer array, got {type(pos_ids).__name__}")
+    _check_pos_shape(tuple(pos_ids.shape), tokens, cfg)
+    if not jnp.issubdtype(pos_ids.dtype, jnp.integer):
+        raise ValueError(f"pos_ids.dtype={pos_ids.dtype} must be an integer type (int32)")
     if isinstance(pos_ids, jax.core.Tracer):
         _checks.in_range("pos_ids", pos_ids, 0, cfg.max_position - 1)
     elif pos_ids.size:
