@@ -201,6 +201,24 @@ def test_deepseek_v3_matches_the_oracle(name, combined, fp8_cache, fp8_q, rng):
     check(x, out, cfg, q_scale, kv_scale)
 
 
+# The kernels behind the public function: the Triton-lowered body in Pallas's interpreter
+# (the bodies' own cases: tests/test_mla_kernels_interpret.py).
+KERNEL_CASES = [ORACLE_CASES[0], ORACLE_CASES[1]]
+
+
+@pytest.mark.parametrize("name, combined, fp8_cache, fp8_q", KERNEL_CASES,
+                         ids=["pair-bf16", "one_buffer-fp8"])
+def test_the_triton_kernel_through_the_public_function_matches_the_oracle(
+        name, combined, fp8_cache, fp8_q, rng):
+    cfg = CONFIGS[name]
+    x = make_inputs(rng, cfg, tokens=5, heads=2, combined=combined,
+                    cache_dtype=FP8 if fp8_cache else None)
+    q_scale, kv_scale = (0.75 if fp8_q else None), (1.5 if fp8_cache else None)
+    out = run(x, cfg, q_dtype=jnp.float8_e4m3fn if fp8_q else None, q_quant_scale=q_scale,
+              kv_quant_scale=kv_scale, backend="interpret")
+    check(x, out, cfg, q_scale, kv_scale)
+
+
 def test_float32_and_no_q_nope(rng):
     cfg = CONFIGS["deepseek_v3_mscale"]
     x = make_inputs(rng, cfg, dtype=jnp.float32, nope=None, padding=0, combined=True)
