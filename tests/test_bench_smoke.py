@@ -129,7 +129,9 @@ def test_growth_cap_keeps_attention_scaled_loops_finite_and_refuses_too_many_rep
 def _suite_benches():
     script = (ROOT / "bench" / "gpu_suite.sh").read_text()
     block = re.search(r"^BENCHES=\(\n(.*?)^\)", script, re.S | re.M).group(1)
-    return [shlex.split(line)[0] for line in block.splitlines() if line.strip()]
+    # shlex drops a line's comment as bash does; a comment line names no entry.
+    return [words[0] for words in (shlex.split(line, comments=True) for line in block.splitlines())
+            if words]
 
 
 @pytest.mark.parametrize("entry", _suite_benches())
