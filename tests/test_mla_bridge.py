@@ -206,12 +206,23 @@ def test_bad_input_is_refused_before_anything_changes(label):
     mgr.commit(step, ctx)
 
 
-def test_a_backend_without_an_mla_kernel_is_refused():
-    mgr = RopeManager(PositionConfig(rope=CFG), "cpu", launcher="jax", backend="interpret")
-    mgr.ingest_request("r")
-    step, ctx = _plan(mgr, 5)
-    with torch.no_grad(), pytest.raises(jr.BackendUnavailable, match="mla_rope_append"):
-        mgr.apply_mla_and_append_kv(**_inputs(5), label="text")
+def test_the_managers_kernel_backend_runs_the_mla_kernel():
+    # backend="interpret": the Triton-lowered MLA body in Pallas's interpreter, through the
+    # bridge's JAX path, writes what the XLA reference writes.
+    x = _inputs(5, combined=False, cache_dtype=FP8, fp8_q=True)
+    scales = dict(q_quant_scale=0.5, kv_quant_scale=2.0)
+    outputs = []
+    for backend in ("xla", "interpret"):
+        mgr = RopeManager(PositionConfig(rope=CFG), "cpu", launcher="jax", backend=backend)
+        mgr.ingest_request("r")
+        step, ctx = _plan(mgr, 5)
+        y = _clone(x)
+        with torch.no_grad():
+            mgr.apply_mla_and_append_kv(**y, label="text", **scales)
+        mgr.commit(step, ctx)
+        outputs.append([_np(y["q_pe_out"]), _np(y["q_nope_out"]), *map(_np, y["mla_cache"])])
+    for label, got, want in zip(("q_pe", "q_nope", "ckv", "kpe"), *outputs):
+        _same(got, want, label)
 
 
 def test_torch_compile_records_the_op_with_eagers_result():

@@ -415,8 +415,8 @@ class RopeManager(PositionManager):
             q_nope or q_nope_out without q_pe_out; a scale where it does not apply, or
             not finite and > 0; visible (CPU) slots past the cache or repeated.
           TypeError: an argument of the wrong type, a scale that is not a number.
-          BackendUnavailable: the manager's backend has no MLA kernel ("mosaic",
-            "triton", "interpret"; "auto" and "xla" run).
+          BackendUnavailable: the manager's backend cannot run here ("mosaic" or
+            "triton" off a CUDA GPU).
           RuntimeError: under CUDA-graph capture (the JAX path cannot be captured).
 
         Example:
