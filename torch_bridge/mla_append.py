@@ -9,6 +9,8 @@ tensors at the planned positions of a label (semantics, layouts and fp8 rules in
   ``[pages, page_size, L + r]`` tensor), the slots, the fp8 outputs and the scales,
   from their static properties; it returns the :class:`MlaGeometry` the cache is
   addressed by;
+- :class:`MlaPaths`: the launcher (:class:`torch_bridge.launch.dispatch.MlaLauncher`,
+  on CUDA :class:`torch_bridge.launch.mla.MosaicMlaLauncher`), else
 - :class:`JaxMlaAppend`: the JAX path, the core op on DLPack imports with q_pe (or the
   fp8 outputs) and the cache rewritten in place (:class:`torch_bridge.dlpack.InPlace`);
 - the ``jaxrope::apply_mla_and_append_kv`` custom op that ``torch.compile`` records
@@ -32,9 +34,11 @@ from jaxrope.config import RopeConfig
 from jaxrope.ops.mla_rope_append.api import apply_mla_rope_and_append
 from torch_bridge import custom_ops, kv_append
 from torch_bridge.dlpack import InPlace, pad_tokens, read_only, token_bucket, write_back
+from torch_bridge.launch.dispatch import FastPath
 from torch_bridge.launch.runtime import int32_slots
 
-__all__ = ["JaxMlaAppend", "MlaGeometry", "check_call", "traced_apply_mla_and_append_kv"]
+__all__ = ["JaxMlaAppend", "MlaGeometry", "MlaPaths", "check_call",
+           "traced_apply_mla_and_append_kv"]
 
 FP8 = torch.float8_e4m3fn
 
@@ -261,6 +265,47 @@ class JaxMlaAppend:
              fp8_cache=geometry.quantized, num_outs=num_outs)
         for tensor, copy in zip(rewritten, staged):
             write_back(tensor, copy)
+
+
+class MlaPaths:
+    """The paths of ``apply_mla_and_append_kv``: ``fast``, the launcher's
+    (:class:`torch_bridge.launch.dispatch.FastPath`), else :class:`JaxMlaAppend` (built at
+    first use: JAX's GPU client is costly), never under CUDA-graph capture.
+
+    Calls are not bound (no launch skips the launcher's checks): an MLA call makes one
+    launch a layer, whose checks cost less than the GQA launchers' bound runs save.
+    """
+
+    def __init__(self, launcher: Any, device: torch.device, backend: str):
+        self.fast = FastPath("apply_mla_and_append_kv", launcher)
+        self._device, self._backend = device, backend
+        self._jax: Optional[JaxMlaAppend] = None
+
+    def __call__(self, q_pe: torch.Tensor, k_pe: torch.Tensor, ckv: torch.Tensor,
+                 q_nope: Optional[torch.Tensor], q_outs: Tuple[torch.Tensor, ...],
+                 caches: Tuple[torch.Tensor, ...], geometry: MlaGeometry, pos_ids: torch.Tensor,
+                 slots: torch.Tensor, cfg: RopeConfig, scales: Tuple[float, float],
+                 allow_copy: bool) -> None:
+        """The checked call (:meth:`JaxMlaAppend.__call__`'s arguments) on the launcher,
+        else on the JAX path.
+
+        Raises:
+          RuntimeError: the JAX path under CUDA-graph capture.
+        """
+        q_pe_out, q_nope_out = (*q_outs, None, None)[:2]
+
+        def call(launcher) -> None:
+            launcher.rotate_and_append_mla_(q_pe, k_pe, ckv, pos_ids, caches, slots, cfg, scales,
+                                            q_nope=q_nope, q_pe_out=q_pe_out,
+                                            q_nope_out=q_nope_out)
+
+        if self.fast.launch(call, None, lambda: None):
+            return
+        self.fast.refuse_under_capture(self._device)
+        if self._jax is None:
+            self._jax = JaxMlaAppend(self._device, self._backend)
+        self._jax(q_pe, k_pe, ckv, q_nope, q_outs, caches, geometry, pos_ids, slots, cfg, scales,
+                  allow_copy=allow_copy)
 
 
 # -- the method as a torch custom op ---------------------------------------------------------
