@@ -205,7 +205,8 @@ def test_the_launcher_declines_cpu_tensors_and_a_partial_rotation():
     (dict(caches=(torch.zeros(2, 8, L + R, dtype=torch.float16),)), "caches"),
     (dict(q_nope=torch.zeros(4, H, N, dtype=torch.bfloat16)), "q_nope is only read"),
     (dict(q_pe_out=torch.zeros(3, H, R, dtype=FP8)), "q_pe_out"),
-    (dict(q_pe_out=torch.zeros(4, H, R, dtype=FP8), q_nope=torch.zeros(4, H, N, dtype=torch.bfloat16),
+    (dict(q_pe_out=torch.zeros(4, H, R, dtype=FP8),
+          q_nope=torch.zeros(4, H, N, dtype=torch.bfloat16),
           q_nope_out=torch.zeros(4, H, N, dtype=torch.bfloat16)), "q_nope_out"),
 ], ids=["k_pe", "cache_width", "cache_dtype", "q_nope_alone", "q_pe_out_short", "q_nope_out_bf16"])
 def test_the_launcher_refuses_what_it_would_read_or_write_past(changes, message):

@@ -23,7 +23,6 @@ import torch
 
 from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
-from jaxrope.ops import mosaic_common
 from jaxrope.ops.constants import kernel_options
 from jaxrope.ops.mla_rope_append import mosaic_export as mla_export
 from jaxrope.ops.mla_rope_append.tuning import mla_mosaic_tuning
@@ -116,10 +115,8 @@ class MosaicMlaLauncher:
     """
 
     def __init__(self):
-        reason = mosaic_common.lowering_unavailable()
-        if reason:
-            raise BackendUnavailable(reason)
-        # A rope launcher of its own: its compile cache, angle tables and count table.
+        # A rope launcher of its own (declining as this one does: a JAX that cannot lower
+        # Mosaic GPU, no CUDA plugin): its compile cache, angle tables and count table.
         self._rope = MosaicLauncher()
         self._scales = ScaleTables()
         self._launches = LaunchRecords(_MAX_LAUNCHES)
