@@ -112,3 +112,17 @@ def test_q_nope_without_an_fp8_q_is_refused():
             cache_dtype=jnp.bfloat16, num_slots=SLOTS, combined=True, interleave=True,
             attention_factor=1.0, tuning=mla_tuning.mla_mosaic_tuning(HEADS, 64, 2, 128),
             capacity=CAPACITY, grid=8, nope_dim=128)
+
+
+@pytest.mark.slow
+def test_deepseek_v3s_decode_shape_exports():
+    # DeepSeek-V3 on one GPU: 128 heads, q_nope of 512 quantised with q_pe, one fp8
+    # [L + r] cache of 2**20 rows; 37 pieces a token, a block for each of 64 tokens'.
+    tuning = mla_tuning.mla_mosaic_tuning(128, 64, 2, 512)
+    exported = mla_export.export_mla(
+        heads=128, rotary_dim=64, kv_lora_rank=512, dtype=jnp.bfloat16,
+        cache_dtype=jnp.float8_e4m3fn, num_slots=1 << 20, combined=True, interleave=True,
+        attention_factor=1.0, tuning=tuning, capacity=CAPACITY,
+        grid=64 * len(tuning.pieces), nope_dim=512, q_fp8=True, max_count=64)
+    assert len(tuning.pieces) == 37 and exported.results == 3
+    assert exported.grid == 64 * 37
