@@ -3,7 +3,10 @@
 A recording launcher (``rotate_and_append_mla_``) gets the checked call: the engine's own
 tensors (no copies), k_pe as ``[T, r]``, the planned positions, the cache tensors as given,
 ``(q_scale, kv_scale)``, the fp8 outputs, and a padded batch cut to the planned tokens;
-doing the work on the JAX path, its result is the JAX path's bit for bit. A declining
+doing the work on the JAX path, its result is the JAX path's bit for bit. A launched call
+is bound (a repeated signature runs the launcher's ``bind`` run without the checks), a
+padded one never; a new scale binds anew; a bound run that refuses sends the call down
+the full path. A declining
 launcher leaves the call to the JAX path; under CUDA-graph capture only a launcher that
 accepts may run (the rule of ``apply_qk_and_append_kv``). ``launcher="auto"`` builds no MLA
 launcher on CPU, and :class:`torch_bridge.launch.mla.MosaicMlaLauncher` declines CPU
@@ -49,6 +52,11 @@ class _Recording:
                                q_nope=q_nope, q_pe_out=q_pe_out, q_nope_out=q_nope_out))
         if self.decline:
             raise jr.BackendUnavailable("declined by the test")
+        self._jax_call(q_pe, k_pe, ckv, pos_ids, caches, slots, cfg, scales, q_nope, q_pe_out,
+                       q_nope_out)
+
+    def _jax_call(self, q_pe, k_pe, ckv, pos_ids, caches, slots, cfg, scales, q_nope, q_pe_out,
+                  q_nope_out):
         pages, page_size = caches[0].shape[:2]
         geometry = MlaGeometry(len(caches) == 1, pages, page_size, ckv.shape[1], k_pe.shape[1],
                                caches[0].dtype)
@@ -224,3 +232,70 @@ def test_launch_pointers_pass_the_written_operands_again_as_results():
     fp8 = launch_pointers(True, fixed, 6, 7, 8, (9,), (10,), (11, 12))
     assert fp8 == (*range(13), 10, 11, 12)
     assert np.all(np.diff(fp8[:13]) == 1)
+
+
+class _Binding(_Recording):
+    """A recording launcher that binds: its bound run does the work too, or (``refuse``)
+    returns False to send the call down the full path."""
+
+    def __init__(self, refuse: bool = False):
+        super().__init__()
+        self.refuse = refuse
+        self.bound_calls = 0
+
+    def bind(self, q_pe, k_pe, ckv, caches, slots, cfg, scales, q_nope=None, q_pe_out=None,
+             q_nope_out=None):
+        combined = len(caches) == 1
+
+        def run(q_pe, k_pe, ckv, pos_ids, mla_cache, slots, q_nope, q_pe_out, q_nope_out):
+            if self.refuse:
+                return False
+            self.bound_calls += 1
+            self._jax_call(q_pe.view(q_pe.shape[0], -1, k_pe.shape[1]), k_pe, ckv, pos_ids,
+                           (mla_cache,) if combined else tuple(mla_cache), slots, cfg, scales,
+                           q_nope, q_pe_out, q_nope_out)
+            return True
+
+        return run
+
+
+def _twice(mgr, x, scales, second=None):
+    """Two steps of one shape: the second call's inputs are ``second`` (default: fresh
+    copies of the first's)."""
+    second = second or _clone(x)
+    _call(mgr, x, 5, scales)
+    mgr.remove_request("r")
+    mgr.ingest_request("r")
+    _call(mgr, second, 5, scales)
+    return second
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_repeated_signature_runs_the_bound_launch_with_the_same_result(name):
+    case, scales = CASES[name]
+    launcher = _Binding()
+    x = _inputs(5, **case)
+    second = _twice(_manager(launcher), _clone(x), scales, _clone(x))
+    assert (len(launcher.calls), launcher.bound_calls) == (1, 1)
+    want = _clone(x)
+    _call(_manager("jax"), want, 5, scales)
+    _assert_same(second, want)
+
+
+def test_a_new_scale_a_padded_batch_or_a_refusing_run_take_the_full_path():
+    launcher = _Binding()
+    mgr = _manager(launcher)
+    x = _inputs(5, cache_dtype=FP8)
+    _twice(mgr, x, dict(kv_quant_scale=2.0))
+    _twice(mgr, x, dict(kv_quant_scale=0.5))            # another signature: bound anew
+    assert (len(launcher.calls), launcher.bound_calls) == (2, 2)
+    padded = _Binding()
+    mgr = _manager(padded)
+    for _ in range(2):
+        _call(mgr, _inputs(7), 5, {})                   # 7 tokens given, 5 planned
+        mgr.remove_request("r")
+        mgr.ingest_request("r")
+    assert (len(padded.calls), padded.bound_calls) == (2, 0)
+    refusing = _Binding(refuse=True)
+    _twice(_manager(refusing), _inputs(5), {})
+    assert (len(refusing.calls), refusing.bound_calls) == (2, 0)

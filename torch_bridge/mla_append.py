@@ -24,7 +24,7 @@ Slot values on a CUDA device are not checked (as for the GQA append): a slot out
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Hashable, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +37,7 @@ from torch_bridge.dlpack import InPlace, pad_tokens, read_only, token_bucket, wr
 from torch_bridge.launch.dispatch import FastPath
 from torch_bridge.launch.runtime import int32_slots
 
-__all__ = ["JaxMlaAppend", "MlaGeometry", "MlaPaths", "check_call",
+__all__ = ["JaxMlaAppend", "MlaGeometry", "MlaPaths", "call_signature", "check_call",
            "traced_apply_mla_and_append_kv"]
 
 FP8 = torch.float8_e4m3fn
@@ -267,13 +267,29 @@ class JaxMlaAppend:
             write_back(tensor, copy)
 
 
+def call_signature(label: Hashable, q_pe: Any, k_pe: Any, ckv: Any, mla_cache: Any, slots: Any,
+                   *optional: Any) -> Tuple[Any, ...]:
+    """What the checks of a call depend on, apart from the plan: the key of a bound launch.
+    ``optional``: q_nope, q_pe_out, q_nope_out (None or tensors), then the two scales.
+
+    Raises AttributeError, TypeError or ValueError for arguments that are not tensors
+    (or a pair of them) or not hashable; the caller then runs the full checks.
+    """
+    def tensor(x):
+        return (x.shape, x.dtype, x.device, x.requires_grad)
+
+    cache = (tensor(mla_cache) if isinstance(mla_cache, torch.Tensor)
+             else tuple(tensor(c) for c in mla_cache))
+    return (label, tensor(q_pe), tensor(k_pe), tensor(ckv), cache, tensor(slots),
+            *(x if x is None or not isinstance(x, torch.Tensor) else tensor(x)
+              for x in optional))
+
+
 class MlaPaths:
     """The paths of ``apply_mla_and_append_kv``: ``fast``, the launcher's
-    (:class:`torch_bridge.launch.dispatch.FastPath`), else :class:`JaxMlaAppend` (built at
-    first use: JAX's GPU client is costly), never under CUDA-graph capture.
-
-    Calls are not bound (no launch skips the launcher's checks): an MLA call makes one
-    launch a layer, whose checks cost less than the GQA launchers' bound runs save.
+    (:class:`torch_bridge.launch.dispatch.FastPath`: a launched call's signature is bound
+    to the launcher's ``bind``), else :class:`JaxMlaAppend` (built at first use: JAX's GPU
+    client is costly), never under CUDA-graph capture.
     """
 
     def __init__(self, launcher: Any, device: torch.device, backend: str):
@@ -285,21 +301,22 @@ class MlaPaths:
                  q_nope: Optional[torch.Tensor], q_outs: Tuple[torch.Tensor, ...],
                  caches: Tuple[torch.Tensor, ...], geometry: MlaGeometry, pos_ids: torch.Tensor,
                  slots: torch.Tensor, cfg: RopeConfig, scales: Tuple[float, float],
-                 allow_copy: bool) -> None:
+                 allow_copy: bool, signature: Optional[Callable[[], Hashable]] = None) -> None:
         """The checked call (:meth:`JaxMlaAppend.__call__`'s arguments) on the launcher,
-        else on the JAX path.
+        else on the JAX path; once launched, bound to ``signature()`` (None: a padded
+        call, never bound).
 
         Raises:
           RuntimeError: the JAX path under CUDA-graph capture.
         """
-        q_pe_out, q_nope_out = (*q_outs, None, None)[:2]
+        outs = dict(q_nope=q_nope, q_pe_out=(*q_outs, None)[0], q_nope_out=(*q_outs, None, None)[1])
 
         def call(launcher) -> None:
             launcher.rotate_and_append_mla_(q_pe, k_pe, ckv, pos_ids, caches, slots, cfg, scales,
-                                            q_nope=q_nope, q_pe_out=q_pe_out,
-                                            q_nope_out=q_nope_out)
+                                            **outs)
 
-        if self.fast.launch(call, None, lambda: None):
+        if self.fast.launch(call, None if signature is None else lambda bind: bind(
+                q_pe, k_pe, ckv, caches, slots, cfg, scales, **outs), signature):
             return
         self.fast.refuse_under_capture(self._device)
         if self._jax is None:

@@ -429,6 +429,12 @@ class RopeManager(PositionManager):
                 self, q_pe, k_pe, ckv, label, mla_cache, slots, q_nope, q_pe_out, q_nope_out,
                 q_quant_scale, kv_quant_scale)
         plan = self._plans.peek()
+        signature = lambda: mla_append.call_signature(  # noqa: E731
+            label, q_pe, k_pe, ckv, mla_cache, slots, q_nope, q_pe_out, q_nope_out,
+            q_quant_scale, kv_quant_scale)
+        if self._run_bound(self._mla.fast, plan, label, q_pe, signature, lambda run, pos: run(
+                q_pe, k_pe, ckv, pos, mla_cache, slots, q_nope, q_pe_out, q_nope_out)):
+            return mla_append.outputs(q_pe, q_nope, q_pe_out, q_nope_out, mla_cache)
         q3, k3 = self._checked_qk(q_pe, k_pe, label, plan, ("q_pe", "k_pe"))
         caches, geometry, scales = mla_append.check_call(
             q3, k_pe, ckv, q_nope, mla_cache, slots, q_pe_out, q_nope_out, q_quant_scale,
@@ -441,7 +447,8 @@ class RopeManager(PositionManager):
         if n:
             self._mla(q3[:n], k3[:n, 0], ckv[:n], None if q_nope is None else q_nope[:n],
                       tuple(x[:n] for x in q_outs), caches, geometry, plan.tensors[label],
-                      slots[:n], self.rope, scales, self.allow_copy)
+                      slots[:n], self.rope, scales, self.allow_copy,
+                      None if n < q3.shape[0] else signature)
         return mla_append.outputs(q_pe, q_nope, q_pe_out, q_nope_out, mla_cache)
 
     def _checked_qk(self, q: torch.Tensor, k: torch.Tensor, label: Hashable,

@@ -10,10 +10,12 @@ each test skips with the reason without a Hopper GPU for torch and JAX.
   ``[L + r]`` cache, bf16 and fp8 caches, GPT-J pairs (DeepSeek-V3's YaRN config), NeoX
   halves, M-RoPE; decode, odd and prefill token counts.
 - One compile per launch shape: token counts of one shape share the compiled module.
-- CUDA graphs: one eager call, then the manager's call captured and replayed on new
-  inputs and new positions (the plan's graph buffer) gives the eager results, the JAX
-  path never built; a failing export leaves the call to the JAX path, which refuses
-  capture.
+- CUDA graphs: one eager call (launched, then bound), then the manager's call captured
+  (its bound run) and replayed on new inputs and new positions (the plan's graph buffer)
+  gives the eager results, the JAX path never built; a failing export leaves the call
+  to the JAX path, which refuses capture.
+- A bound launch refuses a pair of caches it would see overlap and a misaligned view:
+  the full path then answers (refusing the pair, declining the view to the JAX path).
 """
 
 from __future__ import annotations
@@ -267,3 +269,33 @@ def test_a_failing_export_falls_back_to_the_jax_path_which_refuses_capture(hoppe
             _run(mgr, call)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(before, (call["q_pe"], *call.caches)))
+
+
+def test_the_bound_run_sends_odd_tensors_down_the_full_path(hopper, device):
+    mgr, step, ctx, pos = _decode_manager(device, "auto")
+    if mgr.mla_launcher is None:
+        pytest.skip("\"auto\" built no MLA launcher here")
+    call = Call(device, DEEPSEEK, 4, False, False, False, 0, seed=14, pages=16)
+    _run(mgr, call)                                      # launched and bound
+    assert len(mgr._mla.fast._bound) == 1
+    mgr.commit(step, ctx)
+    mgr.plan(step, ctx)
+    ckv_cache = call.caches[0]
+    overlapping = (ckv_cache, ckv_cache[..., :R])        # kpe_cache inside ckv_cache
+    with pytest.raises(ValueError, match="share memory|must be"):
+        mgr.apply_mla_and_append_kv(call["q_pe"], call["k_pe"], call["ckv"], LABEL,
+                                    overlapping, call["slots"])
+    # A view one element in: misaligned for the launch, so the JAX path writes it.
+    storage = torch.zeros(4 * L + 1, dtype=torch.bfloat16, device=device)
+    shifted = storage[1:].view(4, L)
+    shifted.copy_(call["ckv"])
+    want = _clone(call)
+    _run(mgr, want)
+    twin = _clone(call)
+    mgr.apply_mla_and_append_kv(twin["q_pe"], twin["k_pe"], shifted, LABEL, twin.caches,
+                                twin["slots"])
+    torch.cuda.synchronize()
+    assert mgr._mla._jax is not None, "the JAX path ran"
+    for a, b in zip(twin.caches, want.caches):
+        a, b = np.asarray(_to_jax(a)), np.asarray(_to_jax(b))
+        assert kv_oracle.row_ulps(a, b).max() <= 2

@@ -155,6 +155,12 @@ class MlaLauncher(Protocol):
     :func:`jaxrope.apply_mla_rope_and_append`'s semantics
     (:meth:`torch_bridge.launch.mla.MosaicMlaLauncher.rotate_and_append_mla_`). Raises
     :class:`jaxrope.BackendUnavailable` to decline (the manager then runs the JAX path).
+
+    Optionally ``bind(q_pe, k_pe, ckv, caches, slots, cfg, scales, q_nope=, q_pe_out=,
+    q_nope_out=) -> run``: after a successful call the manager binds its signature and
+    later calls ``run(q_pe, k_pe, ckv, pos_ids, mla_cache, slots, q_nope, q_pe_out,
+    q_nope_out) -> bool`` with the caller's arguments as given; False sends the call
+    down the full path.
     """
 
     def rotate_and_append_mla_(self, q_pe: torch.Tensor, k_pe: torch.Tensor, ckv: torch.Tensor,

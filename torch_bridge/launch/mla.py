@@ -8,6 +8,8 @@ token count read from device memory, so one compiled kernel serves every T of it
 launch shape (:func:`torch_bridge.launch.mosaic.launch_shape`, one token a block split
 by piece), launched on torch's current raw stream with raw pointers: no host sync,
 capturable in a ``torch.cuda.CUDAGraph`` once the shape has launched outside capture.
+``bind`` gives the manager a launch for a repeated call signature that checks only
+contiguity, alignment and a pair's overlap (as the GQA launchers' bound runs).
 
 The Triton-lowered MLA kernel has no launch here: its grid, and with it its IR, depends
 on T (a token's programs are neighbours in one grid axis, which caps it at 65,535
@@ -17,7 +19,7 @@ the JAX path.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -28,7 +30,7 @@ from jaxrope.ops.mla_rope_append import mosaic_export as mla_export
 from jaxrope.ops.mla_rope_append.tuning import mla_mosaic_tuning
 from torch_bridge.dlpack import jax_dtype_name
 from torch_bridge.launch.mosaic import MosaicLauncher, _hopper_capability, launch_shape
-from torch_bridge.launch.runtime import (LaunchRecords, ScaleTables, check_launchable,
+from torch_bridge.launch.runtime import (ALIGN, LaunchRecords, ScaleTables, check_launchable,
                                          int32_slots, mrope_block)
 
 __all__ = ["MlaShape", "MosaicMlaLauncher", "launch_pointers"]
@@ -152,7 +154,15 @@ class MosaicMlaLauncher:
                 q_ptr, k_ptr, ckv_ptr, nope_ptrs, cache_ptrs, out_ptrs))
         return run
 
-    def _record(self, shape: MlaShape, cfg: RopeConfig, scales: Tuple[float, float]):
+    def _record(self, q_pe: torch.Tensor, ckv: torch.Tensor, caches: Sequence[torch.Tensor],
+                cfg: RopeConfig, scales: Tuple[float, float], q_nope: Optional[torch.Tensor],
+                q_fp8: bool, grid: Optional[int]):
+        # The launch of this call's shape: compiled (outside any capture) on its first call.
+        pages, page_size = caches[0].shape[:2]
+        shape = MlaShape(q_pe.shape[0], q_pe.shape[1], 0 if q_nope is None else q_nope.shape[2],
+                         ckv.shape[1], pages * page_size, len(caches) == 1, q_pe.dtype,
+                         caches[0].dtype, q_fp8, q_pe.device, grid)
+        scales = (float(scales[0]), float(scales[1]))
         key = (shape, cfg, scales)
         record = self._launches.get(key)
         if record is None:
@@ -200,12 +210,47 @@ class MosaicMlaLauncher:
                           ("slots", slots), *(("q_nope", x) for x in (q_nope,) if x is not None),
                           *zip(("mla_cache",) if len(caches) == 1 else ("ckv_cache", "kpe_cache"),
                                caches), *zip(("q_pe_out", "q_nope_out"), outs)))
-        num_slots = caches[0].shape[0] * caches[0].shape[1]
-        shape = MlaShape(tokens, q_pe.shape[1], 0 if q_nope is None else q_nope.shape[2],
-                         ckv.shape[1], num_slots, len(caches) == 1, q_pe.dtype, caches[0].dtype,
-                         q_pe_out is not None, q_pe.device, grid)
-        run = self._record(shape, cfg, (float(scales[0]), float(scales[1])))
-        slots = int32_slots(slots, num_slots)
+        run = self._record(q_pe, ckv, caches, cfg, scales, q_nope, q_pe_out is not None, grid)
+        slots = int32_slots(slots, caches[0].shape[0] * caches[0].shape[1])
         run(q_pe.data_ptr(), k_pe.data_ptr(), ckv.data_ptr(), pos_ids.data_ptr(),
             slots.data_ptr(), tuple(x.data_ptr() for x in (q_nope,) if x is not None),
             tuple(c.data_ptr() for c in caches), tuple(x.data_ptr() for x in outs))
+
+    def bind(self, q_pe: torch.Tensor, k_pe: torch.Tensor, ckv: torch.Tensor,
+             caches: Sequence[torch.Tensor], slots: torch.Tensor, cfg: RopeConfig,
+             scales: Tuple[float, float], q_nope: Optional[torch.Tensor] = None,
+             q_pe_out: Optional[torch.Tensor] = None,
+             q_nope_out: Optional[torch.Tensor] = None) -> Callable[..., bool]:
+        """A launch for every later call shaped as this one (after it launched):
+        ``run(q_pe, k_pe, ckv, pos_ids, mla_cache, slots, q_nope, q_pe_out, q_nope_out) ->
+        bool`` with the manager's arguments as given (``mla_cache`` the pair or the one
+        tensor; q_pe may be ``[T, H * r]``). Per call ``run`` narrows the slots, takes an
+        M-RoPE config's ``[3, T]`` block and checks only contiguity, 32-byte alignment and
+        that a pair's two caches do not overlap; False (launching nothing) when a check
+        fails, so the manager takes its full path."""
+        run = self._record(q_pe, ckv, caches, cfg, scales, q_nope, q_pe_out is not None, None)
+        combined, num_slots = len(caches) == 1, caches[0].shape[0] * caches[0].shape[1]
+        mrope, tokens = cfg.mrope_section is not None, q_pe.shape[0]
+        sizes = [c.numel() * c.element_size() for c in caches]
+
+        def bound(q_pe, k_pe, ckv, pos_ids, mla_cache, slots, q_nope, q_pe_out, q_nope_out):
+            caches = (mla_cache,) if combined else tuple(mla_cache)
+            optional = [x for x in (q_nope, q_pe_out, q_nope_out) if x is not None]
+            if mrope:
+                pos_ids = mrope_block(pos_ids, tokens)
+            slots = int32_slots(slots, num_slots)
+            tensors = (q_pe, k_pe, ckv, pos_ids, slots, *caches, *optional)
+            pointers = [x.data_ptr() for x in tensors]
+            if any(p % ALIGN for p in pointers) or not all(x.is_contiguous() for x in tensors):
+                return False
+            if not combined:
+                (a, b), (size_a, size_b) = pointers[5:7], sizes
+                if a < b + size_b and b < a + size_a:
+                    return False   # overlapping: the full path refuses the pair
+            first = 5 + len(caches)   # q_pe, k_pe, ckv, pos_ids, slots, then the caches
+            nopes = tuple(pointers[first:first + 1]) if q_nope is not None else ()
+            run(*pointers[:5], nopes, tuple(pointers[5:first]),
+                tuple(pointers[first + len(nopes):]))
+            return True
+
+        return bound
