@@ -309,7 +309,8 @@ class MlaPaths:
         Raises:
           RuntimeError: the JAX path under CUDA-graph capture.
         """
-        outs = dict(q_nope=q_nope, q_pe_out=(*q_outs, None)[0], q_nope_out=(*q_outs, None, None)[1])
+        q_pe_out, q_nope_out = (*q_outs, None, None)[:2]
+        outs = dict(q_nope=q_nope, q_pe_out=q_pe_out, q_nope_out=q_nope_out)
 
         def call(launcher) -> None:
             launcher.rotate_and_append_mla_(q_pe, k_pe, ckv, pos_ids, caches, slots, cfg, scales,

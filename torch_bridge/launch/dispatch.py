@@ -185,7 +185,7 @@ def auto_launcher_class(device: torch.device, op: str = "rope") -> type:
 
     Raises:
       BackendUnavailable: "mla_rope_append" where "auto" does not run Mosaic GPU (the
-        Triton MLA kernel's IR depends on T: :mod:`torch_bridge.launch.mla`).
+        Triton MLA kernel has no torch launch: :mod:`torch_bridge.launch.mla` says why).
     """
     major, minor = torch.cuda.get_device_capability(device)
     mosaic = _backend.backend_name("auto", "cuda", op, f"{major}.{minor}") == "mosaic"

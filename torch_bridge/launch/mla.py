@@ -11,10 +11,10 @@ capturable in a ``torch.cuda.CUDAGraph`` once the shape has launched outside cap
 ``bind`` gives the manager a launch for a repeated call signature that checks only
 contiguity, alignment and a pair's overlap (as the GQA launchers' bound runs).
 
-The Triton-lowered MLA kernel has no launch here: its grid, and with it its IR, depends
-on T (a token's programs are neighbours in one grid axis, which caps it at 65,535
-programs), so it would compile per token count; on a GPU before Hopper the manager runs
-the JAX path.
+The Triton-lowered MLA kernel has no launch here: its IR depends on T only through its
+one-axis grid, but Pallas's Triton lowering emits other IR once that grid passes 65,535
+programs (it folds the axis, CUDA's y/z limit), so such a launch would need T in its
+compile key past that; on a GPU before Hopper the manager runs the JAX path.
 """
 
 from __future__ import annotations
