@@ -289,23 +289,28 @@ def test_mosaic_body_matches_the_oracle_in_its_interpreter(case, rng):
 
 
 @needs_mosaic
-@pytest.mark.parametrize("name, grid", [("deepseek_pair_bf16", 3),
-                                        ("neox_pair_fp8_q_nope128", 5)])
-def test_mosaic_reads_the_token_count_at_run_time(name, grid, rng):
+@pytest.mark.parametrize("name, grid, max_count", [("deepseek_pair_bf16", 3, None),
+                                                   ("neox_pair_fp8_q_nope128", 5, None),
+                                                   ("deepseek_pair_bf16", None, 4)])
+def test_mosaic_reads_the_token_count_at_run_time(name, grid, max_count, rng):
     # count=None: a grid of `grid` blocks walks the first n tokens' pieces; q_pe past n
-    # and every row not named by those tokens keep their bits.
+    # and every row not named by those tokens keep their bits. With max_count (the
+    # torch launch's shapes) the grid has a block for every piece of max_count tokens and
+    # no walk: blocks past the count's items exit.
     case = BY_NAME[name]
     x = make_inputs(rng, case)
     n = case.tokens - 2
     work = mla_tuning.mla_mosaic_tuning(case.heads, case.cfg.rotary_dim, 2,
                                         case.nope_dim if case.fp8_q else 0)
+    if max_count is not None:
+        grid = max_count * len(work.pieces)
     options = _options(case)
     kernel = mla_mosaic.build_mla(
         heads=case.heads, rotary_dim=case.cfg.rotary_dim, kv_lora_rank=case.kv_lora_rank,
         nope_dim=case.nope_dim if case.fp8_q else 0, itemsize=2,
         interleave=case.cfg.interleave, attention_factor=options["attention_factor"],
         combined=case.combined, quantize_q=case.fp8_q, quantize_kv=case.fp8_cache,
-        count=None, grid=grid, interpret=True, tuning=work)
+        count=None, grid=grid, max_count=max_count, interpret=True, tuning=work)
     pairs = mla_mosaic._pairs
     ilv = case.cfg.interleave
 

@@ -9,6 +9,8 @@ tensors at the planned positions of a label (semantics, layouts and fp8 rules in
   ``[pages, page_size, L + r]`` tensor), the slots, the fp8 outputs and the scales,
   from their static properties; it returns the :class:`MlaGeometry` the cache is
   addressed by;
+- :class:`MlaPaths`: the launcher (:class:`torch_bridge.launch.dispatch.MlaLauncher`,
+  on CUDA :class:`torch_bridge.launch.mla.MosaicMlaLauncher`), else
 - :class:`JaxMlaAppend`: the JAX path, the core op on DLPack imports with q_pe (or the
   fp8 outputs) and the cache rewritten in place (:class:`torch_bridge.dlpack.InPlace`);
 - the ``jaxrope::apply_mla_and_append_kv`` custom op that ``torch.compile`` records
@@ -22,7 +24,7 @@ Slot values on a CUDA device are not checked (as for the GQA append): a slot out
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Hashable, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +34,11 @@ from jaxrope.config import RopeConfig
 from jaxrope.ops.mla_rope_append.api import apply_mla_rope_and_append
 from torch_bridge import custom_ops, kv_append
 from torch_bridge.dlpack import InPlace, pad_tokens, read_only, token_bucket, write_back
+from torch_bridge.launch.dispatch import FastPath
 from torch_bridge.launch.runtime import int32_slots
 
-__all__ = ["JaxMlaAppend", "MlaGeometry", "check_call", "traced_apply_mla_and_append_kv"]
+__all__ = ["JaxMlaAppend", "MlaGeometry", "MlaPaths", "call_signature", "check_call",
+           "traced_apply_mla_and_append_kv"]
 
 FP8 = torch.float8_e4m3fn
 
@@ -261,6 +265,65 @@ class JaxMlaAppend:
              fp8_cache=geometry.quantized, num_outs=num_outs)
         for tensor, copy in zip(rewritten, staged):
             write_back(tensor, copy)
+
+
+def call_signature(label: Hashable, q_pe: Any, k_pe: Any, ckv: Any, mla_cache: Any, slots: Any,
+                   *optional: Any) -> Tuple[Any, ...]:
+    """What the checks of a call depend on, apart from the plan: the key of a bound launch.
+    ``optional``: q_nope, q_pe_out, q_nope_out (None or tensors), then the two scales.
+
+    Raises AttributeError, TypeError or ValueError for arguments that are not tensors
+    (or a pair of them) or not hashable; the caller then runs the full checks.
+    """
+    def tensor(x):
+        return (x.shape, x.dtype, x.device, x.requires_grad)
+
+    cache = (tensor(mla_cache) if isinstance(mla_cache, torch.Tensor)
+             else tuple(tensor(c) for c in mla_cache))
+    return (label, tensor(q_pe), tensor(k_pe), tensor(ckv), cache, tensor(slots),
+            *(x if x is None or not isinstance(x, torch.Tensor) else tensor(x)
+              for x in optional))
+
+
+class MlaPaths:
+    """The paths of ``apply_mla_and_append_kv``: ``fast``, the launcher's
+    (:class:`torch_bridge.launch.dispatch.FastPath`: a launched call's signature is bound
+    to the launcher's ``bind``), else :class:`JaxMlaAppend` (built at first use: JAX's GPU
+    client is costly), never under CUDA-graph capture.
+    """
+
+    def __init__(self, launcher: Any, device: torch.device, backend: str):
+        self.fast = FastPath("apply_mla_and_append_kv", launcher)
+        self._device, self._backend = device, backend
+        self._jax: Optional[JaxMlaAppend] = None
+
+    def __call__(self, q_pe: torch.Tensor, k_pe: torch.Tensor, ckv: torch.Tensor,
+                 q_nope: Optional[torch.Tensor], q_outs: Tuple[torch.Tensor, ...],
+                 caches: Tuple[torch.Tensor, ...], geometry: MlaGeometry, pos_ids: torch.Tensor,
+                 slots: torch.Tensor, cfg: RopeConfig, scales: Tuple[float, float],
+                 allow_copy: bool, signature: Optional[Callable[[], Hashable]] = None) -> None:
+        """The checked call (:meth:`JaxMlaAppend.__call__`'s arguments) on the launcher,
+        else on the JAX path; once launched, bound to ``signature()`` (None: a padded
+        call, never bound).
+
+        Raises:
+          RuntimeError: the JAX path under CUDA-graph capture.
+        """
+        q_pe_out, q_nope_out = (*q_outs, None, None)[:2]
+        outs = dict(q_nope=q_nope, q_pe_out=q_pe_out, q_nope_out=q_nope_out)
+
+        def call(launcher) -> None:
+            launcher.rotate_and_append_mla_(q_pe, k_pe, ckv, pos_ids, caches, slots, cfg, scales,
+                                            **outs)
+
+        if self.fast.launch(call, None if signature is None else lambda bind: bind(
+                q_pe, k_pe, ckv, caches, slots, cfg, scales, **outs), signature):
+            return
+        self.fast.refuse_under_capture(self._device)
+        if self._jax is None:
+            self._jax = JaxMlaAppend(self._device, self._backend)
+        self._jax(q_pe, k_pe, ckv, q_nope, q_outs, caches, geometry, pos_ids, slots, cfg, scales,
+                  allow_copy=allow_copy)
 
 
 # -- the method as a torch custom op ---------------------------------------------------------

@@ -24,7 +24,8 @@ from torch_bridge.config import PositionConfig
 from torch_bridge.dlpack import jax_device
 from torch_bridge.resource import EngineInfo
 from torch_bridge.locking import traceable
-from torch_bridge.launch.dispatch import FastPath, resolve_launchers
+from torch_bridge.launch.dispatch import (FastPath, launcher_property, resolve_launchers,
+                                          resolve_mla_launcher)
 from torch_bridge.manager import PositionManager
 from torch_bridge.plans import Plan
 from torch_bridge.rotate import TORCH_DTYPES, ConfigCache, JaxRotation
@@ -41,12 +42,11 @@ class RopeManager(PositionManager):
       device: the torch device of q, k and the position ids.
       max_seq_len: positions stay below it; at most ``config.rope.max_position``.
       head_dim: ``D``; must equal ``config.rope.head_dim`` when both are given.
-      launcher: the fast paths ``apply_qk`` and ``apply_qk_and_append_kv`` try first:
-        "auto" (on CUDA: :func:`torch_bridge.launch.dispatch.auto_launcher_class`, the
-        Mosaic GPU launches of both methods on Hopper), "jax" (always the JAX path), or
-        an object with ``rotate_(q, k, pos_ids, cfg)`` (:class:`torch_bridge.Launcher`),
-        which serves the fused call too if it has ``rotate_and_append_kv_``
-        (:class:`torch_bridge.KVLauncher`); see
+      launcher: the fast paths the methods try first: "auto" (on CUDA:
+        :func:`torch_bridge.launch.dispatch.auto_launcher_class`, the Mosaic GPU launches
+        on Hopper), "jax" (always the JAX path), or an object with ``rotate_(q, k,
+        pos_ids, cfg)`` (:class:`torch_bridge.Launcher`), which serves the fused calls too
+        if it has ``rotate_and_append_kv_`` / ``rotate_and_append_mla_``; see
         :func:`torch_bridge.launch.dispatch.resolve_launchers`.
       backend: the jaxrope backend of the JAX path ("auto", "mosaic", "triton", "xla", "interpret").
       allow_copy: let the JAX path stage q/k through copies (written back in place):
@@ -57,7 +57,7 @@ class RopeManager(PositionManager):
 
     Attributes:
       launcher: the resolved launcher, or None; assignable.
-      kv_launcher: the resolved launcher of ``apply_qk_and_append_kv``, or None; assignable.
+      kv_launcher, mla_launcher: those of the fused methods, or None; assignable.
       rope: the base :class:`jaxrope.RopeConfig`.
 
     Raises:
@@ -101,32 +101,17 @@ class RopeManager(PositionManager):
         self._rope_path = FastPath("apply_qk", rope_launcher)
         self._kv_path = FastPath("apply_qk_and_append_kv", kv_launcher)
         self._kv_jax: Optional[kv_append.JaxAppend] = None
-        # No MLA launcher yet: the JAX path serves every device.
-        self._mla_path = FastPath("apply_mla_and_append_kv", None)
-        self._mla_jax: Optional[mla_append.JaxMlaAppend] = None
+        self._mla = mla_append.MlaPaths(resolve_mla_launcher(launcher, self.device), self.device,
+                                        backend)
         self._configs = ConfigCache(rope)
         self._backend = backend
         JaxRotation.check_backend(backend, self.device)
         self._jax: Optional[JaxRotation] = None  # built at first use: JAX's GPU client is costly
         self._op_key = custom_ops.manager_key(self)  # how the custom ops name this manager
 
-    @property
-    def launcher(self) -> Any:
-        """The fast path ``apply_qk`` tries first (None: always JAX); assignable."""
-        return self._rope_path.launcher
-
-    @launcher.setter
-    def launcher(self, value: Any) -> None:
-        self._rope_path.launcher = value
-
-    @property
-    def kv_launcher(self) -> Any:
-        """The fast path ``apply_qk_and_append_kv`` tries first (None: always JAX); assignable."""
-        return self._kv_path.launcher
-
-    @kv_launcher.setter
-    def kv_launcher(self, value: Any) -> None:
-        self._kv_path.launcher = value
+    launcher = launcher_property("_rope_path", "apply_qk")
+    kv_launcher = launcher_property("_kv_path", "apply_qk_and_append_kv")
+    mla_launcher = launcher_property("_mla.fast", "apply_mla_and_append_kv")
 
     @classmethod
     def _build_kwargs(cls, info: EngineInfo) -> Dict[str, Any]:
@@ -409,6 +394,11 @@ class RopeManager(PositionManager):
           ``(q_pe, q_nope, mla_cache)``: the objects given (``q_pe_out`` and ``q_nope_out``
           in place of q_pe and q_nope when given), rotated, quantized and written.
 
+        On Hopper the Mosaic GPU kernel launches on torch's current stream
+        (:class:`torch_bridge.launch.mla.MosaicMlaLauncher`; ``mla_launcher``, assignable),
+        under the rules of ``apply_qk_and_append_kv``: one compile per launch shape, then
+        capturable in a CUDA graph. Elsewhere, or where it declines, the JAX path runs.
+
         Raises:
           ValueError: as ``apply_qk`` for label, q_pe and k_pe (k_pe as one head); a
             tensor of the wrong shape, dtype or device; a pair of caches sharing memory;
@@ -417,7 +407,7 @@ class RopeManager(PositionManager):
           TypeError: an argument of the wrong type, a scale that is not a number.
           BackendUnavailable: the manager's backend cannot run here ("mosaic" or
             "triton" off a CUDA GPU).
-          RuntimeError: under CUDA-graph capture (the JAX path cannot be captured).
+          RuntimeError: under CUDA-graph capture without a launcher that accepts the call.
 
         Example:
           >>> import torch, jaxrope as jr
@@ -439,6 +429,12 @@ class RopeManager(PositionManager):
                 self, q_pe, k_pe, ckv, label, mla_cache, slots, q_nope, q_pe_out, q_nope_out,
                 q_quant_scale, kv_quant_scale)
         plan = self._plans.peek()
+        signature = lambda: mla_append.call_signature(  # noqa: E731
+            label, q_pe, k_pe, ckv, mla_cache, slots, q_nope, q_pe_out, q_nope_out,
+            q_quant_scale, kv_quant_scale)
+        if self._run_bound(self._mla.fast, plan, label, q_pe, signature, lambda run, pos: run(
+                q_pe, k_pe, ckv, pos, mla_cache, slots, q_nope, q_pe_out, q_nope_out)):
+            return mla_append.outputs(q_pe, q_nope, q_pe_out, q_nope_out, mla_cache)
         q3, k3 = self._checked_qk(q_pe, k_pe, label, plan, ("q_pe", "k_pe"))
         caches, geometry, scales = mla_append.check_call(
             q3, k_pe, ckv, q_nope, mla_cache, slots, q_pe_out, q_nope_out, q_quant_scale,
@@ -449,12 +445,10 @@ class RopeManager(PositionManager):
             check_slots(slots[:n].numpy(), geometry.num_slots)   # the core's eager rule
         self._plans.promote()
         if n:
-            self._mla_path.refuse_under_capture(self.device)
-            if self._mla_jax is None:
-                self._mla_jax = mla_append.JaxMlaAppend(self.device, self._backend)
-            self._mla_jax(q3[:n], k3[:n, 0], ckv[:n], None if q_nope is None else q_nope[:n],
-                          tuple(x[:n] for x in q_outs), caches, geometry, plan.tensors[label],
-                          slots[:n], self.rope, scales, allow_copy=self.allow_copy)
+            self._mla(q3[:n], k3[:n, 0], ckv[:n], None if q_nope is None else q_nope[:n],
+                      tuple(x[:n] for x in q_outs), caches, geometry, plan.tensors[label],
+                      slots[:n], self.rope, scales, self.allow_copy,
+                      None if n < q3.shape[0] else signature)
         return mla_append.outputs(q_pe, q_nope, q_pe_out, q_nope_out, mla_cache)
 
     def _checked_qk(self, q: torch.Tensor, k: torch.Tensor, label: Hashable,

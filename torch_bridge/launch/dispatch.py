@@ -1,11 +1,13 @@
 """The fast paths of ``RopeManager``: what a launcher is, which one "auto" picks, and the
-one dispatch ``apply_qk`` and ``apply_qk_and_append_kv`` share.
+one dispatch ``apply_qk``, ``apply_qk_and_append_kv`` and ``apply_mla_and_append_kv`` share.
 
 A *launcher* works on torch tensors itself, on torch's current stream: ``rotate_`` for
 ``apply_qk`` (:class:`Launcher`), ``rotate_and_append_kv_`` for
-``apply_qk_and_append_kv`` (:class:`KVLauncher`). It declines a call by raising
+``apply_qk_and_append_kv`` (:class:`KVLauncher`), ``rotate_and_append_mla_`` for
+``apply_mla_and_append_kv`` (:class:`MlaLauncher`). It declines a call by raising
 :class:`jaxrope.BackendUnavailable`; the manager then runs the JAX path.
-:func:`resolve_launchers` maps ``RopeManager(launcher=...)`` to both. :class:`FastPath`
+:func:`resolve_launchers` maps ``RopeManager(launcher=...)`` to the first two,
+:func:`resolve_mla_launcher` to the third. :class:`FastPath`
 is one method's launcher with its bound launches: after a launch succeeded, the call's
 signature is bound to ``launcher.bind(...)``'s run, so a repeated call skips the
 Python-level checks (host time of the order of the launch itself).
@@ -13,6 +15,7 @@ Python-level checks (host time of the order of the launch itself).
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Dict, Hashable, Optional, Protocol, Sequence, Tuple
 
 import torch
@@ -22,7 +25,8 @@ from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 from torch_bridge.kv_append import CacheGeometry
 
-__all__ = ["FastPath", "KVLauncher", "Launcher", "auto_launcher_class", "resolve_launchers"]
+__all__ = ["FastPath", "KVLauncher", "Launcher", "MlaLauncher", "auto_launcher_class",
+           "launcher_property", "resolve_launchers", "resolve_mla_launcher"]
 
 # Bound launches kept (one per call signature) before a path's cache starts over.
 _MAX_BOUND = 1024
@@ -140,16 +144,57 @@ class KVLauncher(Protocol):
         """
 
 
+class MlaLauncher(Protocol):
+    """A fast path for ``RopeManager.apply_mla_and_append_kv`` that works on torch tensors itself.
+
+    ``rotate_and_append_mla_(q_pe, k_pe, ckv, pos_ids, caches, slots, cfg, scales, q_nope=,
+    q_pe_out=, q_nope_out=)``: the manager's checked tensors (``q_pe [T, H, r]``, ``k_pe
+    [T, r]``, ``ckv [T, L]``, the cache tensors as given: the ``(ckv_cache, kpe_cache)``
+    pair or the one ``[P, S, L + r]`` tensor alone, ``slots [T]`` of any integer dtype,
+    ``scales`` the ``(q_scale, kv_scale)`` floats), with
+    :func:`jaxrope.apply_mla_rope_and_append`'s semantics
+    (:meth:`torch_bridge.launch.mla.MosaicMlaLauncher.rotate_and_append_mla_`). Raises
+    :class:`jaxrope.BackendUnavailable` to decline (the manager then runs the JAX path).
+
+    Optionally ``bind(q_pe, k_pe, ckv, caches, slots, cfg, scales, q_nope=, q_pe_out=,
+    q_nope_out=) -> run``: after a successful call the manager binds its signature and
+    later calls ``run(q_pe, k_pe, ckv, pos_ids, mla_cache, slots, q_nope, q_pe_out,
+    q_nope_out) -> bool`` with the caller's arguments as given; False sends the call
+    down the full path.
+    """
+
+    def rotate_and_append_mla_(self, q_pe: torch.Tensor, k_pe: torch.Tensor, ckv: torch.Tensor,
+                               pos_ids: torch.Tensor, caches: Sequence[torch.Tensor],
+                               slots: torch.Tensor, cfg: RopeConfig, scales: Tuple[float, float],
+                               q_nope: Optional[torch.Tensor] = None,
+                               q_pe_out: Optional[torch.Tensor] = None,
+                               q_nope_out: Optional[torch.Tensor] = None) -> None:
+        """Rotate q_pe (or quantise it and q_nope into the fp8 outputs); cache ckv and k_pe."""
+
+
 def auto_launcher_class(device: torch.device, op: str = "rope") -> type:
-    """The launcher of the kernel ``backend="auto"`` runs for ``op`` ("rope" or
-    "rope_append_kv") on CUDA ``device`` (:func:`jaxrope.ops.backends.backend_name`, the one
-    rule): the Mosaic GPU kernel's on Hopper or newer with a JAX that lowers it
+    """The launcher of the kernel ``backend="auto"`` runs for ``op`` ("rope",
+    "rope_append_kv" or "mla_rope_append") on CUDA ``device``
+    (:func:`jaxrope.ops.backends.backend_name`, the one rule): the Mosaic GPU kernel's on
+    Hopper or newer with a JAX that lowers it
     (:class:`~torch_bridge.launch.mosaic.MosaicLauncher`,
-    :class:`~torch_bridge.launch.mosaic.MosaicKVLauncher`), else the Triton-lowered
+    :class:`~torch_bridge.launch.mosaic.MosaicKVLauncher`,
+    :class:`~torch_bridge.launch.mla.MosaicMlaLauncher`), else the Triton-lowered
     kernel's (:class:`~torch_bridge.launch.triton.TritonLauncher`,
-    :class:`~torch_bridge.launch.triton.TritonKVLauncher`)."""
+    :class:`~torch_bridge.launch.triton.TritonKVLauncher`).
+
+    Raises:
+      BackendUnavailable: "mla_rope_append" where "auto" does not run Mosaic GPU (the
+        Triton MLA kernel has no torch launch: :mod:`torch_bridge.launch.mla` says why).
+    """
     major, minor = torch.cuda.get_device_capability(device)
     mosaic = _backend.backend_name("auto", "cuda", op, f"{major}.{minor}") == "mosaic"
+    if op == "mla_rope_append":
+        if not mosaic:
+            raise BackendUnavailable(f"no MLA launcher on compute capability {major}.{minor}: "
+                                     "only the Mosaic GPU kernel (Hopper) launches from torch")
+        from torch_bridge.launch.mla import MosaicMlaLauncher
+        return MosaicMlaLauncher
     if op == "rope_append_kv":
         if mosaic:
             from torch_bridge.launch.mosaic import MosaicKVLauncher
@@ -197,6 +242,41 @@ def resolve_launchers(launcher: Any, device: torch.device) -> Tuple[Optional[Lau
         return launcher, launcher if fused else None
     raise ValueError(f"launcher={launcher!r} must be 'auto', 'jax' or an object with "
                      "rotate_(q, k, pos_ids, cfg)")
+
+
+def resolve_mla_launcher(launcher: Any, device: torch.device) -> Optional[MlaLauncher]:
+    """The launcher of ``apply_mla_and_append_kv`` for ``RopeManager(launcher=...)``, or None
+    (the JAX path): for "auto" on a CUDA device :func:`auto_launcher_class`'s
+    "mla_rope_append" launcher where one can be built; an object with
+    ``rotate_and_append_mla_`` serves it itself; anything else (``"jax"``, an object
+    without the method) None. :func:`resolve_launchers` refuses unknown values.
+
+    Example:
+      >>> resolve_mla_launcher("auto", torch.device("cpu")) is None
+      True
+    """
+    if isinstance(launcher, str):
+        if launcher != "auto" or device.type != "cuda":
+            return None
+        return _built(lambda: auto_launcher_class(device, "mla_rope_append"))
+    return launcher if callable(getattr(launcher, "rotate_and_append_mla_", None)) else None
+
+
+def launcher_property(path: str, method: str) -> property:
+    """A manager attribute reading and assigning the launcher of its :class:`FastPath` at
+    the dotted attribute ``path``, the fast path of ``method``."""
+    fast_path = operator.attrgetter(path)
+
+    # Named functions with plain signatures: torch_bridge.locking wraps a property's
+    # getter and setter by their source-level signature.
+    def launcher(self) -> Any:
+        return fast_path(self).launcher
+
+    def set_launcher(self, value: Any) -> None:
+        fast_path(self).launcher = value
+
+    return property(launcher, set_launcher,
+                    doc=f"The fast path ``{method}`` tries first (None: always JAX); assignable.")
 
 
 class FastPath:

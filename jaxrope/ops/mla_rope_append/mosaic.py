@@ -49,8 +49,8 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
               interleave: bool, attention_factor: float, combined: bool, quantize_q: bool,
               quantize_kv: bool, mrope_section: Optional[Tuple[int, int, int]] = None,
               mrope_interleaved: bool = False, count: Optional[int] = None,
-              grid: Optional[int] = None, interpret: bool = False,
-              tuning: Optional[MlaMosaicTuning] = None):
+              grid: Optional[int] = None, max_count: Optional[int] = None,
+              interpret: bool = False, tuning: Optional[MlaMosaicTuning] = None):
     """The ``plgpu.kernel`` of the MLA op for one head count and cache form.
 
     Operands: ``(pos_ids, slots, tables, rows, scales, q_pe, k_pe, ckv, [q_nope],
@@ -66,7 +66,9 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
     r/2, 2]`` views of q_pe, k_pe, q_pe_out and k_pe's cache (and, ``combined``, of ckv
     and the cache). ``count``: the static T, one block per token and piece;
     ``count=None``: an int32 ``count`` operand comes first, read at run time, and
-    ``grid`` blocks walk the count's items (launches outside JAX).
+    ``grid`` blocks walk the count's items (launches outside JAX); ``max_count``, the
+    most tokens such a launch has, leaves out the walk when ``grid`` has a block for
+    every item of it (:func:`jaxrope.ops.mosaic_common.walk`).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
     half = rotary_dim // 2
@@ -159,7 +161,8 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
         if count is None:
             count_ref, *refs = operands
             n = count_ref[0]
-            walk(n * len(work), grid, lambda item: one_item(n, refs, item))
+            walk(n * len(work), grid, lambda item: one_item(n, refs, item),
+                 None if max_count is None else max_count * len(work))
         else:
             one_item(count, operands, jax.lax.axis_index("block"))
 
