@@ -67,9 +67,8 @@ def _twins(rng, q_quant_scale):
 # 10 s a compile here); the inductor run (tests/test_compile.py compiles plain layers with
 # it) is opt-in.
 @pytest.mark.parametrize("q_quant_scale, backend", [
-    (None, "aot_eager"), (8.0, "aot_eager"),
-    pytest.param(None, "inductor", marks=pytest.mark.slow, id="norm, inductor")],
-    ids=["norm", "norm + fp8 q"])
+    pytest.param(None, "aot_eager", id="norm"), pytest.param(8.0, "aot_eager", id="norm + fp8 q"),
+    pytest.param(None, "inductor", marks=pytest.mark.slow, id="norm, inductor")])
 def test_a_qwen3_layer_with_qk_norm_compiles_whole_for_every_token_count(q_quant_scale, backend,
                                                                          rng):
     (eager_mgr, compiled_mgr, explain_mgr), layers = _twins(rng, q_quant_scale)
