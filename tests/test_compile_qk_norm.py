@@ -22,31 +22,11 @@ import torch._dynamo.testing  # noqa: E402
 
 import jaxrope as jr  # noqa: E402
 from bench.compile_layers import Qwen3Attention  # noqa: E402
+from test_compile import D, HIDDEN, HK, HQ, check_paged_twins  # noqa: E402
+from test_compile import _manager as _layer_manager  # noqa: E402
 from test_qk_norm_bridge import BAD, CFG, _inputs, _manager, _plan  # noqa: E402
-from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext  # noqa: E402
 from torch_bridge import custom_ops  # noqa: E402
 from torch_bridge.op_arguments import norm_args, qk_norm_of  # noqa: E402
-
-HIDDEN, HQ, HK, D = 32, 4, 2, 16
-TOKENS = (5, 3, 8, 6)  # the compiled steps: no recompile between them
-ROPE = jr.RopeConfig(head_dim=D, theta=1e6)
-# float32 outputs of a 32-wide projection of attention: compiled vs eager rounding.
-ATOL = 4 * 2.0 ** -23
-
-
-def _layer_manager() -> RopeManager:
-    mgr = RopeManager(PositionConfig(rope=ROPE), "cpu", max_seq_len=1024, launcher="jax")
-    mgr.ingest_request("r0")
-    return mgr
-
-
-def _step(mgr, tokens, run):
-    step, ctx = PositionStep([Segment("r0", "text", tokens)]), StepContext(("r0",))
-    mgr.plan(step, ctx)
-    with torch.no_grad():
-        out = run()
-    mgr.commit(step, ctx)
-    return out
 
 
 def _twins(rng, q_quant_scale):
@@ -71,33 +51,15 @@ def _twins(rng, q_quant_scale):
     pytest.param(None, "inductor", marks=pytest.mark.slow, id="norm, inductor")])
 def test_a_qwen3_layer_with_qk_norm_compiles_whole_for_every_token_count(q_quant_scale, backend,
                                                                          rng):
-    (eager_mgr, compiled_mgr, explain_mgr), layers = _twins(rng, q_quant_scale)
+    managers, layers = _twins(rng, q_quant_scale)
     assert isinstance(layers[0].q_norm.weight, torch.nn.Parameter)
-    args = (torch.randn(3, HIDDEN), torch.arange(3), torch.arange(3))
 
-    def explain():
-        explained = torch._dynamo.explain(layers[2])(*args)
-        torch._dynamo.reset()
-        return explained.graph_break_count
+    def compile_layer(layer):
+        counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+        return torch.compile(layer, backend=counter, fullgraph=True), counter
 
-    assert _step(explain_mgr, 3, explain) == 0
-    # A prefill first, eager on both: a compiled step then has more context than tokens.
-    start, x = 4, torch.randn(4, HIDDEN)
-    for mgr, layer in zip((eager_mgr, compiled_mgr), layers):
-        _step(mgr, 4, lambda: layer(x, torch.arange(4), torch.arange(4)))
-    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
-    compiled = torch.compile(layers[1], backend=counter, fullgraph=True)
-    for tokens in TOKENS:
-        x = torch.randn(tokens, HIDDEN)
-        slots, context = torch.arange(start, start + tokens), torch.arange(start + tokens)
-        for t in (x, slots, context):   # vLLM's way: T symbolic, the norm's eps a constant
-            torch._dynamo.mark_dynamic(t, 0)
-        want = _step(eager_mgr, tokens, lambda: layers[0](x, slots, context))
-        got = _step(compiled_mgr, tokens, lambda: compiled(x, slots, context))
-        torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
-        start += tokens
-    assert counter.frame_count == 1, f"{counter.frame_count} compiles for T in {TOKENS}"
-    assert torch.equal(layers[1].kv_cache, layers[0].kv_cache)  # the same kernel wrote both
+    # T marked dynamic (vLLM's way), so the norm's eps is a constant of the graph.
+    check_paged_twins(layers, managers, compile_layer, mark_dynamic=True)
 
 
 # -- the ops ----------------------------------------------------------------------------------
