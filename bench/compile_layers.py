@@ -3,6 +3,8 @@
 - :class:`PagedAttention`: q/k/v projections -> ``RopeManager.apply_qk_and_append_kv``
   into a combined ``[pages, 2, page_size, Hk, D]`` cache (a buffer of the layer, as an
   engine binds its cache to the layer) -> attention over the cached context.
+- :class:`Qwen3Attention`: the same with Qwen3's QK-norm (its ``q_norm.weight`` and
+  ``k_norm.weight`` parameters) fused into the call, and optionally an fp8 q.
 - :class:`FusedQKVAttention`: one qkv projection, its q and k views rotated in place by
   ``rotary(positions, q, k)`` (vLLM's call: :class:`torch_bridge.RotaryEmbedding`, or
   :class:`ManagerRotary` over a manager's plan) -> causal attention.
@@ -12,10 +14,12 @@ Both take one request's tokens; the cache slot of a position is the position its
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import nn
+
+from jaxrope.qk_norm import QKNorm
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -57,11 +61,52 @@ class PagedAttention(nn.Module):
         q = self.q_proj(x).view(tokens, q_heads, head_dim)
         k = self.k_proj(x).view(tokens, k_heads, head_dim)
         v = self.v_proj(x).view(tokens, k_heads, head_dim)
-        self.manager.apply_qk_and_append_kv(q, k, v, self.label, self.kv_cache, slots)
+        q = self.rope_and_append(q, k, v, slots)
         pages, entries = context_slots // self.page_size, context_slots % self.page_size
         keys, values = self.kv_cache[pages, 0, entries], self.kv_cache[pages, 1, entries]
         mask = context_slots[None, :] <= slots[:, None]
         return self.o_proj(_attend(q, keys, values, mask))
+
+    def rope_and_append(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        slots: torch.Tensor) -> torch.Tensor:
+        """Rotate q and cache k and v; returns the q attention reads."""
+        self.manager.apply_qk_and_append_kv(q, k, v, self.label, self.kv_cache, slots)
+        return q
+
+
+class Qwen3Attention(PagedAttention):
+    """:class:`PagedAttention` with Qwen3's QK-norm: ``q_norm`` and ``k_norm`` are
+    ``nn.RMSNorm(head_dim)`` (Qwen3RMSNorm's math, its state-dict names), their weights
+    passed to ``apply_qk_and_append_kv`` with ``QKNorm(eps)``, which normalises each head
+    before the rotation.
+
+    ``q_quant_scale``: None (q rotated in place), or a float: q is quantised to
+    float8_e4m3fn into a ``q_out`` buffer (FlashInfer's fp8 q), and attention reads it
+    dequantised (``q_out / q_quant_scale``).
+    """
+
+    def __init__(self, manager: Any, hidden: int, q_heads: int, k_heads: int, pages: int,
+                 page_size: int, *, eps: float = 1e-6, q_quant_scale: Optional[float] = None,
+                 dtype: torch.dtype = torch.float32, device: Any = "cpu", label: str = "text"):
+        super().__init__(manager, hidden, q_heads, k_heads, pages, page_size, dtype=dtype,
+                         device=device, label=label)
+        self.q_norm, self.k_norm = (nn.RMSNorm(manager.head_dim, eps=eps, dtype=dtype,
+                                               device=device) for _ in "qk")
+        self.qk_norm = QKNorm(eps=eps)
+        self.q_quant_scale = q_quant_scale
+
+    def rope_and_append(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        slots: torch.Tensor) -> torch.Tensor:
+        norm = dict(q_norm_weight=self.q_norm.weight, k_norm_weight=self.k_norm.weight,
+                    qk_norm=self.qk_norm)
+        if self.q_quant_scale is None:
+            self.manager.apply_qk_and_append_kv(q, k, v, self.label, self.kv_cache, slots, **norm)
+            return q
+        q_out = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
+        self.manager.apply_qk_and_append_kv(q, k, v, self.label, self.kv_cache, slots,
+                                            q_out=q_out, q_quant_scale=self.q_quant_scale,
+                                            **norm)
+        return q_out.to(q.dtype) / self.q_quant_scale
 
 
 class ManagerRotary(nn.Module):

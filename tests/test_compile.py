@@ -66,13 +66,13 @@ def _graph_breaks(layer, *args) -> int:
     return explained.graph_break_count
 
 
-def test_paged_attention_compiles_whole_for_every_token_count(rng):
-    eager_mgr, compiled_mgr, explain_mgr = _manager(), _manager(), _manager()
-    torch.manual_seed(int(rng.integers(2 ** 31)))
-    layers = [PagedAttention(mgr, HIDDEN, HQ, HK, pages=8, page_size=16)
-              for mgr in (eager_mgr, compiled_mgr, explain_mgr)]
-    for layer in layers[1:]:
-        layer.load_state_dict(layers[0].state_dict())
+def check_paged_twins(layers, managers, compile_layer, mark_dynamic=False):
+    """Paged-attention ``layers`` (eager, to compile, to explain) with one set of weights,
+    on ``managers`` fed the same steps: 0 graph breaks, one compile (``compile_layer(layer)
+    -> (compiled, counter)``) for every T in TOKENS, eager's outputs and cache. With
+    ``mark_dynamic``, T is marked dynamic on each call (vLLM's way) rather than by
+    ``dynamic=True``. Returns the compiled layer and the last step's inputs."""
+    eager_mgr, compiled_mgr, explain_mgr = managers
     # A prefill first, eager on both: a compiled step then has more context than tokens
     # (a first call with S == T would duck-size them into one symbol, and recompile).
     start, x = 4, torch.randn(4, HIDDEN)
@@ -80,20 +80,32 @@ def test_paged_attention_compiles_whole_for_every_token_count(rng):
         _step(mgr, 4, lambda: layer(x, torch.arange(4), torch.arange(4)))
     args = (torch.randn(3, HIDDEN), torch.arange(3), torch.arange(3))
     assert _step(explain_mgr, 3, lambda: _graph_breaks(layers[2], *args)) == 0
-    compiled, counter = _compile(layers[1])
+    compiled, counter = compile_layer(layers[1])
     for tokens in TOKENS:
         x = torch.randn(tokens, HIDDEN)
         slots, context = torch.arange(start, start + tokens), torch.arange(start + tokens)
+        for t in (x, slots, context) if mark_dynamic else ():
+            torch._dynamo.mark_dynamic(t, 0)
         want = _step(eager_mgr, tokens, lambda: layers[0](x, slots, context))
         got = _step(compiled_mgr, tokens, lambda: compiled(x, slots, context))
         torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
         start += tokens
     assert counter.frame_count == 1, f"{counter.frame_count} compiles for T in {TOKENS}"
     assert torch.equal(layers[1].kv_cache, layers[0].kv_cache)  # the same kernel wrote both
+    return compiled, (x, slots, context)
+
+
+def test_paged_attention_compiles_whole_for_every_token_count(rng):
+    managers = (_manager(), _manager(), _manager())
+    torch.manual_seed(int(rng.integers(2 ** 31)))
+    layers = [PagedAttention(mgr, HIDDEN, HQ, HK, pages=8, page_size=16) for mgr in managers]
+    for layer in layers[1:]:
+        layer.load_state_dict(layers[0].state_dict())
+    compiled, last_step = check_paged_twins(layers, managers, _compile)
     # A refusal inside the compiled graph is the method's, at run time: no plan here.
     with pytest.raises(ValueError, match="no positions planned for label='text'"):
         with torch.no_grad():
-            compiled(x, slots, context)
+            compiled(*last_step)
 
 
 def _fused(rotary, seed):

@@ -18,14 +18,19 @@ count ``T`` traces as a symbol:
                                              (defined in :mod:`torch_bridge.mla_append`)
 ==========================================  =============================================
 
+Both append ops take the call's QK-norm too: the weights as tensors (only read) and the
+:class:`jaxrope.QKNorm` as three scalars (:func:`torch_bridge.op_arguments.norm_args`).
+
 Every op runs on CPU (the JAX path through DLPack) and CUDA (the Mosaic GPU or
 Triton-lowered launch on torch's current stream, the JAX path where the launcher
 declines); M-RoPE needs no op of its own (an M-RoPE config reads ``[3, T]`` positions).
 
 **One rule for Python objects.** An op's schema takes tensors, numbers and strings, so
-a :class:`jaxrope.RopeConfig` or a manager reaches an op as a string key of this
-module's registry: :func:`config_key` (the config's fingerprint, equal for equal
-configs) and :func:`manager_key` (given to each manager at construction, held weakly).
+a :class:`jaxrope.RopeConfig` or a manager reaches an op as a string key of a registry:
+:func:`config_key` (the config's fingerprint, equal for equal configs) and
+:func:`manager_key` (given to each manager at construction, held weakly), a QK-norm as
+its scalars; :mod:`torch_bridge.op_arguments` holds these and the tensor checks the ops
+share with the manager (both importable from here too).
 
 **Eager calls keep the direct path.** A custom op's dispatch alone, with an empty
 body, costs more than the whole bound launch of ``apply_qk`` at decode sizes
@@ -55,19 +60,20 @@ Example:
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
 
-from jaxrope.ops.rope.api import _check_pos_shape
-from jaxrope.ops.rope_append_kv.api import check_slots
 from jaxrope.config import RopeConfig
+from jaxrope.ops.rope_append_kv.api import check_slots
+from jaxrope.qk_norm import QKNorm
 from torch_bridge import kv_append
 from torch_bridge.dlpack import jax_device
 from torch_bridge.launch.dispatch import FastPath, resolve_launchers
-from torch_bridge.rotate import LLAMA31_PARAMS, TORCH_DTYPES, JaxRotation
+from torch_bridge.op_arguments import (check_heads, check_positions, check_qk,
+                                       config_key, config_of, manager_key, manager_of,
+                                       norm_args, qk_norm_of)
+from torch_bridge.rotate import LLAMA31_PARAMS, JaxRotation
 
 __all__ = ["check_heads", "check_qk", "config_key", "config_of", "manager_key", "manager_of",
            "rope_", "rope_append_kv_", "split_cache", "traced_apply_qk",
@@ -76,132 +82,6 @@ __all__ = ["check_heads", "check_qk", "config_key", "config_of", "manager_key", 
 # The launchers' alignment (torch_bridge.launch.runtime.ALIGN): a CUDA tensor is staged
 # when it is not contiguous or its address is not a multiple of this.
 _ALIGN = 32
-
-_CONFIGS: Dict[str, RopeConfig] = {}
-_MANAGERS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
-_MANAGER_IDS = itertools.count()
-
-
-def config_key(cfg: RopeConfig) -> str:
-    """The string ``jaxrope::rope_`` takes for ``cfg``: its fingerprint in hex (equal
-    configs share one key), registered here.
-
-    Raises:
-      TypeError: ``cfg`` is not a RopeConfig.
-
-    Example:
-      >>> import jaxrope as jr
-      >>> key = config_key(jr.RopeConfig(head_dim=64))
-      >>> config_of(key) == jr.RopeConfig(head_dim=64), len(key)
-      (True, 64)
-    """
-    if not isinstance(cfg, RopeConfig):
-        raise TypeError(f"cfg must be a RopeConfig, got {type(cfg).__name__}")
-    key = cfg.fingerprint().hex()
-    _CONFIGS.setdefault(key, cfg)
-    return key
-
-
-def config_of(key: str) -> RopeConfig:
-    """The config registered under ``key``.
-
-    Raises:
-      ValueError: no config has this key.
-    """
-    cfg = _CONFIGS.get(key)
-    if cfg is None:
-        raise ValueError(f"config={key!r} is not a registered RopeConfig key; make one with "
-                         "torch_bridge.custom_ops.config_key(cfg)")
-    return cfg
-
-
-def manager_key(manager: Any) -> str:
-    """A new key for ``manager``, held weakly (the op of a dropped manager refuses)."""
-    key = f"{type(manager).__name__}-{next(_MANAGER_IDS)}"
-    _MANAGERS[key] = manager
-    return key
-
-
-def manager_of(key: str) -> Any:
-    """The manager registered under ``key``.
-
-    Raises:
-      ValueError: no live manager has this key.
-    """
-    manager = _MANAGERS.get(key)
-    if manager is None:
-        raise ValueError(f"manager={key!r} names no live RopeManager")
-    return manager
-
-
-# -- checks shared with RopeManager ------------------------------------------------------
-
-
-def check_heads(x: Any, name: str, head_dim: int, device: torch.device,
-                owner: str = "the manager's device") -> torch.Tensor:
-    """``x`` as ``[T, H, head_dim]`` (a view of ``[T, H * head_dim]``), checked.
-
-    Raises:
-      TypeError: ``x`` is not a tensor.
-      ValueError: another device, an unsupported dtype, requires grad, or a shape that
-        is not ``[T, H, D]`` or ``[T, H * D]`` (or that cannot be viewed so).
-    """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.device != device:
-        raise ValueError(f"{name} is on {x.device}, expected {device} ({owner})")
-    if x.dtype not in TORCH_DTYPES:
-        raise ValueError(f"{name}.dtype={x.dtype} must be one of {list(TORCH_DTYPES)}")
-    if x.requires_grad:
-        raise ValueError(f"{name}.requires_grad=True: apply_qk rotates in place; run under "
-                         "torch.no_grad() on tensors autograd does not track")
-    if x.ndim == 2:
-        if x.shape[1] % head_dim:
-            raise ValueError(f"{name}.shape={tuple(x.shape)}: {x.shape[1]} is not a multiple of "
-                             f"{head_dim=}")
-        try:
-            return x.view(x.shape[0], x.shape[1] // head_dim, head_dim)
-        except RuntimeError as e:
-            raise ValueError(f"{name}.shape={tuple(x.shape)} with stride={x.stride()} cannot be "
-                             f"viewed as [T, H, {head_dim}]: {e}") from e
-    if x.ndim != 3 or x.shape[2] != head_dim:
-        raise ValueError(f"{name}.shape={tuple(x.shape)} must be [T, H, {head_dim}] or "
-                         f"[T, H * {head_dim}]")
-    return x
-
-
-def check_qk(q: Any, k: Any, head_dim: int, device: torch.device,
-             owner: str = "the manager's device",
-             names: Tuple[str, str] = ("q", "k")) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``[T, H, D]`` views of q and k (:func:`check_heads`), one dtype and one ``T``;
-    ``names`` name them in errors (MLA's "q_pe", "k_pe").
-
-    Raises:
-      TypeError, ValueError: as :func:`check_heads`; k's dtype or token count unlike q's.
-    """
-    qn, kn = names
-    q3, k3 = check_heads(q, qn, head_dim, device, owner), check_heads(k, kn, head_dim, device,
-                                                                       owner)
-    if q.dtype != k.dtype:
-        raise ValueError(f"{kn}.dtype={k.dtype} must equal {qn}.dtype={q.dtype}")
-    if k3.shape[0] != q3.shape[0]:
-        raise ValueError(f"{kn}.shape[0]={k3.shape[0]} must equal {qn}.shape[0]={q3.shape[0]} "
-                         "(tokens)")
-    return q3, k3
-
-
-def _check_positions(pos_ids: Any, tokens: int, cfg: RopeConfig,
-                     device: torch.device) -> torch.Tensor:
-    """``pos_ids`` as the launches read them: int32, contiguous, ``[T]`` (``[3, T]``)."""
-    if not isinstance(pos_ids, torch.Tensor):
-        raise TypeError(f"pos_ids must be an integer torch.Tensor, got {type(pos_ids).__name__}")
-    if pos_ids.device != device:
-        raise ValueError(f"pos_ids is on {pos_ids.device}, expected {device} (q's device)")
-    if pos_ids.dtype.is_floating_point or pos_ids.dtype.is_complex or pos_ids.dtype == torch.bool:
-        raise ValueError(f"pos_ids.dtype={pos_ids.dtype} must be an integer type (int32)")
-    _check_pos_shape(tuple(pos_ids.shape), tokens, cfg)
-    return pos_ids.to(torch.int32).contiguous()
-
 
 # -- running: launcher, staging, JAX -------------------------------------------------------
 
@@ -230,16 +110,17 @@ class _Runtime:
     def append(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: torch.Tensor,
                caches: Tuple[torch.Tensor, ...], slots: torch.Tensor, cfg: RopeConfig,
                geometry: kv_append.CacheGeometry, scales: Tuple[float, float],
-               q_out: Optional[torch.Tensor], q_scale: float) -> None:
-        # The launchers have no fp8 q: a call with q_out takes the JAX path.
-        if q_out is None and self.kv.launch(lambda launcher: launcher.rotate_and_append_kv_(
-                q, k, v, pos_ids, caches, slots, cfg, geometry, scales), None, lambda: None):
+               norm: Optional[kv_append.Norm], q_out: Optional[torch.Tensor],
+               q_scale: float) -> None:
+        if self.kv.launch(kv_append.launcher_call(q, k, v, pos_ids, caches, slots, cfg, geometry,
+                                                  scales, norm, q_out, q_scale),
+                          None, lambda: None):
             return
         self.kv.refuse_under_capture(self.device)
         if self._kv_jax is None:
             self._kv_jax = kv_append.JaxAppend(self.device)
-        self._kv_jax(q, k, v, caches, geometry, pos_ids, slots, cfg, scales, q_out=q_out,
-                     q_scale=q_scale)
+        self._kv_jax(q, k, v, caches, geometry, pos_ids, slots, cfg, scales, norm=norm,
+                     q_out=q_out, q_scale=q_scale)
 
 
 _RUNTIMES: Dict[torch.device, _Runtime] = {}
@@ -278,7 +159,7 @@ def _rotate_explicit(q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor,
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     q3, k3 = check_qk(q, k, cfg.head_dim, q.device, "q's device")
-    pos = _check_positions(pos_ids, q3.shape[0], cfg, q.device)
+    pos = check_positions(pos_ids, q3.shape[0], cfg, q.device)
     if q3.shape[0]:
         runtime = _runtime(q.device)
         _staged((q3, k3), (True, True), lambda a, b: runtime.rotate(a, b, pos, cfg))
@@ -329,23 +210,27 @@ def _append_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids:
                      k_cache: torch.Tensor, v_cache: Optional[torch.Tensor], slots: torch.Tensor,
                      config: str, layout: str, k_quant_scale: Optional[float],
                      v_quant_scale: Optional[float], q_out: Optional[torch.Tensor],
-                     q_quant_scale: Optional[float]) -> None:
+                     q_quant_scale: Optional[float], *norm: Any) -> None:
+    """The ``jaxrope::rope_append_kv_`` op's body; ``norm``: the op's last five arguments
+    (:data:`torch_bridge.op_arguments.NormArgs`)."""
     cfg = config_of(config)
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     q3, k3 = check_qk(q, k, cfg.head_dim, q.device, "q's device")
     v3 = check_heads(v, "v", cfg.head_dim, q.device, "q's device")
+    q_w, k_w, *qk_norm = norm
+    norm3 = kv_append.check_norm(q3, k3, q_w, k_w, qk_norm_of(*qk_norm), q.device, "q's device")
     kv_cache = k_cache if v_cache is None else (k_cache, v_cache)
     caches, geometry, scales = kv_append.check_call(k3, v3, kv_cache, slots, layout,
                                                     k_quant_scale, v_quant_scale, q.device)
     out3, q_scale = kv_append.check_q_out(q, q3, q_out, q_quant_scale, q.device, "q's device")
-    pos = _check_positions(pos_ids, q3.shape[0], cfg, q.device)
+    pos = check_positions(pos_ids, q3.shape[0], cfg, q.device)
     if slots.device.type == "cpu":
         check_slots(slots.numpy(), geometry.num_slots)  # as the manager's method does
     if q3.shape[0]:
         runtime = _runtime(q.device)
         _staged((q3, k3, v3), (True, False, False), lambda a, b, c: runtime.append(
-            a, b, c, pos, caches, slots, cfg, geometry, scales, out3, q_scale))
+            a, b, c, pos, caches, slots, cfg, geometry, scales, norm3, out3, q_scale))
 
 
 @torch.library.custom_op("jaxrope::rope_append_kv_",
@@ -355,14 +240,18 @@ def _rope_append_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: 
                     k_cache: torch.Tensor, v_cache: Optional[torch.Tensor], slots: torch.Tensor,
                     config: str, layout: str, k_quant_scale: Optional[float],
                     v_quant_scale: Optional[float], q_out: Optional[torch.Tensor] = None,
-                    q_quant_scale: Optional[float] = None) -> None:
+                    q_quant_scale: Optional[float] = None,
+                    q_norm_weight: Optional[torch.Tensor] = None,
+                    k_norm_weight: Optional[torch.Tensor] = None,
+                    qk_norm_eps: Optional[float] = None, qk_norm_convention: str = "rmsnorm",
+                    qk_norm_per_head: bool = True) -> None:
     _append_explicit(q, k, v, pos_ids, k_cache, v_cache, slots, config, layout, k_quant_scale,
-                     v_quant_scale, q_out, q_quant_scale)
+                     v_quant_scale, q_out, q_quant_scale, q_norm_weight, k_norm_weight,
+                     qk_norm_eps, qk_norm_convention, qk_norm_per_head)
 
 
 @_rope_append_op.register_fake
-def _(q, k, v, pos_ids, k_cache, v_cache, slots, config, layout, k_quant_scale, v_quant_scale,
-      q_out=None, q_quant_scale=None):
+def _(*args: Any, **kwargs: Any) -> None:
     return None
 
 
@@ -371,16 +260,20 @@ def rope_append_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: 
                     k_quant_scale: Optional[float] = None,
                     v_quant_scale: Optional[float] = None,
                     q_out: Optional[torch.Tensor] = None,
-                    q_quant_scale: Optional[float] = None) -> None:
+                    q_quant_scale: Optional[float] = None,
+                    q_norm_weight: Optional[torch.Tensor] = None,
+                    k_norm_weight: Optional[torch.Tensor] = None,
+                    qk_norm: Optional[QKNorm] = None) -> None:
     """Rotate ``q`` in place at ``pos_ids`` and write the rotated ``k`` and the ``v`` into
     the paged ``kv_cache`` at ``slots``: :meth:`RopeManager.apply_qk_and_append_kv` with
     explicit positions (as :func:`rope_`) and no manager.
 
-    ``kv_cache``, ``slots``, ``layout``, the scales and ``q_out`` (the fp8 q, q then
-    unchanged) as the method takes them (a ``(k_cache, v_cache)`` pair or one ``[pages,
-    2, ...]`` tensor; any integer slots, -1 or any slot outside the cache skipping the
-    token); ``pos_ids`` and ``config`` as :func:`rope_`. Under ``torch.compile`` this is
-    the ``jaxrope::rope_append_kv_`` op.
+    ``kv_cache``, ``slots``, ``layout``, the scales, ``q_out`` (the fp8 q, q then
+    unchanged) and the QK-norm (``q_norm_weight``, ``k_norm_weight``, ``qk_norm``) as the
+    method takes them (a ``(k_cache, v_cache)`` pair or one ``[pages, 2, ...]`` tensor;
+    any integer slots, -1 or any slot outside the cache skipping the token); ``pos_ids``
+    and ``config`` as :func:`rope_`. Under ``torch.compile`` this is the
+    ``jaxrope::rope_append_kv_`` op, ``qk_norm`` passed as its three scalars.
 
     Raises:
       TypeError, ValueError: as the method refuses each argument (devices: q's), and
@@ -394,6 +287,10 @@ def rope_append_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: 
       >>> rope_append_kv_(q, kv, kv, torch.tensor([0]), cache, torch.tensor([5]), key)
       >>> cache[1, 0, 1, 0].tolist() == [1.0] * 8, cache[1, 1, 1, 0].tolist() == [1.0] * 8
       (True, True)
+      >>> rope_append_kv_(q, kv, kv, torch.tensor([0]), cache, torch.tensor([6]), key,
+      ...                 k_norm_weight=torch.full((8,), 2.0), qk_norm=jr.QKNorm(eps=1e-12))
+      >>> cache[1, 0, 2, 0].tolist() == [2.0] * 8              # k / rms(k) * w
+      True
     """
     if isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2:
         k_cache, v_cache = kv_cache
@@ -401,7 +298,7 @@ def rope_append_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: 
         k_cache, v_cache = kv_cache, None
     call = torch.ops.jaxrope.rope_append_kv_ if torch.compiler.is_compiling() else _append_explicit
     call(q, k, v, pos_ids, k_cache, v_cache, slots, config, layout, k_quant_scale, v_quant_scale,
-         q_out, q_quant_scale)
+         q_out, q_quant_scale, *norm_args(q_norm_weight, k_norm_weight, qk_norm))
 
 
 # -- the manager's methods as ops ----------------------------------------------------------
@@ -433,18 +330,21 @@ def _(q, k, manager, label, rotary_dim, interleave, rope_scale, rope_theta, low_
 def _append_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: Optional[torch.Tensor], slots: torch.Tensor, manager: str, label: str,
                layout: str, k_quant_scale: Optional[float], v_quant_scale: Optional[float],
-               q_out: Optional[torch.Tensor] = None,
-               q_quant_scale: Optional[float] = None) -> None:
+               q_out: Optional[torch.Tensor] = None, q_quant_scale: Optional[float] = None,
+               q_norm_weight: Optional[torch.Tensor] = None,
+               k_norm_weight: Optional[torch.Tensor] = None, qk_norm_eps: Optional[float] = None,
+               qk_norm_convention: str = "rmsnorm", qk_norm_per_head: bool = True) -> None:
     mgr = manager_of(manager)
     kv_cache = k_cache if v_cache is None else (k_cache, v_cache)
+    qk_norm = qk_norm_of(qk_norm_eps, qk_norm_convention, qk_norm_per_head)
     _staged((q, k, v), (True, False, False), lambda a, b, c: mgr.apply_qk_and_append_kv(
         a, b, c, label, kv_cache, slots, layout=layout, k_quant_scale=k_quant_scale,
-        v_quant_scale=v_quant_scale, q_out=q_out, q_quant_scale=q_quant_scale))
+        v_quant_scale=v_quant_scale, q_out=q_out, q_quant_scale=q_quant_scale,
+        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, qk_norm=qk_norm))
 
 
 @_append_op.register_fake
-def _(q, k, v, k_cache, v_cache, slots, manager, label, layout, k_quant_scale, v_quant_scale,
-      q_out=None, q_quant_scale=None):
+def _(*args: Any, **kwargs: Any) -> None:
     return None
 
 
@@ -498,19 +398,22 @@ def traced_apply_qk_and_append_kv(manager: Any, q: torch.Tensor, k: torch.Tensor
                                   v: torch.Tensor, label: Hashable, kv_cache: Any,
                                   slots: torch.Tensor, layout: str, k_quant_scale: Any,
                                   v_quant_scale: Any, q_out: Optional[torch.Tensor] = None,
-                                  q_quant_scale: Any = None) -> Tuple[torch.Tensor, Any]:
+                                  q_quant_scale: Any = None, q_norm_weight: Any = None,
+                                  k_norm_weight: Any = None,
+                                  qk_norm: Any = None) -> Tuple[torch.Tensor, Any]:
     """``manager.apply_qk_and_append_kv`` as ``torch.compile`` records it: the
-    ``jaxrope::apply_qk_and_append_kv`` op (the cache a tensor or a pair); returns what the
-    method returns (``q_out`` in q's place when given).
+    ``jaxrope::apply_qk_and_append_kv`` op (the cache a tensor or a pair, ``qk_norm`` its
+    scalars); returns what the method returns (``q_out`` in q's place when given).
 
     Raises:
-      TypeError: ``label`` is not a str, the cache neither a tensor nor a pair, or a
-        scale that is not a number.
-      ValueError: a scale not finite and > 0.
+      TypeError: ``label`` is not a str, the cache neither a tensor nor a pair, a scale
+        that is not a number, a norm weight not a tensor, or ``qk_norm`` not a QKNorm.
+      ValueError: a scale not finite and > 0; ``qk_norm`` not a QKNorm and no weight.
     """
     k_cache, v_cache = split_cache(kv_cache, "kv_cache", ("k_cache", "v_cache"))
     torch.ops.jaxrope.apply_qk_and_append_kv(
         q, k, v, k_cache, v_cache, slots, manager._op_key, _op_label(label), layout,
         _op_scale("k_quant_scale", k_quant_scale), _op_scale("v_quant_scale", v_quant_scale),
-        q_out, _op_scale("q_quant_scale", q_quant_scale))
+        q_out, _op_scale("q_quant_scale", q_quant_scale),
+        *norm_args(q_norm_weight, k_norm_weight, qk_norm))
     return q if q_out is None else q_out, kv_cache

@@ -10,6 +10,9 @@ what the method needs beyond ``apply_qk``'s checks of q and k:
   scales, checked from their static properties once per call signature; it returns the
   :class:`CacheGeometry` both paths address the cache by;
 - :func:`check_q_out`: the fp8 q a call may ask for (``q_out``, ``q_quant_scale``);
+  :func:`check_norm`: its QK-norm (the weights and ``qk_norm``);
+- :func:`launcher_call`: a checked call as a launcher takes it (the norm and the fp8 q
+  only where the launcher declares them);
 - slots as the kernels read them, the range decided at their own width on the device,
   come from :func:`torch_bridge.launch.runtime.int32_slots` (shared with the launchers);
 - :class:`JaxAppend`: the JAX path, the core op on DLPack imports with q and the cache
@@ -27,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Dict, Hashable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +38,7 @@ import torch
 
 from jaxrope.ops import backends as _backend
 from jaxrope.config import RopeConfig
+from jaxrope.errors import BackendUnavailable
 from jaxrope.ops.rope_append_kv.api import LAYOUTS, apply_rope_and_append_kv
 from jaxrope.ops.rope_append_kv import cache_layout
 from jaxrope.qk_norm import QKNorm, norm_asked
@@ -337,8 +341,19 @@ NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 Norm = Tuple[Optional[torch.Tensor], Optional[torch.Tensor], QKNorm]
 
 
+def check_weight_type(name: str, weight: Any) -> None:
+    """Refuse a norm weight (named ``name``) that is neither None nor a tensor.
+
+    Raises:
+      TypeError: ``weight`` is not a torch.Tensor.
+    """
+    if weight is not None and not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(weight).__name__}")
+
+
 def check_norm(q: torch.Tensor, k: torch.Tensor, q_norm_weight: Any, k_norm_weight: Any,
-               qk_norm: Any, device: torch.device) -> Optional[Norm]:
+               qk_norm: Any, device: torch.device,
+               owner: str = "the manager's device") -> Optional[Norm]:
     """A call's QK-norm, checked by the core's rule (:func:`jaxrope.qk_norm.norm_asked`) on
     ``[T, H, D]`` q and k: None when none is asked, else ``(q_norm_weight, k_norm_weight,
     qk_norm)`` with the weights detached (a model's ``nn.Parameter`` is only read).
@@ -350,21 +365,42 @@ def check_norm(q: torch.Tensor, k: torch.Tensor, q_norm_weight: Any, k_norm_weig
     """
     stand_ins = []
     for name, weight in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        check_weight_type(name, weight)
         if weight is None:
             stand_ins.append(None)
             continue
-        if not isinstance(weight, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(weight).__name__}")
         if weight.dtype not in NORM_DTYPES:
             raise ValueError(f"{name}.dtype={weight.dtype} must be one of {NORM_DTYPES}")
         if weight.device != device:
-            raise ValueError(f"{name} is on {weight.device}, expected {device} (the manager's "
-                             "device)")
+            raise ValueError(f"{name} is on {weight.device}, expected {device} ({owner})")
         stand_ins.append(jax.ShapeDtypeStruct(tuple(weight.shape), jnp.float32))
     if not norm_asked(q, k, *stand_ins, qk_norm):
         return None
     return (None if q_norm_weight is None else q_norm_weight.detach(),
             None if k_norm_weight is None else k_norm_weight.detach(), qk_norm)
+
+
+def launcher_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: torch.Tensor,
+                  caches: Sequence[torch.Tensor], slots: torch.Tensor, cfg: RopeConfig,
+                  geometry: CacheGeometry, scales: Tuple[float, float],
+                  norm: Optional[Norm] = None, q_out: Optional[torch.Tensor] = None,
+                  q_scale: float = 1.0) -> Callable[[Any], None]:
+    """A checked call as :meth:`torch_bridge.launch.dispatch.FastPath.launch` runs it on a
+    launcher: ``launcher.rotate_and_append_kv_(...)``, the norm and the fp8 q passed only
+    to a launcher that declares them (``accepts``: :class:`torch_bridge.KVLauncher`), the
+    q scale then third in ``scales``; any other launcher declines such a call
+    (:class:`jaxrope.BackendUnavailable`) and the JAX path serves it."""
+    extras = {name: value for name, value in (("norm", norm), ("q_out", q_out))
+              if value is not None}
+    if q_out is not None:
+        scales = (*scales, q_scale)
+
+    def call(launcher: Any) -> None:
+        if not set(extras) <= getattr(launcher, "accepts", frozenset()):
+            raise BackendUnavailable(f"the launcher takes no {sorted(extras)}")
+        launcher.rotate_and_append_kv_(q, k, v, pos_ids, caches, slots, cfg, geometry, scales,
+                                       **extras)
+    return call
 
 
 def _rope_and_append(target, *rest, cfg: RopeConfig, layout: str, backend: str, fp8: bool,

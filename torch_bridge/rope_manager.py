@@ -16,7 +16,6 @@ from typing import Any, Dict, Hashable, Optional, Tuple
 import torch
 
 from jaxrope.config import RopeConfig
-from jaxrope.errors import BackendUnavailable
 from jaxrope.ops.rope_append_kv.api import check_slots
 from jaxrope.qk_norm import QKNorm
 from torch_bridge import custom_ops, kv_append, mla_append
@@ -236,7 +235,9 @@ class RopeManager(PositionManager):
             ``[H * D]`` for ``qk_norm.per_head=False``, float32/bfloat16/float16 tensors
             on ``device``, a model's ``q_norm.weight`` as it is). The CUDA launchers
             normalise per head in their kernel; a per-token norm (OLMo 2/3) takes the
-            JAX path (not under CUDA-graph capture). Not under ``torch.compile`` yet.
+            JAX path (not under CUDA-graph capture). Under ``torch.compile`` the weights
+            are tensor arguments of the op and ``qk_norm`` its constant scalars: one
+            compile serves every step with the same norm.
           q_out: None (q rotated in place), or a ``torch.float8_e4m3fn`` tensor of q's
             shape on ``device`` (FlashInfer's ``q_rope_out``): it receives
             ``e4m3(clip(x * q_quant_scale, -448, 448))`` of the float32 rotated q, every
@@ -270,8 +271,8 @@ class RopeManager(PositionManager):
             ``q_out`` of another dtype, shape or device, or ``q_quant_scale`` without it.
           TypeError: a tensor argument of the wrong type, the cache neither a pair nor a
             tensor, a scale that is not a number, or ``qk_norm`` not a QKNorm.
-          NotImplementedError: a norm under ``torch.compile``, or a per-token norm with
-            the manager's backend "mosaic", "triton" or "interpret".
+          NotImplementedError: a per-token norm with the manager's backend "mosaic",
+            "triton" or "interpret".
           RuntimeError: called under CUDA-graph capture without a launcher that accepts
             the call.
 
@@ -290,14 +291,11 @@ class RopeManager(PositionManager):
           (True, [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 64.0)
           >>> mgr.commit(step, ctx)
         """
-        normed = not (q_norm_weight is None and k_norm_weight is None and qk_norm is None)
         if torch.compiler.is_compiling():  # what the graph records: see torch_bridge.custom_ops
-            if normed:
-                raise NotImplementedError("apply_qk_and_append_kv's torch.compile op carries "
-                                          "no QK-norm yet: call it outside torch.compile")
             return custom_ops.traced_apply_qk_and_append_kv(
                 self, q, k, v, label, kv_cache, slots, layout, k_quant_scale, v_quant_scale,
-                q_out, q_quant_scale)
+                q_out, q_quant_scale, q_norm_weight, k_norm_weight, qk_norm)
+        normed = not (q_norm_weight is None and k_norm_weight is None and qk_norm is None)
         plan = self._plans.peek()
         signature = lambda: kv_append.call_signature(  # noqa: E731
             label, q, k, v, kv_cache, slots, layout, k_quant_scale, v_quant_scale)
@@ -335,20 +333,11 @@ class RopeManager(PositionManager):
         """The checked call on the launcher, else on the JAX path. ``signature`` None: a
         padded call, which must not be bound; nor is a call with a norm or an fp8 q (a
         bound launch carries neither)."""
-        extras = {name: value for name, value in (("norm", norm), ("q_out", q_out))
-                  if value is not None}
-        if q_out is not None:
-            scales = (*scales, q_scale)
-
-        def call(launcher) -> None:
-            # A launcher serves a norm or an fp8 q only where it says so (KVLauncher.accepts).
-            if not set(extras) <= getattr(launcher, "accepts", frozenset()):
-                raise BackendUnavailable(f"the launcher takes no {sorted(extras)}")
-            launcher.rotate_and_append_kv_(q3, k3, v3, pos_ids, caches, slots, self.rope,
-                                           geometry, scales, **extras)
-
+        plain = norm is None and q_out is None
         launched = self._kv_path.launch(
-            call, None if signature is None or extras else lambda bind: bind(
+            kv_append.launcher_call(q3, k3, v3, pos_ids, caches, slots, self.rope, geometry,
+                                    scales, norm, q_out, q_scale),
+            None if signature is None or not plain else lambda bind: bind(
                 q3, k3, v3, caches, slots, self.rope, geometry, scales),
             signature)
         if launched:
