@@ -13,7 +13,11 @@ TORCH    ?= torch==2.13.0
 JAX011   ?= jax==0.11.2
 JAX012   ?= jax==0.12.0.1
 # pytest-xdist workers (the test extra installs it): one per core of CI's 2-core machine.
+# worksteal: each worker starts on its own half of the collection (a file's cases stay
+# together, sharing their compiled steps) and takes queued tests from the other when it runs
+# out, so a run of slow kernel cases at the end is split instead of left on one worker.
 WORKERS  ?= auto
+DIST     ?= worksteal
 PYTEST_ARGS ?=
 # Arguments of the demo, e.g. `make demo DEMO_ARGS="--model qwen2.5-vl"` (the M-RoPE trace).
 DEMO_ARGS ?=
@@ -58,16 +62,16 @@ demo: $(VENV)/.demo-installed
 # + the parity suite against transformers, on the default JAX of this Python. The
 # REQUIRE variables turn a missing triton or transformers into failures, not skips.
 test: $(VENV)/.installed
-	JAXROPE_REQUIRE_TRITON=1 JAXROPE_REQUIRE_TRANSFORMERS=1 $(VENV)/bin/python -m pytest -q -n $(WORKERS) $(PYTEST_ARGS)
+	JAXROPE_REQUIRE_TRITON=1 JAXROPE_REQUIRE_TRANSFORMERS=1 $(VENV)/bin/python -m pytest -q -n $(WORKERS) --dist $(DIST) $(PYTEST_ARGS)
 
 # The core suite on the JAX version the GPU machine runs (torch tests skip there).
 test-core-jax011: $(VENV312)/.installed
-	$(VENV312)/bin/python -m pytest -q -n $(WORKERS) $(PYTEST_ARGS)
+	$(VENV312)/bin/python -m pytest -q -n $(WORKERS) --dist $(DIST) $(PYTEST_ARGS)
 
 # The core suite on the newest JAX on the index (its Pallas Triton backend still ships,
 # deprecated; the Mosaic GPU interpreter tests run here too).
 test-core-jax012: $(VENV012)/.installed
-	$(VENV012)/bin/python -m pytest -q -n $(WORKERS) $(PYTEST_ARGS)
+	$(VENV012)/bin/python -m pytest -q -n $(WORKERS) --dist $(DIST) $(PYTEST_ARGS)
 
 # The guides of docs/ and the API reference generated from the docstrings, warnings as
 # errors; the site lands in docs/_build/html.

@@ -7,8 +7,10 @@ compiles once; the boundary checks that need visible values run eagerly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import types
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,7 @@ import pytest
 
 import jaxrope as jr
 from jaxrope.ops import backends as backend_module
+from jaxrope.ops.constants import kernel_constants
 from jaxrope.ops.rope import triton as triton_rope
 from jaxrope.ops.rope import tuning as rope_tuning
 from jaxrope.cases import BY_NAME, CASES
@@ -289,30 +292,44 @@ def test_every_launch_shape_gives_the_same_rotation(name, block):
     # one-group shape's results, to a rounding of the products (kv_oracle.row_ulps: the
     # interpreter's XLA program changes with the block shape; on the GPU,
     # tests/gpu/test_launch_shapes_gpu.py holds the kernel to bits).
-    from jaxrope.ops.constants import kernel_constants
-    from jaxrope.ops.rope import triton as triton_rope
-    from jaxrope.ops.rope import tuning as rope_tuning
+    # The one-group shape's result depends on the case only: it runs once per case (cached),
+    # not once per block.
     cfg = BY_NAME[name].cfg
-    rng = np.random.default_rng(len(name) + sum(block))
+    q, k, pos, want_q, want_k = _one_group_launch(name)
+    got = _launch(name, q, k, pos, block)
+    for a, b in ((got[0], want_q), (got[1], want_k)):
+        assert kv_oracle.row_ulps(np.asarray(a), b).max() <= 2
+    expected = oracle.rope_oracle(np.asarray(q), pos.astype(np.int64),
+                                  *oracle.serving_frequencies(cfg), cfg.rotary_dim, cfg.interleave)
+    np.testing.assert_allclose(want_q, expected, rtol=0, atol=1e-4)
+
+
+def _launch(name, q, k, pos, block):
+    """The Pallas Triton kernel body in its interpreter at one launch shape (a 1-D or an
+    M-RoPE case: tests/test_mrope_apply.py uses it too)."""
+    cfg = BY_NAME[name].cfg
+    tables, attention = kernel_constants(cfg)
+    bt, hp, warps, groups, loop, major = block
+    return triton_rope.rope_triton(
+        q, k, jnp.asarray(pos), jnp.asarray(tables), rotary_dim=cfg.rotary_dim,
+        interleave=cfg.interleave, attention_factor=attention, mrope_section=cfg.mrope_section,
+        mrope_interleaved=cfg.mrope_interleaved, interpret=True,
+        tuning=rope_tuning.TritonTuning(bt, hp, warps, 1, groups, loop, bool(major)))
+
+
+@functools.lru_cache(maxsize=None)
+def _one_group_launch(name):
+    """Inputs of a launch-shape case (seeded by its name; numpy positions, ``[3, T]`` for
+    M-RoPE) and the one-group shape's q, k."""
+    cfg = BY_NAME[name].cfg
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
     tokens, q_heads, k_heads = 7, 5, 3
     q = jnp.asarray(rng.standard_normal((tokens, q_heads, cfg.head_dim)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((tokens, k_heads, cfg.head_dim)), jnp.float32)
-    pos = jnp.asarray(rng.integers(0, cfg.max_position, tokens), jnp.int32)
-    tables, attention = kernel_constants(cfg)
-
-    def run(bt, hp, warps, groups, loop, major):
-        return triton_rope.rope_triton(
-            q, k, pos, jnp.asarray(tables), rotary_dim=cfg.rotary_dim, interleave=cfg.interleave,
-            attention_factor=attention, interpret=True,
-            tuning=rope_tuning.TritonTuning(bt, hp, warps, 1, groups, loop, bool(major)))
-
-    want, got = run(1, 1, 1, 1, 1, 0), run(*block)
-    want_q, want_k = (np.asarray(x) for x in want)
-    for a, b in ((got[0], want_q), (got[1], want_k)):
-        assert kv_oracle.row_ulps(np.asarray(a), b).max() <= 2
-    expected = oracle.rope_oracle(np.asarray(q), np.asarray(pos, np.int64),
-                                  *oracle.serving_frequencies(cfg), cfg.rotary_dim, cfg.interleave)
-    np.testing.assert_allclose(want_q, expected, rtol=0, atol=1e-4)
+    rows = (3, tokens) if cfg.mrope_section else (tokens,)
+    pos = rng.integers(0, cfg.max_position, rows).astype(np.int32)
+    want = _launch(name, q, k, pos, (1, 1, 1, 1, 1, 0))
+    return (q, k, pos, *(np.asarray(x) for x in want))
 
 
 def test_auto_falls_through_to_xla_when_its_kernel_declines(monkeypatch, rng):

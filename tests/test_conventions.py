@@ -6,7 +6,7 @@ rotates ``(x[2i], x[2i+1])``, pair ``i`` by ``pos * f_i``; dims ``[R, D)`` pass 
 
 - On CPU (every CI run), from the recorded FlashInfer outputs in
   ``tests/data/flashinfer_golden.npz``: FlashInfer's untouched dims equal its input byte
-  for byte, and so do jaxrope's; every pair of jaxrope's layout is, in FlashInfer's
+  for byte (jaxrope's do too: tests/test_golden.py); every pair of jaxrope's layout is, in FlashInfer's
   output, a rotation of the same input pair (same length) by ``pos * f_i``.
 - The mapping of FlashInfer's ``rope_scale`` / ``rope_theta`` / llama31 arguments onto
   jaxrope's variants gives the same frequencies.
@@ -81,15 +81,14 @@ RECORDS = golden.golden_record_names()
 
 
 @pytest.mark.parametrize("name", RECORDS)
-def test_flashinfer_and_jaxrope_leave_the_dims_past_rotary_dim_bit_identical(name):
+def test_flashinfer_leaves_the_dims_past_rotary_dim_bit_identical(name):
+    # jaxrope's side, on the same records and both backends, is asserted by
+    # tests/test_golden.py::test_jaxrope_matches_recorded_flashinfer, which runs jaxrope on
+    # them anyway; running it again here doubled the cost of the check.
     record = golden.golden_record(name)
     r = record.cfg.rotary_dim
-    ours = {b: fp.run_jaxrope(record.cfg, record.q, record.k, record.batch.pos_ids, b)
-            for b in ("xla", "interpret")}
-    for i, (x, theirs) in enumerate(((record.q, record.q_out), (record.k, record.k_out))):
+    for x, theirs in ((record.q, record.q_out), (record.k, record.k_out)):
         assert fb.untouched_equal(theirs, x, r).all()
-        for backend, out in ours.items():
-            assert fb.untouched_equal(out[i], x, r).all(), backend
     if r < record.cfg.head_dim:
         # Partial rotary: something is left alone, and it is not the rotated part.
         assert not fb.untouched_equal(record.q_out[..., :r], record.q[..., :r], 0).all()

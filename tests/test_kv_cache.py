@@ -11,8 +11,10 @@ where Triton is installed, compiled to PTX.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import types
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -194,16 +196,25 @@ def test_zero_tokens_change_nothing(backend, rng):
         np.testing.assert_array_equal(bits(a), bits(b))
 
 
-@pytest.mark.parametrize("config", [(1, 1, 1), (4, 1, 1), (2, 3, 1), (1, 2, 4), (8, 1, 3)],
+@pytest.mark.parametrize("config", [(4, 1, 1), (2, 3, 1), (1, 2, 4), (8, 1, 3)],
                          ids=lambda c: "hp{}-g{}-loop{}".format(*c))
 @pytest.mark.parametrize("name", ["llama3_hnd_p16", "gptj_interleave_hnd_combined",
                                   "interleave_d96_nhd_p1", "dynamic_d192_fp8_hnd"])
-def test_every_launch_shape_gives_the_same_result(name, config, rng):
+def test_every_launch_shape_gives_the_same_result(name, config):
     # Launch shapes only regroup work: head groups past the last head, token walks past
     # the last token and several groups per program must all give the one-group result
-    # (to a rounding: the interpreter's XLA program changes with the block shape).
+    # (to a rounding: the interpreter's XLA program changes with the block shape). The
+    # one-group launch runs once per case (cached), its inputs seeded by the case's name.
+    launch, want = _one_group_launch(name)
+    got = launch(append_tuning.AppendTritonTuning(*config))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_within_rounding(a, b, f"{name} {config}")
+
+
+@functools.lru_cache(maxsize=None)
+def _one_group_launch(name):
     case = APPEND_BY_NAME[name]
-    x = make_inputs(rng, case, jnp.float32)
+    x = make_inputs(np.random.default_rng(zlib.crc32(name.encode())), case, jnp.float32)
     c = case.case
     tables, attention = constants.kernel_constants(c.cfg)
     arrays = (x.kv_cache,) if case.combined else x.kv_cache
@@ -217,10 +228,7 @@ def test_every_launch_shape_gives_the_same_result(name, config, rng):
             rotary_dim=c.cfg.rotary_dim, interleave=c.cfg.interleave, attention_factor=attention,
             interpret=True, tuning=block)
 
-    want = launch(append_tuning.AppendTritonTuning(1))
-    got = launch(append_tuning.AppendTritonTuning(*config))
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        assert_within_rounding(a, b, f"{name} {config}")
+    return launch, launch(append_tuning.AppendTritonTuning(1))
 
 
 def test_launch_shape_heuristic():
