@@ -396,6 +396,10 @@ def _bridge_calls():
         ("apply_qk_and_append_kv", lambda m: m.apply_qk_and_append_kv(
             *qk(), torch.randn(3, 1, HEAD_DIM), "cond", cache(), torch.zeros(3)), ValueError,
          "slots.dtype=torch.float32 must be an integer dtype"),
+        ("apply_mla_and_append_kv", lambda m: m.apply_mla_and_append_kv(
+            qk()[0], torch.randn(3, HEAD_DIM), torch.randn(3, 16), "cond",
+            torch.zeros(4, 4, 16 + HEAD_DIM), torch.zeros(3)), ValueError,
+         "slots.dtype=torch.float32 must be an integer dtype"),
         ("position", lambda m: m.position("a", "image"), ValueError, "label='image'"),
         ("delta", lambda m: m.delta("ghost", "cond"), ValueError, "'ghost'"),
         ("pos_ids", lambda m: m.pos_ids("nope"), ValueError, "label='nope'"),
