@@ -37,6 +37,7 @@ from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, Ste
 from torch_bridge import kv_append  # noqa: E402
 from torch_bridge.dlpack import NotZeroCopyError  # noqa: E402
 from torch_bridge.launch import runtime  # noqa: E402
+from torch_bridge.memory_overlap import share_memory  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TOLERANCE = oracle.RELATIVE_TOLERANCE
@@ -571,10 +572,10 @@ def test_share_memory_agrees_with_the_element_addresses_of_random_views(rng):
         a = view()
         if trial % 2:
             b = view()   # another layout: refused whenever an element is shared
-            assert kv_append.share_memory(a, b) or not addresses(a) & addresses(b)
+            assert share_memory(a, b) or not addresses(a) & addresses(b)
             continue
         # The same layout at another offset (as vLLM's kv[:, 0] and kv[:, 1]): exact.
         span = sum((n - 1) * st for n, st in zip(a.shape, a.stride())) + 1
         b = storage.as_strided(a.shape, a.stride(), int(rng.integers(storage.numel() - span + 1)))
-        assert kv_append.share_memory(a, b) == bool(addresses(a) & addresses(b)), (
+        assert share_memory(a, b) == bool(addresses(a) & addresses(b)), (
             a.shape, a.stride(), a.storage_offset(), b.storage_offset())

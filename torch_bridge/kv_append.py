@@ -44,10 +44,11 @@ from jaxrope.ops.rope_append_kv import cache_layout
 from jaxrope.qk_norm import QKNorm, norm_asked
 from torch_bridge.dlpack import InPlace, pad_tokens, read_only, token_bucket, write_back
 from torch_bridge.launch.runtime import int32_slots
+from torch_bridge.memory_overlap import share_memory
 from torch_bridge.rotate import torch_capability
 
 __all__ = ["CacheGeometry", "JaxAppend", "call_signature", "check_call", "check_q_out",
-           "check_slot_tensor", "jax_backend", "share_memory"]
+           "check_slot_tensor", "jax_backend"]
 
 FP8 = torch.float8_e4m3fn
 SLOT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16,
@@ -194,7 +195,7 @@ def check_call(k: torch.Tensor, v: torch.Tensor, kv_cache: Any, slots: Any, layo
         tensor, or a scale is not a number.
       ValueError: v unlike k; an unknown layout; a cache of the wrong rank, heads, head
         size, dtype or device, or requiring grad; a ``(k_cache, v_cache)`` pair sharing
-        memory (:func:`share_memory`); slots of the wrong shape, dtype or device; a
+        memory (:func:`torch_bridge.memory_overlap.share_memory`); slots of the wrong shape, dtype or device; a
         scale given for a cache in k's dtype, or not finite and > 0.
     """
     if v.shape != k.shape or v.dtype != k.dtype:
@@ -267,54 +268,6 @@ def check_q_out(q: torch.Tensor, q3: torch.Tensor, q_out: Any, q_quant_scale: An
     except RuntimeError as e:
         raise ValueError(f"q_out.shape={tuple(q_out.shape)} with stride={q_out.stride()} cannot "
                          f"be viewed as {list(q3.shape)}: {e}") from e
-
-
-def _span(t: torch.Tensor) -> Tuple[int, int]:
-    """The bytes ``[start, end)`` from ``t``'s first element to past its last one."""
-    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1 if t.numel() else 0
-    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
-
-
-def _reaches(delta: int, dims: Sequence[Tuple[int, int]], budget: list) -> bool:
-    """Whether ``delta == sum(j * stride)`` for some ``|j| < n`` over ``dims`` ((stride, n),
-    largest stride first): two views of one layout ``delta`` elements apart then share one.
-
-    At each stride the rest can reach at most ``sum((n - 1) * stride)`` of the smaller
-    strides, so only the few ``j`` that leave at most that much are tried (two for a
-    layout without internal overlap). ``budget`` caps the search: past it, assume they
-    share (refusing is the safe side).
-    """
-    if not dims:
-        return delta == 0
-    budget[0] -= 1
-    if budget[0] < 0:
-        return True
-    (stride, n), rest = dims[0], dims[1:]
-    reach = sum((m - 1) * s for s, m in rest)
-    low, high = max(-(n - 1), -((reach - delta) // stride)), min(n - 1, (delta + reach) // stride)
-    return any(_reaches(delta - j * stride, rest, budget) for j in range(low, high + 1))
-
-
-def share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` (one dtype) have an element at a common address.
-
-    Exact for two views of one layout (same shape and strides, e.g. vLLM's ``kv[:, 0]``
-    and ``kv[:, 1]`` of a ``[pages, 2, ...]`` cache, which interleave without sharing);
-    other pairs share when their byte spans overlap.
-
-    Example:
-      >>> kv = torch.zeros(4, 2, 16, 2, 8)
-      >>> share_memory(kv[:, 0], kv[:, 1]), share_memory(kv[:, 0], kv[:, 0]), share_memory(kv, kv[1:])
-      (False, True, True)
-    """
-    (a0, a1), (b0, b1) = _span(a), _span(b)
-    if a1 <= b0 or b1 <= a0:
-        return False
-    delta, misaligned = divmod(abs(b0 - a0), a.element_size())
-    if a.shape != b.shape or a.stride() != b.stride() or misaligned:
-        return True
-    dims = sorted(((s, n) for s, n in zip(a.stride(), a.shape) if n > 1 and s), reverse=True)
-    return _reaches(delta, dims, [10_000])
 
 
 def call_signature(label: Hashable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

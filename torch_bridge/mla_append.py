@@ -36,6 +36,7 @@ from torch_bridge import custom_ops, kv_append
 from torch_bridge.dlpack import InPlace, pad_tokens, read_only, token_bucket, write_back
 from torch_bridge.launch.dispatch import FastPath
 from torch_bridge.launch.runtime import int32_slots
+from torch_bridge.memory_overlap import share_memory
 
 __all__ = ["JaxMlaAppend", "MlaGeometry", "MlaPaths", "call_signature", "check_call",
            "traced_apply_mla_and_append_kv"]
@@ -123,7 +124,7 @@ def _caches(mla_cache: Any, lora: int, rope: int, dtype: torch.dtype,
     for name, c, (width, label) in zip(names, caches, widths):
         _tensor(name, c, (pages, page_size, width), cache_dtype, device,
                 f"[pages, page_size, {label}]")
-    if len(caches) == 2 and kv_append.share_memory(*caches):
+    if len(caches) == 2 and share_memory(*caches):
         raise ValueError("mla_cache's ckv_cache and kpe_cache share memory; pass two separate "
                          "tensors or one [pages, page_size, L + r] tensor")
     geometry = MlaGeometry(len(caches) == 1, pages, page_size, lora, rope, cache_dtype)
