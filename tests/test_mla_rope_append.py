@@ -319,6 +319,8 @@ BAD = {
                          r"q_quant_scale=-1.0 must be finite and > 0"),
     "q_dtype int8": (dict(q_dtype=jnp.int8), ValueError, r"q_dtype=.*must be None"),
     "q_dtype float16": (dict(q_dtype="float16"), ValueError, "q_pe's dtype"),
+    "q_dtype not a dtype": (dict(q_dtype="fp8"), TypeError,
+                            r"q_dtype='fp8' must be None, q_pe's dtype \(bfloat16\)"),
     "k_pe with a head axis": (dict(k_pe=jnp.zeros((11, 1, 64), jnp.bfloat16)), ValueError,
                               r"k_pe.shape=\(11, 1, 64\) must be \[T, r\]"),
     "ckv in float32": (dict(ckv=jnp.zeros((11, 512), jnp.float32)), ValueError,

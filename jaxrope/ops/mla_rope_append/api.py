@@ -41,7 +41,7 @@ from jaxrope.config import RopeConfig
 from jaxrope.ops import backends
 from jaxrope.ops.constants import kernel_constants, kernel_options
 from jaxrope.ops.rope.api import SUPPORTED_DTYPES, check_pos_ids
-from jaxrope.ops.rope_append_kv.api import _is_array, _scale, _slots, _visible
+from jaxrope.ops.rope_append_kv.api import _is_array, _q_dtype, _scale, _slots, _visible
 from jaxrope.ops.rope_append_kv.reference import FP8
 
 MlaCache = Union[jax.Array, Tuple[jax.Array, jax.Array]]
@@ -132,22 +132,6 @@ def _caches(mla_cache, k_pe, ckv) -> Tuple[Tuple, bool]:
     return caches, combined
 
 
-def _quantize_q(q_dtype, q_pe) -> bool:
-    """Whether ``q_dtype`` asks for fp8 q (float8_e4m3fn); None or q_pe's dtype: no."""
-    if q_dtype is None:
-        return False
-    try:
-        dtype = jnp.dtype(q_dtype)
-    except TypeError:
-        dtype = None
-    if dtype == FP8:
-        return True
-    if dtype is not None and dtype == jnp.dtype(q_pe.dtype):
-        return False
-    raise ValueError(f"q_dtype={q_dtype!r} must be None, q_pe's dtype ({q_pe.dtype}) or "
-                     "float8_e4m3fn")
-
-
 def _q_scale(value, quantize_q: bool):
     if not quantize_q and value is not None:
         raise ValueError(f"q_quant_scale={value!r} applies only with q_dtype=float8_e4m3fn; "
@@ -195,7 +179,7 @@ def apply_mla_rope_and_append(q_pe, k_pe, ckv, pos_ids, mla_cache: MlaCache, slo
 
     Raises:
       TypeError: ``cfg`` not a RopeConfig, an input not an array (or a pair), a scale
-        neither a float nor an array.
+        neither a float nor an array, ``q_dtype`` not a dtype.
       ValueError: a shape, dtype, device, visible position or slot is invalid; a
         ``q_dtype`` other than None, q_pe's dtype and float8_e4m3fn; a scale given where
         it does not apply, not scalar, or not finite and > 0.
@@ -227,7 +211,7 @@ def apply_mla_rope_and_append(q_pe, k_pe, ckv, pos_ids, mla_cache: MlaCache, slo
     caches, combined = _caches(mla_cache, k_pe, ckv)
     num_slots = math.prod(caches[0].shape[:2])
     slots = _slots(slots, tokens, num_slots)
-    quantize_q = _quantize_q(q_dtype, q_pe)
+    quantize_q = _q_dtype(q_dtype, q_pe, "q_pe") is not None
     scales = jnp.stack([_q_scale(q_quant_scale, quantize_q),
                         _scale("kv_quant_scale", kv_quant_scale,
                                jnp.dtype(caches[0].dtype) == FP8)])

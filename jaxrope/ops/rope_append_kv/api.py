@@ -224,11 +224,12 @@ def _scale(name: str, value, quantized: bool, applies_to: str = _CACHE_ONLY):
     return jnp.asarray(value, jnp.float32)
 
 
-def _q_dtype(q_dtype, q) -> Optional[np.dtype]:
-    """``q_dtype`` as the kernels take it: None (q rotated in its own dtype) or FP8."""
+def _q_dtype(q_dtype, q, name: str = "q") -> Optional[np.dtype]:
+    """``q_dtype`` as the kernels take it: None (q rotated in its own dtype) or FP8; ``name``
+    is what errors call ``q`` (MLA's "q_pe"). The rule of both fused ops."""
     if q_dtype is None:
         return None
-    expected = f"None, q's dtype ({q.dtype}) or float8_e4m3fn"
+    expected = f"None, {name}'s dtype ({q.dtype}) or float8_e4m3fn"
     try:
         dtype = jnp.dtype(q_dtype)
     except TypeError as e:
