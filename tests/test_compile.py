@@ -26,6 +26,7 @@ from test_bad_inputs_manager import MANAGER_CASES  # noqa: E402
 from torch_bridge import (PositionConfig, PositionStep, RopeManager,  # noqa: E402
                           RotaryEmbedding, Segment, StepContext)
 from torch_bridge import custom_ops  # noqa: E402
+from torch_bridge.op_arguments import APPEND_OPTIONS_OFF  # noqa: E402
 
 HIDDEN, HQ, HK, D = 32, 4, 2, 16
 TOKENS = (5, 3, 8, 6)  # the compiled steps: no recompile between them
@@ -219,10 +220,11 @@ BAD_APPEND = {
 APPEND_OPS = {
     "apply_qk_and_append_kv": lambda a, mgr: torch.ops.jaxrope.apply_qk_and_append_kv(
         a["q"], a["k"], a["v"], a["cache"], None, a["slots"], mgr._op_key, "text", a["layout"],
-        a["k_quant_scale"], None),
+        a["k_quant_scale"], None, **APPEND_OPTIONS_OFF),
     "rope_append_kv_": lambda a, mgr: torch.ops.jaxrope.rope_append_kv_(
         a["q"], a["k"], a["v"], torch.arange(3), a["cache"], None, a["slots"],
-        custom_ops.config_key(ROPE), a["layout"], a["k_quant_scale"], None),
+        custom_ops.config_key(ROPE), a["layout"], a["k_quant_scale"], None,
+        **APPEND_OPTIONS_OFF),
 }
 
 
@@ -312,7 +314,8 @@ def test_rope_append_kv_op_writes_what_the_manager_writes(rng):
     q2, cache2 = a["q"].clone(), a["cache"].clone()
     mgr.apply_qk_and_append_kv(a["q"], a["k"], a["v"], "text", a["cache"], a["slots"])
     torch.ops.jaxrope.rope_append_kv_(q2, a["k"], a["v"], mgr.pos_ids("text"), cache2, None,
-                                      a["slots"], custom_ops.config_key(ROPE), "NHD", None, None)
+                                      a["slots"], custom_ops.config_key(ROPE), "NHD", None, None,
+                                      **APPEND_OPTIONS_OFF)
     assert torch.equal(q2, a["q"]) and torch.equal(cache2, a["cache"])
     # A slot past the cache is refused by both, with the same message, nothing written.
     past = a["slots"].clone()
@@ -321,7 +324,7 @@ def test_rope_append_kv_op_writes_what_the_manager_writes(rng):
     for call in (lambda: mgr.apply_qk_and_append_kv(q2, a["k"], a["v"], "text", cache2, past),
                  lambda: torch.ops.jaxrope.rope_append_kv_(
                      q2, a["k"], a["v"], mgr.pos_ids("text"), cache2, None, past,
-                     custom_ops.config_key(ROPE), "NHD", None, None)):
+                     custom_ops.config_key(ROPE), "NHD", None, None, **APPEND_OPTIONS_OFF)):
         with pytest.raises(ValueError, match="slots must be < ") as raised:
             call()
         refusals.append(str(raised.value))

@@ -23,6 +23,7 @@ from jaxrope.testing import kv_oracle, oracle  # noqa: E402
 from test_bad_inputs_kv_append import KvCall  # noqa: E402
 from test_qk_norm_bridge import CFG, HQ, TOKENS, _Launcher, _inputs, _manager, _plan  # noqa: E402
 from torch_bridge import custom_ops  # noqa: E402
+from torch_bridge.op_arguments import APPEND_OPTIONS_OFF  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
@@ -133,10 +134,11 @@ def test_the_ops_refuse_q_out_as_the_method(case, rng):
     refusals = []
     for call in (lambda: mgr.apply_qk_and_append_kv(q, k, v, "text", cache, slots, **given),
                  lambda: torch.ops.jaxrope.apply_qk_and_append_kv(
-                     q, k, v, *cache, slots, mgr._op_key, "text", "NHD", None, None, **given),
+                     q, k, v, *cache, slots, mgr._op_key, "text", "NHD", None, None,
+                     **{**APPEND_OPTIONS_OFF, **given}),
                  lambda: torch.ops.jaxrope.rope_append_kv_(
                      q, k, v, mgr.pos_ids("text"), *cache, slots, custom_ops.config_key(CFG),
-                     "NHD", None, None, **given)):
+                     "NHD", None, None, **{**APPEND_OPTIONS_OFF, **given})):
         before = [t.clone() for t in (q, *cache)]
         with pytest.raises(ValueError) as raised:
             call()

@@ -38,7 +38,7 @@ def test_norm_and_fp8_q_match_the_oracle_and_the_xla_reference(name, rng):
     x = make_inputs(rng, spec)
     got = run_kernel(spec, x, triton_append.rope_append_kv_triton, interpret=True)
     check_against_oracle(spec, x, got)
-    check_against_xla(name, got, xla(spec, x))
+    check_against_xla(name, spec, got, xla(spec, x))
 
 
 def _aliases(spec: Spec, x: Inputs, q_dtype) -> tuple:

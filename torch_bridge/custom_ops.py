@@ -239,12 +239,10 @@ def _append_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids:
 def _rope_append_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_ids: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: Optional[torch.Tensor], slots: torch.Tensor,
                     config: str, layout: str, k_quant_scale: Optional[float],
-                    v_quant_scale: Optional[float], q_out: Optional[torch.Tensor] = None,
-                    q_quant_scale: Optional[float] = None,
-                    q_norm_weight: Optional[torch.Tensor] = None,
-                    k_norm_weight: Optional[torch.Tensor] = None,
-                    qk_norm_eps: Optional[float] = None, qk_norm_convention: str = "rmsnorm",
-                    qk_norm_per_head: bool = True) -> None:
+                    v_quant_scale: Optional[float], q_out: Optional[torch.Tensor],
+                    q_quant_scale: Optional[float], q_norm_weight: Optional[torch.Tensor],
+                    k_norm_weight: Optional[torch.Tensor], qk_norm_eps: Optional[float],
+                    qk_norm_convention: str, qk_norm_per_head: bool) -> None:
     _append_explicit(q, k, v, pos_ids, k_cache, v_cache, slots, config, layout, k_quant_scale,
                      v_quant_scale, q_out, q_quant_scale, q_norm_weight, k_norm_weight,
                      qk_norm_eps, qk_norm_convention, qk_norm_per_head)
@@ -330,10 +328,10 @@ def _(q, k, manager, label, rotary_dim, interleave, rope_scale, rope_theta, low_
 def _append_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: Optional[torch.Tensor], slots: torch.Tensor, manager: str, label: str,
                layout: str, k_quant_scale: Optional[float], v_quant_scale: Optional[float],
-               q_out: Optional[torch.Tensor] = None, q_quant_scale: Optional[float] = None,
-               q_norm_weight: Optional[torch.Tensor] = None,
-               k_norm_weight: Optional[torch.Tensor] = None, qk_norm_eps: Optional[float] = None,
-               qk_norm_convention: str = "rmsnorm", qk_norm_per_head: bool = True) -> None:
+               q_out: Optional[torch.Tensor], q_quant_scale: Optional[float],
+               q_norm_weight: Optional[torch.Tensor], k_norm_weight: Optional[torch.Tensor],
+               qk_norm_eps: Optional[float], qk_norm_convention: str,
+               qk_norm_per_head: bool) -> None:
     mgr = manager_of(manager)
     kv_cache = k_cache if v_cache is None else (k_cache, v_cache)
     qk_norm = qk_norm_of(qk_norm_eps, qk_norm_convention, qk_norm_per_head)

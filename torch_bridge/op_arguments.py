@@ -18,6 +18,11 @@ a ``RopeManager``                  a string key given to each manager at constru
 Every one is a constant of the traced graph, so a compiled model calling an op with the
 same config, manager and norm at every step compiles once.
 
+The fused-append ops' schemas give no argument a default: torch 2.11 drops the trailing
+arguments that equal their defaults before its in-place bookkeeping looks the mutated
+ones up by position (``q_out`` among them), an IndexError under fake tensors. A direct
+caller passes :data:`APPEND_OPTIONS_OFF` for the options it does not use.
+
 The tensor checks here (:func:`check_heads`, :func:`check_qk`, :func:`check_positions`) are
 the manager methods' and the explicit ops', so bad input gets one error through either.
 
@@ -44,8 +49,8 @@ from jaxrope.qk_norm import QKNorm, norm_asked
 from torch_bridge import kv_append
 from torch_bridge.rotate import TORCH_DTYPES
 
-__all__ = ["NormArgs", "check_heads", "check_positions", "check_qk", "config_key", "config_of",
-           "manager_key", "manager_of", "norm_args", "qk_norm_of"]
+__all__ = ["APPEND_OPTIONS_OFF", "NormArgs", "check_heads", "check_positions", "check_qk",
+           "config_key", "config_of", "manager_key", "manager_of", "norm_args", "qk_norm_of"]
 
 _CONFIGS: Dict[str, RopeConfig] = {}
 _MANAGERS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
@@ -109,6 +114,11 @@ def manager_of(key: str) -> Any:
 # (q_norm_weight, k_norm_weight, qk_norm_eps, qk_norm_convention, qk_norm_per_head).
 NormArgs = Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[float], str, bool]
 _NO_NORM = (None, QKNorm.convention, QKNorm.per_head)   # QKNorm's own defaults
+
+# The fused-append ops' arguments after ``q_out`` when a call uses neither fp8 q nor a norm.
+APPEND_OPTIONS_OFF: Dict[str, Any] = dict(
+    q_out=None, q_quant_scale=None, q_norm_weight=None, k_norm_weight=None,
+    **dict(zip(("qk_norm_eps", "qk_norm_convention", "qk_norm_per_head"), _NO_NORM)))
 
 
 def norm_args(q_norm_weight: Any, k_norm_weight: Any, qk_norm: Any) -> NormArgs:

@@ -217,13 +217,24 @@ def check_against_oracle(spec: Spec, x: Inputs, out) -> None:
                                                                       page, entry))
 
 
-def check_against_xla(label: str, got, want) -> None:
-    """Two evaluations of the call: fp8 leaves within one e4m3 ulp, the others within a
-    rounding of the row's scale (:func:`jaxrope.testing.kv_oracle.row_ulps`: the norm's
-    sums run in another order than XLA's, as the rotation's products may)."""
+def xla_ulps(spec: Spec) -> float:
+    """How far (ulps of the row's scale, :func:`jaxrope.testing.kv_oracle.row_ulps`) two
+    evaluations of ``spec``'s call may differ: a rounding or two of the rotation's products;
+    in float32 with a norm also the norm's sum of ``head_dim`` squares, which XLA on a GPU
+    adds in another order than the kernel: up to ``head_dim - 1`` half-ulp roundings of the
+    sum, halved by the square root (7 seen at head_dim 80 on the H200). In bf16 or f16
+    outputs those float32 roundings stay below one output ulp."""
+    if (spec.norm_q or spec.norm_k) and np.dtype(spec.dtype) == np.float32:
+        return 2 + (spec.cfg.head_dim - 1) / 4
+    return 2
+
+
+def check_against_xla(label: str, spec: Spec, got, want) -> None:
+    """Two evaluations of the call: fp8 leaves within one e4m3 ulp, the others within
+    :func:`xla_ulps` of the row's scale."""
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         if a.dtype == FP8:
             within_one_e4m3_ulp(a, b, f"{label} vs XLA")
         else:
             worst = kv_oracle.row_ulps(np.asarray(a), np.asarray(b)).max(initial=0)
-            assert worst <= 2, f"{label}: {worst} ulps of the row's scale from XLA"
+            assert worst <= xla_ulps(spec), f"{label}: {worst} ulps of the row's scale from XLA"

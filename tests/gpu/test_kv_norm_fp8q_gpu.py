@@ -33,7 +33,7 @@ def test_the_compiled_kernel_matches_the_oracle_and_xla(name, jax_gpu, rng):
     x = make_inputs(rng, spec)
     got = run_kernel(spec, x, triton_append.rope_append_kv_triton)
     check_against_oracle(spec, x, got)
-    check_against_xla(name, got, xla(spec, x))
+    check_against_xla(name, spec, got, xla(spec, x))
 
 
 @pytest.mark.parametrize("name", GPU_SPECS)

@@ -44,7 +44,7 @@ from torch_bridge.dlpack import jax_dtype_name
 from torch_bridge.kv_append import CacheGeometry, Norm
 from torch_bridge.launch.runtime import (ALIGN, AngleTables, CountTable, LaunchRecords,
                                          ScaleTables, append_operands, append_record,
-                                         bound_append, check_launchable, launch_append,
+                                         bound_append, check_launchable, kept, launch_append,
                                          mrope_block)
 
 __all__ = ["AppendOptions", "LaunchShape", "MosaicKVLauncher", "MosaicLauncher", "launch_shape"]
@@ -200,7 +200,8 @@ class MosaicLauncher:
         rows = self._rows.get((cfg, device))
         if rows is None:
             host = slot_row_table(half, cfg.mrope_section, cfg.mrope_interleaved)
-            rows = self._rows[(cfg, device)] = torch.from_numpy(host.copy()).to(device)
+            rows = self._rows[(cfg, device)] = kept(
+                lambda: torch.from_numpy(host.copy()).to(device), device)
         return self._tables.get(cfg, device, half).data_ptr(), rows.data_ptr()
 
     def count_pointer(self, device: torch.device, tokens: int) -> int:

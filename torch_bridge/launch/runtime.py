@@ -17,12 +17,15 @@ lives here:
   scales, its launch and its bound launch, shared by both backends.
 
 Nothing here allocates or compiles inside a launch: the first launch of a signature
-builds what it needs, later ones (and CUDA-graph captures of them) only launch.
+builds what it needs, later ones (and CUDA-graph captures of them) only launch. What is
+built to be kept (tables, counts, scales) is made by :func:`kept`, outside any CUDA-graph
+memory pool.
 """
 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, Hashable, Sequence, Tuple
 
 import torch
@@ -32,8 +35,8 @@ from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 
 __all__ = ["ALIGN", "AngleTables", "CountTable", "LaunchRecords", "ScaleTables", "append_operands",
-           "append_record", "bound_append", "check_launchable", "int32_slots", "launch_append",
-           "mrope_block"]
+           "append_record", "bound_append", "check_launchable", "int32_slots", "kept",
+           "launch_append", "mrope_block"]
 
 # torch implements no comparisons for these (2.13: '"ge_cpu" not implemented for
 # 'UInt16''): they are compared in a signed dtype that holds each of their values.
@@ -57,6 +60,33 @@ def check_launchable(named) -> None:
             raise BackendUnavailable(f"{name} must be contiguous and {ALIGN}-byte aligned")
 
 
+def kept(make: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``make()``'s CUDA tensor, allocated where it can be kept for good.
+
+    torch.compile's CUDA-graph trees (``mode="reduce-overhead"``) route every allocation
+    of the calling thread into the graph's memory pool while they warm a graph up, and
+    then refuse to record it (``check_memory_pool``: tensors in the pool not tracked as
+    outputs) if a launcher's first call made its tables there. So the tensor is made on a
+    thread of its own, whose allocations go to torch's ordinary pool, and that thread's
+    stream is synchronised before the caller's stream reads it. Under a CUDA-graph
+    capture nothing may synchronise: there ``make()`` runs as called (a capture follows
+    a warm-up launch, which made the tables).
+    """
+    if torch.cuda.is_current_stream_capturing():
+        return make()
+    if device.index is None:  # the caller's current device, not the new thread's
+        device = torch.device("cuda", torch.cuda.current_device())
+
+    def made() -> torch.Tensor:
+        with torch.cuda.device(device):
+            tensor = make()
+            torch.cuda.current_stream(device).synchronize()
+        return tensor
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(made).result()
+
+
 class CountTable:
     """Device int32 rows ``[n, 8]`` with row ``t`` holding ``t``: a pointer to any count.
 
@@ -68,9 +98,11 @@ class CountTable:
         self.tables = [self._make(1 << 16)]
 
     def _make(self, size: int) -> torch.Tensor:
-        rows = torch.zeros((size, ALIGN // 4), dtype=torch.int32, device=self.device)
-        rows[:, 0] = torch.arange(size, dtype=torch.int32, device=self.device)
-        return rows
+        def rows() -> torch.Tensor:
+            table = torch.zeros((size, ALIGN // 4), dtype=torch.int32, device=self.device)
+            table[:, 0] = torch.arange(size, dtype=torch.int32, device=self.device)
+            return table
+        return kept(rows, self.device)
 
     def pointer(self, count: int) -> int:
         rows = self.tables[-1]
@@ -98,7 +130,7 @@ class AngleTables:
             host, _ = kernel_constants(cfg)
             tables = torch.zeros((3, lanes), dtype=torch.float32)
             tables[:, :host.shape[1]] = torch.from_numpy(host.copy())
-            tables = self._tables[key] = tables.to(device)
+            tables = self._tables[key] = kept(lambda: tables.to(device), device)
         return tables
 
 
@@ -115,7 +147,8 @@ class ScaleTables:
         key = (*scales, device)
         values = self._tables.get(key)
         if values is None:
-            values = self._tables[key] = torch.tensor(scales, dtype=torch.float32, device=device)
+            values = self._tables[key] = kept(
+                lambda: torch.tensor(scales, dtype=torch.float32, device=device), device)
         return values.data_ptr()
 
 
