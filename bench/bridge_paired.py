@@ -1,13 +1,20 @@
-"""plan + commit host time of two checkouts, paired: the check that a change to the
-manager kept its speed.
+"""The manager's costs in two checkouts, paired: the check that a change to the manager
+kept its speed.
 
     python -m bench.bridge_paired --before /path/to/other-checkout [--rounds 6] [--blocks 60]
+        [--measure plan_commit|apply_qk]
 
 Each round runs one process per tree (this one, then ``--before``), each importing its own
-``jaxrope`` / ``torch_bridge`` / ``bench`` (``PYTHONPATH``), building 256 decode requests
-through a KV plan output and timing :func:`bench.bridge_bench.timed_blocks` on the CPU,
-eager and preplan, ``--blocks`` blocks of 16 steps (the first 10 dropped). Prints each
-round's medians and the median of the paired ratios (this tree / before).
+``jaxrope`` / ``torch_bridge`` / ``bench`` (``PYTHONPATH``). Prints each round's medians
+and the median of the paired ratios (this tree / before). What a process times:
+
+- ``plan_commit`` (default): 256 decode requests built through a KV plan output,
+  :func:`bench.bridge_bench.timed_blocks` on the CPU, eager and preplan, ``--blocks``
+  blocks of 16 steps (the first 10 dropped);
+- ``apply_qk``: ``RopeManager.apply_qk`` at 64 tokens (bf16 Hq 32 / Hk 8 / D 128) on the
+  GPU (the launch "auto" picks), wall time of 1000 calls from Python and one sync, the
+  median of ``--blocks`` such samples after 2000 calls of warm-up; only the public API
+  both trees have.
 """
 
 from __future__ import annotations
@@ -40,12 +47,42 @@ for preplan in (False, True):
     out["preplan" if preplan else "eager"] = statistics.median(times[10 * bb.BLOCK:]) * 1e6
 print(json.dumps(out))
 """
+_APPLY_QK_WORKER = """
+import json, statistics, sys, time, torch
+import jaxrope as jr
+from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext
+samples_n, device = int(sys.argv[1]), torch.device("cuda")
+gen = torch.Generator(device=device).manual_seed(64)
+q = torch.randn(64, 32, 128, device=device, generator=gen).to(torch.bfloat16)
+k = torch.randn(64, 8, 128, device=device, generator=gen).to(torch.bfloat16)
+mgr = RopeManager(PositionConfig(rope=jr.RopeConfig(head_dim=128, theta=5e5)), device,
+                  max_seq_len=8192)
+mgr.ingest_request("r")
+mgr.apply_cached_prefix("r", None, None, None, {"text": 4096})
+mgr.plan(PositionStep((Segment("r", "text", 64),)), StepContext(("r",)))
+for _ in range(2000):
+    mgr.apply_qk(q, k, "text")
+samples = []
+for _ in range(samples_n):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(1000):
+        mgr.apply_qk(q, k, "text")
+    torch.cuda.synchronize()
+    samples.append((time.perf_counter() - start) * 1e3)
+print(json.dumps({"apply_qk_64": statistics.median(samples),
+                  "launcher": type(mgr.launcher).__name__}))
+"""
+_MEASURES = {"plan_commit": (_WORKER, {"JAX_PLATFORMS": "cpu"}, ("eager", "preplan")),
+             "apply_qk": (_APPLY_QK_WORKER, {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+                          ("apply_qk_64",))}
 
 
-def run(tree: Path, blocks: int) -> Dict[str, float]:
-    """One worker process timing ``tree``'s manager: ``{"eager": us, "preplan": us}``."""
-    env = dict(os.environ, PYTHONPATH=str(tree), JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "-c", _WORKER, str(blocks)], env=env, cwd=str(tree),
+def run(tree: Path, blocks: int, measure: str = "plan_commit") -> Dict[str, float]:
+    """One worker process timing ``tree``'s manager: us per case of ``measure``."""
+    worker, env_vars, _ = _MEASURES[measure]
+    env = dict(os.environ, PYTHONPATH=str(tree), **env_vars)
+    done = subprocess.run([sys.executable, "-c", worker, str(blocks)], env=env, cwd=str(tree),
                           capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -55,13 +92,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
     parser.add_argument("--before", required=True, type=Path, help="the other checkout")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--blocks", type=int, default=60)
+    parser.add_argument("--measure", choices=sorted(_MEASURES), default="plan_commit")
     args = parser.parse_args(argv)
     rows: List[Dict[str, Dict[str, float]]] = []
     for i in range(args.rounds):
-        rows.append({"this": run(TREE, args.blocks), "before": run(args.before, args.blocks)})
+        rows.append({"this": run(TREE, args.blocks, args.measure),
+                     "before": run(args.before, args.blocks, args.measure)})
         print(f"round {i}: {json.dumps(rows[-1])}", flush=True)
     ratios = {}
-    for case in ("eager", "preplan"):
+    for case in _MEASURES[args.measure][2]:
         ratios[case] = statistics.median(r["this"][case] / r["before"][case] for r in rows)
         print(f"{case}: this / before, median of {args.rounds} paired ratios: {ratios[case]:.3f}")
     return ratios
