@@ -18,6 +18,10 @@ The calls on both sides are ``jaxrope.testing.fused_family``'s:
   ``rope_quantize_fp8_append_paged_kv_cache`` (after the two norms for the norm + fp8
   case, which has no target); (c) MLA bf16: ``apply_rope_pos_ids_inplace(q_pe, k_pe)`` +
   ``append_paged_mla_kv_cache``; (d) MLA fp8: the fused fp8 op in MLA mode;
+- ``move`` (MLA cases): :mod:`bench.mla_move`, a Triton kernel that moves the MLA op's
+  bytes in its pattern (q_pe in place or to fp8, q_nope to fp8, k_pe and ckv rows to
+  their slots) and computes nothing: the bound the MLA targets meet, checked against
+  torch once, in a CUDA graph;
 - ``ceiling`` (torch) and ``xla_ceiling`` (JAX): ``bench.kv_append_bench``'s byte
   ceiling, one in-place bf16 ``x * 1`` pass, here over ``bytes / 4`` elements where
   ``bytes`` is what the case's fused op must move (:func:`op_bytes`): every input read
@@ -202,12 +206,31 @@ def torch_runs(x: Inputs, rep_seconds: float, reps: int, notes: List[str]) -> Li
         out.append(kvb.torch_row("flashinfer", step, rep_seconds, reps, on_gpu=True))
     except Exception as e:  # noqa: BLE001 - measure the rest, say why
         out.append(_unavailable("flashinfer", f"{type(e).__name__}: {str(e)[:400]}"))
+    if case.mla:
+        out.append(move_row(x, tensors, rep_seconds, reps))
     step = fi_out = tensors = None  # free FlashInfer's buffers before the ceiling's
     torch.cuda.empty_cache()
     out.append(kvb.torch_row("ceiling", kvb.torch_ceiling(ceiling_elements(case, x.tokens), dev),
                              rep_seconds, reps, on_gpu=True))
     torch.cuda.empty_cache()
     return out
+
+
+def move_row(x: Inputs, tensors: Dict[str, Any], rep_seconds: float,
+             reps: int) -> Dict[str, Any]:
+    """The MLA bound (:mod:`bench.mla_move`) on the case's torch tensors: checked, timed."""
+    from bench import mla_move  # torch's: imported where torch is
+
+    ckv_cache, kpe_cache = tensors["caches"]
+    slots = flashinfer_kv.to_torch(x.batch.slots, ckv_cache.device)
+    args = (tensors["q"], tensors["k"], tensors["v"], ckv_cache, kpe_cache, slots,
+            tensors.get("q_nope"))
+    try:
+        step = mla_move.move_step(*args)
+        mla_move.check(step, *args)
+    except Exception as e:  # noqa: BLE001 - measure the rest, say why
+        return _unavailable("move", f"{type(e).__name__}: {str(e)[:400]}")
+    return kvb.torch_row("move", step, rep_seconds, reps, on_gpu=True)
 
 
 def xla_ceiling_row(case: cases.FusedCase, tokens: int, rep_seconds: float, reps: int,
@@ -231,9 +254,10 @@ def derive(rows: List[Dict[str, Any]], case: cases.FusedCase, tokens: int) -> No
         if "loop_us" not in r:
             continue
         r["tbps"] = r["bytes"] / r["loop_us"] / 1e6
-        if ceilings and (r["impl"].startswith("jaxrope_") or r is peer):
+        compared = r["impl"].startswith("jaxrope_") or r["impl"] == "move"
+        if ceilings and (compared or r is peer):
             r["ceiling_fraction"] = min(ceilings) / r["loop_us"]
-        if r["impl"].startswith("jaxrope_"):
+        if compared:
             if peer is not None:
                 r["vs_peer"] = r["loop_us"] / peer["loop_us"]
                 if r.get("kernel_us") and peer.get("kernel_us"):
