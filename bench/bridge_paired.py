@@ -2,7 +2,7 @@
 kept its speed.
 
     python -m bench.bridge_paired --before /path/to/other-checkout [--rounds 6] [--blocks 60]
-        [--measure plan_commit|apply_qk]
+        [--measure plan_commit|apply_qk|apply_qk_host]
 
 Each round runs one process per tree (this one, then ``--before``), each importing its own
 ``jaxrope`` / ``torch_bridge`` / ``bench`` (``PYTHONPATH``). Prints each round's medians
@@ -14,7 +14,10 @@ and the median of the paired ratios (this tree / before). What a process times:
 - ``apply_qk``: ``RopeManager.apply_qk`` at 64 tokens (bf16 Hq 32 / Hk 8 / D 128) on the
   GPU (the launch "auto" picks), wall time of 1000 calls from Python and one sync, the
   median of ``--blocks`` such samples after 2000 calls of warm-up; only the public API
-  both trees have.
+  both trees have;
+- ``apply_qk_host``: the same call on the CPU with a launcher that binds and does nothing:
+  the manager's own cost a call (lock, compile checks, the bound-call lookup), the median
+  of ``--blocks`` samples of 10,000 calls after 20,000 of warm-up.
 """
 
 from __future__ import annotations
@@ -73,9 +76,40 @@ for _ in range(samples_n):
 print(json.dumps({"apply_qk_64": statistics.median(samples),
                   "launcher": type(mgr.launcher).__name__}))
 """
+# The manager's own cost per apply_qk call, on the CPU: a launcher that binds and does
+# nothing, so what is timed is the method (lock, compile checks, the bound-call lookup).
+_APPLY_QK_HOST_WORKER = """
+import json, statistics, sys, time, torch
+import jaxrope as jr
+from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext
+
+class Bound:
+    def rotate_(self, q, k, pos_ids, cfg):
+        pass
+    def bind(self, q, k, cfg):
+        return lambda q, k, pos_ids: True
+
+samples_n = int(sys.argv[1])
+q, k = torch.zeros(64, 32, 128, dtype=torch.bfloat16), torch.zeros(64, 8, 128, dtype=torch.bfloat16)
+mgr = RopeManager(PositionConfig(rope=jr.RopeConfig(head_dim=128, theta=5e5)), "cpu",
+                  max_seq_len=8192, launcher=Bound())
+mgr.ingest_request("r")
+mgr.plan(PositionStep((Segment("r", "text", 64),)), StepContext(("r",)))
+for _ in range(20000):
+    mgr.apply_qk(q, k, "text")
+samples = []
+for _ in range(samples_n):
+    start = time.perf_counter()
+    for _ in range(10000):
+        mgr.apply_qk(q, k, "text")
+    samples.append((time.perf_counter() - start) * 1e2)
+print(json.dumps({"apply_qk_host": statistics.median(samples)}))
+"""
 _MEASURES = {"plan_commit": (_WORKER, {"JAX_PLATFORMS": "cpu"}, ("eager", "preplan")),
              "apply_qk": (_APPLY_QK_WORKER, {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
-                          ("apply_qk_64",))}
+                          ("apply_qk_64",)),
+             "apply_qk_host": (_APPLY_QK_HOST_WORKER, {"JAX_PLATFORMS": "cpu"},
+                               ("apply_qk_host",))}
 
 
 def run(tree: Path, blocks: int, measure: str = "plan_commit") -> Dict[str, float]:
