@@ -39,7 +39,8 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from typing import Any, Dict, Optional, Tuple
+from types import MappingProxyType
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
@@ -115,10 +116,11 @@ def manager_of(key: str) -> Any:
 NormArgs = Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[float], str, bool]
 _NO_NORM = (None, QKNorm.convention, QKNorm.per_head)   # QKNorm's own defaults
 
-# The fused-append ops' arguments after ``q_out`` when a call uses neither fp8 q nor a norm.
-APPEND_OPTIONS_OFF: Dict[str, Any] = dict(
+# The fused-append ops' arguments from ``q_out`` on, for a call that uses neither fp8 q
+# nor a norm (read-only: shared by every caller).
+APPEND_OPTIONS_OFF: Mapping[str, Any] = MappingProxyType(dict(
     q_out=None, q_quant_scale=None, q_norm_weight=None, k_norm_weight=None,
-    **dict(zip(("qk_norm_eps", "qk_norm_convention", "qk_norm_per_head"), _NO_NORM)))
+    **dict(zip(("qk_norm_eps", "qk_norm_convention", "qk_norm_per_head"), _NO_NORM))))
 
 
 def norm_args(q_norm_weight: Any, k_norm_weight: Any, qk_norm: Any) -> NormArgs:

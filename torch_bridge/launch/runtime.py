@@ -70,7 +70,11 @@ def kept(make: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor
     thread of its own, whose allocations go to torch's ordinary pool, and that thread's
     stream is synchronised before the caller's stream reads it. Under a CUDA-graph
     capture nothing may synchronise: there ``make()`` runs as called (a capture follows
-    a warm-up launch, which made the tables).
+    a warm-up launch, which made the tables). Not covered: another thread capturing in
+    torch's default "global" mode while this one launches first, where the worker's
+    allocation or synchronisation is refused; warm a launcher up before capturing
+    anywhere. ``make`` names every device it allocates on (the worker does not see the
+    caller's ``torch.device`` context).
     """
     if torch.cuda.is_current_stream_capturing():
         return make()
@@ -128,9 +132,15 @@ class AngleTables:
         tables = self._tables.get(key)
         if tables is None:
             host, _ = kernel_constants(cfg)
-            tables = torch.zeros((3, lanes), dtype=torch.float32)
-            tables[:, :host.shape[1]] = torch.from_numpy(host.copy())
-            tables = self._tables[key] = kept(lambda: tables.to(device), device)
+
+            def padded() -> torch.Tensor:
+                # Staged on the CPU by name: a caller under ``with torch.device("cuda")``
+                # (CUDA-graph trees warm up so) would otherwise make it on the GPU, in
+                # its own thread's pool, and ``.to(device)`` would return that tensor.
+                staged = torch.zeros((3, lanes), dtype=torch.float32, device="cpu")
+                staged[:, :host.shape[1]] = torch.from_numpy(host.copy())
+                return staged.to(device)
+            tables = self._tables[key] = kept(padded, device)
         return tables
 
 
