@@ -36,6 +36,13 @@ def lanes_for(rotary_dim: int) -> int:
     return next_pow2(rotary_dim // 2)
 
 
+def lane_tables(tables: jax.Array, rotary_dim: int) -> Tuple[int, jax.Array]:
+    """``(lanes, tables)``: :func:`lanes_for` and the angle tables ``[3, rotary_dim // 2]``
+    zero-padded to that many columns (the kernels load whole lane blocks)."""
+    lanes = lanes_for(rotary_dim)
+    return lanes, jnp.pad(tables, ((0, 0), (0, lanes - tables.shape[1])))
+
+
 def shrink_to_fill(tuning: _Tuning, programs: Callable[[_Tuning], int],
                    min_programs: int) -> _Tuning:
     """``tuning`` with its token walk, then its groups, then its heads per program halved

@@ -49,7 +49,7 @@ from jaxrope.ops.mla_rope_append.tuning import MlaTritonTuning, mla_grid, mla_pr
     mla_triton_tuning
 from jaxrope.ops.rope_append_kv.reference import FP8, to_cache_dtype
 from jaxrope.ops.rope_append_kv.triton import unsupported
-from jaxrope.ops.triton_common import lanes_for, next_pow2, token_angle
+from jaxrope.ops.triton_common import lane_tables, next_pow2, token_angle
 
 
 def _mla_rope_append_kernel(count_ref, pos_ref, slot_ref, tables_ref, scale_ref, q_pe_ref,
@@ -243,8 +243,7 @@ def mla_rope_append_triton(q_pe, k_pe, ckv, q_nope, pos_ids, slots, tables, scal
         return empty(q_pe), None if q_nope is None else empty(q_nope), tuple(caches)
     nope = quantize_q and q_nope is not None
     nope_dim = q_nope.shape[-1] if nope else 0
-    lanes = lanes_for(rotary_dim)
-    tables = jnp.pad(tables, ((0, 0), (0, lanes - tables.shape[1])))
+    lanes, tables = lane_tables(tables, rotary_dim)
     block = tuning or mla_triton_tuning(num_tokens, heads, lanes, nope_dim)
     q_programs, nope_programs, _ = mla_programs(heads, nope_dim, block)
     kernel = functools.partial(

@@ -50,7 +50,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxrope.ops.angle import cos_sin
 from jaxrope.ops.rope.tuning import TritonTuning, grid, head_programs, triton_tuning
-from jaxrope.ops.triton_common import lanes_for, sin_cos_approx
+from jaxrope.ops.triton_common import lane_tables, sin_cos_approx
 
 def _index(i: int):
     # An array scalar, not a Python int: the Pallas interpreter of JAX 0.10 indexes
@@ -162,8 +162,7 @@ def rope_triton(q, k, pos_ids, tables, *, rotary_dim: int, interleave: bool,
     k_heads = k.shape[1]
     if num_tokens == 0:
         return q, k
-    lanes = lanes_for(rotary_dim)
-    tables = jnp.pad(tables, ((0, 0), (0, lanes - tables.shape[1])))
+    lanes, tables = lane_tables(tables, rotary_dim)
     block = tuning or triton_tuning(num_tokens, q_heads, k_heads, lanes)
     q_programs, k_programs = head_programs(q_heads, k_heads, block)
     kernel = functools.partial(

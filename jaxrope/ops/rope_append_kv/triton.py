@@ -76,7 +76,7 @@ from jaxrope.ops.rope_append_kv.cache_layout import CacheRows
 from jaxrope.ops.rope_append_kv.reference import FP8, to_cache_dtype
 from jaxrope.ops.rope_append_kv.tuning import (AppendTritonTuning, append_triton_tuning, grid,
                                                head_programs)
-from jaxrope.ops.triton_common import lanes_for, next_pow2, token_angle
+from jaxrope.ops.triton_common import lane_tables, next_pow2, token_angle
 from jaxrope.qk_norm import QKNorm, per_token_norm
 
 def unsupported(cache) -> str | None:
@@ -336,8 +336,7 @@ def rope_append_kv_triton(q, k, v, pos_ids, slots, tables, scales, caches, *, ro
     q_out_dtype = FP8 if q_fp8 else q.dtype
     if num_tokens == 0:
         return (jnp.zeros(q.shape, FP8) if q_fp8 else q), tuple(caches)
-    lanes = lanes_for(rotary_dim)
-    tables = jnp.pad(tables, ((0, 0), (0, lanes - tables.shape[1])))
+    lanes, tables = lane_tables(tables, rotary_dim)
     block = tuning or append_triton_tuning(num_tokens, q_heads, k_heads, lanes)
     q_programs, k_programs, _ = head_programs(q_heads, k_heads, block)
     kernel = functools.partial(
