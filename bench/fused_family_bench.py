@@ -396,9 +396,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     text = table(results)
     (args.out / f"{args.name}.md").write_text(text + "\n")
     print(text)
-    for t in report["targets"]:
-        print(f"target {t['case']} {t['impl']} {t['tokens']:>6} tokens: {t['target']}: "
-              f"{t['value']} {'met' if t['met'] else 'NOT met'}")
+    kvb.print_targets(report["targets"])
     return report
 
 

@@ -373,6 +373,15 @@ def table(results: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def print_targets(checked: List[Dict[str, Any]]) -> None:
+    """One line per checked target (this bench's and ``bench.fused_family_bench``'s): its
+    case when it has one, implementation, tokens, target, value and whether it is met."""
+    for t in checked:
+        case = f"{t['case']} " if "case" in t else ""
+        print(f"target {case}{t['impl']} {t['tokens']:>6} tokens: {t['target']}: {t['value']} "
+              f"{'met' if t['met'] else 'NOT met'}")
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path)
@@ -432,9 +441,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         report["targets"] = targets(results)
         timing.write_json(args.out, "kv_append", report)
     print(table(results))
-    for t in report["targets"]:
-        print(f"target {t['impl']} {t['tokens']:>6} tokens: {t['target']}: {t['value']} "
-              f"{'met' if t['met'] else 'NOT met'}")
+    print_targets(report["targets"])
     return report
 
 
