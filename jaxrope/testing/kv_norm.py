@@ -225,8 +225,8 @@ def xla_ulps(spec: Spec) -> float:
     ``sqrt(head_dim)`` in practice and ``head_dim`` at worst (each evaluation off by up to
     ``(head_dim - 1) / 4`` relative ulps after the square root, in opposite directions, on a
     row whose largest element is up to twice its power of two); the allowance
-    ``(head_dim - 1) / 4`` is set from measurement, not that worst case: 7 seen at
-    head_dim 80 on the H200, 21.75 allowed. A wrong kernel (bf16 sums, a wrong divisor, a
+    ``(head_dim - 1) / 4`` is set from measurement on the GPU (bench/RESULTS.md, "GPU
+    tests"), not that worst case. A wrong kernel (bf16 sums, a wrong divisor, a
     missing ``1 + w``) is off by thousands. In bf16 or f16 outputs the float32 roundings
     stay below one output ulp."""
     if (spec.norm_q or spec.norm_k) and np.dtype(spec.dtype) == np.float32:
