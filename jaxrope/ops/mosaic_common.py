@@ -108,6 +108,44 @@ def floor(x):
     return jnp.where(t > x, t - 1.0, t)
 
 
+# GPT-J pairs of bfloat16 as uint32 words. A kernel reading the pairs' even and odd
+# elements through a ``[..., w/2, 2]`` view moves one 2-byte element a vector; read as
+# the words ``[..., w/2]`` (the even element in the low half, little-endian) the same
+# bytes move in vectors as wide as a non-interleaved row's, and a word's halves are the
+# pair, unpacked and packed in registers with 32-bit integer ops only.
+_HIGH_HALF = 0xFFFF0000
+
+
+def unpack_bf16_pairs(words):
+    """``(even, odd)`` float32 of uint32 ``words`` holding bfloat16 pairs (exact: a
+    bfloat16 is the high half of its float32)."""
+    even = jax.lax.bitcast_convert_type(words << jnp.uint32(16), jnp.float32)
+    odd = jax.lax.bitcast_convert_type(words & jnp.uint32(_HIGH_HALF), jnp.float32)
+    return even, odd
+
+
+def pack_bf16_pairs(even, odd):
+    """The uint32 words of float32 ``(even, odd)`` each rounded to bfloat16 as
+    ``astype`` rounds (the inverse of :func:`unpack_bf16_pairs` on its results)."""
+    def bits(x):
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16).astype(jnp.float32),
+                                            jnp.uint32)
+    return bits(odd) | (bits(even) >> jnp.uint32(16))
+
+
+def as_bf16_pairs(x):
+    """``[..., w]`` bfloat16 as the uint32 words ``[..., w/2]`` of its pairs (the view a
+    kernel of :func:`unpack_bf16_pairs` takes; XLA moves no byte)."""
+    return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2),
+                                        jnp.uint32)
+
+
+def from_bf16_pairs(words):
+    """The inverse of :func:`as_bf16_pairs`: ``[..., w/2]`` words as ``[..., w]`` bfloat16."""
+    pairs = jax.lax.bitcast_convert_type(words, jnp.bfloat16)
+    return pairs.reshape(*pairs.shape[:-2], -1)
+
+
 def slot_row_table(half: int, mrope_section: Optional[Tuple[int, int, int]],
                    mrope_interleaved: bool) -> np.ndarray:
     """int32 ``[half]``: the positions row (0 t, 1 h, 2 w) each frequency slot reads; all

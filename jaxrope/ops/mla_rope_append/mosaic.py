@@ -39,8 +39,9 @@ from jax.experimental import pallas as pl
 from jaxrope.errors import BackendUnavailable
 from jaxrope.ops.angle import angle_cos_sin
 from jaxrope.ops.mla_rope_append.tuning import MlaMosaicTuning, MlaPiece, mla_mosaic_tuning
-from jaxrope.ops.mosaic_common import (broadcast, floor, kernel, load, slot_row_table, store,
-                                       unavailable, walk)
+from jaxrope.ops.mosaic_common import (as_bf16_pairs, broadcast, floor, from_bf16_pairs, kernel,
+                                       load, pack_bf16_pairs, slot_row_table, store,
+                                       unavailable, unpack_bf16_pairs, walk)
 from jaxrope.ops.rope_append_kv.mosaic import row_layout, row_split
 from jaxrope.ops.rope_append_kv.reference import FP8, to_cache_dtype
 
@@ -50,7 +51,8 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
               quantize_kv: bool, mrope_section: Optional[Tuple[int, int, int]] = None,
               mrope_interleaved: bool = False, count: Optional[int] = None,
               grid: Optional[int] = None, max_count: Optional[int] = None,
-              interpret: bool = False, tuning: Optional[MlaMosaicTuning] = None):
+              interpret: bool = False, tuning: Optional[MlaMosaicTuning] = None,
+              packed_q: bool = False):
     """The ``plgpu.kernel`` of the MLA op for one head count and cache form.
 
     Operands: ``(pos_ids, slots, tables, rows, scales, q_pe, k_pe, ckv, [q_nope],
@@ -68,7 +70,9 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
     ``count=None``: an int32 ``count`` operand comes first, read at run time, and
     ``grid`` blocks walk the count's items (launches outside JAX); ``max_count``, the
     most tokens such a launch has, leaves out the walk when ``grid`` has a block for
-    every item of it (:func:`jaxrope.ops.mosaic_common.walk`).
+    every item of it (:func:`jaxrope.ops.mosaic_common.walk`). ``packed_q``
+    (:func:`packs_q`): q_pe is the uint32 words ``[T, H, r/2]`` of its bfloat16 GPT-J
+    pairs instead of a pair view.
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
     half = rotary_dim // 2
@@ -110,11 +114,15 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
             value = load(q_nope_ref.at[t, chunk], layout)
             store(q_nope_out_ref.at[t, chunk], cached(value, q_scale, True, FP8))
             return
-        split = row_split(piece.heads, half, itemsize, half, interleave, vector_bytes)
+        words = packed_q and piece.kind == "q_pe"
+        # A word holds a pair: [h, r/2] words split as a non-interleaved half of 4-byte items.
+        split = (row_split(piece.heads, half, 4, half, False, vector_bytes) if words else
+                 row_split(piece.heads, half, itemsize, half, interleave, vector_bytes))
         rotary = row_layout(split)
         angle = rotary.reduce((0,))
         source = q_pe_ref.at[t, chunk] if piece.kind == "q_pe" else k_pe_ref.at[t]
-        pair = [load(r, rotary).astype(jnp.float32) for r in halves(source)]
+        pair = (unpack_bf16_pairs(load(source, rotary)) if words else
+                [load(r, rotary).astype(jnp.float32) for r in halves(source)])
         if piece.kind == "row":
             slot = slot_ref.at[t][...]
             ckv = [load(r, latent) for r in latent_refs(ckv_ref.at[t])]
@@ -134,6 +142,9 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
                 # barrier a warp ahead of the others could store an element before another
                 # loads it, which would then rotate it twice.
                 plgpu.commit_smem()
+            if words:
+                store(q_out_ref.at[t, chunk], pack_bf16_pairs(*rotated))
+                return
             for ref, value in zip(halves(q_out_ref.at[t, chunk]), rotated):
                 store(ref, cached(value, q_scale, quantize_q, ref.dtype))
             return
@@ -180,6 +191,13 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
     return kernel(body, grid, "jaxrope_mla_rope_append_mosaic", interpret, out_type=out_type)
 
 
+def packs_q(dtype, interleave: bool, quantize_q: bool) -> bool:
+    """Whether the kernel takes q_pe as the uint32 words of its GPT-J pairs
+    (:func:`jaxrope.ops.mosaic_common.unpack_bf16_pairs`): bfloat16 pairs rotated in
+    place (an fp8 q keeps the pair view, its output's pairs being 2 bytes)."""
+    return interleave and not quantize_q and jnp.dtype(dtype) == jnp.bfloat16
+
+
 def _pairs(x, interleave: bool):
     return x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2) if interleave else x
 
@@ -215,15 +233,16 @@ def mla_rope_append_mosaic(q_pe, k_pe, ckv, q_nope, pos_ids, slots, tables, scal
         empty = (lambda x: jnp.zeros(x.shape, FP8)) if quantize_q else (lambda x: x)
         return empty(q_pe), None if q_nope is None else empty(q_nope), tuple(caches)
     kv_lora_rank, combined = ckv.shape[-1], len(caches) == 1
+    packed = packs_q(q_pe.dtype, interleave, quantize_q)
     kernel_fn = build_mla(
         heads=heads, rotary_dim=rotary_dim, kv_lora_rank=kv_lora_rank,
         nope_dim=q_nope.shape[-1] if nope else 0, itemsize=np.dtype(q_pe.dtype).itemsize,
         interleave=interleave, attention_factor=attention_factor, combined=combined,
         quantize_q=quantize_q, quantize_kv=jnp.dtype(caches[0].dtype) == FP8,
         mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, count=num_tokens,
-        interpret=interpret, tuning=tuning)
+        interpret=interpret, tuning=tuning, packed_q=packed)
     row_table = slot_row_table(rotary_dim // 2, mrope_section, mrope_interleaved)
-    q_view = _pairs(q_pe, interleave)
+    q_view = as_bf16_pairs(q_pe) if packed else _pairs(q_pe, interleave)
     q_in = q_view if quantize_q else jax.new_ref(q_view)
     cache_refs = [jax.new_ref(_pairs(c[:, None, :], interleave and (combined or i == 1)))
                   for i, c in enumerate(caches)]
@@ -231,7 +250,8 @@ def mla_rope_append_mosaic(q_pe, k_pe, ckv, q_nope, pos_ids, slots, tables, scal
                      _pairs(k_pe[:, None, :], interleave),
                      _pairs(ckv[:, None, :], combined and interleave),
                      *((q_nope,) if nope else ()), *cache_refs)
-    q_out = (outs[0] if quantize_q else jax.freeze(q_in)).reshape(q_pe.shape)
+    q_out = outs[0] if quantize_q else jax.freeze(q_in)
+    q_out = (from_bf16_pairs(q_out) if packed else q_out).reshape(q_pe.shape)
     q_nope_out = outs[1] if nope else q_nope
     return q_out, q_nope_out, tuple(jax.freeze(r).reshape(c.shape)
                                     for r, c in zip(cache_refs, caches))
