@@ -36,3 +36,28 @@ def test_every_count_lies_in_the_bounds_of_its_one_shape(tokens_per_block, group
     for shape, counts in shapes.items():
         # One compile per shape: the bounds are exactly the counts that map to it.
         assert counts == list(range(shape.min_count, shape.max_count + 1)), shape
+
+
+def test_a_compiled_module_hands_the_host_function_each_pointer_in_order():
+    # CompiledModule packs the launch's buffers as 64-bit pointers for the host function
+    # MosaicGpuCompile returns (kernel, stream, void** buffers); here that function is a
+    # ctypes callback that reads them back.
+    import ctypes
+    import types
+
+    from torch_bridge.launch.mosaic import CompiledModule
+
+    seen = []
+    host = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p,
+                            ctypes.POINTER(ctypes.c_uint64))(
+        lambda kernel, stream, buffers: seen.append((kernel, stream, buffers[:len(pointers)])))
+    pair = (ctypes.c_void_p * 2)(0x1234, ctypes.cast(host, ctypes.c_void_p).value)
+
+    def compile_fn(module, size):
+        assert (module, size) == (b"ML\xefR", 4)
+        return ctypes.cast(pair, ctypes.POINTER(ctypes.c_void_p))
+
+    compiled = CompiledModule(types.SimpleNamespace(module=b"ML\xefR"), compile_fn)
+    for pointers in ((1 << 47) + 256, 0, 2 ** 64 - 32, 7), (5,), (0x7F00_0000_0040,) * 13:
+        compiled(0xABC, *pointers)
+        assert seen.pop() == (0x1234, 0xABC, list(pointers))
