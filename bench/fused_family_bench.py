@@ -18,6 +18,9 @@ The calls on both sides are ``jaxrope.testing.fused_family``'s:
   ``rope_quantize_fp8_append_paged_kv_cache`` (after the two norms for the norm + fp8
   case, which has no target); (c) MLA bf16: ``apply_rope_pos_ids_inplace(q_pe, k_pe)`` +
   ``append_paged_mla_kv_cache``; (d) MLA fp8: the fused fp8 op in MLA mode;
+- ``jaxrope_mosaic_launch`` (MLA cases): the same Mosaic kernel as
+  ``RopeManager.apply_mla_and_append_kv`` launches it from torch
+  (:func:`mla_launch_row`), in a CUDA graph;
 - ``move`` (MLA cases): :mod:`bench.mla_move`, a Triton kernel that moves the MLA op's
   bytes in its pattern (q_pe in place or to fp8, q_nope to fp8, k_pe and ckv rows to
   their slots) and computes nothing: the bound the MLA targets meet, checked against
@@ -208,6 +211,7 @@ def torch_runs(x: Inputs, rep_seconds: float, reps: int, notes: List[str]) -> Li
         out.append(_unavailable("flashinfer", f"{type(e).__name__}: {str(e)[:400]}"))
     if case.mla:
         out.append(move_row(x, tensors, rep_seconds, reps))
+        out.append(mla_launch_row(x, tensors, rep_seconds, reps))
     step = fi_out = tensors = None  # free FlashInfer's buffers before the ceiling's
     torch.cuda.empty_cache()
     out.append(kvb.torch_row("ceiling", kvb.torch_ceiling(ceiling_elements(case, x.tokens), dev),
@@ -231,6 +235,41 @@ def move_row(x: Inputs, tensors: Dict[str, Any], rep_seconds: float,
     except Exception as e:  # noqa: BLE001 - measure the rest, say why
         return _unavailable("move", f"{type(e).__name__}: {str(e)[:400]}")
     return kvb.torch_row("move", step, rep_seconds, reps, on_gpu=True)
+
+
+def mla_launch_row(x: Inputs, tensors: Dict[str, Any], rep_seconds: float,
+                   reps: int) -> Dict[str, Any]:
+    """Ours as ``RopeManager.apply_mla_and_append_kv`` runs it on Hopper: the Mosaic MLA
+    kernel exported and launched from torch (:class:`torch_bridge.launch.mla.
+    MosaicMlaLauncher`, raw pointers, bf16 GPT-J q_pe as the words of its pairs), on the
+    case's torch tensors, in a CUDA graph."""
+    import torch
+
+    from torch_bridge.launch.mla import MosaicMlaLauncher
+
+    case = x.case
+    q_pe, k_pe, ckv, q_nope = tensors["q"], tensors["k"], tensors["v"], tensors.get("q_nope")
+    caches = tensors["caches"]
+    slots = flashinfer_kv.to_torch(x.batch.slots.astype(np.int32), q_pe.device)
+    pos = tensors["pos"].to(torch.int32)
+    outs: Dict[str, Any] = {}
+    scales = (1.0, 1.0)
+    if case.fp8:
+        scales = (ff.Q_SCALE, ff.KV_SCALE)
+        outs["q_pe_out"] = torch.empty_like(q_pe, dtype=torch.float8_e4m3fn)
+        if q_nope is not None:
+            outs.update(q_nope=q_nope, q_nope_out=torch.empty_like(q_nope,
+                                                                   dtype=torch.float8_e4m3fn))
+    try:
+        launcher = MosaicMlaLauncher()
+
+        def step() -> None:
+            launcher.rotate_and_append_mla_(q_pe, k_pe, ckv, pos, caches, slots, case.cfg,
+                                            scales, **outs)
+        step()  # compiled outside the graph's capture
+    except Exception as e:  # noqa: BLE001 - measure the rest, say why
+        return _unavailable("jaxrope_mosaic_launch", f"{type(e).__name__}: {str(e)[:400]}")
+    return kvb.torch_row("jaxrope_mosaic_launch", step, rep_seconds, reps, on_gpu=True)
 
 
 def xla_ceiling_row(case: cases.FusedCase, tokens: int, rep_seconds: float, reps: int,

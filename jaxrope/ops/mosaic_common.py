@@ -112,7 +112,9 @@ def floor(x):
 # elements through a ``[..., w/2, 2]`` view moves one 2-byte element a vector; read as
 # the words ``[..., w/2]`` (the even element in the low half, little-endian) the same
 # bytes move in vectors as wide as a non-interleaved row's, and a word's halves are the
-# pair, unpacked and packed in registers with 32-bit integer ops only.
+# pair, unpacked and packed in registers with 32-bit integer ops only. Only a launch
+# through raw pointers can hand a kernel the words: under XLA, the bitcast from bfloat16
+# pairs is two element-wise passes (see jaxrope.ops.mla_rope_append.mosaic.packs_q).
 _HIGH_HALF = 0xFFFF0000
 
 
@@ -131,19 +133,6 @@ def pack_bf16_pairs(even, odd):
         return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16).astype(jnp.float32),
                                             jnp.uint32)
     return bits(odd) | (bits(even) >> jnp.uint32(16))
-
-
-def as_bf16_pairs(x):
-    """``[..., w]`` bfloat16 as the uint32 words ``[..., w/2]`` of its pairs (the view a
-    kernel of :func:`unpack_bf16_pairs` takes; XLA moves no byte)."""
-    return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2),
-                                        jnp.uint32)
-
-
-def from_bf16_pairs(words):
-    """The inverse of :func:`as_bf16_pairs`: ``[..., w/2]`` words as ``[..., w]`` bfloat16."""
-    pairs = jax.lax.bitcast_convert_type(words, jnp.bfloat16)
-    return pairs.reshape(*pairs.shape[:-2], -1)
 
 
 def slot_row_table(half: int, mrope_section: Optional[Tuple[int, int, int]],

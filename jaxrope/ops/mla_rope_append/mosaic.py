@@ -16,9 +16,10 @@ the cache row (k_pe's halves as ``[1, r/2]``, ckv as ``[1, L]``). Each piece loa
 it reads before its first store; the angle (:func:`jaxrope.ops.angle.angle_cos_sin`) is
 formed in the halves' layout with the head axis removed and broadcast to the heads.
 
-GPT-J pairs (DeepSeek's ``interleave=True``): bfloat16 q_pe rotated in place, the bulk of
-the bytes, moves as the uint32 words of its pairs (``[T, H, r/2]``, :func:`packs_q`),
-unpacked and packed in registers; otherwise pairs read and write through ``[..., r/2, 2]``
+GPT-J pairs (DeepSeek's ``interleave=True``): in a launch outside JAX, bfloat16 q_pe
+rotated in place, the bulk of the bytes, moves as the uint32 words of its pairs (``[T, H,
+r/2]``, :func:`packs_q`), unpacked and packed in registers; otherwise pairs read and write
+through ``[..., r/2, 2]``
 views (even and odd elements, one element per vector), as the GQA kernel does; the one
 ``[rows, L + r]`` cache array is then one pair view whose first ``L/2`` pairs hold ckv,
 which moves through it as even and odd elements too. Caches are ``[rows, 1, width]``
@@ -41,9 +42,9 @@ from jax.experimental import pallas as pl
 from jaxrope.errors import BackendUnavailable
 from jaxrope.ops.angle import angle_cos_sin
 from jaxrope.ops.mla_rope_append.tuning import MlaMosaicTuning, MlaPiece, mla_mosaic_tuning
-from jaxrope.ops.mosaic_common import (as_bf16_pairs, broadcast, floor, from_bf16_pairs, kernel,
-                                       load, pack_bf16_pairs, slot_row_table, store,
-                                       unavailable, unpack_bf16_pairs, walk)
+from jaxrope.ops.mosaic_common import (broadcast, floor, kernel, load, pack_bf16_pairs,
+                                       slot_row_table, store, unavailable, unpack_bf16_pairs,
+                                       walk)
 from jaxrope.ops.rope_append_kv.mosaic import row_layout, row_split
 from jaxrope.ops.rope_append_kv.reference import FP8, to_cache_dtype
 
@@ -194,9 +195,15 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
 
 
 def packs_q(dtype, interleave: bool, quantize_q: bool) -> bool:
-    """Whether the kernel takes q_pe as the uint32 words of its GPT-J pairs
+    """Whether a launch outside JAX (:mod:`jaxrope.ops.mla_rope_append.mosaic_export`)
+    passes q_pe as the uint32 words of its GPT-J pairs
     (:func:`jaxrope.ops.mosaic_common.unpack_bf16_pairs`): bfloat16 pairs rotated in
-    place (an fp8 q keeps the pair view, its output's pairs being 2 bytes)."""
+    place (an fp8 q keeps the pair view, its output's pairs being 2 bytes).
+
+    Under JAX (:func:`mla_rope_append_mosaic`) q_pe keeps the pair view: XLA expands a
+    ``bitcast_convert_type`` between element widths into element-wise ops
+    (``BitcastDtypesExpander``, on GPU too), two more passes over q_pe around the kernel.
+    """
     return interleave and not quantize_q and jnp.dtype(dtype) == jnp.bfloat16
 
 
@@ -235,16 +242,15 @@ def mla_rope_append_mosaic(q_pe, k_pe, ckv, q_nope, pos_ids, slots, tables, scal
         empty = (lambda x: jnp.zeros(x.shape, FP8)) if quantize_q else (lambda x: x)
         return empty(q_pe), None if q_nope is None else empty(q_nope), tuple(caches)
     kv_lora_rank, combined = ckv.shape[-1], len(caches) == 1
-    packed = packs_q(q_pe.dtype, interleave, quantize_q)
     kernel_fn = build_mla(
         heads=heads, rotary_dim=rotary_dim, kv_lora_rank=kv_lora_rank,
         nope_dim=q_nope.shape[-1] if nope else 0, itemsize=np.dtype(q_pe.dtype).itemsize,
         interleave=interleave, attention_factor=attention_factor, combined=combined,
         quantize_q=quantize_q, quantize_kv=jnp.dtype(caches[0].dtype) == FP8,
         mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, count=num_tokens,
-        interpret=interpret, tuning=tuning, packed_q=packed)
+        interpret=interpret, tuning=tuning)
     row_table = slot_row_table(rotary_dim // 2, mrope_section, mrope_interleaved)
-    q_view = as_bf16_pairs(q_pe) if packed else _pairs(q_pe, interleave)
+    q_view = _pairs(q_pe, interleave)
     q_in = q_view if quantize_q else jax.new_ref(q_view)
     cache_refs = [jax.new_ref(_pairs(c[:, None, :], interleave and (combined or i == 1)))
                   for i, c in enumerate(caches)]
@@ -252,8 +258,7 @@ def mla_rope_append_mosaic(q_pe, k_pe, ckv, q_nope, pos_ids, slots, tables, scal
                      _pairs(k_pe[:, None, :], interleave),
                      _pairs(ckv[:, None, :], combined and interleave),
                      *((q_nope,) if nope else ()), *cache_refs)
-    q_out = outs[0] if quantize_q else jax.freeze(q_in)
-    q_out = (from_bf16_pairs(q_out) if packed else q_out).reshape(q_pe.shape)
+    q_out = (outs[0] if quantize_q else jax.freeze(q_in)).reshape(q_pe.shape)
     q_nope_out = outs[1] if nope else q_nope
     return q_out, q_nope_out, tuple(jax.freeze(r).reshape(c.shape)
                                     for r, c in zip(cache_refs, caches))
