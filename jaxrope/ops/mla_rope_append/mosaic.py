@@ -42,10 +42,11 @@ from jax.experimental import pallas as pl
 from jaxrope.errors import BackendUnavailable
 from jaxrope.ops.angle import angle_cos_sin
 from jaxrope.ops.mla_rope_append.tuning import MlaMosaicTuning, MlaPiece, mla_mosaic_tuning
-from jaxrope.ops.mosaic_common import (broadcast, floor, kernel, load, pack_bf16_pairs,
-                                       slot_row_table, store, unavailable, unpack_bf16_pairs,
-                                       walk)
+from jaxrope.ops.mosaic_common import (as_pallas, broadcast, floor, kernel, load,
+                                       pack_bf16_pairs, slot_row_table, store, unavailable,
+                                       unpack_bf16_pairs, walk)
 from jaxrope.ops.rope_append_kv.mosaic import row_layout, row_split
+from jaxrope.ops.rope_append_kv.mosaic_layout import pair_layout
 from jaxrope.ops.rope_append_kv.reference import FP8, to_cache_dtype
 
 
@@ -118,14 +119,28 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
             store(q_nope_out_ref.at[t, chunk], cached(value, q_scale, True, FP8))
             return
         words = packed_q and piece.kind == "q_pe"
+        # GPT-J q_pe through its [h, r/2, 2] view, a pair in one thread's vector: the
+        # pair's elements come apart by a sum over the pair axis, inside the thread.
+        vectors = interleave and not packed_q and piece.kind == "q_pe"
         # A word holds a pair: [h, r/2] words split as a non-interleaved half of 4-byte items.
         split = (row_split(piece.heads, half, 4, half, False, vector_bytes) if words else
+                 row_split(piece.heads, half, 2 * itemsize, half, False, vector_bytes)
+                 if vectors else
                  row_split(piece.heads, half, itemsize, half, interleave, vector_bytes))
-        rotary = row_layout(split)
+        pairs3 = pair_layout(split) if vectors else None
+        rotary = pairs3.reduce((2,)) if vectors else row_layout(split)
         angle = rotary.reduce((0,))
         source = q_pe_ref.at[t, chunk] if piece.kind == "q_pe" else k_pe_ref.at[t]
-        pair = (unpack_bf16_pairs(load(source, rotary)) if words else
-                [load(r, rotary).astype(jnp.float32) for r in halves(source)])
+        if words:
+            pair = unpack_bf16_pairs(load(source, rotary))
+        elif vectors:
+            full = (piece.heads, half, 2)
+            second = plgpu.broadcasted_iota(jnp.int32, full, 2, layout=as_pallas(pairs3)) == 1
+            value = load(source, pairs3).astype(jnp.float32)
+            pair = [jnp.sum(jnp.where(second, 0.0, value), axis=2),
+                    jnp.sum(jnp.where(second, value, 0.0), axis=2)]
+        else:
+            pair = [load(r, rotary).astype(jnp.float32) for r in halves(source)]
         if piece.kind == "row":
             slot = slot_ref.at[t][...]
             ckv = [load(r, latent) for r in latent_refs(ckv_ref.at[t])]
@@ -147,6 +162,11 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
                 plgpu.commit_smem()
             if words:
                 store(q_out_ref.at[t, chunk], pack_bf16_pairs(*rotated))
+                return
+            if vectors:
+                a3, b3 = (broadcast(x, full, (0, 1), pairs3) for x in rotated)
+                out = q_out_ref.at[t, chunk]
+                store(out, cached(jnp.where(second, b3, a3), q_scale, quantize_q, out.dtype))
                 return
             for ref, value in zip(halves(q_out_ref.at[t, chunk]), rotated):
                 store(ref, cached(value, q_scale, quantize_q, ref.dtype))

@@ -24,7 +24,8 @@ import math
 from jaxrope.ops.mosaic_common import tiled
 from jaxrope.ops.rope_append_kv.tuning import Piece
 
-__all__ = ["RowSplit", "angle_split", "rotary_split", "row_layout", "row_split", "shares_angle"]
+__all__ = ["RowSplit", "angle_split", "pair_layout", "rotary_split", "row_layout", "row_split",
+           "shares_angle"]
 
 _THREADS = 128      # a warpgroup
 
@@ -115,3 +116,20 @@ def row_layout(s: RowSplit):
     lane_dims = ((fa.Replicated(copies_l),) if copies_l > 1 else ()) + (-4, -3)
     return tiled(((s.head_tile, s.width_warps * lanes), (s.head_lanes, lanes), (1, s.vec)),
                  warp_dims, lane_dims)
+
+
+def pair_layout(s: RowSplit):
+    """The ``TiledLayout`` of ``[H, width, 2]`` arrays (GPT-J pairs, the pair axis last)
+    whose heads and pairs ``s`` splits as :func:`row_layout` splits ``[H, width]`` with
+    ``vec`` pairs a thread, a pair one vector: both elements of a pair in one thread's
+    register, so one 2-element access moves it. Removing the pair axis gives
+    :func:`row_layout`'s ``[H, width]`` layout of ``s``.
+    """
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    lanes = s.width_lanes * s.vec
+    copies_w, copies_l = 4 // (s.head_warps * s.width_warps), 32 // (s.head_lanes * s.width_lanes)
+    # Tiled shape [..., head_warps, width_warps, 1, head_lanes, width_lanes, 1, 1, vec, 2].
+    warp_dims = (-9, -8) + ((fa.Replicated(copies_w),) if copies_w > 1 else ())
+    lane_dims = ((fa.Replicated(copies_l),) if copies_l > 1 else ()) + (-6, -5)
+    return tiled(((s.head_tile, s.width_warps * lanes, 2), (s.head_lanes, lanes, 2),
+                  (1, s.vec, 2)), warp_dims, lane_dims)
