@@ -16,11 +16,13 @@ the cache row (k_pe's halves as ``[1, r/2]``, ckv as ``[1, L]``). Each piece loa
 it reads before its first store; the angle (:func:`jaxrope.ops.angle.angle_cos_sin`) is
 formed in the halves' layout with the head axis removed and broadcast to the heads.
 
-GPT-J pairs (DeepSeek's ``interleave=True``): in a launch outside JAX, bfloat16 q_pe
-rotated in place, the bulk of the bytes, moves as the uint32 words of its pairs (``[T, H,
-r/2]``, :func:`packs_q`), unpacked and packed in registers; otherwise pairs read and write
-through ``[..., r/2, 2]``
-views (even and odd elements, one element per vector), as the GQA kernel does; the one
+GPT-J pairs (DeepSeek's ``interleave=True``): q_pe, the bulk of the bytes, reads and
+writes through its ``[T, H, r/2, 2]`` view with a pair in one thread's vector
+(:func:`jaxrope.ops.rope_append_kv.mosaic_layout.pair_layout`), its even and odd
+elements apart by a sum over the pair axis inside the thread; a launch outside JAX passes
+bfloat16 q_pe rotated in place as the uint32 words of its pairs instead (``[T, H, r/2]``,
+:func:`packs_q`), unpacked and packed with integer ops. k_pe reads and writes its even and
+odd elements through the pair view one element a vector, as the GQA kernel does; the one
 ``[rows, L + r]`` cache array is then one pair view whose first ``L/2`` pairs hold ckv,
 which moves through it as even and odd elements too. Caches are ``[rows, 1, width]``
 views, so row ``slot`` is one scalar index and each store one register array; a slot
