@@ -15,9 +15,11 @@ and the median of the paired ratios (this tree / before). What a process times:
   GPU (the launch "auto" picks), wall time of 1000 calls from Python and one sync, the
   median of ``--blocks`` such samples after 2000 calls of warm-up; only the public API
   both trees have;
-- ``apply_qk_host``: the same call on the CPU with a launcher that binds and does nothing:
-  the manager's own cost a call (lock, compile checks, the bound-call lookup), the median
-  of ``--blocks`` samples of 10,000 calls after 20,000 of warm-up.
+- ``apply_qk_host``: the same call on the CPU with a launcher whose bound run passes the
+  Mosaic launch's pointers through the tree's ``CompiledModule`` to a C function that does
+  nothing: the host's cost a call (the manager's lock, compile checks and bound-call
+  lookup, and the launch's argument passing), the median of ``--blocks`` samples of
+  10,000 calls after 20,000 of warm-up.
 """
 
 from __future__ import annotations
@@ -76,18 +78,32 @@ for _ in range(samples_n):
 print(json.dumps({"apply_qk_64": statistics.median(samples),
                   "launcher": type(mgr.launcher).__name__}))
 """
-# The manager's own cost per apply_qk call, on the CPU: a launcher that binds and does
-# nothing, so what is timed is the method (lock, compile checks, the bound-call lookup).
+# The host cost per apply_qk call, on the CPU: the manager's (lock, compile checks, the
+# bound-call lookup) and its Mosaic launch's argument passing (MosaicLauncher._run's
+# pointers through the tree's own CompiledModule) into a C function that does nothing
+# (libc's labs, its extra arguments ignored) in place of the kernel's host launch.
 _APPLY_QK_HOST_WORKER = """
-import json, statistics, sys, time, torch
+import ctypes, json, statistics, sys, time, types, torch
 import jaxrope as jr
 from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext
+try:
+    from torch_bridge.launch.mosaic import CompiledModule
+except ImportError:  # 870842b's layout
+    from torch_bridge.mosaic_launch import CompiledModule
+
+host = (ctypes.c_void_p * 2)(0, ctypes.cast(ctypes.CDLL(None).labs, ctypes.c_void_p).value)
+module = CompiledModule(types.SimpleNamespace(module=b"none"),
+                        lambda m, n: ctypes.cast(host, ctypes.POINTER(ctypes.c_void_p)))
 
 class Bound:
     def rotate_(self, q, k, pos_ids, cfg):
         pass
     def bind(self, q, k, cfg):
-        return lambda q, k, pos_ids: True
+        def run(q, k, pos_ids):
+            q_ptr, k_ptr = q.data_ptr(), k.data_ptr()
+            module(0, 1 << 40, pos_ids.data_ptr(), 1 << 41, 1 << 42, q_ptr, k_ptr, q_ptr, k_ptr)
+            return True
+        return run
 
 samples_n = int(sys.argv[1])
 q, k = torch.zeros(64, 32, 128, dtype=torch.bfloat16), torch.zeros(64, 8, 128, dtype=torch.bfloat16)

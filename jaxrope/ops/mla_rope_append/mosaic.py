@@ -139,8 +139,9 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
             full = (piece.heads, half, 2)
             second = plgpu.broadcasted_iota(jnp.int32, full, 2, layout=as_pallas(pairs3)) == 1
             value = load(source, pairs3).astype(jnp.float32)
-            pair = [jnp.sum(jnp.where(second, 0.0, value), axis=2),
-                    jnp.sum(jnp.where(second, value, 0.0), axis=2)]
+            # -0.0 is the sum's exact identity (x + -0.0 is x, signed zeros too).
+            pair = [jnp.sum(jnp.where(second, -0.0, value), axis=2),
+                    jnp.sum(jnp.where(second, value, -0.0), axis=2)]
         else:
             pair = [load(r, rotary).astype(jnp.float32) for r in halves(source)]
         if piece.kind == "row":
