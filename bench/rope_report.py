@@ -68,7 +68,9 @@ def _section(report: Dict[str, Any], name: str) -> List[Dict[str, Any]]:
 
 
 def tables(report: Dict[str, Any]) -> List[Tuple[str, List[str], List[List[Any]]]]:
-    """(title, headers, rows) of every table the results fill."""
+    """(title, headers, rows) of the tables RESULTS.md keeps: the back-to-back sweep and
+    every named case (the kernel-method and wall-time sections stay in the JSON; the
+    torch sections of RESULTS.md give the per-call times)."""
     out = []
     sweep = _section(report, "sweep")
     impls = [i for i in PLOT_IMPLS if any(r["impl"] == i for r in sweep)]
@@ -80,14 +82,6 @@ def tables(report: Dict[str, Any]) -> List[Tuple[str, List[str], List[List[Any]]
             for t in sorted({r["tokens"] for r in sweep})]
     out.append((f"Median us (TB/s), {TARGET} (Hq=32 Hk=8 D=128), back to back",
                 ["tokens"] + impls + ["jaxrope %ceil", "jaxrope t/FI"], rows))
-    rows = [[r["impl"], r["tokens"], _us(r["median_us"]), _pct(r["ceiling_fraction"]),
-             _ratio(r["ratio_flashinfer"]),
-             ", ".join(f"{n[:40]} x{v['count']}" for n, v in list(
-                 r["timing"]["detail"].get("kernels", {}).items())[:2])]
-            for r in _section(report, "kernel")]
-    method = next((r["method"] for r in _section(report, "kernel")), "kernel")
-    out.append((f"Kernel time per application ({method} method), {TARGET}",
-                ["impl", "tokens", "kernel us", "%ceil", "t/FI", "kernels"], rows))
     found = _section(report, "cases")
     fi = {(r["case"], r["tokens"]): r for r in found if r["impl"] == "flashinfer"}
     rows = [[r["case"], f"{r['q_heads']}x{r['k_heads']}", f"{r['rotary_dim']}/{r['head_dim']}",
@@ -99,12 +93,6 @@ def tables(report: Dict[str, Any]) -> List[Tuple[str, List[str], List[List[Any]]
     out.append((f"Every named case, jaxrope vs its plain config and FlashInfer ({method})",
                 ["case", "heads", "R/D", "tokens", "us", "TB/s", "%ceil", "vs plain",
                  "FlashInfer API", "FI us", "t/FI"], rows))
-    wall = _section(report, "wall")
-    impls = list(dict.fromkeys(r["impl"] for r in wall))  # the section's order: measured so
-    cell = {(r["tokens"], r["impl"]): r["median_us"] for r in wall}
-    rows = [[t] + [_us(cell.get((t, i))) for i in impls] for t in sorted({r["tokens"] for r in wall})]
-    out.append((f"Wall time per call from Python (dispatch included), {TARGET}",
-                ["tokens"] + [f"{i} us" for i in impls], rows))
     return [t for t in out if t[2]]
 
 
