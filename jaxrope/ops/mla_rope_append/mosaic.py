@@ -121,14 +121,13 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
             store(q_nope_out_ref.at[t, chunk], cached(value, q_scale, True, FP8))
             return
         words = packed_q and piece.kind == "q_pe"
-        # GPT-J q_pe through its [h, r/2, 2] view, a pair in one thread's vector: the
-        # pair's elements come apart by a sum over the pair axis, inside the thread.
         vectors = interleave and not packed_q and piece.kind == "q_pe"
-        # A word holds a pair: [h, r/2] words split as a non-interleaved half of 4-byte items.
-        split = (row_split(piece.heads, half, 4, half, False, vector_bytes) if words else
-                 row_split(piece.heads, half, 2 * itemsize, half, False, vector_bytes)
-                 if vectors else
-                 row_split(piece.heads, half, itemsize, half, interleave, vector_bytes))
+        if words:  # [h, r/2] words, one a pair: split as a half of 4-byte items
+            split = row_split(piece.heads, half, 4, half, False, vector_bytes)
+        elif vectors:  # [h, r/2, 2], a pair (2 items) in one thread's vector
+            split = row_split(piece.heads, half, 2 * itemsize, half, False, vector_bytes)
+        else:
+            split = row_split(piece.heads, half, itemsize, half, interleave, vector_bytes)
         pairs3 = pair_layout(split) if vectors else None
         rotary = pairs3.reduce((2,)) if vectors else row_layout(split)
         angle = rotary.reduce((0,))
@@ -139,7 +138,8 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
             full = (piece.heads, half, 2)
             second = plgpu.broadcasted_iota(jnp.int32, full, 2, layout=as_pallas(pairs3)) == 1
             value = load(source, pairs3).astype(jnp.float32)
-            # -0.0 is the sum's exact identity (x + -0.0 is x, signed zeros too).
+            # The pair's elements come apart by a sum over the pair axis, inside the
+            # thread; -0.0 is the sum's exact identity (x + -0.0 is x, signed zeros too).
             pair = [jnp.sum(jnp.where(second, -0.0, value), axis=2),
                     jnp.sum(jnp.where(second, value, -0.0), axis=2)]
         else:
