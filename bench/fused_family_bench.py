@@ -201,6 +201,7 @@ def torch_runs(x: Inputs, rep_seconds: float, reps: int, notes: List[str]) -> Li
     tensors["caches"] = tuple(torch.zeros(s, dtype=dtype, device=dev)
                               for s in ff.cache_shapes(case, x.pages))
     tensors["pos"] = flashinfer_kv.to_torch(x.pos_ids, dev)
+    tensors["slots"] = flashinfer_kv.to_torch(x.batch.slots.astype(np.int32), dev)
     out = []
     try:
         step, fi_out = ff.flashinfer_step(case, tensors, x.pos_ids, x.batch)
@@ -226,8 +227,7 @@ def move_row(x: Inputs, tensors: Dict[str, Any], rep_seconds: float,
     from bench import mla_move  # torch's: imported where torch is
 
     ckv_cache, kpe_cache = tensors["caches"]
-    slots = flashinfer_kv.to_torch(x.batch.slots, ckv_cache.device)
-    args = (tensors["q"], tensors["k"], tensors["v"], ckv_cache, kpe_cache, slots,
+    args = (tensors["q"], tensors["k"], tensors["v"], ckv_cache, kpe_cache, tensors["slots"],
             tensors.get("q_nope"))
     try:
         step = mla_move.move_step(*args)
@@ -249,9 +249,7 @@ def mla_launch_row(x: Inputs, tensors: Dict[str, Any], rep_seconds: float,
 
     case = x.case
     q_pe, k_pe, ckv, q_nope = tensors["q"], tensors["k"], tensors["v"], tensors.get("q_nope")
-    caches = tensors["caches"]
-    slots = flashinfer_kv.to_torch(x.batch.slots.astype(np.int32), q_pe.device)
-    pos = tensors["pos"].to(torch.int32)
+    caches, slots, pos = tensors["caches"], tensors["slots"], tensors["pos"]
     outs: Dict[str, Any] = {}
     scales = (1.0, 1.0)
     if case.fp8:

@@ -23,6 +23,7 @@ the Triton launcher (:func:`torch_bridge.launch.runtime.mrope_block`).
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 import threading
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
@@ -129,13 +130,15 @@ class CompiledModule:
         self._compiled = compiled  # the pair below lives as long as this pointer
         self._function = compiled[0]
         self._launch = _LAUNCH(compiled[1])
-        self._packs: Dict[int, struct.Struct] = {}
 
     def __call__(self, stream: int, *pointers: int) -> None:
-        pack = self._packs.get(len(pointers))
-        if pack is None:
-            pack = self._packs[len(pointers)] = struct.Struct(f"={len(pointers)}Q")
-        self._launch(self._function, stream, pack.pack(*pointers))
+        self._launch(self._function, stream, _pointers(len(pointers)).pack(*pointers))
+
+
+@functools.lru_cache(maxsize=None)
+def _pointers(count: int) -> struct.Struct:
+    # ``count`` native 64-bit pointers, as the host function reads its buffers.
+    return struct.Struct(f"={count}Q")
 
 
 class MosaicLauncher:

@@ -80,7 +80,7 @@ def export_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, dtype, cache_d
              sds((half,), jnp.int32),
              sds((2,), jnp.float32),
              # Packed: the same bytes as uint32 words, one a pair.
-             sds((capacity, heads, rotary_dim // 2), jnp.uint32) if packed else sds(q_shape, dtype),
+             sds((capacity, heads, half), jnp.uint32) if packed else sds(q_shape, dtype),
              sds(_pairs((capacity, 1, rotary_dim), interleave), dtype),
              sds(_pairs((capacity, 1, kv_lora_rank), combined and interleave), dtype),
              *nope,

@@ -109,13 +109,20 @@ def row_layout(s: RowSplit):
     width_warps, head_lanes, width_lanes, 1, vec]``; what is left of the lanes and warps
     replicates (a store of a copy writes the same value).
     """
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
     lanes = s.width_lanes * s.vec
-    copies_w, copies_l = 4 // (s.head_warps * s.width_warps), 32 // (s.head_lanes * s.width_lanes)
-    warp_dims = (-6, -5) + ((fa.Replicated(copies_w),) if copies_w > 1 else ())
-    lane_dims = ((fa.Replicated(copies_l),) if copies_l > 1 else ()) + (-4, -3)
     return tiled(((s.head_tile, s.width_warps * lanes), (s.head_lanes, lanes), (1, s.vec)),
-                 warp_dims, lane_dims)
+                 *_split_dims(s, (-6, -5), (-4, -3)))
+
+
+def _split_dims(s: RowSplit, warp_dims, lane_dims):
+    """The warp and lane dims of a layout whose tiled dims ``warp_dims`` (heads, width)
+    and ``lane_dims`` split as ``s`` says, with what is left of the warps and lanes
+    replicating."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    copies_w = 4 // (s.head_warps * s.width_warps)
+    copies_l = 32 // (s.head_lanes * s.width_lanes)
+    return (warp_dims + ((fa.Replicated(copies_w),) if copies_w > 1 else ()),
+            ((fa.Replicated(copies_l),) if copies_l > 1 else ()) + lane_dims)
 
 
 def pair_layout(s: RowSplit):
@@ -125,11 +132,7 @@ def pair_layout(s: RowSplit):
     register, so one 2-element access moves it. Removing the pair axis gives
     :func:`row_layout`'s ``[H, width]`` layout of ``s``.
     """
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
     lanes = s.width_lanes * s.vec
-    copies_w, copies_l = 4 // (s.head_warps * s.width_warps), 32 // (s.head_lanes * s.width_lanes)
     # Tiled shape [..., head_warps, width_warps, 1, head_lanes, width_lanes, 1, 1, vec, 2].
-    warp_dims = (-9, -8) + ((fa.Replicated(copies_w),) if copies_w > 1 else ())
-    lane_dims = ((fa.Replicated(copies_l),) if copies_l > 1 else ()) + (-6, -5)
     return tiled(((s.head_tile, s.width_warps * lanes, 2), (s.head_lanes, lanes, 2),
-                  (1, s.vec, 2)), warp_dims, lane_dims)
+                  (1, s.vec, 2)), *_split_dims(s, (-9, -8), (-6, -5)))
