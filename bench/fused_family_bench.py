@@ -241,8 +241,7 @@ def mla_launch_row(x: Inputs, tensors: Dict[str, Any], rep_seconds: float,
                    reps: int) -> Dict[str, Any]:
     """Ours as ``RopeManager.apply_mla_and_append_kv`` runs it on Hopper: the Mosaic MLA
     kernel exported and launched from torch (:class:`torch_bridge.launch.mla.
-    MosaicMlaLauncher`, raw pointers, bf16 GPT-J q_pe as the words of its pairs), on the
-    case's torch tensors, in a CUDA graph."""
+    MosaicMlaLauncher`, raw pointers), on the case's torch tensors, in a CUDA graph."""
     import torch
 
     from torch_bridge.launch.mla import MosaicMlaLauncher

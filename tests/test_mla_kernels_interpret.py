@@ -281,40 +281,6 @@ def test_triton_kernel_lowers_for_cuda_with_q_pe_and_the_caches_aliased(case, rn
     assert len(re.findall(r"tf\.aliasing_output = \d+", text)) == aliased
 
 
-def _words(x):
-    # [..., w] bfloat16 as the uint32 words [..., w/2] of its pairs: what a launch through
-    # raw pointers hands the kernel (mla_rope_append.mosaic.packs_q).
-    return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], -1, 2), jnp.uint32)
-
-
-def _from_words(words):
-    pairs = jax.lax.bitcast_convert_type(words, jnp.bfloat16)
-    return pairs.reshape(*pairs.shape[:-2], -1)
-
-
-def test_bf16_pair_words_unpack_exactly_and_pack_as_astype_rounds(rng):
-    # The Mosaic kernel's view of bfloat16 GPT-J q_pe: words unpacked to the pairs' exact
-    # float32 values, float32 results packed as astype rounds them (ties to even, the
-    # extremes to inf, NaN stays NaN), and the view and its inverse moving no bit.
-    x = jnp.asarray(rng.standard_normal((3, 4, 64)), jnp.bfloat16)
-    words = _words(x)
-    assert words.shape == (3, 4, 32) and words.dtype == jnp.uint32
-    np.testing.assert_array_equal(bits(_from_words(words)), bits(x))
-    even, odd = mosaic_common.unpack_bf16_pairs(words)
-    np.testing.assert_array_equal(np.asarray(even), np.asarray(x[..., 0::2], np.float32))
-    np.testing.assert_array_equal(np.asarray(odd), np.asarray(x[..., 1::2], np.float32))
-    values = rng.standard_normal((4, 2, 256)).astype(np.float32)
-    # ties (exactly half a bfloat16 step), overflow to inf, inf, NaN, -0, subnormals
-    special = np.array([1.00390625, 1.01171875, 3.4e38, -3.4e38, np.inf, np.nan, -0.0, 1e-40],
-                       np.float32)
-    values[0, 0, :special.size] = special
-    values[0, 1, -special.size:] = special
-    e, o = jnp.asarray(values[:, 0]), jnp.asarray(values[:, 1])
-    packed = _from_words(mosaic_common.pack_bf16_pairs(e, o))
-    want = jnp.stack([e.astype(jnp.bfloat16), o.astype(jnp.bfloat16)], -1).reshape(4, 512)
-    np.testing.assert_array_equal(bits(packed), bits(want))
-
-
 @needs_mosaic
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_mosaic_body_matches_the_oracle_in_its_interpreter(case, rng):
@@ -340,21 +306,18 @@ def test_mosaic_reads_the_token_count_at_run_time(name, grid, max_count, rng):
         grid = max_count * len(work.pieces)
     options = _options(case)
     ilv = case.cfg.interleave
-    # As the torch launch exports it: bfloat16 GPT-J q_pe as the words of its pairs.
-    packed = mla_mosaic.packs_q(x.q_pe.dtype, ilv, case.fp8_q)
     kernel = mla_mosaic.build_mla(
         heads=case.heads, rotary_dim=case.cfg.rotary_dim, kv_lora_rank=case.kv_lora_rank,
         nope_dim=case.nope_dim if case.fp8_q else 0, itemsize=2,
         interleave=case.cfg.interleave, attention_factor=options["attention_factor"],
         combined=case.combined, quantize_q=case.fp8_q, quantize_kv=case.fp8_cache,
-        count=None, grid=grid, max_count=max_count, interpret=True, tuning=work,
-        packed_q=packed)
+        count=None, grid=grid, max_count=max_count, interpret=True, tuning=work)
     pairs = mla_mosaic._pairs
 
     def call(q_pe, k_pe, ckv, q_nope, pos, slots, caches):
         outs = ([jax.new_ref(jnp.zeros(pairs(q_pe, ilv).shape, FP8)),
                  jax.new_ref(jnp.zeros(q_nope.shape, FP8))] if case.fp8_q else [])
-        q_view = _words(q_pe) if packed else pairs(q_pe, ilv)
+        q_view = pairs(q_pe, ilv)
         q_in = q_view if case.fp8_q else jax.new_ref(q_view)
         refs = [jax.new_ref(pairs(c[:, None, :], ilv and i == 1)) for i, c in enumerate(caches)]
         kernel(jnp.asarray([n], jnp.int32), pos, slots, kernel_constants(case.cfg)[0],
@@ -362,7 +325,7 @@ def test_mosaic_reads_the_token_count_at_run_time(name, grid, max_count, rng):
                _scales(case), q_in, pairs(k_pe[:, None, :], ilv), ckv[:, None, :],
                *((q_nope,) if case.fp8_q else ()), *refs, *outs)
         q = jax.freeze(outs[0] if case.fp8_q else q_in)
-        q = (_from_words(q) if packed else q).reshape(q_pe.shape)
+        q = q.reshape(q_pe.shape)
         nope = jax.freeze(outs[1]) if case.fp8_q else None
         return q, nope, tuple(jax.freeze(r).reshape(c.shape) for r, c in zip(refs, caches))
 

@@ -108,33 +108,6 @@ def floor(x):
     return jnp.where(t > x, t - 1.0, t)
 
 
-# GPT-J pairs of bfloat16 as uint32 words. A kernel reading the pairs' even and odd
-# elements through a ``[..., w/2, 2]`` view moves one 2-byte element a vector; read as
-# the words ``[..., w/2]`` (the even element in the low half, little-endian) the same
-# bytes move in vectors as wide as a non-interleaved row's, and a word's halves are the
-# pair, unpacked and packed in registers with 32-bit integer ops only. Only a launch
-# through raw pointers can hand a kernel the words: under XLA, the bitcast from bfloat16
-# pairs is two element-wise passes (see jaxrope.ops.mla_rope_append.mosaic.packs_q).
-_HIGH_HALF = 0xFFFF0000
-
-
-def unpack_bf16_pairs(words):
-    """``(even, odd)`` float32 of uint32 ``words`` holding bfloat16 pairs (exact: a
-    bfloat16 is the high half of its float32)."""
-    even = jax.lax.bitcast_convert_type(words << jnp.uint32(16), jnp.float32)
-    odd = jax.lax.bitcast_convert_type(words & jnp.uint32(_HIGH_HALF), jnp.float32)
-    return even, odd
-
-
-def pack_bf16_pairs(even, odd):
-    """The uint32 words of float32 ``(even, odd)`` each rounded to bfloat16 as
-    ``astype`` rounds (the inverse of :func:`unpack_bf16_pairs` on its results)."""
-    def bits(x):
-        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16).astype(jnp.float32),
-                                            jnp.uint32)
-    return bits(odd) | (bits(even) >> jnp.uint32(16))
-
-
 def slot_row_table(half: int, mrope_section: Optional[Tuple[int, int, int]],
                    mrope_interleaved: bool) -> np.ndarray:
     """int32 ``[half]``: the positions row (0 t, 1 h, 2 w) each frequency slot reads; all

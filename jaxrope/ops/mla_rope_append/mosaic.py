@@ -19,10 +19,8 @@ formed in the halves' layout with the head axis removed and broadcast to the hea
 GPT-J pairs (DeepSeek's ``interleave=True``): q_pe, the bulk of the bytes, reads and
 writes through its ``[T, H, r/2, 2]`` view with a pair in one thread's vector
 (:func:`jaxrope.ops.rope_append_kv.mosaic_layout.pair_layout`), its even and odd
-elements apart by a sum over the pair axis inside the thread; a launch outside JAX passes
-bfloat16 q_pe rotated in place as the uint32 words of its pairs instead (``[T, H, r/2]``,
-:func:`packs_q`), unpacked and packed with integer ops. k_pe reads and writes its even and
-odd elements through the pair view one element a vector, as the GQA kernel does; the one
+elements apart by a sum over the pair axis inside the thread (under JAX and from a
+launch through raw pointers alike). k_pe reads and writes its even and odd elements through the pair view one element a vector, as the GQA kernel does; the one
 ``[rows, L + r]`` cache array is then one pair view whose first ``L/2`` pairs hold ckv,
 which moves through it as even and odd elements too. Caches are ``[rows, 1, width]``
 views, so row ``slot`` is one scalar index and each store one register array; a slot
@@ -45,8 +43,7 @@ from jaxrope.errors import BackendUnavailable
 from jaxrope.ops.angle import angle_cos_sin
 from jaxrope.ops.mla_rope_append.tuning import MlaMosaicTuning, MlaPiece, mla_mosaic_tuning
 from jaxrope.ops.mosaic_common import (as_pallas, broadcast, floor, kernel, load,
-                                       pack_bf16_pairs, slot_row_table, store, unavailable,
-                                       unpack_bf16_pairs, walk)
+                                       slot_row_table, store, unavailable, walk)
 from jaxrope.ops.rope_append_kv.mosaic import row_layout, row_split
 from jaxrope.ops.rope_append_kv.mosaic_layout import pair_layout
 from jaxrope.ops.rope_append_kv.reference import FP8, to_cache_dtype
@@ -57,8 +54,7 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
               quantize_kv: bool, mrope_section: Optional[Tuple[int, int, int]] = None,
               mrope_interleaved: bool = False, count: Optional[int] = None,
               grid: Optional[int] = None, max_count: Optional[int] = None,
-              interpret: bool = False, tuning: Optional[MlaMosaicTuning] = None,
-              packed_q: bool = False):
+              interpret: bool = False, tuning: Optional[MlaMosaicTuning] = None):
     """The ``plgpu.kernel`` of the MLA op for one head count and cache form.
 
     Operands: ``(pos_ids, slots, tables, rows, scales, q_pe, k_pe, ckv, [q_nope],
@@ -76,9 +72,7 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
     ``count=None``: an int32 ``count`` operand comes first, read at run time, and
     ``grid`` blocks walk the count's items (launches outside JAX); ``max_count``, the
     most tokens such a launch has, leaves out the walk when ``grid`` has a block for
-    every item of it (:func:`jaxrope.ops.mosaic_common.walk`). ``packed_q``
-    (:func:`packs_q`): q_pe is the uint32 words ``[T, H, r/2]`` of its bfloat16 GPT-J
-    pairs instead of a pair view.
+    every item of it (:func:`jaxrope.ops.mosaic_common.walk`).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
     half = rotary_dim // 2
@@ -120,11 +114,8 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
             value = load(q_nope_ref.at[t, chunk], layout)
             store(q_nope_out_ref.at[t, chunk], cached(value, q_scale, True, FP8))
             return
-        words = packed_q and piece.kind == "q_pe"
-        vectors = interleave and not packed_q and piece.kind == "q_pe"
-        if words:  # [h, r/2] words, one a pair: split as a half of 4-byte items
-            split = row_split(piece.heads, half, 4, half, False, vector_bytes)
-        elif vectors:  # [h, r/2, 2], a pair (2 items) in one thread's vector
+        vectors = interleave and piece.kind == "q_pe"
+        if vectors:  # [h, r/2, 2], a pair (2 items) in one thread's vector
             split = row_split(piece.heads, half, 2 * itemsize, half, False, vector_bytes)
         else:
             split = row_split(piece.heads, half, itemsize, half, interleave, vector_bytes)
@@ -132,9 +123,7 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
         rotary = pairs3.reduce((2,)) if vectors else row_layout(split)
         angle = rotary.reduce((0,))
         source = q_pe_ref.at[t, chunk] if piece.kind == "q_pe" else k_pe_ref.at[t]
-        if words:
-            pair = unpack_bf16_pairs(load(source, rotary))
-        elif vectors:
+        if vectors:
             full = (piece.heads, half, 2)
             second = plgpu.broadcasted_iota(jnp.int32, full, 2, layout=as_pallas(pairs3)) == 1
             value = load(source, pairs3).astype(jnp.float32)
@@ -163,9 +152,6 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
                 # barrier a warp ahead of the others could store an element before another
                 # loads it, which would then rotate it twice.
                 plgpu.commit_smem()
-            if words:
-                store(q_out_ref.at[t, chunk], pack_bf16_pairs(*rotated))
-                return
             if vectors:
                 a3, b3 = (broadcast(x, full, (0, 1), pairs3) for x in rotated)
                 out = q_out_ref.at[t, chunk]
@@ -215,19 +201,6 @@ def build_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, nope_dim: int, 
             out_type = ((jax.ShapeDtypeStruct((count, heads, *last), FP8),) + (
                 (jax.ShapeDtypeStruct((count, heads, nope_dim), FP8),) if nope_dim else ()))
     return kernel(body, grid, "jaxrope_mla_rope_append_mosaic", interpret, out_type=out_type)
-
-
-def packs_q(dtype, interleave: bool, quantize_q: bool) -> bool:
-    """Whether a launch outside JAX (:mod:`jaxrope.ops.mla_rope_append.mosaic_export`)
-    passes q_pe as the uint32 words of its GPT-J pairs
-    (:func:`jaxrope.ops.mosaic_common.unpack_bf16_pairs`): bfloat16 pairs rotated in
-    place (an fp8 q keeps the pair view, its output's pairs being 2 bytes).
-
-    Under JAX (:func:`mla_rope_append_mosaic`) q_pe keeps the pair view: XLA expands a
-    ``bitcast_convert_type`` between element widths into element-wise ops
-    (``BitcastDtypesExpander``, on GPU too), two more passes over q_pe around the kernel.
-    """
-    return interleave and not quantize_q and jnp.dtype(dtype) == jnp.bfloat16
 
 
 def _pairs(x, interleave: bool):

@@ -60,14 +60,12 @@ def export_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, dtype, cache_d
         raise ValueError(f"nope_dim={nope_dim} needs q_fp8=True: the kernel reads q_nope only "
                          "to quantise it")
     quantize_kv = jnp.dtype(cache_dtype) == FP8
-    packed = mosaic.packs_q(dtype, interleave, q_fp8)
     kernel = built_for_launch(
         mosaic.build_mla, heads=heads, rotary_dim=rotary_dim, kv_lora_rank=kv_lora_rank,
         nope_dim=nope_dim, itemsize=jnp.dtype(dtype).itemsize, interleave=interleave,
         attention_factor=attention_factor, combined=combined, quantize_q=q_fp8,
         quantize_kv=quantize_kv, mrope_section=mrope_section,
-        mrope_interleaved=mrope_interleaved, grid=grid, max_count=max_count, tuning=tuning,
-        packed_q=packed)
+        mrope_interleaved=mrope_interleaved, grid=grid, max_count=max_count, tuning=tuning)
     widths = (kv_lora_rank + rotary_dim,) if combined else (kv_lora_rank, rotary_dim)
     sds = jax.ShapeDtypeStruct
     q_shape = _pairs((capacity, heads, rotary_dim), interleave)
@@ -79,8 +77,7 @@ def export_mla(*, heads: int, rotary_dim: int, kv_lora_rank: int, dtype, cache_d
              sds((3, half), jnp.float32),
              sds((half,), jnp.int32),
              sds((2,), jnp.float32),
-             # Packed: the same bytes as uint32 words, one a pair.
-             sds((capacity, heads, half), jnp.uint32) if packed else sds(q_shape, dtype),
+             sds(q_shape, dtype),
              sds(_pairs((capacity, 1, rotary_dim), interleave), dtype),
              sds(_pairs((capacity, 1, kv_lora_rank), combined and interleave), dtype),
              *nope,
