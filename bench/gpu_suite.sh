@@ -16,8 +16,9 @@
 # apache_tvm_ffi-0.1.x-cp312-...manylinux...whl (the GPU machine has no package index;
 # the README's `pip download` line fetches them).
 # Knobs: GPU_SUITE_TESTS (pytest paths, default "tests"), GPU_SUITE_WORKERS (pytest-xdist
-# workers, default 4; 0 runs serially), GPU_SUITE_BENCHES (';'-separated entries replacing
-# BENCHES below, e.g. "rope_bench --sections kernel").
+# workers, default 10 of the machine's 16 cores: with 4 an H100 ran past the 400-s step;
+# 0 runs serially), GPU_SUITE_BENCHES (';'-separated entries replacing BENCHES below,
+# e.g. "rope_bench --sections kernel").
 # One command may hit the device's 10-minute cap; split the steps over two calls into the
 # same <logdir>, e.g.
 #   bash bench/gpu_suite.sh "$OUT" install versions flashinfer tests goldens golden-check demo
@@ -123,8 +124,8 @@ print(f'FlashInfer {flashinfer.__version__}: rope module built and called in {ti
 
 gpu_tests() {
     local parallel=()
-    if [ "${GPU_SUITE_WORKERS:-4}" -gt 0 ] && python3 -c "import xdist" 2>/dev/null; then
-        parallel=(-n "${GPU_SUITE_WORKERS:-4}")
+    if [ "${GPU_SUITE_WORKERS:-10}" -gt 0 ] && python3 -c "import xdist" 2>/dev/null; then
+        parallel=(-n "${GPU_SUITE_WORKERS:-10}")
     fi
     # shellcheck disable=SC2086
     python3 -m pytest -m gpu ${GPU_SUITE_TESTS:-tests} -q -ra -p no:cacheprovider "${parallel[@]}" \
