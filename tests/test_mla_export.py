@@ -70,7 +70,7 @@ def _head(pos_rows: int = 1):
 def test_a_pair_cache_rotates_q_pe_in_place(monkeypatch):
     exported, types, aliases = _export(monkeypatch)
     assert types == _head() + [
-        f"tensor<{CAPACITY}x4x32xui32>",            # q_pe, GPT-J pairs as uint32 words
+        f"tensor<{CAPACITY}x4x32x2xbf16>",          # q_pe, rotated in place, pairs
         f"tensor<{CAPACITY}x1x32x2xbf16>",          # k_pe
         f"tensor<{CAPACITY}x1x512xbf16>",           # ckv: its own array, no pairs
         f"tensor<{SLOTS}x1x512xbf16>",              # ckv_cache
