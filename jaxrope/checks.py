@@ -31,7 +31,11 @@ runs here):
 - ``pos_ids`` (``apply_rope``, ``apply_rope_and_append_kv``): every value in
   ``[0, cfg.max_position)``, on every row of M-RoPE ``[3, T]`` (``apply.validate``);
 - ``slots`` (``apply_rope_and_append_kv``): below ``pages * page_size`` or negative
-  (skipped), at their own width; no slot twice (``kv_cache._slots``);
+  (skipped), at their own width; no slot twice (``rope_append_kv.api._slots``);
+- the fp8 scales (``k_quant_scale``, ``v_quant_scale``, ``q_quant_scale`` of
+  ``apply_rope_and_append_kv``; ``q_quant_scale``, ``kv_quant_scale`` of
+  ``apply_mla_rope_and_append``) passed as arrays: finite and > 0 as a normal float32
+  (``rope_append_kv.api._scale``, :func:`jaxrope.numbers.check_float32_positive`);
 - ``rows``, ``src_rows``, ``dst_rows`` (every transition of :mod:`jaxrope.positions`):
   in ``[0, capacity)`` or ``PAD``; in ``admit`` and ``rollback`` each live row once
   (``positions._rows``);

@@ -38,8 +38,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["INT32_MAX", "INT64_MAX", "PLAIN_INTS", "UINT32_MAX", "as_float", "as_int",
-           "check_sum", "is_plain_int"]
+__all__ = ["FLOAT32_MAX", "FLOAT32_TINY", "INT32_MAX", "INT64_MAX", "PLAIN_INTS", "UINT32_MAX",
+           "as_float", "as_int", "check_float32_positive", "check_sum", "is_plain_int"]
 
 INT32_MAX = 2 ** 31 - 1
 INT64_MAX = 2 ** 63 - 1
@@ -130,3 +130,24 @@ def as_float(value: Any, name: str) -> float:
     if not math.isfinite(result):
         raise ValueError(f"{name}={value!r} must be a finite number")
     return result
+
+
+# The normal float32 range, as Python floats: the check below is plain comparisons, which
+# torch.compile traces where a scale is checked inside a compiled layer.
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_float32_positive(name: str, value: float, why: str = "") -> None:
+    """Refuse a scalar a kernel reads as float32 (an fp8 scale, a norm's eps) unless it is
+    finite, > 0 and inside the normal float32 range: checking ``> 0`` alone would pass
+    ``1e-46`` (0 as a float32), ``1e39`` (inf) and subnormals (0 where a GPU flushes them).
+
+    Raises:
+      ValueError: ``name=value must be finite and > 0 ...``, ``why`` appended.
+    """
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={value!r} must be finite and > 0{why}")
+    if not FLOAT32_TINY <= value <= FLOAT32_MAX:
+        raise ValueError(f"{name}={value!r} must be finite and > 0 as the float32 the kernels "
+                         f"read: in [{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}]{why}")

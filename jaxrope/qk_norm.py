@@ -28,7 +28,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Mapping, NamedTuple, Optional
 
 import jax
@@ -36,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrope.hf_source import load_config
+from jaxrope.numbers import check_float32_positive
 
 __all__ = ["CONVENTIONS", "MODEL_NORMS", "QKNorm", "check_weight", "norm_asked",
            "normalize", "per_token_norm"]
@@ -71,9 +71,8 @@ def _check_eps(eps: Any) -> float:
     if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating, np.integer)):
         raise TypeError(f"eps must be a float, got {type(eps).__name__}")
     value = float(eps)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"eps={value!r} must be finite and > 0 (rms_norm_eps: 1e-6 for "
-                         "Qwen3 and Gemma 3, 1e-5 for OLMo 2)")
+    check_float32_positive("eps", value, " (rms_norm_eps: 1e-6 for Qwen3 and Gemma 3, 1e-5 "
+                           "for OLMo 2)")
     return value
 
 

@@ -49,6 +49,33 @@ def _append(pos, slots, backend="xla"):
     return step, (pos, slots, _cache())
 
 
+def _fp8_append(backend="xla", **scales):
+    # Traced fp8 scales (the keys of ``scales``) on an fp8 cache with an fp8 q.
+    q, k = _qk()
+    cache = tuple(jnp.zeros((2, 16, 2, 64), jnp.float8_e4m3fn) for _ in "kv")
+
+    def step(values):
+        return jr.apply_rope_and_append_kv(q, k, k, _i32(0, 1, 2, 3), cache, _i32(0, 1, 2, 3),
+                                           CFG, q_dtype=jnp.float8_e4m3fn, backend=backend,
+                                           **values)
+    return step, ({name: jnp.float32(value) for name, value in scales.items()},)
+
+
+def _mla_fp8(**scales):
+    # Traced fp8 scales of the MLA op, q_pe and the one-buffer cache in fp8.
+    rng = np.random.default_rng(11)
+    q_pe = jnp.asarray(rng.standard_normal((4, 4, 64)), jnp.float32)
+    k_pe = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
+    ckv = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
+    cache = jnp.zeros((2, 16, 32 + 64), jnp.float8_e4m3fn)
+
+    def step(values):
+        return jr.apply_mla_rope_and_append(q_pe, k_pe, ckv, _i32(0, 1, 2, 3), cache,
+                                            _i32(0, 1, 2, 3), CFG, q_dtype=jnp.float8_e4m3fn,
+                                            **values)
+    return step, ({name: jnp.float32(value) for name, value in scales.items()},)
+
+
 def _table(*counters, deltas=None, epochs=None):
     as_array = lambda v: None if v is None else _i32(*v)  # noqa: E731
     return PositionTable(_i32(*counters), as_array(deltas), as_array(epochs))
@@ -73,6 +100,14 @@ BAD = [
     ("slot twice", *_append(_i32(0, 1, 2, 3), _i32(5, 7, -1, 5)), "slots[3]=5 repeats a slot"),
     ("slot past the cache, interpreted kernel",
      *_append(_i32(0, 1, 2, 3), _i32(0, 1, 2, 40), backend="interpret"), "slots[3]=40"),
+    ("fp8 k scale below 0", *_fp8_append(k_quant_scale=-1.0),
+     "k_quant_scale=-1.0 must be finite and > 0 (a normal float32)"),
+    ("fp8 q scale NaN", *_fp8_append(q_quant_scale=np.nan), "q_quant_scale=nan must be finite"),
+    ("fp8 v scale 0 as a float32", *_fp8_append(v_quant_scale=1e-46), "v_quant_scale=0.0"),
+    ("fp8 scale, interpreted kernel", *_fp8_append("interpret", k_quant_scale=np.inf),
+     "k_quant_scale=inf"),
+    ("MLA kv scale 0", *_mla_fp8(kv_quant_scale=0.0), "kv_quant_scale=0.0 must be finite"),
+    ("MLA q scale below 0", *_mla_fp8(q_quant_scale=-2.0), "q_quant_scale=-2.0"),
     ("plan: row off the table",
      lambda r, c: positions.plan(T4, r, c, OUT4), (_i32(0, 4), _i32(1, 1)),
      "rows[1]=4 is no row of the table (rows [0, 4), or PAD="),
@@ -159,6 +194,9 @@ GOOD = [
     ("fused append", *_append(_i32(0, 1, 4095, 3), _i32(31, -1, 0, 17))),
     ("fused append interpreted",
      *_append(_i32(0, 1, 4095, 3), _i32(31, -1, 0, 17), backend="interpret")),
+    ("fused append, fp8 scales", *_fp8_append(k_quant_scale=0.5, v_quant_scale=2.0,
+                                               q_quant_scale=1.5)),
+    ("MLA, fp8 scales", *_mla_fp8(q_quant_scale=0.25, kv_quant_scale=3.0)),
     ("plan and commit", lambda t, r, c: (positions.plan(t, r, c, OUT4), positions.commit(t, r, c)),
      (T4, _i32(2, PAD, 0), _i32(3, 0, 1))),
     ("M-RoPE plan", lambda t: positions.plan(t, _i32(1), _i32(2), jnp.zeros((3, 4), jnp.int32)),

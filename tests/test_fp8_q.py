@@ -165,6 +165,13 @@ BAD = {
                   "q_quant_scale=nan must be finite and > 0"),
     "infinite scale": (dict(q_dtype=FP8, q_quant_scale=np.inf), ValueError,
                        "q_quant_scale=inf must be finite and > 0"),
+    # > 0 as a float64 but 0 or inf as the float32 the kernels read.
+    "scale 0 as a float32": (dict(q_dtype=FP8, q_quant_scale=1e-46), ValueError,
+                             "q_quant_scale=1e-46 must be finite and > 0 as the float32"),
+    "subnormal float32 scale": (dict(q_dtype=FP8, q_quant_scale=np.float32(1e-40)), ValueError,
+                                "must be finite and > 0 as the float32 the kernels read"),
+    "scale inf as a float32": (dict(q_dtype=FP8, q_quant_scale=1e39), ValueError,
+                               "q_quant_scale=1e+39 must be finite and > 0 as the float32"),
     "a vector of scales": (dict(q_dtype=FP8, q_quant_scale=jnp.ones(2)), ValueError,
                            "q_quant_scale.shape=(2,) must be ()"),
     "a string scale": (dict(q_dtype=FP8, q_quant_scale="2"), TypeError,

@@ -188,10 +188,22 @@ def test_bad_norm_arguments_are_refused_and_the_caches_stay_untouched(name):
 
 @pytest.mark.parametrize("eps, error", [(0.0, ValueError), (-1e-6, ValueError),
                                         (float("nan"), ValueError), (float("inf"), ValueError),
-                                        (True, TypeError), ("1e-6", TypeError)])
+                                        (True, TypeError), ("1e-6", TypeError),
+                                        # > 0 as a float64, not as the float32 the norm adds:
+                                        (1e-300, ValueError), (1e-40, ValueError),
+                                        (1e39, ValueError)])
 def test_eps_must_be_a_finite_positive_number(eps, error):
     with pytest.raises(error, match="eps"):
         jr.QKNorm(eps=eps)
+
+
+def test_the_smallest_normal_float32_eps_keeps_a_zero_head_finite():
+    # The bound eps is checked against: a head of zeros normalises to zeros, not NaN.
+    tiny = float(np.finfo(np.float32).tiny)
+    with pytest.raises(ValueError, match=r"must be finite and > 0 as the float32 the kernels"):
+        jr.QKNorm(eps=tiny / 2)
+    out = normalize(jnp.zeros((2, 3, 8), jnp.float32), jnp.ones(8), jr.QKNorm(eps=tiny))
+    assert np.array_equal(np.asarray(out), np.zeros((2, 3, 8)))
 
 
 def test_unknown_convention_and_span_types_are_refused():

@@ -28,7 +28,6 @@ tokens naming one slot either may win.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 
@@ -41,6 +40,7 @@ from jaxrope.config import RopeConfig
 from jaxrope.errors import BackendUnavailable
 from jaxrope.ops.rope_append_kv.api import LAYOUTS, apply_rope_and_append_kv
 from jaxrope.ops.rope_append_kv import cache_layout
+from jaxrope.numbers import check_float32_positive
 from jaxrope.qk_norm import QKNorm, norm_asked
 from torch_bridge.dlpack import InPlace, pad_tokens, read_only, token_bucket, write_back
 from torch_bridge.launch.runtime import int32_slots
@@ -171,8 +171,7 @@ def _scale(name: str, value: Any, quantized: bool, applies_to: str = _CACHE_ONLY
         raise TypeError(f"{name} must be a float (fp8 stores x * {name}, FlashInfer's "
                         f"quant_scale_q / quant_scale_kv), got {type(value).__name__}")
     number = float(value)
-    if not (math.isfinite(number) and number > 0):
-        raise ValueError(f"{name}={number!r} must be finite and > 0")
+    check_float32_positive(name, number)
     return number
 
 

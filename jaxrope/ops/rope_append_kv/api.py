@@ -56,6 +56,7 @@ import numpy as np
 
 from jaxrope import checks as _checks
 from jaxrope.config import RopeConfig
+from jaxrope.numbers import FLOAT32_TINY, check_float32_positive
 from jaxrope.ops import backends
 from jaxrope.ops.constants import kernel_constants, kernel_options
 from jaxrope.ops.rope.api import validate
@@ -218,10 +219,13 @@ def _scale(name: str, value, quantized: bool, applies_to: str = _CACHE_ONLY):
     if _is_array(value) and value.shape != ():
         raise ValueError(f"{name}.shape={tuple(value.shape)} must be () (one scale per tensor)")
     if _visible(value):
-        number = float(np.asarray(value))
-        if not (math.isfinite(number) and number > 0):
-            raise ValueError(f"{name}={number!r} must be finite and > 0")
-    return jnp.asarray(value, jnp.float32)
+        check_float32_positive(name, float(np.asarray(value)))
+        return jnp.asarray(value, jnp.float32)
+    # Traced: checked inside jaxrope.checked only, as the float32 the kernels read.
+    scale = jnp.asarray(value, jnp.float32)
+    _checks.refuse(name, scale, ~(jnp.isfinite(scale) & (scale >= FLOAT32_TINY)),
+                   "must be finite and > 0 (a normal float32)")
+    return scale
 
 
 def _q_dtype(q_dtype, q, name: str = "q") -> Optional[np.dtype]:
