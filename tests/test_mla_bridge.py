@@ -18,7 +18,7 @@ import jaxrope as jr  # noqa: E402
 from jaxrope.testing import kv_oracle  # noqa: E402
 from jaxrope.testing.kv_oracle import bits  # noqa: E402
 from torch_bridge import PositionConfig, PositionStep, RopeManager, Segment, StepContext  # noqa: E402
-from torch_bridge.dlpack import jax_dtype_name  # noqa: E402
+from torch_bridge.dlpack import NotZeroCopyError, jax_dtype_name  # noqa: E402
 
 R, H, L, N, PAGES, PAGE_SIZE = 16, 3, 32, 8, 4, 8
 CFG = jr.RopeConfig(head_dim=R, interleave=True,
@@ -203,6 +203,23 @@ def test_bad_input_is_refused_before_anything_changes(label):
     good = _inputs(5, combined=False)
     with torch.no_grad():
         mgr.apply_mla_and_append_kv(**good, label="text")
+    mgr.commit(step, ctx)
+
+
+def test_without_allow_copy_a_strided_cache_is_refused_by_name_before_the_plan_moves():
+    mgr = RopeManager(PositionConfig(rope=CFG), "cpu", launcher="jax", allow_copy=False)
+    mgr.ingest_request("r")
+    step, ctx = _plan(mgr, 5)
+    x = _inputs(5, combined=False)
+    wide, kpe = (torch.zeros(PAGES, PAGE_SIZE, w, dtype=torch.bfloat16) for w in (2 * L, R))
+    q_before = x["q_pe"].clone()
+    with torch.no_grad(), pytest.raises(NotZeroCopyError,
+                                        match=r"mla_cache\[0\] with shape=.* is not contiguous"):
+        mgr.apply_mla_and_append_kv(**{**x, "mla_cache": (wide[..., :L], kpe)}, label="text")
+    assert not wide.any() and not kpe.any() and torch.equal(x["q_pe"], q_before)
+    with torch.no_grad():
+        mgr.apply_mla_and_append_kv(**x, label="text")
+    assert not torch.equal(x["q_pe"], q_before)
     mgr.commit(step, ctx)
 
 

@@ -45,7 +45,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Any, Callable, Dict, Sequence, Tuple
 
 import jax
 import jax.dlpack
@@ -175,6 +175,26 @@ def _host_import(tensor: torch.Tensor) -> jax.Array:
 
 _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def check_contiguous(tensors: Sequence[Tuple[str, Any]]) -> None:
+    """What ``allow_copy=False`` asks of a fused append's tensors, checked before the call
+    changes anything: every path needs them contiguous (a launcher declines a strided
+    tensor, and the JAX path may not stage a copy). ``tensors``: ``(name, tensor)``, a
+    tensor None (absent) or a tuple of tensors (a cache pair, named ``name[i]``).
+
+    Raises:
+      NotZeroCopyError: naming the first tensor that is not contiguous.
+    """
+    for name, value in tensors:
+        named = ([(f"{name}[{i}]", t) for i, t in enumerate(value)]
+                 if isinstance(value, (tuple, list)) else [(name, value)])
+        for label, tensor in named:
+            if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
+                raise NotZeroCopyError(
+                    f"{label} with shape={tuple(tensor.shape)} and stride={tensor.stride()} is "
+                    "not contiguous; with allow_copy=False no path stages a copy: pass a "
+                    "contiguous tensor or build the manager with allow_copy=True")
 
 
 def read_only(tensor: torch.Tensor, allow_copy: bool) -> jax.Array:

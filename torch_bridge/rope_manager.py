@@ -20,7 +20,7 @@ from jaxrope.ops.rope_append_kv.api import check_slots
 from jaxrope.qk_norm import QKNorm
 from torch_bridge import custom_ops, kv_append, mla_append
 from torch_bridge.config import PositionConfig
-from torch_bridge.dlpack import jax_device
+from torch_bridge.dlpack import check_contiguous, jax_device
 from torch_bridge.resource import EngineInfo
 from torch_bridge.locking import traceable
 from torch_bridge.launch.dispatch import (FastPath, launcher_property, resolve_launchers,
@@ -51,7 +51,8 @@ class RopeManager(PositionManager):
       allow_copy: let the JAX path stage q/k through copies (written back in place):
         padded to a token bucket, so it compiles once per bucket, and contiguous where
         they are non-contiguous or misaligned; False raises on the latter instead and
-        compiles once per token count.
+        compiles once per token count (a fused append names its first strided tensor
+        before anything changes).
       writer: the writer id of :class:`~torch_bridge.PositionManager`.
 
     Attributes:
@@ -319,6 +320,9 @@ class RopeManager(PositionManager):
             # The eager rule of jaxrope.apply_rope_and_append_kv, where the values are on
             # the host; a CUDA launch reads them on the device and skips those outside.
             check_slots(slots.numpy(), geometry.num_slots)
+        if not self.allow_copy:
+            check_contiguous((("q", q), ("k", k), ("v", v), ("kv_cache", kv_cache),
+                              ("q_out", q_out)))
         self._plans.promote()
         if q3.shape[0]:
             self._append_kv(q3, k3, v3, plan.tensors[label], caches, slots, geometry, scales,
@@ -432,6 +436,10 @@ class RopeManager(PositionManager):
         n = min(q3.shape[0], plan.limits[label])   # an engine's padded batch: cut the tail
         if slots.device.type == "cpu":
             check_slots(slots[:n].numpy(), geometry.num_slots)   # the core's eager rule
+        if not self.allow_copy:
+            check_contiguous((("q_pe", q_pe), ("k_pe", k_pe), ("ckv", ckv), ("q_nope", q_nope),
+                              ("mla_cache", mla_cache), ("q_pe_out", q_pe_out),
+                              ("q_nope_out", q_nope_out)))
         self._plans.promote()
         if n:
             self._mla(q3[:n], k3[:n, 0], ckv[:n], None if q_nope is None else q_nope[:n],
