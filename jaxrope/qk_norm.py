@@ -85,7 +85,8 @@ class QKNorm:
     it as an argument as it is, static, one compile per value.
 
     Attributes:
-      eps: added to the mean square before the square root; finite and > 0.
+      eps: added to the mean square before the square root; finite and > 0 within the
+        normal float32 range (the kernels add it as a float32).
       convention: "rmsnorm" (``x_hat * w``: Qwen3, Qwen3-MoE, OLMo 2) or "gemma"
         (``x_hat * (1 + w)``: Gemma 3).
       per_head: True (Qwen3, Gemma 3): each head is normalised over its ``head_dim``,
@@ -94,7 +95,8 @@ class QKNorm:
 
     Raises:
       TypeError: ``eps`` is not a number, ``per_head`` not a bool.
-      ValueError: ``eps`` <= 0, infinite or NaN; an unknown ``convention``.
+      ValueError: ``eps`` <= 0, infinite, NaN or outside the normal float32 range; an
+        unknown ``convention``.
 
     Example:
       >>> olmo2 = QKNorm(eps=1e-5, per_head=False)

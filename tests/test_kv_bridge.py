@@ -238,7 +238,9 @@ def test_without_allow_copy_a_non_contiguous_cache_raises_and_changes_nothing(rn
     case = APPEND_BY_NAME["llama3_nhd_p16"]
     x = make_call(rng, case, "bfloat16")
     mgr = manager(case.case.cfg, allow_copy=False)
-    plan(mgr, x.pos)
+    # A preplan, staged until its first use: a refused call must not promote it.
+    mgr.plan(PositionStep([Segment("r", LABEL, x.pos.shape[-1])], pos_ids=torch.from_numpy(x.pos)),
+             StepContext(("r",), is_preplan=True))
     wide = torch.zeros(case.pages, case.page_size, case.case.k_heads, 2 * case.case.head_dim,
                        dtype=torch.bfloat16)
     kv = (wide[..., :case.case.head_dim], wide[..., case.case.head_dim:])
@@ -247,10 +249,32 @@ def test_without_allow_copy_a_non_contiguous_cache_raises_and_changes_nothing(rn
     with pytest.raises(NotZeroCopyError, match=r"kv_cache\[0\] with shape=.* is not contiguous"):
         mgr.apply_qk_and_append_kv(q, k, v, LABEL, kv, slots)
     assert torch.equal(q, q_before) and not wide.any()
+    assert mgr._plans.current is None and mgr._plans.staged is not None
     # Refused before the plan was touched: the same call with contiguous caches runs.
     good = tuple(aligned(torch.zeros_like(c)) for c in kv)
     mgr.apply_qk_and_append_kv(q, k, v, LABEL, good, slots)
     assert all(c.any() for c in good)
+
+
+def test_without_allow_copy_only_the_planned_tokens_must_be_contiguous(rng):
+    # q, k, v as views of one fused [T, (Hq + 2 Hk) * D] projection: strided, but the one
+    # planned token's rows are contiguous, and nothing else is read.
+    case = APPEND_BY_NAME["llama3_nhd_p16"]
+    x = make_call(rng, case, "bfloat16")
+    widths = [t[0].numel() for t in (x.q, x.k, x.v)]
+    qkv = aligned(torch.cat([t.flatten(1) for t in (x.q, x.k, x.v)], dim=1))
+    q, k, v = (part.view(t.shape) for part, t in zip(qkv.split(widths, dim=1), (x.q, x.k, x.v)))
+    assert not q.is_contiguous() and q[:1].is_contiguous()
+    results = []
+    for args in ((q, k, v, x.slots), tuple(aligned(t[:1]) for t in (q, k, v, x.slots))):
+        mgr = manager(case.case.cfg, allow_copy=False)
+        plan(mgr, x.pos[..., :1])
+        kv = tuple(aligned(c) for c in clone(x.kv_cache))
+        mgr.apply_qk_and_append_kv(*args[:3], LABEL, kv, aligned(args[3]))
+        results.append((args[0][0].clone(), kv))
+    (q_strided, kv_strided), (q_packed, kv_packed) = results
+    assert torch.equal(q_strided, q_packed) and all(map(torch.equal, kv_strided, kv_packed))
+    assert not all(map(torch.equal, kv_packed, x.kv_cache))  # the token was written
 
 
 def aligned(t: torch.Tensor, alignment: int = 64) -> torch.Tensor:

@@ -209,7 +209,9 @@ def test_bad_input_is_refused_before_anything_changes(label):
 def test_without_allow_copy_a_strided_cache_is_refused_by_name_before_the_plan_moves():
     mgr = RopeManager(PositionConfig(rope=CFG), "cpu", launcher="jax", allow_copy=False)
     mgr.ingest_request("r")
-    step, ctx = _plan(mgr, 5)
+    # A preplan, staged until its first use: a refused call must not promote it.
+    step, ctx = PositionStep([Segment("r", "text", 5)]), StepContext(("r",), is_preplan=True)
+    mgr.plan(step, ctx)
     x = _inputs(5, combined=False)
     wide, kpe = (torch.zeros(PAGES, PAGE_SIZE, w, dtype=torch.bfloat16) for w in (2 * L, R))
     q_before = x["q_pe"].clone()
@@ -217,6 +219,7 @@ def test_without_allow_copy_a_strided_cache_is_refused_by_name_before_the_plan_m
                                         match=r"mla_cache\[0\] with shape=.* is not contiguous"):
         mgr.apply_mla_and_append_kv(**{**x, "mla_cache": (wide[..., :L], kpe)}, label="text")
     assert not wide.any() and not kpe.any() and torch.equal(x["q_pe"], q_before)
+    assert mgr._plans.current is None and mgr._plans.staged is not None
     with torch.no_grad():
         mgr.apply_mla_and_append_kv(**x, label="text")
     assert not torch.equal(x["q_pe"], q_before)

@@ -25,6 +25,7 @@ from torch_bridge.resource import EngineInfo
 from torch_bridge.locking import traceable
 from torch_bridge.launch.dispatch import (FastPath, launcher_property, resolve_launchers,
                                           resolve_mla_launcher)
+from torch_bridge.launch.runtime import narrowed_in_place
 from torch_bridge.manager import PositionManager
 from torch_bridge.plans import Plan
 from torch_bridge.rotate import TORCH_DTYPES, ConfigCache, JaxRotation
@@ -320,9 +321,9 @@ class RopeManager(PositionManager):
             # The eager rule of jaxrope.apply_rope_and_append_kv, where the values are on
             # the host; a CUDA launch reads them on the device and skips those outside.
             check_slots(slots.numpy(), geometry.num_slots)
-        if not self.allow_copy:
-            check_contiguous((("q", q), ("k", k), ("v", v), ("kv_cache", kv_cache),
-                              ("q_out", q_out)))
+        if not self.allow_copy and q3.shape[0]:
+            check_contiguous((("q", q3), ("k", k3), ("v", v3), ("kv_cache", kv_cache),
+                              ("q_out", out3), ("slots", narrowed_in_place(slots))))
         self._plans.promote()
         if q3.shape[0]:
             self._append_kv(q3, k3, v3, plan.tensors[label], caches, slots, geometry, scales,
@@ -436,10 +437,12 @@ class RopeManager(PositionManager):
         n = min(q3.shape[0], plan.limits[label])   # an engine's padded batch: cut the tail
         if slots.device.type == "cpu":
             check_slots(slots[:n].numpy(), geometry.num_slots)   # the core's eager rule
-        if not self.allow_copy:
-            check_contiguous((("q_pe", q_pe), ("k_pe", k_pe), ("ckv", ckv), ("q_nope", q_nope),
-                              ("mla_cache", mla_cache), ("q_pe_out", q_pe_out),
-                              ("q_nope_out", q_nope_out)))
+        if not self.allow_copy and n:
+            first = lambda x: None if x is None else x[:n]  # noqa: E731 - what the path reads
+            check_contiguous((("q_pe", q3[:n]), ("k_pe", k_pe[:n]), ("ckv", ckv[:n]),
+                              ("q_nope", first(q_nope)), ("mla_cache", mla_cache),
+                              ("q_pe_out", first(q_pe_out)), ("q_nope_out", first(q_nope_out)),
+                              ("slots", narrowed_in_place(slots[:n]))))
         self._plans.promote()
         if n:
             self._mla(q3[:n], k3[:n, 0], ckv[:n], None if q_nope is None else q_nope[:n],

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, Hashable, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
 
@@ -192,6 +192,12 @@ def mrope_block(pos_ids: torch.Tensor, tokens: int) -> torch.Tensor:
     if pos_ids.shape[-1] == tokens and pos_ids.is_contiguous():
         return pos_ids
     return pos_ids[:, :tokens].contiguous()
+
+
+def narrowed_in_place(slots: torch.Tensor) -> Optional[torch.Tensor]:
+    """``slots`` where :func:`int32_slots` passes them on as they are (int32), else None:
+    other widths are narrowed into a new tensor, so their strides never reach a kernel."""
+    return slots if slots.dtype == torch.int32 else None
 
 
 def int32_slots(slots: torch.Tensor, num_slots: int) -> torch.Tensor:

@@ -20,9 +20,10 @@ GPT-J pairs (DeepSeek's ``interleave=True``): q_pe, the bulk of the bytes, reads
 writes through its ``[T, H, r/2, 2]`` view with a pair in one thread's vector
 (:func:`jaxrope.ops.rope_append_kv.mosaic_layout.pair_layout`), its even and odd
 elements apart by a sum over the pair axis inside the thread (under JAX and from a
-launch through raw pointers alike). k_pe reads and writes its even and odd elements through the pair view one element a vector, as the GQA kernel does; the one
-``[rows, L + r]`` cache array is then one pair view whose first ``L/2`` pairs hold ckv,
-which moves through it as even and odd elements too. Caches are ``[rows, 1, width]``
+launch through raw pointers alike). k_pe reads and writes its even and odd elements
+through the pair view one element a vector, as the GQA kernel does; the one ``[rows, L +
+r]`` cache array is then one pair view whose first ``L/2`` pairs hold ckv, which moves
+through it as even and odd elements too. Caches are ``[rows, 1, width]``
 views, so row ``slot`` is one scalar index and each store one register array; a slot
 outside ``[0, rows)`` skips the row's stores. An fp8 cache (or q) stores
 :func:`jaxrope.ops.rope_append_kv.reference.to_cache_dtype` of the float32 values.

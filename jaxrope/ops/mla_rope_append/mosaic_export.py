@@ -25,7 +25,7 @@ MLA_OPERANDS = ("count", "pos_ids", "slots", "tables", "rows", "scales", "q_pe",
 
 
 def _pairs(shape: Tuple[int, ...], paired: bool) -> Tuple[int, ...]:
-    # GPT-J pairs: the kernel reads a [..., w] row as [..., w/2, 2] (one element a vector).
+    # GPT-J pairs: the kernel reads a [..., w] row as its [..., w/2, 2] view.
     return (*shape[:-1], shape[-1] // 2, 2) if paired else shape
 
 
