@@ -159,7 +159,8 @@ def check_call(q_pe: torch.Tensor, k_pe: torch.Tensor, ckv: Any, q_nope: Any, ml
         a scale not a number.
       ValueError: a shape, dtype or device unlike the rules; q_nope without the fp8
         outputs, ``q_nope_out`` without ``q_pe_out`` or ``q_nope``; a scale where it
-        does not apply, or not finite and > 0; a pair of caches sharing memory.
+        does not apply, or not finite and > 0 as a normal float32; a pair of caches
+        sharing memory.
     """
     tokens, heads, rope = q_pe.shape
     dtype = q_pe.dtype
@@ -361,7 +362,7 @@ def traced_apply_mla_and_append_kv(manager: Any, q_pe: torch.Tensor, k_pe: torch
     Raises:
       TypeError: ``label`` not a str, the cache neither a tensor nor a pair, a scale
         that is not a number.
-      ValueError: a scale not finite and > 0.
+      ValueError: a scale not finite and > 0 as a normal float32.
     """
     ckv_cache, kpe_cache = custom_ops.split_cache(mla_cache, "mla_cache",
                                                   ("ckv_cache", "kpe_cache"))

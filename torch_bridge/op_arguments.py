@@ -152,8 +152,8 @@ def qk_norm_of(eps: Optional[float], convention: str = "rmsnorm",
     """The :class:`jaxrope.QKNorm` an op's scalars describe; None when ``eps`` is None.
 
     Raises:
-      TypeError, ValueError: as :class:`jaxrope.QKNorm` (an ``eps`` not finite and > 0,
-        an unknown ``convention``).
+      TypeError, ValueError: as :class:`jaxrope.QKNorm` (an ``eps`` not finite and > 0
+        as a normal float32, an unknown ``convention``).
     """
     return None if eps is None else QKNorm(eps=eps, convention=convention, per_head=per_head)
 

@@ -182,7 +182,7 @@ def apply_mla_rope_and_append(q_pe, k_pe, ckv, pos_ids, mla_cache: MlaCache, slo
         neither a float nor an array, ``q_dtype`` not a dtype.
       ValueError: a shape, dtype, device, visible position or slot is invalid; a
         ``q_dtype`` other than None, q_pe's dtype and float8_e4m3fn; a scale given where
-        it does not apply, not scalar, or not finite and > 0.
+        it does not apply, not scalar, or not finite and > 0 as a normal float32.
       BackendUnavailable: a backend without an MLA kernel, or one that cannot run on the
         arrays' device.
 
