@@ -35,7 +35,7 @@ runs here):
 - the fp8 scales (``k_quant_scale``, ``v_quant_scale``, ``q_quant_scale`` of
   ``apply_rope_and_append_kv``; ``q_quant_scale``, ``kv_quant_scale`` of
   ``apply_mla_rope_and_append``) passed as arrays: finite and > 0 as a normal float32
-  (``rope_append_kv.api._scale``, :func:`jaxrope.numbers.check_float32_positive`);
+  (``rope_append_kv.api._scale``, via :func:`jaxrope.numbers.check_float32_positive`);
 - ``rows``, ``src_rows``, ``dst_rows`` (every transition of :mod:`jaxrope.positions`):
   in ``[0, capacity)`` or ``PAD``; in ``admit`` and ``rollback`` each live row once
   (``positions._rows``);
@@ -68,6 +68,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
+
+from jaxrope.numbers import FLOAT32_TINY
 
 __all__ = ["checked", "checkified", "throw"]
 
@@ -200,6 +202,15 @@ def in_range(name: str, x, low: int, high: int) -> None:
         return
     x = jnp.asarray(x)
     _fail_at(name, x, _outside(x, low, high), f"must lie in [{low}, {high}]")
+
+
+def float32_positive(name: str, x: jax.Array) -> None:
+    """Traced float32 scalar ``x`` finite and at least the smallest normal float32:
+    :func:`jaxrope.numbers.check_float32_positive`'s twin (``x`` already is the float32
+    the kernels read, so a value past the range is inf)."""
+    if enabled():
+        _fail_at(name, x, ~(jnp.isfinite(x) & (x >= FLOAT32_TINY)),
+                 "must be finite and > 0 (a normal float32)")
 
 
 def rows(name: str, x: jax.Array, capacity: int, pad: int, *, distinct: bool = False) -> None:

@@ -435,19 +435,20 @@ class RopeManager(PositionManager):
             kv_quant_scale, self.device)
         q_outs = tuple(x for x in (q_pe_out, q_nope_out) if x is not None)
         n = min(q3.shape[0], plan.limits[label])   # an engine's padded batch: cut the tail
+        # What the paths read: the first n tokens (q_nope_out only comes with q_pe_out).
+        q_n, k_n, ckv_n, slots_n = q3[:n], k3[:n, 0], ckv[:n], slots[:n]
+        nope_n = None if q_nope is None else q_nope[:n]
+        outs_n = tuple(x[:n] for x in q_outs)
         if slots.device.type == "cpu":
-            check_slots(slots[:n].numpy(), geometry.num_slots)   # the core's eager rule
+            check_slots(slots_n.numpy(), geometry.num_slots)   # the core's eager rule
         if not self.allow_copy and n:
-            first = lambda x: None if x is None else x[:n]  # noqa: E731 - what the path reads
-            check_contiguous((("q_pe", q3[:n]), ("k_pe", k_pe[:n]), ("ckv", ckv[:n]),
-                              ("q_nope", first(q_nope)), ("mla_cache", mla_cache),
-                              ("q_pe_out", first(q_pe_out)), ("q_nope_out", first(q_nope_out)),
-                              ("slots", narrowed_in_place(slots[:n]))))
+            check_contiguous((("q_pe", q_n), ("k_pe", k_n), ("ckv", ckv_n), ("q_nope", nope_n),
+                              ("mla_cache", mla_cache), *zip(("q_pe_out", "q_nope_out"), outs_n),
+                              ("slots", narrowed_in_place(slots_n))))
         self._plans.promote()
         if n:
-            self._mla(q3[:n], k3[:n, 0], ckv[:n], None if q_nope is None else q_nope[:n],
-                      tuple(x[:n] for x in q_outs), caches, geometry, plan.tensors[label],
-                      slots[:n], self.rope, scales, self.allow_copy,
+            self._mla(q_n, k_n, ckv_n, nope_n, outs_n, caches, geometry, plan.tensors[label],
+                      slots_n, self.rope, scales, self.allow_copy,
                       None if n < q3.shape[0] else signature)
         return mla_append.outputs(q_pe, q_nope, q_pe_out, q_nope_out, mla_cache)
 

@@ -56,7 +56,7 @@ import numpy as np
 
 from jaxrope import checks as _checks
 from jaxrope.config import RopeConfig
-from jaxrope.numbers import FLOAT32_TINY, check_float32_positive
+from jaxrope.numbers import check_float32_positive
 from jaxrope.ops import backends
 from jaxrope.ops.constants import kernel_constants, kernel_options
 from jaxrope.ops.rope.api import validate
@@ -221,10 +221,8 @@ def _scale(name: str, value, quantized: bool, applies_to: str = _CACHE_ONLY):
     if _visible(value):
         check_float32_positive(name, float(np.asarray(value)))
         return jnp.asarray(value, jnp.float32)
-    # Traced: checked inside jaxrope.checked only, as the float32 the kernels read.
     scale = jnp.asarray(value, jnp.float32)
-    _checks.refuse(name, scale, ~(jnp.isfinite(scale) & (scale >= FLOAT32_TINY)),
-                   "must be finite and > 0 (a normal float32)")
+    _checks.float32_positive(name, scale)  # traced: inside jaxrope.checked only
     return scale
 
 
