@@ -16,8 +16,8 @@
 # apache_tvm_ffi-0.1.x-cp312-...manylinux...whl (the GPU machine has no package index;
 # the README's `pip download` line fetches them).
 # Knobs: GPU_SUITE_TESTS (pytest paths, default "tests"), GPU_SUITE_WORKERS (pytest-xdist
-# workers, default 10 of the machine's 16 cores: with 4 an H100 ran past the 400-s step;
-# 0 runs serially), GPU_SUITE_BENCHES (';'-separated entries replacing BENCHES below,
+# workers, default 10 of the machine's 16 cores, so the whole suite fits the tests step's
+# 400 s; 0 runs serially), GPU_SUITE_BENCHES (';'-separated entries replacing BENCHES below,
 # e.g. "rope_bench --sections kernel").
 # One command may hit the device's 10-minute cap; split the steps over two calls into the
 # same <logdir>, e.g.
