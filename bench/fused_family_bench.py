@@ -18,9 +18,9 @@ The calls on both sides are ``jaxrope.testing.fused_family``'s:
   ``rope_quantize_fp8_append_paged_kv_cache`` (after the two norms for the norm + fp8
   case, which has no target); (c) MLA bf16: ``apply_rope_pos_ids_inplace(q_pe, k_pe)`` +
   ``append_paged_mla_kv_cache``; (d) MLA fp8: the fused fp8 op in MLA mode;
-- ``jaxrope_mosaic_launch`` (MLA cases): the same Mosaic kernel as
-  ``RopeManager.apply_mla_and_append_kv`` launches it from torch
-  (:func:`mla_launch_row`), in a CUDA graph;
+- ``jaxrope_mosaic_launch``: the same Mosaic kernel as ``RopeManager`` launches it from
+  torch (``apply_qk_and_append_kv`` / ``apply_mla_and_append_kv``; :func:`launch_row`),
+  in a CUDA graph: the kernel without the JAX loop's dispatch between applications;
 - ``move`` (MLA cases): :mod:`bench.mla_move`, a Triton kernel that moves the MLA op's
   bytes in its pattern (q_pe in place or to fp8, q_nope to fp8, k_pe and ckv rows to
   their slots) and computes nothing: the bound the MLA targets meet, checked against
@@ -212,7 +212,7 @@ def torch_runs(x: Inputs, rep_seconds: float, reps: int, notes: List[str]) -> Li
         out.append(_unavailable("flashinfer", f"{type(e).__name__}: {str(e)[:400]}"))
     if case.mla:
         out.append(move_row(x, tensors, rep_seconds, reps))
-        out.append(mla_launch_row(x, tensors, rep_seconds, reps))
+    out.append(launch_row(x, tensors, rep_seconds, reps))
     step = fi_out = tensors = None  # free FlashInfer's buffers before the ceiling's
     torch.cuda.empty_cache()
     out.append(kvb.torch_row("ceiling", kvb.torch_ceiling(ceiling_elements(case, x.tokens), dev),
@@ -237,32 +237,52 @@ def move_row(x: Inputs, tensors: Dict[str, Any], rep_seconds: float,
     return kvb.torch_row("move", step, rep_seconds, reps, on_gpu=True)
 
 
-def mla_launch_row(x: Inputs, tensors: Dict[str, Any], rep_seconds: float,
-                   reps: int) -> Dict[str, Any]:
-    """Ours as ``RopeManager.apply_mla_and_append_kv`` runs it on Hopper: the Mosaic MLA
-    kernel exported and launched from torch (:class:`torch_bridge.launch.mla.
-    MosaicMlaLauncher`, raw pointers), on the case's torch tensors, in a CUDA graph."""
+def launch_row(x: Inputs, tensors: Dict[str, Any], rep_seconds: float,
+               reps: int) -> Dict[str, Any]:
+    """Ours as ``RopeManager`` runs it on Hopper, in a CUDA graph: the Mosaic kernel
+    exported and launched from torch on the case's tensors (raw pointers, no JAX loop
+    around it): :class:`torch_bridge.launch.mla.MosaicMlaLauncher` for MLA (what
+    ``apply_mla_and_append_kv`` launches), :class:`torch_bridge.launch.mosaic.
+    MosaicKVLauncher` with the case's norm and fp8 q otherwise (``apply_qk_and_append_kv``)."""
     import torch
 
-    from torch_bridge.launch.mla import MosaicMlaLauncher
-
     case = x.case
-    q_pe, k_pe, ckv, q_nope = tensors["q"], tensors["k"], tensors["v"], tensors.get("q_nope")
+    q, k, v = tensors["q"], tensors["k"], tensors["v"]
     caches, slots, pos = tensors["caches"], tensors["slots"], tensors["pos"]
-    outs: Dict[str, Any] = {}
-    scales = (1.0, 1.0)
-    if case.fp8:
-        scales = (ff.Q_SCALE, ff.KV_SCALE)
-        outs["q_pe_out"] = torch.empty_like(q_pe, dtype=torch.float8_e4m3fn)
-        if q_nope is not None:
-            outs.update(q_nope=q_nope, q_nope_out=torch.empty_like(q_nope,
-                                                                   dtype=torch.float8_e4m3fn))
+    e4m3 = torch.float8_e4m3fn
     try:
-        launcher = MosaicMlaLauncher()
+        if case.mla:
+            from torch_bridge.launch.mla import MosaicMlaLauncher
 
-        def step() -> None:
-            launcher.rotate_and_append_mla_(q_pe, k_pe, ckv, pos, caches, slots, case.cfg,
-                                            scales, **outs)
+            q_nope, outs, scales = tensors.get("q_nope"), {}, (1.0, 1.0)
+            if case.fp8:
+                scales = (ff.Q_SCALE, ff.KV_SCALE)
+                outs["q_pe_out"] = torch.empty_like(q, dtype=e4m3)
+                if q_nope is not None:
+                    outs.update(q_nope=q_nope, q_nope_out=torch.empty_like(q_nope, dtype=e4m3))
+            launcher = MosaicMlaLauncher()
+
+            def step() -> None:
+                launcher.rotate_and_append_mla_(q, k, v, pos, caches, slots, case.cfg,
+                                                scales, **outs)
+        else:
+            from torch_bridge.kv_append import check_call
+            from torch_bridge.launch.mosaic import MosaicKVLauncher
+
+            kv_scale = ff.KV_SCALE if case.fp8 else None
+            caches, geometry, scales = check_call(k, v, caches, slots, "NHD", kv_scale,
+                                                  kv_scale, q.device)
+            opts: Dict[str, Any] = {}
+            if case.fp8:
+                scales = (*scales, ff.Q_SCALE)
+                opts["q_out"] = torch.empty_like(q, dtype=e4m3)
+            if case.qk_norm is not None:
+                opts["norm"] = (tensors["wq"], tensors["wk"], case.qk_norm)
+            launcher = MosaicKVLauncher()
+
+            def step() -> None:
+                launcher.rotate_and_append_kv_(q, k, v, pos, caches, slots, case.cfg,
+                                               geometry, scales, **opts)
         step()  # compiled outside the graph's capture
     except Exception as e:  # noqa: BLE001 - measure the rest, say why
         return _unavailable("jaxrope_mosaic_launch", f"{type(e).__name__}: {str(e)[:400]}")
